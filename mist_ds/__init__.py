@@ -1,0 +1,38 @@
+"""mist_ds: plan DeepSpeed training by co-optimizing parallelism and memory optimizations (after Mist).
+
+Python API (the same override strings as the `mist-ds` CLI):
+    mist_ds.compose(["model=llama2-7b", "cluster=a100-80g"]) -> Specs   # validated config
+    mist_ds.show([...]) -> dict                                          # `mist-ds show --json`
+
+Imports are lazy so that `import mist_ds` stays cheap (torch and DeepSpeed load only when needed).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__version__ = "0.1.0"
+
+
+def compose(overrides: Sequence[str] = (), with_strategy: bool = True):
+    """Validated, frozen `Specs` for Hydra `overrides`; raises ConfigError naming a bad field."""
+    from mist_ds.config import compose as _compose
+
+    return _compose(overrides, with_strategy=with_strategy)
+
+
+def show(overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The facts `mist-ds show --json` prints: parameters, FLOPs per token, model-state bytes per GPU."""
+    from mist_ds.report.show import show_facts
+
+    return show_facts(compose(overrides))
+
+
+def __getattr__(name: str):
+    if name == "ConfigError":
+        from mist_ds.specs import ConfigError
+
+        return ConfigError
+    raise AttributeError(f"module 'mist_ds' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "compose", "show"]

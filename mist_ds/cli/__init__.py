@@ -1,0 +1,1 @@
+"""The `mist-ds` command."""

@@ -1,0 +1,70 @@
+"""Schema objects (datasheet units) -> validated SI specs. The one place units are converted."""
+from __future__ import annotations
+
+from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, StrategyConfig, TrainConfig, TunerConfig
+from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
+                           TunerSpec, runtime_capabilities)
+from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
+from mist_ds.specs.model import default_ffn_hidden_size
+from mist_ds.specs.strategy import resolve_strategy
+
+
+
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    ffn = cfg.ffn_hidden_size if cfg.ffn_hidden_size is not None else default_ffn_hidden_size(cfg.family, cfg.hidden_size)
+    return ModelSpec(
+        name=cfg.name, family=cfg.family, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads if cfg.num_kv_heads is not None else cfg.num_heads,
+        ffn_hidden_size=ffn, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings,
+        flash_attention=cfg.flash_attention, dropout=cfg.dropout)
+
+
+def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
+    gpu = GpuSpec(
+        name=cfg.gpu.name, memory_bytes=cfg.gpu.memory_gib * GIB,
+        peak_flops_per_s={dtype: tflops * TERA for dtype, tflops in cfg.gpu.peak_tflops.items()},
+        hbm_bytes_per_s=cfg.gpu.hbm_gbps * GB, reserve_bytes=cfg.gpu.reserve_gib * GIB)
+    interference = InterferenceSpec(
+        fallback=cfg.interference.fallback,
+        factors={k: dict(v) for k, v in cfg.interference.factors.items()})
+    return ClusterSpec(
+        name=cfg.name, nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, gpu=gpu,
+        intra_node_bytes_per_s=cfg.intra_node_gbps * GB, inter_node_bytes_per_s=cfg.inter_node_gbps * GB,
+        pcie_bytes_per_s=cfg.pcie_gbps * GB, cpu_memory_bytes=cfg.cpu_memory_gib * GIB,
+        cpu_adam_params_per_s=cfg.cpu_adam_gparams_per_s * GIGA, interference=interference,
+        price_per_gpu_hour=cfg.price_per_gpu_hour)
+
+
+def train_spec(cfg: TrainConfig) -> TrainSpec:
+    return TrainSpec(global_batch_size=cfg.global_batch_size, precision=cfg.precision, optimizer=cfg.optimizer,
+                     grad_clip=cfg.grad_clip)
+
+
+def tuner_spec(cfg: TunerConfig) -> TunerSpec:
+    if cfg.runtime is not None:
+        runtime_capabilities(cfg.runtime, field="tuner.runtime")
+    return TunerSpec(space=cfg.space, runtime=cfg.runtime, micro_batch_sizes=tuple(cfg.micro_batch_sizes),
+                     max_tp=cfg.max_tp, workers=cfg.workers, compare_baselines=cfg.compare_baselines,
+                     milp_time_limit_s=cfg.milp_time_limit_s)
+
+
+def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:
+    runtime_capabilities(cfg.runtime)
+    return resolve_strategy(
+        model, cluster, train, runtime=cfg.runtime, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+        micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum, layers_per_stage=cfg.layers_per_stage,
+        ckpt_layers=cfg.ckpt_layers, zero_stage=cfg.zero_stage,
+        offload={"weights": cfg.offload.weights, "grads": cfg.offload.grads,
+                 "optimizer": cfg.offload.optimizer, "activations": cfg.offload.activations},
+        schedule=cfg.schedule, allow_cross_node_tp=cfg.allow_cross_node_tp)
+
+
+def to_specs(cfg: MistDsConfig, with_strategy: bool = True) -> Specs:
+    """Validate and convert a whole config; raises ConfigError naming the first bad field."""
+    model = model_spec(cfg.model)
+    cluster = cluster_spec(cfg.cluster)
+    train = train_spec(cfg.train)
+    tuner = tuner_spec(cfg.tuner)
+    cluster.gpu.peak(train.precision)
+    strategy = strategy_spec(cfg.strategy, model, cluster, train) if with_strategy else None
+    return Specs(model=model, cluster=cluster, train=train, strategy=strategy, tuner=tuner)

@@ -1,0 +1,55 @@
+"""The README's config-field table, generated from the schema's doc comments (so they never drift).
+
+    python -m mist_ds.config.fields      # prints the markdown table
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+
+from mist_ds.config import schema
+
+GROUPS = (("model", schema.ModelConfig), ("cluster", schema.ClusterConfig), ("train", schema.TrainConfig),
+          ("strategy", schema.StrategyConfig), ("tuner", schema.TunerConfig))
+_FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+?(?:= (.+?))?\s+# (.+)$")
+
+
+def _doc_lines(cls: type) -> dict[str, tuple[str, str]]:
+    """field -> (default as written, doc comment) from the class source."""
+    found = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = _FIELD_LINE.match(line)
+        if match:
+            found[match.group(1)] = ((match.group(2) or "required").replace("MISSING", "required"), match.group(3))
+    return found
+
+
+def field_rows(prefix: str, cls: type) -> list[tuple[str, str, str]]:
+    """(dotted name, default, doc) for every leaf field; nested schemas expand in place."""
+    docs, hints, rows = _doc_lines(cls), typing.get_type_hints(cls), []
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            rows += field_rows(f"{prefix}.{field.name}", hint)
+            continue
+        default, doc = docs[field.name]
+        if default.startswith("field(default_factory=lambda: "):
+            default = default[len("field(default_factory=lambda: "):-1]
+        elif default.startswith("field(default_factory=dict)"):
+            default = "{}"
+        default = {"None": "null", "True": "true", "False": "false"}.get(default, default.strip('"'))
+        rows.append((f"{prefix}.{field.name}", default, doc.replace("|", "\\|")))
+    return rows
+
+
+def markdown_table() -> str:
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    for group, cls in GROUPS:
+        lines += [f"| `{name}` | `{default}` | {doc} |" for name, default, doc in field_rows(group, cls)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,114 @@
+"""Hydra structured-config schemas: one dataclass per config group, a doc line per field.
+
+Values live in YAML under `conf/` (shipped as `mist_ds.conf`); each YAML extends its schema through
+its defaults list, so a mistyped key or a wrong type fails at load. Units: datasheet units in the
+names (GiB, GB/s = 1e9 bytes/s, TFLOP/s); `mist_ds.config.convert` turns them into SI specs once.
+
+Polymorphic strategy fields (a scalar for every stage, or a list with one value per stage; or the
+words full / none) are typed `Any` because OmegaConf has no unions; `mist_ds.specs.strategy` checks
+them and names the field on error. They are the only `Any` fields (tests/test_conventions.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # zoo name, e.g. gpt3-1.3b; free text for your own model
+    family: str = MISSING  # gpt | llama | falcon: which reference layers describe the model
+    hidden_size: int = MISSING  # model width h
+    num_layers: int = MISSING  # transformer blocks L
+    num_heads: int = MISSING  # query heads a
+    num_kv_heads: Optional[int] = None  # KV heads for grouped / multi-query attention; null = num_heads
+    ffn_hidden_size: Optional[int] = None  # MLP width; null = 4h (gpt, falcon) or 8h/3 rounded up to 256 (llama)
+    vocab_size: int = MISSING  # embedding rows V (pad to a multiple of 128 x tp as Megatron-LM does)
+    seq_len: int = MISSING  # tokens per sequence s; also the size of gpt's learned position table
+    tie_embeddings: bool = MISSING  # LM head shares the token-embedding weight
+    flash_attention: bool = True  # fused attention (saves q, k, v, out, logsumexp) instead of explicit softmax
+    dropout: float = 0.0  # dropout probability after attention probs, attention out and MLP out
+
+
+@dataclass
+class GpuConfig:
+    name: str = MISSING  # e.g. A100-SXM4-80GB
+    memory_gib: float = MISSING  # HBM capacity, GiB (2^30 bytes) as vendors state it
+    peak_tflops: Dict[str, float] = MISSING  # dense peak per dtype (bf16, fp16, fp32), TFLOP/s; never 2:4 sparse
+    hbm_gbps: float = MISSING  # HBM bandwidth, GB/s
+    reserve_gib: float = 1.0  # held back for CUDA context, NCCL buffers, fragmentation, GiB
+
+
+@dataclass
+class InterferenceConfig:
+    fallback: float = 1.0  # slowdown of every channel of a concurrent set missing from `factors` (1 = none)
+    factors: Dict[str, Dict[str, float]] = field(default_factory=dict)  # {C+G2G: {C: 1.29, G2G: 1.04}, ...}
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING  # zoo name, e.g. a100-80g
+    nodes: int = 1  # machines
+    gpus_per_node: int = MISSING  # GPUs used per machine
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    intra_node_gbps: float = MISSING  # GPU-GPU bandwidth inside a node, per GPU, one direction, GB/s
+    inter_node_gbps: float = 0.0  # network bandwidth per node, one direction, GB/s (Gb/s / 8); 0 for one node
+    pcie_gbps: float = MISSING  # host link per GPU, one direction, GB/s, measured with all GPUs copying at once
+    cpu_memory_gib: float = MISSING  # host memory per node, GiB
+    cpu_adam_gparams_per_s: float = MISSING  # host optimizer (CPU Adam) speed per node, 1e9 params/s
+    interference: InterferenceConfig = field(default_factory=InterferenceConfig)
+    price_per_gpu_hour: Optional[float] = None  # USD per GPU-hour; null = unknown
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = MISSING  # sequences per optimizer step = micro_batch x grad_accum x dp
+    precision: str = "bf16"  # bf16 | fp16 | fp32 (bf16/fp16 keep fp32 master weights and Adam states)
+    optimizer: str = "adamw"  # adamw
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
+
+
+@dataclass
+class OffloadConfig:
+    weights: Any = 0.0  # fraction of weights kept on the host: one value or one per stage
+    grads: Any = 0.0  # fraction of gradients kept on the host: one value or one per stage
+    optimizer: Any = 0.0  # fraction of optimizer states (fp32 master, Adam m, v) on the host
+    activations: Any = 0.0  # fraction of saved activations swapped to the host
+
+
+@dataclass
+class StrategyConfig:
+    runtime: str = "deepspeed"  # deepspeed | mist | mist-paper | megatron: who executes the strategy
+    tp: int = 1  # tensor-parallel degree t
+    pp: int = 1  # pipeline stages S
+    dp: Optional[int] = None  # data-parallel degree d; null = GPUs / (tp x pp)
+    micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank, b
+    grad_accum: Optional[int] = None  # micro-batches per step G; null = global_batch / (b x dp)
+    layers_per_stage: Optional[List[int]] = None  # blocks per stage; null = as even as possible
+    ckpt_layers: Any = "none"  # recomputed blocks per stage (the last ones): full | none | count | list
+    zero_stage: Any = 0  # ZeRO stage 0-3: one value or one per stage
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    schedule: str = "1f1b"  # 1f1b | mist (overlap-centric)
+    allow_cross_node_tp: bool = False  # permit tp > gpus_per_node (TP traffic over the network)
+
+
+@dataclass
+class TunerConfig:
+    space: str = "mist"  # mist | megatron | deepspeed | aceso | uniform: which strategy space to search
+    runtime: Optional[str] = None  # runtime the plan must run on; null = the best runtime mist_ds can execute
+    micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])  # candidate b
+    max_tp: int = 8  # largest tensor-parallel degree tried
+    workers: int = 1  # worker processes for the outer loop; the plan does not depend on it
+    compare_baselines: bool = True  # also tune the megatron, deepspeed and aceso spaces and compare
+    milp_time_limit_s: float = 60.0  # CBC time limit per MILP, seconds; the gap is reported if it binds
+
+
+@dataclass
+class MistDsConfig:
+    model: ModelConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    train: TrainConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    tuner: TunerConfig = MISSING

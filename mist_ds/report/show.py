@@ -1,0 +1,80 @@
+"""`mist-ds show`: the resolved config and the facts derived from it, derived facts first."""
+from __future__ import annotations
+
+from typing import Any
+
+from mist_ds.cost.memory import model_state_bytes
+from mist_ds.specs import Specs
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def _stage_params(specs: Specs) -> list[int]:
+    """Parameters one GPU of each pipeline stage holds (its TP shard; embedding / head at the ends)."""
+    model, strategy = specs.model, specs.strategy
+    t, stages = strategy.parallelism.tp, strategy.stages
+    params = [s.layers * model.block_params(t) for s in stages]
+    params[0] += model.embedding_params(t)
+    params[-1] += model.head_params(t)
+    if model.tie_embeddings and len(stages) == 1:
+        params[0] -= (model.vocab_size // t) * model.hidden_size  # one copy when both ends share a GPU
+    return params
+
+
+def show_facts(specs: Specs) -> dict[str, Any]:
+    """Derived numbers (parameters, FLOPs, model-state bytes per GPU by ZeRO stage) plus the inputs."""
+    model, cluster, train, strategy = specs.model, specs.cluster, specs.train, specs.strategy
+    par = strategy.parallelism
+    heaviest = max(_stage_params(specs))
+    states = {str(z): float(model_state_bytes(heaviest, par.dp, z, train.dtype_bytes,
+                                              train.mixed_precision).gpu_total) for z in ZERO_STAGES}
+    tokens_per_step = train.global_batch_size * model.seq_len
+    return {
+        "params_total": model.total_params(),
+        "params_by_part": {"embedding": model.embedding_params(), "block": model.block_params(),
+                           "blocks": model.num_layers * model.block_params(), "head": model.head_params(),
+                           "tied_head_counted_once": model.tie_embeddings},
+        "flops_per_token": model.training_flops_per_token(),
+        "flops_per_step": model.training_flops_per_token() * tokens_per_step,
+        "tokens_per_step": tokens_per_step,
+        "model_state_bytes_per_gpu": states,
+        "model_state_note": (f"heaviest stage's GPU ({heaviest:,} parameters per GPU), "
+                             f"data-parallel size {par.dp}, {train.precision}"),
+        "gpus": cluster.num_gpus,
+        "peak_flops_per_gpu": cluster.gpu.peak(train.precision),
+        "gpu_memory_bytes": cluster.gpu.memory_bytes,
+        "parallelism": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch_size": par.micro_batch_size,
+                        "grad_accum": par.grad_accum, "global_batch_size": par.global_batch_size},
+        "model": _fields(model),
+        "cluster": {**_fields(cluster, skip=("gpu", "interference")), "gpu": _fields(cluster.gpu)},
+        "train": _fields(train),
+    }
+
+
+def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {k: v for k, v in vars(obj).items() if k not in skip}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def render_show(facts: dict[str, Any]) -> str:
+    """Plain-text form of `show_facts`, derived numbers first."""
+    par, model, parts = facts["parallelism"], facts["model"], facts["params_by_part"]
+    lines = [
+        f"{model['name']}: {facts['params_total'] / 1e9:,.3f} B parameters "
+        f"(embedding {parts['embedding']:,}, {model['num_layers']} blocks x {parts['block']:,}, head {parts['head']:,}"
+        f"{', tied to the embedding' if parts['tied_head_counted_once'] else ''})",
+        f"training FLOPs per token: {facts['flops_per_token'] / 1e9:,.2f} GFLOP (no recompute); "
+        f"per step: {facts['flops_per_step'] / 1e15:,.1f} PFLOP",
+        f"batch: {par['micro_batch_size']} micro x {par['grad_accum']} accum x {par['dp']} dp = "
+        f"{par['global_batch_size']} sequences = {facts['tokens_per_step']:,} tokens per step",
+        f"layout: tp {par['tp']} x pp {par['pp']} x dp {par['dp']} = {facts['gpus']} GPUs "
+        f"({facts['cluster']['gpu']['name']}, {_gib(facts['gpu_memory_bytes'])}, "
+        f"dense peak {facts['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s)",
+        f"model states per GPU ({facts['model_state_note']}):",
+    ]
+    for zero, n in facts["model_state_bytes_per_gpu"].items():
+        lines.append(f"  ZeRO-{zero}: {_gib(n)}")
+    return "\n".join(lines)

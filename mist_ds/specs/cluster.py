@@ -1,0 +1,126 @@
+"""ClusterSpec: GPUs, links and host of the machines a plan runs on, in SI units (bytes, seconds).
+
+Config files keep datasheet units (GiB, GB/s, TFLOP/s); `mist_ds.config` converts them once, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import combinations
+
+from mist_ds.specs.channels import CHANNELS, canonical_active_set
+from mist_ds.specs.errors import ConfigError, require, require_positive
+
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+
+# Datasheet units the config fields are named in (error messages quote values in them).
+GIB = 2**30
+GB = 1e9
+GIGA = 1e9
+TERA = 1e12
+
+
+@dataclass(frozen=True)
+class InterferenceSpec:
+    """Slowdown of each busy channel while exactly a given set of channels runs concurrently.
+
+    `factors[active_set][channel]` >= 1 (key format `C+G2G`, channels in CHANNELS order); a set with
+    no entry uses `fallback` for every channel in it (1.0 = no interference; Galvatron ~1.1-1.3).
+    """
+
+    fallback: float = 1.0
+    factors: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.fallback >= 1.0, "cluster.interference.fallback", self.fallback,
+                "a slowdown factor must be >= 1 (1 = channels do not slow each other)")
+        valid_sets = {canonical_active_set(s) for k in range(2, len(CHANNELS) + 1)
+                      for s in combinations(CHANNELS, k)}
+        for active_set, per_channel in self.factors.items():
+            where = f"cluster.interference.factors.{active_set}"
+            require(active_set in valid_sets, where, active_set,
+                    f"key must be 2-4 of {'+'.join(CHANNELS)} joined by '+' in that order, e.g. C+G2G")
+            members = set(active_set.split("+"))
+            for channel, factor in per_channel.items():
+                require(channel in members, f"{where}.{channel}", factor,
+                        f"only channels of the set {active_set} can have a factor here")
+                require(factor >= 1.0, f"{where}.{channel}", factor, "a slowdown factor must be >= 1")
+
+    def factor(self, active_set: str, channel: str) -> float:
+        """Slowdown of `channel` while exactly `active_set` is busy (a single channel: 1)."""
+        if "+" not in active_set:
+            return 1.0
+        return self.factors.get(active_set, {}).get(channel, self.fallback)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: float
+    peak_flops_per_s: dict[str, float]
+    """Dense peak per dtype (bf16 / fp16 / fp32), FLOP/s; never the 2:4-sparse figure."""
+    hbm_bytes_per_s: float
+    reserve_bytes: float
+    """Held back from `memory_bytes` for the CUDA context, NCCL buffers and allocator fragmentation."""
+
+    def __post_init__(self) -> None:
+        require_positive("cluster.gpu.memory_gib", self.memory_bytes / GIB)
+        require_positive("cluster.gpu.hbm_gbps", self.hbm_bytes_per_s / GB)
+        require(bool(self.peak_flops_per_s), "cluster.gpu.peak_tflops", self.peak_flops_per_s,
+                f"give a dense peak for each dtype used, e.g. {{bf16: 312, fp32: 19.5}}")
+        for dtype, peak in self.peak_flops_per_s.items():
+            require(dtype in DTYPES, f"cluster.gpu.peak_tflops.{dtype}", peak / TERA,
+                    f"dtype must be one of {', '.join(DTYPES)}")
+            require_positive(f"cluster.gpu.peak_tflops.{dtype}", peak / TERA)
+        require(0 <= self.reserve_bytes < self.memory_bytes, "cluster.gpu.reserve_gib",
+                self.reserve_bytes / GIB, "must be >= 0 and below cluster.gpu.memory_gib")
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.reserve_bytes
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for dtype; ConfigError naming the missing entry if absent."""
+        if dtype not in self.peak_flops_per_s:
+            raise ConfigError(f"cluster.gpu.peak_tflops.{dtype}", None,
+                              f"train.precision={dtype} needs the GPU's dense {dtype} peak in the "
+                              f"cluster config (have: {', '.join(self.peak_flops_per_s)})")
+        return self.peak_flops_per_s[dtype]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu: GpuSpec
+    intra_node_bytes_per_s: float
+    """GPU-GPU bandwidth inside a node, per GPU, one direction."""
+    inter_node_bytes_per_s: float
+    """Network bandwidth per node, one direction (all NICs of the node together)."""
+    pcie_bytes_per_s: float
+    """Host link per GPU, one direction, as measured with every GPU of the node copying at once."""
+    cpu_memory_bytes: float
+    """Host memory per node."""
+    cpu_adam_params_per_s: float
+    """Host optimizer (CPU Adam) speed per node, parameters per second."""
+    interference: InterferenceSpec
+    price_per_gpu_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        require_positive("cluster.nodes", self.nodes)
+        require_positive("cluster.gpus_per_node", self.gpus_per_node)
+        require_positive("cluster.intra_node_gbps", self.intra_node_bytes_per_s / GB)
+        require(self.nodes == 1 or self.inter_node_bytes_per_s > 0, "cluster.inter_node_gbps",
+                self.inter_node_bytes_per_s / GB, "must be > 0 for a cluster of several nodes")
+        require(self.inter_node_bytes_per_s >= 0, "cluster.inter_node_gbps", self.inter_node_bytes_per_s / GB,
+                "must be >= 0")
+        require_positive("cluster.pcie_gbps", self.pcie_bytes_per_s / GB)
+        require_positive("cluster.cpu_memory_gib", self.cpu_memory_bytes / GIB)
+        require_positive("cluster.cpu_adam_gparams_per_s", self.cpu_adam_params_per_s / GIGA)
+        if self.price_per_gpu_hour is not None:
+            require(self.price_per_gpu_hour >= 0, "cluster.price_per_gpu_hour", self.price_per_gpu_hour,
+                    "must be >= 0, or null when unknown")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node

@@ -1,0 +1,33 @@
+"""The one error a user's mistake raises: it names the field, the value and the fix."""
+from __future__ import annotations
+
+from typing import Any
+
+
+NO_VALUE = object()
+"""Marks a ConfigError about a field as such (unknown key, unparsable override), not a value."""
+
+
+class ConfigError(ValueError):
+    """A bad input value. `field` is the config path (e.g. `model.hidden_size`)."""
+
+    def __init__(self, field: str, value: Any, fix: str, rule: str = "") -> None:
+        self.field = field
+        self.value = value
+        self.fix = fix
+        self.rule = rule
+        if value is NO_VALUE:
+            super().__init__(f"{field}: {fix}")
+        else:
+            shown = repr(value) if isinstance(value, str) else value
+            super().__init__(f"{field}={shown}: {fix}")
+
+
+def require(condition: bool, field: str, value: Any, fix: str) -> None:
+    """Raise ConfigError(field, value, fix) unless condition holds."""
+    if not condition:
+        raise ConfigError(field, value, fix)
+
+
+def require_positive(field: str, value: float) -> None:
+    require(value > 0, field, value, "must be > 0")

@@ -1,0 +1,132 @@
+"""ModelSpec: the validated shape of a transformer model, and its exact parameter counts.
+
+The counts here are closed forms written from each family's layer shapes (one function per part);
+tests check them to the integer against the reference torch modules of `mist_ds.models` built on the
+`meta` device, so the two are independent derivations of the same number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mist_ds.specs.errors import require, require_positive
+
+Family = Literal["gpt", "llama", "falcon"]
+FAMILIES: tuple[str, ...] = ("gpt", "llama", "falcon")
+
+# LLaMA rounds its SwiGLU width 8h/3 up to a multiple of 256 (Touvron et al. 2023, `multiple_of`).
+LLAMA_FFN_MULTIPLE = 256
+
+
+def default_ffn_hidden_size(family: str, hidden_size: int) -> int:
+    """FFN width when the config leaves it out: 4h for gpt/falcon; 8h/3 rounded up to 256 for llama."""
+    if family == "llama":
+        width = (8 * hidden_size) // 3
+        return -(-width // LLAMA_FFN_MULTIPLE) * LLAMA_FFN_MULTIPLE
+    return 4 * hidden_size
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. Sizes are counts (elements, heads, tokens), not bytes."""
+
+    name: str
+    family: Family
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_len: int
+    tie_embeddings: bool
+    flash_attention: bool
+    dropout: float
+
+    def __post_init__(self) -> None:
+        require(self.family in FAMILIES, "model.family", self.family, f"use one of {', '.join(FAMILIES)}")
+        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                      "vocab_size", "seq_len"):
+            require_positive(f"model.{field}", getattr(self, field))
+        require(self.hidden_size % self.num_heads == 0, "model.hidden_size", self.hidden_size,
+                f"must be a multiple of model.num_heads={self.num_heads} (head dim = hidden / heads)")
+        require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+                f"must divide model.num_heads={self.num_heads} (each KV head serves a group of query heads)")
+        if self.family == "llama":
+            require(self.head_dim % 2 == 0, "model.num_heads", self.num_heads,
+                    f"rotary embeddings need an even head dim; hidden/heads = {self.head_dim}")
+        require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def check_tensor_parallel(self, t: int, field: str = "strategy.tp") -> None:
+        """Megatron-style TP splits query heads, KV heads (or replicates them), FFN width and vocab."""
+        require(self.num_heads % t == 0, field, t, f"must divide model.num_heads={self.num_heads}")
+        kv = self.num_kv_heads
+        require(kv % t == 0 or t % kv == 0, field, t,
+                f"must divide model.num_kv_heads={kv} (split) or be a multiple of it (replicated)")
+        require(self.ffn_hidden_size % t == 0, field, t,
+                f"must divide model.ffn_hidden_size={self.ffn_hidden_size}")
+        require(self.vocab_size % t == 0, field, t,
+                f"must divide model.vocab_size={self.vocab_size}; pad the vocabulary to a multiple of "
+                f"128*tp as Megatron-LM does (model.vocab_size=...)")
+
+    def kv_heads_per_rank(self, t: int) -> int:
+        """KV heads one TP rank holds: split when t divides them, one replicated head otherwise."""
+        return max(1, self.num_kv_heads // t)
+
+    # --- parameter counts (elements), per TP rank with degree t -------------------------------------
+    def embedding_params(self, t: int = 1) -> int:
+        """Token embedding (vocab-parallel: V/t rows) plus, for gpt, learned positions (replicated)."""
+        token = (self.vocab_size // t) * self.hidden_size
+        positions = self.seq_len * self.hidden_size if self.family == "gpt" else 0
+        return token + positions
+
+    def block_params(self, t: int = 1) -> int:
+        """One transformer block on one TP rank: sharded GEMM weights/biases + replicated norms/biases."""
+        h, d = self.hidden_size, self.head_dim
+        q_rank = (self.num_heads // t) * d
+        kv_rank = self.kv_heads_per_rank(t) * d
+        f_rank = self.ffn_hidden_size // t
+        attention = h * (q_rank + 2 * kv_rank) + q_rank * h
+        if self.family == "gpt":
+            mlp = 2 * h * f_rank
+            biases = (q_rank + 2 * kv_rank) + h + f_rank + h  # qkv, out (replicated), fc1, fc2 (replicated)
+            norms = 2 * 2 * h  # two LayerNorms, weight + bias
+            return attention + mlp + biases + norms
+        if self.family == "llama":
+            return attention + 3 * h * f_rank + 2 * h  # gate, up, down; two RMSNorm weights
+        return attention + 2 * h * f_rank + 2 * h  # falcon: one shared LayerNorm, no linear biases
+
+    def head_params(self, t: int = 1) -> int:
+        """Final norm plus the LM head (V/t rows); the head holds its own copy even when tied."""
+        norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
+        return norm + (self.vocab_size // t) * self.hidden_size
+
+    def total_params(self) -> int:
+        """Unique parameters of the whole model (t=1); a tied LM head is counted once."""
+        tied = self.vocab_size * self.hidden_size if self.tie_embeddings else 0
+        return (self.embedding_params() + self.num_layers * self.block_params() + self.head_params()
+                - tied)
+
+    # --- FLOPs --------------------------------------------------------------------------------------
+    def forward_flops_per_token(self) -> int:
+        """Dense model FLOPs of one token's forward pass (t=1, no recompute), 2 FLOPs per MAC.
+
+        GEMMs from the real shapes (GQA projections, SwiGLU's three matrices) plus attention scores
+        and values: 2 * 2 * s * h per layer (QK^T and AV over the full sequence, causal mask ignored,
+        as in Narayanan et al. SC'21 eq. 3). For gpt this equals 24h^2 + 4sh per layer + 2hV.
+        """
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        f = self.ffn_hidden_size
+        mlp_matrices = 3 if self.family == "llama" else 2
+        gemm_macs = h * (q + 2 * kv) + q * h + mlp_matrices * h * f
+        attention_macs = 2 * self.seq_len * q
+        return 2 * (self.num_layers * (gemm_macs + attention_macs) + h * self.vocab_size)
+
+    def training_flops_per_token(self) -> int:
+        """Model FLOPs per token of one training step: forward + backward (2x forward), no recompute."""
+        return 3 * self.forward_flops_per_token()

@@ -1,0 +1,150 @@
+"""What each runtime can execute: one capability list, read by the tuner, the emitter and the runtime.
+
+The same strategy costs differently depending on the runtime that executes it (DESIGN.md, Runtimes),
+and a strategy a runtime cannot run is refused by `check_runtime` with the rule's name, never priced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from mist_ds.specs.errors import ConfigError
+from mist_ds.specs.strategy import StrategySpec
+
+
+@dataclass(frozen=True)
+class OverlapFeatures:
+    """Overlap-centric schedule features (DESIGN.md stage template); each can be on or off."""
+
+    prefetch_weights: bool = False
+    """Next layer's H2D swap-in and ZeRO-3 all-gather run while the current layer computes."""
+    overlap_grad_reduce: bool = False
+    """Gradient reduce-scatter / all-reduce per layer during backward, instead of after it."""
+    optimizer_in_first_forward: bool = False
+    """The optimizer step is split per layer and runs during the first micro-batch's forward."""
+    offload_overlapped: bool = False
+    """D2H swap-outs (weights, activations, grads) overlap compute instead of blocking."""
+
+
+@dataclass(frozen=True)
+class RuntimeCapabilities:
+    name: str
+    built: bool
+    """mist_ds can execute plans on it (False: the cost model can price it, nothing runs it here)."""
+    zero_stages_with_pipeline: tuple[int, ...]
+    uniform_zero: bool
+    """Every stage must use the same ZeRO stage."""
+    uniform_ckpt: bool
+    """Every stage checkpoints the same number of layers (Megatron's uniform recompute)."""
+    ckpt_whole_stage_only: bool
+    """Per stage c is 0 or l (DeepSpeed's checkpoint interval covers the whole stage)."""
+    weights_offload: str
+    """'none' | 'zero3-all' (offload_param: all or nothing, ZeRO-3) | 'fraction'."""
+    grads_offload: str
+    """'none' | 'with-optimizer' (go equals oo) | 'fraction'."""
+    optimizer_offload: str
+    """'none' | 'whole-or-zero3-fraction' (ratio < 1 needs ZeRO-3) | 'fraction'."""
+    activations_offload: bool
+    schedules: tuple[str, ...]
+    blocking_p2p: bool
+    overlap: OverlapFeatures
+
+
+def _deepspeed() -> RuntimeCapabilities:
+    return RuntimeCapabilities(
+        name="deepspeed", built=True, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
+        ckpt_whole_stage_only=True, weights_offload="zero3-all", grads_offload="with-optimizer",
+        optimizer_offload="whole-or-zero3-fraction", activations_offload=False, schedules=("1f1b",),
+        blocking_p2p=True, overlap=OverlapFeatures())
+
+
+def _runtimes() -> Mapping[str, RuntimeCapabilities]:
+    deepspeed = _deepspeed()
+    mist = replace(deepspeed, name="mist", built=False, schedules=("1f1b", "mist"))
+    mist_paper = RuntimeCapabilities(
+        name="mist-paper", built=False, zero_stages_with_pipeline=(0, 1, 2, 3), uniform_zero=False,
+        uniform_ckpt=False, ckpt_whole_stage_only=False, weights_offload="fraction", grads_offload="fraction",
+        optimizer_offload="fraction", activations_offload=True, schedules=("1f1b", "mist"), blocking_p2p=True,
+        overlap=OverlapFeatures(prefetch_weights=True, overlap_grad_reduce=True,
+                                optimizer_in_first_forward=True, offload_overlapped=True))
+    megatron = RuntimeCapabilities(
+        name="megatron", built=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=True,
+        ckpt_whole_stage_only=False, weights_offload="none", grads_offload="none", optimizer_offload="fraction",
+        activations_offload=False, schedules=("1f1b",), blocking_p2p=True,
+        overlap=OverlapFeatures(overlap_grad_reduce=True))
+    return MappingProxyType({r.name: r for r in (deepspeed, mist, mist_paper, megatron)})
+
+
+RUNTIMES: Mapping[str, RuntimeCapabilities] = _runtimes()
+
+
+def runtime_capabilities(name: str, field: str = "strategy.runtime") -> RuntimeCapabilities:
+    if name not in RUNTIMES:
+        raise ConfigError(field, name, f"use one of {', '.join(RUNTIMES)}")
+    return RUNTIMES[name]
+
+
+def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
+    return ConfigError(field, value, f"{fix} [rule {rule}]", rule=rule)
+
+
+def check_runtime(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> None:
+    """Raise ConfigError naming the rule when `strategy` is something its runtime cannot execute."""
+    caps = caps or runtime_capabilities(strategy.runtime)
+    name = caps.name
+    if strategy.schedule not in caps.schedules:
+        raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,
+                      f"runtime {name} runs {', '.join(caps.schedules)}")
+    stages = strategy.stages
+    zeros = [s.zero_stage for s in stages]
+    if caps.uniform_zero and len(set(zeros)) > 1:
+        raise _refuse(f"{name}.uniform-zero", "strategy.zero_stage", zeros,
+                      f"runtime {name} needs one ZeRO stage for every pipeline stage")
+    if caps.uniform_ckpt and len({s.ckpt_layers for s in stages}) > 1:
+        raise _refuse(f"{name}.uniform-recompute", "strategy.ckpt_layers", [s.ckpt_layers for s in stages],
+                      f"runtime {name} recomputes the same number of layers on every stage")
+    for i, s in enumerate(stages):
+        if strategy.parallelism.pp > 1 and s.zero_stage not in caps.zero_stages_with_pipeline:
+            raise _refuse(f"{name}.pipeline-zero", f"strategy.zero_stage[{i}]", s.zero_stage,
+                          f"runtime {name} allows ZeRO {caps.zero_stages_with_pipeline} with pipelines "
+                          "(strategy.pp > 1)")
+        if caps.ckpt_whole_stage_only and s.ckpt_layers not in (0, s.layers):
+            raise _refuse(f"{name}.ckpt-whole-stage", f"strategy.ckpt_layers[{i}]", s.ckpt_layers,
+                          f"runtime {name} checkpoints all {s.layers} layers of a stage or none")
+        _check_offload(name, caps, i, s)
+
+
+def _check_offload(name: str, caps: RuntimeCapabilities, i: int, s) -> None:
+    wo, go, oo, ao = s.weights_offload, s.grads_offload, s.optimizer_offload, s.activations_offload
+    if wo > 0:
+        if caps.weights_offload == "none":
+            raise _refuse(f"{name}.no-weight-offload", f"strategy.offload.weights[{i}]", wo,
+                          f"runtime {name} cannot offload weights")
+        if caps.weights_offload == "zero3-all" and (wo != 1.0 or s.zero_stage != 3):
+            raise _refuse(f"{name}.offload-param", f"strategy.offload.weights[{i}]", wo,
+                          f"runtime {name} offloads weights only all at once (1.0) and only with ZeRO-3")
+        if caps.grads_offload == "fraction" and go == 0:
+            raise _refuse(f"{name}.weights-need-grads-offload", f"strategy.offload.grads[{i}]", go,
+                          "offloading weights needs a gradient offload ratio > 0")
+    if caps.grads_offload == "none" and go > 0:
+        raise _refuse(f"{name}.no-grad-offload", f"strategy.offload.grads[{i}]", go,
+                      f"runtime {name} cannot offload gradients")
+    if caps.grads_offload == "with-optimizer" and go != oo:
+        raise _refuse(f"{name}.grads-with-optimizer", f"strategy.offload.grads[{i}]", go,
+                      f"runtime {name} moves the gradient partition with the optimizer states: "
+                      f"grads offload must equal optimizer offload ({oo})")
+    if oo > 0:
+        if caps.optimizer_offload == "none":
+            raise _refuse(f"{name}.no-optimizer-offload", f"strategy.offload.optimizer[{i}]", oo,
+                          f"runtime {name} cannot offload optimizer states")
+        if caps.optimizer_offload == "whole-or-zero3-fraction":
+            if s.zero_stage == 0:
+                raise _refuse(f"{name}.offload-optimizer-zero", f"strategy.offload.optimizer[{i}]", oo,
+                              "optimizer offload needs ZeRO >= 1")
+            if oo < 1.0 and s.zero_stage != 3:
+                raise _refuse(f"{name}.offload-ratio-zero3", f"strategy.offload.optimizer[{i}]", oo,
+                              "a partial optimizer offload ratio (< 1) needs ZeRO-3")
+    if ao > 0 and not caps.activations_offload:
+        raise _refuse(f"{name}.no-activation-offload", f"strategy.offload.activations[{i}]", ao,
+                      f"runtime {name} cannot offload activations")

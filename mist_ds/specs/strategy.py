@@ -1,0 +1,193 @@
+"""The training strategy: global parallelism plus per-stage memory optimizations (DESIGN.md symbols).
+
+t = tp, S = pp, d = dp, b = micro_batch_size, G = grad_accum; per stage l = layers, c = ckpt_layers
+(the last c blocks of the stage recompute), z = zero_stage, offload ratios in [0, 1].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from mist_ds.specs.cluster import ClusterSpec
+from mist_ds.specs.errors import ConfigError, require, require_positive
+from mist_ds.specs.model import ModelSpec
+from mist_ds.specs.train import TrainSpec
+
+SCHEDULES: tuple[str, ...] = ("1f1b", "mist")
+OFFLOAD_KINDS: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Global layout: every GPU is one (tp, pp, dp) coordinate; global batch = b x G x d."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum: int
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch_size", "grad_accum"):
+            require_positive(f"strategy.{name}", getattr(self, name))
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+
+@dataclass(frozen=True)
+class StageStrategy:
+    """Memory optimizations of one pipeline stage; offload ratios are fractions in [0, 1]."""
+
+    layers: int
+    ckpt_layers: int
+    zero_stage: int
+    weights_offload: float = 0.0
+    grads_offload: float = 0.0
+    optimizer_offload: float = 0.0
+    activations_offload: float = 0.0
+
+    def check(self, index: int) -> None:
+        require(self.layers >= 1, f"strategy.layers_per_stage[{index}]", self.layers,
+                "every stage needs at least one transformer block")
+        require(0 <= self.ckpt_layers <= self.layers, f"strategy.ckpt_layers[{index}]", self.ckpt_layers,
+                f"must be in 0..{self.layers} (the stage's layer count)")
+        require(self.zero_stage in (0, 1, 2, 3), f"strategy.zero_stage[{index}]", self.zero_stage,
+                "ZeRO stage must be 0, 1, 2 or 3")
+        for kind in OFFLOAD_KINDS:
+            ratio = getattr(self, f"{kind}_offload")
+            require(0.0 <= ratio <= 1.0, f"strategy.offload.{kind}[{index}]", ratio,
+                    "an offload ratio is a fraction in [0, 1]")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    runtime: str
+    parallelism: Parallelism
+    stages: tuple[StageStrategy, ...]
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        require(self.schedule in SCHEDULES, "strategy.schedule", self.schedule,
+                f"use one of {', '.join(SCHEDULES)}")
+        require(len(self.stages) == self.parallelism.pp, "strategy.layers_per_stage",
+                [s.layers for s in self.stages], f"needs one entry per stage (strategy.pp={self.parallelism.pp})")
+        for i, stage in enumerate(self.stages):
+            stage.check(i)
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(s.layers for s in self.stages)
+
+    def stage_layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """[start, stop) block indices of each stage, in model order."""
+        ranges, start = [], 0
+        for stage in self.stages:
+            ranges.append((start, start + stage.layers))
+            start += stage.layers
+        return tuple(ranges)
+
+
+def partition_uniform(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Split blocks as evenly as possible; leftover blocks go to the middle stages first.
+
+    The first stage also runs the embedding and the last one the head and loss, so they are the
+    last to get an extra block. Example: 10 layers over 4 stages -> (2, 3, 3, 2); over 1 -> (10,).
+    """
+    if num_stages > num_layers:
+        raise ConfigError("strategy.pp", num_stages,
+                          f"at most model.num_layers={num_layers} stages (each needs a block)")
+    base, extra = divmod(num_layers, num_stages)
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    bonus = set(order[:extra])
+    return tuple(base + (1 if i in bonus else 0) for i in range(num_stages))
+
+
+PerStage = Union[int, float, str, Sequence[Union[int, float]], None]
+
+
+def _per_stage(field: str, value: PerStage, num_stages: int, default: float) -> list:
+    """Expand a scalar to one value per stage; a list must have exactly one entry per stage."""
+    if value is None:
+        return [default] * num_stages
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value] * num_stages
+    if isinstance(value, (list, tuple)):
+        require(len(value) == num_stages, field, list(value),
+                f"give one value per stage (strategy.pp={num_stages}) or a single value for all")
+        for v in value:
+            require(isinstance(v, (int, float)) and not isinstance(v, bool), field, list(value),
+                    "entries must be numbers")
+        return list(value)
+    raise ConfigError(field, value, "must be a number or a list with one number per stage")
+
+
+def _ckpt_per_stage(value: PerStage, layers: Sequence[int]) -> list[int]:
+    if isinstance(value, str):
+        require(value in ("full", "none"), "strategy.ckpt_layers", value,
+                "use full, none, one count for every stage, or a list with one count per stage")
+        return list(layers) if value == "full" else [0] * len(layers)
+    counts = _per_stage("strategy.ckpt_layers", value, len(layers), 0)
+    for i, c in enumerate(counts):
+        require(float(c).is_integer(), f"strategy.ckpt_layers[{i}]", c, "must be a whole number of layers")
+    return [int(c) for c in counts]
+
+
+def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, runtime: str, tp: int,
+                     pp: int, dp: int | None, micro_batch_size: int, grad_accum: int | None,
+                     layers_per_stage: Sequence[int] | None, ckpt_layers: PerStage, zero_stage: PerStage,
+                     offload: dict[str, PerStage], schedule: str,
+                     allow_cross_node_tp: bool = False) -> StrategySpec:
+    """Derive dp and grad_accum, expand per-stage values and check every cross-field rule."""
+    require_positive("strategy.tp", tp)
+    require_positive("strategy.pp", pp)
+    require_positive("strategy.micro_batch_size", micro_batch_size)
+    gpus = cluster.num_gpus
+    require(gpus % (tp * pp) == 0, "strategy.tp", tp,
+            f"tp x pp = {tp} x {pp} must divide the cluster's {gpus} GPUs "
+            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node})")
+    derived_dp = gpus // (tp * pp)
+    if dp is None:
+        dp = derived_dp
+    require(dp == derived_dp, "strategy.dp", dp,
+            f"tp x pp x dp must equal the cluster's {gpus} GPUs: dp = {derived_dp}, or leave it out")
+    model.check_tensor_parallel(tp)
+    require(allow_cross_node_tp or tp <= cluster.gpus_per_node, "strategy.tp", tp,
+            f"TP spans nodes (cluster.gpus_per_node={cluster.gpus_per_node}); lower it, or set "
+            "strategy.allow_cross_node_tp=true if you mean it")
+    require(pp <= model.num_layers, "strategy.pp", pp, f"at most model.num_layers={model.num_layers} stages")
+    samples_per_micro_step = micro_batch_size * dp
+    require(train.global_batch_size % samples_per_micro_step == 0, "train.global_batch_size",
+            train.global_batch_size,
+            f"must be a multiple of strategy.micro_batch_size x dp = {micro_batch_size} x {dp}")
+    derived_accum = train.global_batch_size // samples_per_micro_step
+    if grad_accum is None:
+        grad_accum = derived_accum
+    require(grad_accum == derived_accum, "strategy.grad_accum", grad_accum,
+            f"global batch {train.global_batch_size} = micro_batch_size x grad_accum x dp needs "
+            f"grad_accum = {derived_accum}; or leave it out")
+    parallelism = Parallelism(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+
+    layers = list(layers_per_stage) if layers_per_stage is not None else list(partition_uniform(model.num_layers, pp))
+    require(len(layers) == pp, "strategy.layers_per_stage", layers, f"needs {pp} entries (strategy.pp)")
+    require(sum(layers) == model.num_layers, "strategy.layers_per_stage", layers,
+            f"must add up to model.num_layers={model.num_layers} (they add up to {sum(layers)})")
+    ckpt = _ckpt_per_stage(ckpt_layers, layers)
+    zero = _per_stage("strategy.zero_stage", zero_stage, pp, 0)
+    unknown = set(offload) - set(OFFLOAD_KINDS)
+    require(not unknown, "strategy.offload", sorted(unknown), f"known kinds: {', '.join(OFFLOAD_KINDS)}")
+    ratios = {kind: _per_stage(f"strategy.offload.{kind}", offload.get(kind), pp, 0.0) for kind in OFFLOAD_KINDS}
+    for i, z in enumerate(zero):
+        require(float(z).is_integer(), f"strategy.zero_stage[{i}]", z, "ZeRO stage must be 0, 1, 2 or 3")
+    stages = tuple(
+        StageStrategy(layers=layers[i], ckpt_layers=ckpt[i], zero_stage=int(zero[i]),
+                      weights_offload=float(ratios["weights"][i]), grads_offload=float(ratios["grads"][i]),
+                      optimizer_offload=float(ratios["optimizer"][i]),
+                      activations_offload=float(ratios["activations"][i]))
+        for i in range(pp))
+    return StrategySpec(runtime=runtime, parallelism=parallelism, stages=stages, schedule=schedule)

@@ -1,0 +1,30 @@
+"""TunerSpec: what the search may explore and how hard it tries."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mist_ds.specs.errors import require, require_positive
+
+SPACES: tuple[str, ...] = ("mist", "megatron", "deepspeed", "aceso", "uniform")
+
+
+@dataclass(frozen=True)
+class TunerSpec:
+    space: str = "mist"
+    """Which strategy space to search (DESIGN.md, baseline spaces)."""
+    runtime: str | None = None
+    """Runtime the plan must run on; None = the best runtime mist_ds can execute."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    max_tp: int = 8
+    workers: int = 1
+    """Worker processes for the outer loop (spawned); results do not depend on it."""
+    compare_baselines: bool = True
+    milp_time_limit_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        require(self.space in SPACES, "tuner.space", self.space, f"use one of {', '.join(SPACES)}")
+        require(len(self.micro_batch_sizes) > 0 and all(b > 0 for b in self.micro_batch_sizes),
+                "tuner.micro_batch_sizes", list(self.micro_batch_sizes), "give one or more positive sizes")
+        require_positive("tuner.max_tp", self.max_tp)
+        require_positive("tuner.workers", self.workers)
+        require_positive("tuner.milp_time_limit_s", self.milp_time_limit_s)

@@ -1,0 +1,185 @@
+"""Foundation: every zoo config composes and validates; parameter counts are exact; bad input is
+refused with a ConfigError naming the field; the CLI exits 2 without a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mist_ds.config import compose
+from mist_ds.models import build_layers
+from mist_ds.specs import ConfigError
+from tests.conftest import REPO, zoo
+
+# Published sizes (billions): papers / model cards, rounded as published.
+PUBLISHED_PARAMS_B = {
+    "gpt3-1.3b": 1.3, "gpt3-2.7b": 2.65, "gpt3-6.7b": 6.7, "gpt3-13b": 13.0, "gpt3-22b": 22.0,
+    "gpt3-175b": 175.0, "llama2-7b": 6.74, "llama2-13b": 13.0, "llama2-70b": 69.0, "llama3-8b": 8.03,
+    "llama3-70b": 70.6, "falcon-7b": 6.92, "falcon-40b": 40.0,
+}
+
+
+def test_zoo_is_complete():
+    assert set(PUBLISHED_PARAMS_B) | {"tiny"} == set(zoo("model"))
+    assert {"a100-40g", "a100-80g", "h100-80g", "h200-141g", "l4-24g", "cpu"} == set(zoo("cluster"))
+
+
+@pytest.mark.parametrize("cluster", zoo("cluster"))
+@pytest.mark.parametrize("model", zoo("model"))
+def test_every_zoo_config_composes_and_validates(model, cluster):
+    specs = compose([f"model={model}", f"cluster={cluster}"], with_strategy=False)
+    assert specs.model.name == model and specs.cluster.name == cluster
+    assert specs.cluster.gpu.peak("bf16") > 0
+
+
+def _valid_tp_degrees(model) -> list[int]:
+    valid = []
+    for t in (1, 2, 4, 8):
+        try:
+            model.check_tensor_parallel(t)
+            valid.append(t)
+        except ConfigError:
+            pass
+    return valid
+
+
+@pytest.mark.parametrize("name", zoo("model"))
+def test_param_count_equals_meta_modules(name):
+    """Closed-form counts of ModelSpec == numel of the reference modules on the meta device."""
+    model = compose([f"model={name}"], with_strategy=False).model
+    for t in _valid_tp_degrees(model):
+        with torch.device("meta"):
+            layers = build_layers(model, t, num_blocks=1)
+        numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        assert numel(layers.embedding) == model.embedding_params(t)
+        assert numel(layers.blocks[0]) == model.block_params(t)
+        assert numel(layers.head) == model.head_params(t)
+    with torch.device("meta"):
+        whole = build_layers(model)
+    tied = model.vocab_size * model.hidden_size if model.tie_embeddings else 0
+    modules = [whole.embedding, *whole.blocks, whole.head]
+    assert sum(p.numel() for m in modules for p in m.parameters()) - tied == model.total_params()
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_B))
+def test_param_count_near_published(name):
+    params = compose([f"model={name}"], with_strategy=False).model.total_params()
+    assert abs(params / 1e9 - PUBLISHED_PARAMS_B[name]) / PUBLISHED_PARAMS_B[name] < 0.04
+
+
+def test_gpt_flops_per_token_match_closed_form():
+    """DESIGN.md: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per iteration, i.e. per token / s / B."""
+    model = compose(["model=gpt3-175b"], with_strategy=False).model
+    h, s, l, v = model.hidden_size, model.seq_len, model.num_layers, model.vocab_size
+    assert model.training_flops_per_token() == pytest.approx(72 * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h)))
+
+
+BAD_INPUTS = [
+    (["model.hidden_size=-1"], "model.hidden_size"),
+    (["model.num_layers=0"], "model.num_layers"),
+    (["model.num_heads=7"], "model.hidden_size"),
+    (["model=llama2-70b", "model.num_kv_heads=3"], "model.num_kv_heads"),
+    (["model.family=bert"], "model.family"),
+    (["model.dropout=1.5"], "model.dropout"),
+    (["model.hiden_size=4"], "model.hiden_size"),
+    (["model.hidden_size=abc"], "model.hidden_size"),
+    (["model=nope"], "model"),
+    (["train.precision=fp8"], "train.precision"),
+    (["train.global_batch_size=0"], "train.global_batch_size"),
+    (["train.global_batch_size=100"], "train.global_batch_size"),
+    (["train.optimizer=sgd"], "train.optimizer"),
+    (["train.grad_clip=-1"], "train.grad_clip"),
+    (["strategy.tp=3"], "strategy.tp"),
+    (["strategy.tp=16", "cluster.nodes=2"], "strategy.tp"),
+    (["model=falcon-7b", "strategy.tp=2"], "strategy.tp"),
+    (["strategy.dp=3"], "strategy.dp"),
+    (["strategy.pp=2", "strategy.layers_per_stage=[10,10]"], "strategy.layers_per_stage"),
+    (["strategy.pp=2", "strategy.ckpt_layers=[3,40]"], "strategy.ckpt_layers[1]"),
+    (["strategy.zero_stage=4"], "strategy.zero_stage[0]"),
+    (["strategy.offload.optimizer=1.5"], "strategy.offload.optimizer[0]"),
+    (["strategy.runtime=torch"], "strategy.runtime"),
+    (["strategy.schedule=gpipe"], "strategy.schedule"),
+    (["strategy.grad_accum=3"], "strategy.grad_accum"),
+    (["strategy.pp=2", "strategy.zero_stage=2"], "strategy.zero_stage[0]"),
+    (["strategy.offload.weights=0.5", "strategy.zero_stage=3"], "strategy.offload.weights[0]"),
+    (["cluster.nodes=0"], "cluster.nodes"),
+    (["cluster.gpu.memory_gib=-24"], "cluster.gpu.memory_gib"),
+    (["cluster.gpu.reserve_gib=30"], "cluster.gpu.reserve_gib"),
+    (["cluster.pcie_gbps=0"], "cluster.pcie_gbps"),
+    (["cluster.nodes=2", "cluster.inter_node_gbps=0"], "cluster.inter_node_gbps"),
+    (["cluster.interference.fallback=0.5"], "cluster.interference.fallback"),
+    (["tuner.space=alpa"], "tuner.space"),
+    (["tuner.runtime=jax"], "tuner.runtime"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_bad_input_names_the_field(overrides, field):
+    with pytest.raises(ConfigError) as caught:
+        compose(overrides)
+    assert caught.value.field == field, str(caught.value)
+    assert str(caught.value).startswith(field)
+
+
+def _cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mist_ds.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_cli_bad_input_exits_2_without_traceback():
+    result = _cli("show", "model.hidden_size=-1")
+    assert result.returncode == 2
+    assert "model.hidden_size" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_show_json_keys():
+    import json
+
+    result = _cli("show", "model=llama2-7b", "cluster=a100-80g", "--json")
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["params_total"] == compose(["model=llama2-7b"], with_strategy=False).model.total_params()
+    assert set(facts["model_state_bytes_per_gpu"]) == {"0", "1", "2", "3"}
+    states = facts["model_state_bytes_per_gpu"]
+    assert states["0"] > states["1"] > states["2"] > states["3"] > 0
+    assert facts["flops_per_token"] > 6 * facts["params_total"]
+
+
+def test_user_hydra_app_composes_zoo_through_search_path_plugin(tmp_path):
+    """A Hydra app of the user's own, with no mist_ds import, gets model=llama2-7b from the plugin."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "app.yaml").write_text("defaults:\n  - model: llama2-7b\n  - _self_\nlr: 0.1\n")
+    (tmp_path / "my_app.py").write_text(textwrap.dedent("""
+        import hydra
+
+        @hydra.main(version_base="1.3", config_path="conf", config_name="app")
+        def main(cfg):
+            print(cfg.model.name, cfg.model.hidden_size, cfg.model.flash_attention)
+
+        main()
+    """))
+    result = subprocess.run([sys.executable, "my_app.py", "hydra.run.dir=.", "hydra.output_subdir=null"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                            env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["llama2-7b", "4096", "True"]
+
+
+@pytest.mark.parametrize("factors,field", [
+    ({"C+X": {"C": 1.1}}, "cluster.interference.factors.C+X"),
+    ({"G2G+C": {"C": 1.1}}, "cluster.interference.factors.G2G+C"),
+    ({"C+G2G": {"C": 0.9}}, "cluster.interference.factors.C+G2G.C"),
+    ({"C+G2G": {"H2D": 1.2}}, "cluster.interference.factors.C+G2G.H2D"),
+])
+def test_bad_interference_table_names_the_entry(factors, field):
+    """Keys with '+' cannot be written as command-line overrides: these come from YAML files."""
+    from mist_ds.specs import InterferenceSpec
+
+    with pytest.raises(ConfigError) as caught:
+        InterferenceSpec(fallback=1.0, factors=factors)
+    assert caught.value.field == field

@@ -1,0 +1,79 @@
+"""Conventions enforced by code (STYLE.md): frozen specs, units in numeric field names, typed configs."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import mist_ds.config.schema as schema
+import mist_ds.specs as specs_pkg
+from mist_ds.specs import cluster, model, strategy, train, tuner
+
+UNIT_SUFFIXES = ("_bytes", "_s", "_flops", "_flops_per_s", "_bytes_per_s", "_params_per_s",
+                 "_gib", "_gbps", "_tflops", "_gparams_per_s", "_per_gpu_hour")
+# Dimensionless numbers: counts of things, degrees, ratios, probabilities, factors.
+COUNTS = {
+    "hidden_size", "ffn_hidden_size", "vocab_size", "seq_len", "tp", "pp", "dp", "micro_batch_size", "grad_accum",
+    "global_batch_size", "nodes", "gpus_per_node", "layers", "ckpt_layers", "zero_stage", "workers", "max_tp",
+    "dropout", "fallback", "grad_clip", "weights_offload", "grads_offload", "optimizer_offload",
+    "activations_offload", "weights", "grads", "optimizer", "activations", "layers_per_stage", "micro_batch_sizes",
+}
+POLYMORPHIC_ANY = {("StrategyConfig", "ckpt_layers"), ("StrategyConfig", "zero_stage"),
+                   ("OffloadConfig", "weights"), ("OffloadConfig", "grads"), ("OffloadConfig", "optimizer"),
+                   ("OffloadConfig", "activations")}
+
+
+def _dataclasses(module) -> list[type]:
+    return [c for _, c in inspect.getmembers(module, inspect.isclass)
+            if dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
+
+
+SPEC_CLASSES = [c for m in (cluster, model, strategy, train, tuner) for c in _dataclasses(m)] + [specs_pkg.Specs]
+SCHEMA_CLASSES = _dataclasses(schema)
+
+
+def _is_numeric(annotation) -> bool:
+    text = str(annotation)
+    return any(word in text for word in ("int", "float")) and "dict" not in text.lower() and "tuple" not in text
+
+
+def test_spec_classes_are_frozen():
+    assert SPEC_CLASSES
+    for cls in SPEC_CLASSES:
+        assert cls.__dataclass_params__.frozen, cls
+
+
+def test_numeric_fields_carry_a_unit_or_are_counts():
+    for cls in SPEC_CLASSES + SCHEMA_CLASSES:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if not _is_numeric(hints[field.name]):
+                continue
+            name = field.name
+            assert name.startswith("num_") or name in COUNTS or name.endswith(UNIT_SUFFIXES), \
+                f"{cls.__name__}.{name}: numeric field without a unit suffix"
+
+
+def test_only_polymorphic_strategy_fields_are_any():
+    for cls in SCHEMA_CLASSES:
+        for name, hint in typing.get_type_hints(cls).items():
+            if hint is typing.Any:
+                assert (cls.__name__, name) in POLYMORPHIC_ANY, f"{cls.__name__}.{name} is Any"
+
+
+def test_no_required_field_defaults_to_none():
+    for cls in SPEC_CLASSES + SCHEMA_CLASSES:
+        for field in dataclasses.fields(cls):
+            required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+            assert not (required and field.default is None), f"{cls.__name__}.{field.name}"
+            if field.default is None:
+                assert "None" in str(typing.get_type_hints(cls)[field.name]) or "Optional" in str(
+                    typing.get_type_hints(cls)[field.name]), f"{cls.__name__}.{field.name}: None default, not Optional"
+
+
+def test_readme_field_table_is_the_schema_docs():
+    """README's table is `python -m mist_ds.config.fields`, word for word (regenerate it on change)."""
+    from mist_ds.config.fields import markdown_table
+    from tests.conftest import REPO
+
+    assert markdown_table() in (REPO / "README.md").read_text()
