@@ -1,0 +1,108 @@
+"""Analyze a model's layers: trace, aggregate, express in (b, s, t), compile to numpy, cache."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import sympy
+
+from mist_ds.specs import ModelSpec
+from mist_ds.symbolic import symbols as sym
+from mist_ds.symbolic import cache
+from mist_ds.symbolic.aggregate import EXTRA_KEYS, PUBLIC_KEYS, Gemm, aggregate
+from mist_ds.symbolic.cache import cache_key, default_cache_dir
+from mist_ds.symbolic.layer_cost import GEMM_FIELDS, LayerCost, generate_source
+from mist_ds.symbolic.layers import LAYER_KINDS, local_size_values, recipe
+from mist_ds.symbolic.trace import run_trace
+
+NAME_TO_SYMBOL = {"b": sym.b, "s": sym.s, "n": sym.n_local, "m": sym.m_local, "g": sym.g_local,
+                  "f": sym.f_local, "v": sym.v_local}
+
+
+@dataclass(frozen=True)
+class TracedLayer:
+    """Expressions of one layer in (b, s, t), per TP rank; `gemms` lists its GEMM shapes."""
+
+    exprs: dict[str, sympy.Expr]
+    gemms: tuple[Gemm, ...]
+    guards: tuple[str, ...]
+
+
+def _rename(expr: sympy.Expr, rename: dict) -> sympy.Expr:
+    return sympy.sympify(expr).xreplace({s: NAME_TO_SYMBOL[name] for s, name in rename.items()})
+
+
+def _in_t(expr: sympy.Expr, values: dict) -> sympy.Expr:
+    return sympy.factor_terms(sympy.expand(sympy.sympify(expr).xreplace(values)))
+
+
+def trace_variant(model: ModelSpec, kind: str, precision: str, tensor_parallel: bool):
+    r = recipe(model, kind, precision, tensor_parallel)
+    trace, rename = run_trace(r.build, r.make_inputs, r.loss_of, r.hints)
+    exprs, gemms = aggregate(trace)
+    values = local_size_values(model)
+    exprs = {k: _in_t(_rename(v, rename), values) for k, v in exprs.items()}
+    gemms = [Gemm(g.phase, *(_in_t(_rename(x, rename), values) for x in (g.batch, g.m, g.n, g.k))) for g in gemms]
+    return exprs, gemms, trace.guards
+
+
+def _combine(single: sympy.Expr, parallel: sympy.Expr) -> sympy.Expr:
+    """One expression for every t: the non-TP program's value at t = 1, the TP program's elsewhere."""
+    at_one = sympy.factor_terms(sympy.expand(single.subs(sym.t, 1)))
+    if sympy.expand(parallel - single) == 0 and sympy.expand(parallel.subs(sym.t, 1) - at_one) == 0:
+        return parallel
+    return sympy.Piecewise((at_one, sympy.Eq(sym.t, 1)), (parallel, True))
+
+
+def trace_layer(model: ModelSpec, kind: str, precision: str) -> TracedLayer:
+    """Both variants of one layer, combined: the t = 1 program where t == 1, the TP one elsewhere."""
+    single, single_gemms, guards_1 = trace_variant(model, kind, precision, tensor_parallel=False)
+    parallel, parallel_gemms, guards_t = trace_variant(model, kind, precision, tensor_parallel=True)
+    exprs = {key: _combine(single[key], parallel[key]) for key in PUBLIC_KEYS + EXTRA_KEYS}
+    if len(single_gemms) != len(parallel_gemms):
+        raise RuntimeError(f"{kind}: TP and non-TP traces run different GEMMs")
+    gemms = tuple(Gemm(g.phase, *(_combine(x, y) for x, y in zip((g.batch, g.m, g.n, g.k), (h.batch, h.m, h.n, h.k))))
+                  for g, h in zip(single_gemms, parallel_gemms))
+    return TracedLayer(exprs=exprs, gemms=gemms, guards=tuple(guards_1 + guards_t))
+
+
+def layer_cost(kind: str, traced: TracedLayer) -> LayerCost:
+    named = dict(traced.exprs)
+    for i, gemm in enumerate(traced.gemms):
+        named.update({f"gemm{i}_{f}": getattr(gemm, f) for f in GEMM_FIELDS})
+    return LayerCost(kind=kind, exprs={k: str(v) for k, v in traced.exprs.items()},
+                     gemms=tuple((g.phase, *(str(getattr(g, f)) for f in GEMM_FIELDS)) for g in traced.gemms),
+                     source=generate_source(named))
+
+
+def layer_fields(model: ModelSpec, precision: str) -> dict:
+    """What the layers' costs depend on (not num_layers, not the name)."""
+    return {"family": model.family, "hidden_size": model.hidden_size, "num_heads": model.num_heads,
+            "num_kv_heads": model.num_kv_heads, "ffn_hidden_size": model.ffn_hidden_size,
+            "vocab_size": model.vocab_size, "max_positions": model.seq_len, "dropout_on": model.dropout > 0,
+            "flash_attention": model.flash_attention, "precision": precision}
+
+
+def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = None) -> dict[str, LayerCost]:
+    """LayerCost of the model's embedding, block and head; traced once, then read from the cache."""
+    directory = cache_dir if cache_dir is not None else default_cache_dir()
+    key = cache_key(layer_fields(model, precision))
+    cached = cache.load(directory, key)
+    if cached is not None:
+        return {kind: LayerCost.from_dict(data) for kind, data in cached["layers"].items()}
+    costs = {kind: layer_cost(kind, trace_layer(model, kind, precision)) for kind in LAYER_KINDS}
+    cache.store(directory, key, {"fields": layer_fields(model, precision),
+                                 "layers": {kind: c.to_dict() for kind, c in costs.items()}})
+    return costs
+
+
+if __name__ == "__main__":  # quick look: python -m mist_ds.symbolic.analyze
+    from mist_ds.config import compose
+
+    spec = compose(["model=gpt3-1.3b"], with_strategy=False).model
+    start = time.perf_counter()
+    costs = analyze_model(spec, "bf16", cache_dir=Path("/tmp/mist_cache_try"))
+    print(f"{time.perf_counter() - start:.2f} s")
+    for kind, cost in costs.items():
+        print(kind, cost("fwd_flops", [1, 2], 2048, [1, 2]), cost("saved_bytes", 1, 2048, [1, 2, 4]))

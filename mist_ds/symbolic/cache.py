@@ -1,0 +1,52 @@
+"""On-disk cache of analyzed layers, keyed by the layer-relevant model fields and library versions."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+CACHE_ENV = "MIST_DS_CACHE_DIR"
+# Source files whose change invalidates every cached analysis (they define what is traced and how).
+_PACKAGE = Path(__file__).resolve().parents[1]
+CODE_DIRS = ("models", "symbolic")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mist_ds") / "symbolic"
+
+
+def code_fingerprint() -> str:
+    digest = hashlib.sha256()
+    for folder in CODE_DIRS:
+        for path in sorted((_PACKAGE / folder).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_key(fields: dict) -> str:
+    from importlib.metadata import version
+
+    keyed = {**fields, "torch": version("torch"), "sympy": version("sympy"), "code": code_fingerprint()}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def load(directory: Path, key: str) -> dict | None:
+    path = directory / f"{key}.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a damaged entry is recomputed, never trusted
+
+
+def store(directory: Path, key: str, data: dict) -> None:
+    """Write atomically: a reader never sees half a file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
+        json.dump(data, handle)
+        temporary = handle.name
+    os.replace(temporary, directory / f"{key}.json")

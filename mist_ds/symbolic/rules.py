@@ -1,0 +1,89 @@
+"""Per-op cost rules: FLOPs (torch's own registry, plus mist_ds's fused attention), op classes, bytes.
+
+FLOPs agree with `torch.utils.flop_counter.FlopCounterMode` by construction for the ops it knows
+(the same registry functions, fed symbolic shapes); the fused attention op uses torch's own sdpa
+formulas (no causal discount, as FlopCounterMode counts sdpa). Everything else counts 0 FLOPs and is
+priced by the bytes it reads and writes.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from mist_ds.symbolic.trace import OpRecord, as_expr
+
+GEMM_OPS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
+ATTENTION_FWD = "mist_ds.flash_attention.default"
+ATTENTION_BWD = "mist_ds.flash_attention_backward.default"
+COLLECTIVE_OPS = {"_c10d_functional.all_reduce.default"}
+WAIT_OPS = {"_c10d_functional.wait_tensor.default"}
+
+
+def _shape(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape)
+
+
+def _expanded(kv: torch.Tensor, query: torch.Tensor) -> tuple:
+    """The KV shape the kernel computes with: KV heads broadcast to the query heads."""
+    b, _, s, k = kv.shape
+    return (b, query.shape[1], s, k)
+
+
+def attention_flops(op: OpRecord) -> sympy.Expr:
+    if op.name == ATTENTION_FWD:
+        q, k, v = op.args[:3]
+        return as_expr(sdpa_flop_count(_shape(q), _expanded(k, q), _expanded(v, q)))
+    grad_out, q, k, v = op.args[:4]
+    return as_expr(sdpa_backward_flop_count(_shape(grad_out), _shape(q), _expanded(k, q), _expanded(v, q)))
+
+
+def op_flops(op: OpRecord) -> sympy.Expr:
+    """FLOPs of one recorded op (2 per multiply-add)."""
+    if op.name in (ATTENTION_FWD, ATTENTION_BWD):
+        return attention_flops(op)
+    packet = _packet(op.name)
+    if packet is None or packet not in flop_registry:
+        return sympy.Integer(0)
+    return as_expr(flop_registry[packet](*op.args, **op.kwargs, out_val=op.out))
+
+
+def _packet(name: str):
+    namespace, rest = name.split(".", 1)
+    packet_name = rest.rsplit(".", 1)[0]
+    try:
+        return getattr(getattr(torch.ops, namespace), packet_name)
+    except AttributeError:
+        return None
+
+
+def gemm_dims(op: OpRecord) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(batch, m, n, k) of a GEMM op: out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]."""
+    a, b_ = (op.args[1], op.args[2]) if op.name in ("aten.addmm.default", "aten.baddbmm.default") else op.args[:2]
+    if a.dim() == 2:
+        return sympy.Integer(1), as_expr(a.shape[0]), as_expr(b_.shape[1]), as_expr(a.shape[1])
+    return as_expr(a.shape[0]), as_expr(a.shape[1]), as_expr(b_.shape[2]), as_expr(a.shape[2])
+
+
+def is_view(op: OpRecord) -> bool:
+    """An op that only makes a view (no data moved): outputs alias an input, nothing mutated."""
+    if not op.outputs:
+        return True
+    schema = getattr(_packet(op.name), op.name.rsplit(".", 1)[1], None)
+    if schema is not None and schema._schema.is_mutable:
+        return False
+    inputs = {t.storage_id for t in op.inputs}
+    return all(t.storage_id in inputs for t in op.outputs)
+
+
+def memory_traffic_bytes(op: OpRecord) -> sympy.Expr:
+    """HBM bytes a memory-bound op reads and writes (views and GEMM / attention / collectives: 0)."""
+    if op.name in GEMM_OPS or op.name in (ATTENTION_FWD, ATTENTION_BWD) or op.name in COLLECTIVE_OPS \
+            or op.name in WAIT_OPS or is_view(op):
+        return sympy.Integer(0)
+    return sympy.Add(*[t.nbytes for t in op.inputs]) + sympy.Add(*[t.nbytes for t in op.outputs])
+
+
+def collective_bytes(op: OpRecord) -> sympy.Expr:
+    """Message bytes of a TP all-reduce (the tensor reduced)."""
+    return op.inputs[0].nbytes if op.name in COLLECTIVE_OPS else sympy.Integer(0)

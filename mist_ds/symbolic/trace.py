@@ -1,0 +1,194 @@
+"""Trace one layer's forward and backward with symbolic sizes and record every aten op.
+
+The layer is built and run under torch's FakeTensorMode with a ShapeEnv, so no memory is used and
+each size is a sympy expression. A TorchDispatchMode records each op (inputs, outputs, phase); a
+`saved_tensors_hooks` pair records what autograd keeps for backward; storage weak references give
+each storage's creation and release (op index), i.e. the liveness that a caching allocator sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+FORWARD, BACKWARD = "fwd", "bwd"
+IGNORED_OPS = {"prim.device.default", "aten.detach.default"}
+
+
+def as_expr(value: Any) -> sympy.Expr:
+    """sympy form of an int or SymInt."""
+    if isinstance(value, torch.SymInt):
+        return sympy.sympify(value.node.expr)
+    return sympy.Integer(int(value))
+
+
+@dataclass
+class TensorInfo:
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+    storage_id: int
+    nbytes: sympy.Expr
+    """Bytes of the elements the tensor covers (its view), not of its whole storage."""
+
+
+@dataclass
+class OpRecord:
+    name: str
+    phase: str
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    args: tuple
+    """The raw (fake) arguments, for FLOP rules that need them; not kept past analysis."""
+    kwargs: dict
+    out: Any
+
+
+@dataclass
+class StorageLife:
+    nbytes: sympy.Expr
+    created: int
+    """Index of the op whose output first used it (-1: existed before the trace)."""
+    released: int | None = None
+    """Index of the first op after which it was found freed (None: alive at the end)."""
+    ref: Any = None
+
+
+@dataclass
+class Trace:
+    ops: list[OpRecord] = field(default_factory=list)
+    storages: dict[int, StorageLife] = field(default_factory=dict)
+    saved: set[int] = field(default_factory=set)
+    """Storages autograd saved for backward during forward."""
+    param_storages: set[int] = field(default_factory=set)
+    grad_storages: set[int] = field(default_factory=set)
+    """Storages that ended as parameter gradients (model state, not transient memory)."""
+    input_storages: set[int] = field(default_factory=set)
+    output_storages: set[int] = field(default_factory=set)
+    backward_start: int = 0
+    params: sympy.Expr = sympy.Integer(0)
+    param_bytes: sympy.Expr = sympy.Integer(0)
+    output_bytes: sympy.Expr = sympy.Integer(0)
+    input_bytes: sympy.Expr = sympy.Integer(0)
+    guards: list[str] = field(default_factory=list)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def tensor_info(tensor: torch.Tensor) -> TensorInfo:
+    numel = sympy.Integer(1)
+    for size in tensor.shape:
+        numel *= as_expr(size)
+    return TensorInfo(shape=tuple(as_expr(x) for x in tensor.shape), dtype=tensor.dtype,
+                      storage_id=storage_key(tensor), nbytes=numel * tensor.element_size())
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+        self.phase = FORWARD
+
+    def _track(self, tensor: torch.Tensor, index: int) -> None:
+        key = storage_key(tensor)
+        if key not in self.trace.storages:
+            storage = tensor.untyped_storage()
+            self.trace.storages[key] = StorageLife(nbytes=as_expr(storage.nbytes()), created=index,
+                                                   ref=StorageWeakRef(storage))
+
+    def sweep(self, index: int) -> None:
+        """Mark storages freed since the last op (released after op `index - 1`)."""
+        for life in self.trace.storages.values():
+            if life.released is None and life.ref is not None and life.ref.expired():
+                life.released = index
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if name in IGNORED_OPS:
+            return out
+        index = len(self.trace.ops)
+        inputs = [tensor_info(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        for tensor in outputs:
+            self._track(tensor, index)
+        self.trace.ops.append(OpRecord(name=name, phase=self.phase, inputs=inputs,
+                                       outputs=[tensor_info(x) for x in outputs], args=args, kwargs=kwargs,
+                                       out=out))
+        self.sweep(index)
+        return out
+
+
+@dataclass(frozen=True)
+class SymbolicDims:
+    """Symbols the layer is built with, and the hint (example value) each takes while tracing."""
+
+    symbols: dict[str, sympy.Symbol]
+    hints: dict[str, int]
+
+
+def make_symint(env: ShapeEnv, name: str, hint: int, rename: dict) -> torch.SymInt:
+    symbol = env.create_symbol(hint, source=ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+    rename[symbol] = name
+    return env.create_symintnode(symbol, hint=hint)
+
+
+def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
+              make_inputs: Callable[[dict[str, Any]], tuple],
+              loss_of: Callable[[Any, tuple], torch.Tensor] | None,
+              hints: dict[str, int]) -> tuple[Trace, dict[sympy.Symbol, str]]:
+    """Build a layer with symbolic sizes, run forward and backward, return what was recorded.
+
+    build(sizes) -> module; make_inputs(sizes) -> tuple of inputs (the first requires grad when the
+    layer's input gradient is real); loss_of(output, inputs) -> scalar to backpropagate (None: the
+    output's gradient is an incoming tensor like it). `sizes` maps each name of `hints` to a SymInt.
+    Returns the trace and ShapeEnv-symbol -> name, to rename expressions afterwards.
+    """
+    env = ShapeEnv()
+    rename: dict = {}
+    trace = Trace()
+    with FakeTensorMode(shape_env=env):
+        sizes = {name: make_symint(env, name, hint, rename) for name, hint in hints.items()}
+        module = build(sizes)
+        module.train()
+        params = list(module.parameters())
+        trace.param_storages = {storage_key(p) for p in params}
+        trace.params = sympy.Add(*[as_expr(p.numel()) for p in params])
+        trace.param_bytes = sympy.Add(*[as_expr(p.numel()) * p.element_size() for p in params])
+        inputs = make_inputs(sizes)
+        tensor_inputs = [x for x in inputs if isinstance(x, torch.Tensor)]
+        trace.input_storages = {storage_key(x) for x in tensor_inputs}
+        trace.input_bytes = sympy.Add(*[tensor_info(x).nbytes for x in tensor_inputs[:1]])
+        recorder = _Recorder(trace)
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            trace.saved.add(storage_key(tensor))
+            recorder._track(tensor, len(trace.ops) - 1)
+            return tensor
+
+        with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            output = module(*inputs)
+            target = loss_of(output, inputs) if loss_of else output
+        trace.output_storages = {storage_key(output)}
+        trace.output_bytes = tensor_info(output).nbytes
+        trace.backward_start = len(trace.ops)
+        recorder.phase = BACKWARD
+        grad = None if loss_of else torch.empty_like(output)
+        del output, inputs, tensor_inputs
+        with recorder:
+            target.backward(grad)
+        del target, grad
+        recorder.sweep(len(trace.ops))
+        trace.grad_storages = {storage_key(p.grad) for p in params if p.grad is not None}
+        trace.guards = [str(g.expr) for g in env.guards]
+    return trace, rename
