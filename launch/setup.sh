@@ -34,6 +34,6 @@ if ! "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
     "${pip[@]}" -c launch/constraints-cpu.txt torch
   fi
 fi
-torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)
 "${pip[@]}" "torch==$torch_version" -e '.[test]'
 touch "$stamp"

@@ -24,8 +24,18 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from mist_ds.config import compose
+    from mist_ds.report.analyze import analyze_facts, render_analyze
+
+    facts = analyze_facts(compose(args.overrides, with_strategy=False))
+    print(json.dumps(facts, indent=2) if args.json else render_analyze(facts))
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "show": (_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
+    "analyze": (_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
 }
 
 

@@ -5,8 +5,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from mist_ds.symbolic.rules import (ATTENTION_BWD, ATTENTION_FWD, GEMM_OPS, collective_bytes, gemm_dims,
-                                    memory_traffic_bytes, op_flops)
+from mist_ds.symbolic.rules import ATTENTION_BWD, ATTENTION_FWD, collective_bytes, memory_traffic_bytes
 from mist_ds.symbolic.trace import BACKWARD, FORWARD, Trace
 
 # The public per-layer quantities (`mist-ds analyze --json`), then the ones the cost model also uses.
@@ -73,12 +72,13 @@ def max_of_polys(polys: list[Monomials], gens: tuple[sympy.Symbol, ...]) -> symp
 
 
 def peak_bytes(trace: Trace, phase: str) -> sympy.Expr:
-    """Largest sum of live storages the phase allocated (params, their grads and inputs excluded).
+    """Largest sum of live storages (parameters and the layer's input excluded).
 
     Backward starts with the saved tensors alive; an op's inputs and outputs are both counted at
-    the op, as an allocator holds them while the kernel runs.
+    the op, as an allocator holds them while the kernel runs. A weight gradient counts from its
+    computation until it is accumulated (DeepSpeed then moves it to its own buffers).
     """
-    excluded = trace.param_storages | trace.grad_storages | trace.input_storages
+    excluded = trace.param_storages | trace.input_storages
     lives = {k: life for k, life in trace.storages.items() if k not in excluded}
     gens = tuple(sorted(set().union(*(life.nbytes.free_symbols for life in lives.values())), key=str))
     sizes = {k: _monomials(life.nbytes, gens) for k, life in lives.items()}
@@ -115,12 +115,11 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
                                               "tp_collectives_bwd")}
     gemms = []
     for op in trace.ops:
-        flops = op_flops(op)
-        sums[f"{op.phase}_flops"] += flops
+        sums[f"{op.phase}_flops"] += op.flops
         if op.name in (ATTENTION_FWD, ATTENTION_BWD):
-            sums[f"{op.phase}_attention_flops"] += flops
-        if op.name in GEMM_OPS:
-            gemms.append(Gemm(op.phase, *gemm_dims(op)))
+            sums[f"{op.phase}_attention_flops"] += op.flops
+        if op.gemm is not None:
+            gemms.append(Gemm(op.phase, *op.gemm))
         sums[f"{op.phase}_memory_bytes"] += memory_traffic_bytes(op)
         comm = collective_bytes(op)
         sums[f"tp_comm_bytes_{op.phase}"] += comm

@@ -1,7 +1,6 @@
 """Analyze a model's layers: trace, aggregate, express in (b, s, t), compile to numpy, cache."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from mist_ds.symbolic import cache
 from mist_ds.symbolic.aggregate import EXTRA_KEYS, PUBLIC_KEYS, Gemm, aggregate
 from mist_ds.symbolic.cache import cache_key, default_cache_dir
 from mist_ds.symbolic.layer_cost import GEMM_FIELDS, LayerCost, generate_source
-from mist_ds.symbolic.layers import LAYER_KINDS, local_size_values, recipe
+from mist_ds.symbolic.layers import LAYER_KINDS, local_size_regimes, recipe
 from mist_ds.symbolic.trace import run_trace
 
 NAME_TO_SYMBOL = {"b": sym.b, "s": sym.s, "n": sym.n_local, "m": sym.m_local, "g": sym.g_local,
@@ -30,29 +29,50 @@ class TracedLayer:
 
 
 def _rename(expr: sympy.Expr, rename: dict) -> sympy.Expr:
-    return sympy.sympify(expr).xreplace({s: NAME_TO_SYMBOL[name] for s, name in rename.items()})
+    return expr.xreplace({s: NAME_TO_SYMBOL[name] for s, name in rename.items()})
 
 
-def _in_t(expr: sympy.Expr, values: dict) -> sympy.Expr:
-    return sympy.factor_terms(sympy.expand(sympy.sympify(expr).xreplace(values)))
+def _tidy(expr: sympy.Expr) -> sympy.Expr:
+    """Readable canonical form: a Max is tidied argument by argument (expanding it costs seconds)."""
+    if isinstance(expr, sympy.Max):
+        return sympy.Max(*[_tidy(a) for a in expr.args])
+    return sympy.factor_terms(sympy.expand(expr))
+
+
+def _in_t(expr: sympy.Expr, regimes: list) -> sympy.Expr:
+    """The expression in (b, s, t): one piece per KV-head regime (merged when they agree)."""
+    pieces = [(_tidy(expr.xreplace(values)), condition) for condition, values in regimes]
+    if all(p == pieces[0][0] for p, _ in pieces):
+        return pieces[0][0]
+    return sympy.Piecewise(*pieces)
 
 
 def trace_variant(model: ModelSpec, kind: str, precision: str, tensor_parallel: bool):
     r = recipe(model, kind, precision, tensor_parallel)
     trace, rename = run_trace(r.build, r.make_inputs, r.loss_of, r.hints)
     exprs, gemms = aggregate(trace)
-    values = local_size_values(model)
-    exprs = {k: _in_t(_rename(v, rename), values) for k, v in exprs.items()}
-    gemms = [Gemm(g.phase, *(_in_t(_rename(x, rename), values) for x in (g.batch, g.m, g.n, g.k))) for g in gemms]
+    regimes = local_size_regimes(model)
+    exprs = {k: _in_t(_rename(v, rename), regimes) for k, v in exprs.items()}
+    gemms = [Gemm(g.phase, *(_in_t(_rename(x, rename), regimes) for x in (g.batch, g.m, g.n, g.k))) for g in gemms]
     return exprs, gemms, trace.guards
 
 
 def _combine(single: sympy.Expr, parallel: sympy.Expr) -> sympy.Expr:
     """One expression for every t: the non-TP program's value at t = 1, the TP program's elsewhere."""
-    at_one = sympy.factor_terms(sympy.expand(single.subs(sym.t, 1)))
-    if sympy.expand(parallel - single) == 0 and sympy.expand(parallel.subs(sym.t, 1) - at_one) == 0:
+    if parallel == single:
         return parallel
-    return sympy.Piecewise((at_one, sympy.Eq(sym.t, 1)), (parallel, True))
+    at_one = _tidy(_piece_at(single, 1))
+    rest = parallel.args if isinstance(parallel, sympy.Piecewise) else ((parallel, sympy.true),)
+    return sympy.Piecewise((at_one, sympy.Eq(sym.t, 1)), *rest)
+
+
+def _piece_at(expr: sympy.Expr, t_value: int) -> sympy.Expr:
+    """The value at t = t_value of a (possibly piecewise) expression: pick the piece, substitute."""
+    if isinstance(expr, sympy.Piecewise):
+        for piece, condition in expr.args:
+            if condition.xreplace({sym.t: t_value}) == sympy.true:
+                return piece.xreplace({sym.t: t_value})
+    return expr.xreplace({sym.t: t_value})
 
 
 def trace_layer(model: ModelSpec, kind: str, precision: str) -> TracedLayer:
@@ -86,7 +106,7 @@ def layer_fields(model: ModelSpec, precision: str) -> dict:
 
 def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = None) -> dict[str, LayerCost]:
     """LayerCost of the model's embedding, block and head; traced once, then read from the cache."""
-    directory = cache_dir if cache_dir is not None else default_cache_dir()
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(layer_fields(model, precision))
     cached = cache.load(directory, key)
     if cached is not None:
@@ -95,14 +115,3 @@ def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = Non
     cache.store(directory, key, {"fields": layer_fields(model, precision),
                                  "layers": {kind: c.to_dict() for kind, c in costs.items()}})
     return costs
-
-
-if __name__ == "__main__":  # quick look: python -m mist_ds.symbolic.analyze
-    from mist_ds.config import compose
-
-    spec = compose(["model=gpt3-1.3b"], with_strategy=False).model
-    start = time.perf_counter()
-    costs = analyze_model(spec, "bf16", cache_dir=Path("/tmp/mist_cache_try"))
-    print(f"{time.perf_counter() - start:.2f} s")
-    for kind, cost in costs.items():
-        print(kind, cost("fwd_flops", [1, 2], 2048, [1, 2]), cost("saved_bytes", 1, 2048, [1, 2, 4]))

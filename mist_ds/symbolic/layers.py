@@ -34,12 +34,22 @@ def trace_hints(model: ModelSpec) -> dict[str, int]:
     return {name: HINTS[name] for name in names}
 
 
-def local_size_values(model: ModelSpec) -> dict[sympy.Symbol, sympy.Expr]:
-    """Each rank-local size symbol as a function of t (KV heads are replicated when t > kv heads)."""
+def local_size_regimes(model: ModelSpec) -> list[tuple[sympy.Basic, dict[sympy.Symbol, sympy.Expr]]]:
+    """(condition on t, value of each rank-local size symbol) pieces, first matching piece wins.
+
+    KV heads are split while t <= kv heads and replicated (one per rank) beyond; writing the two
+    regimes apart keeps every piece a polynomial in b, s, 1/t (a Max(1, kv/t) would cost seconds
+    of sympy work per layer).
+    """
     n_value = sympy.Integer(model.num_heads) / t
-    m_value = sympy.Max(1, sympy.Integer(model.num_kv_heads) / t)
-    return {n_local: n_value, m_local: m_value, g_local: n_value / m_value,
-            f_local: sympy.Integer(model.ffn_hidden_size) / t, v_local: sympy.Integer(model.vocab_size) / t}
+    common = {n_local: n_value, f_local: sympy.Integer(model.ffn_hidden_size) / t,
+              v_local: sympy.Integer(model.vocab_size) / t}
+    kv = model.num_kv_heads
+    split = {**common, m_local: sympy.Integer(kv) / t, g_local: sympy.Rational(model.num_heads, kv)}
+    replicated = {**common, m_local: sympy.Integer(1), g_local: n_value}
+    if not grouped_kv(model) or kv == 1:
+        return [(sympy.true, split if not grouped_kv(model) else replicated)]
+    return [(sympy.Le(t, kv), split), (sympy.true, replicated)]
 
 
 def _sizes(model: ModelSpec, symints: dict[str, Any]) -> LocalSizes:

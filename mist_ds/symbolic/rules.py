@@ -11,7 +11,13 @@ import sympy
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from mist_ds.symbolic.trace import OpRecord, as_expr
+
+
+def as_expr(value) -> sympy.Expr:
+    """sympy form of an int or SymInt."""
+    if isinstance(value, torch.SymInt):
+        return sympy.sympify(value.node.expr)
+    return sympy.Integer(int(value))
 
 GEMM_OPS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
 ATTENTION_FWD = "mist_ds.flash_attention.default"
@@ -24,28 +30,39 @@ def _shape(tensor: torch.Tensor) -> tuple:
     return tuple(tensor.shape)
 
 
-def _expanded(kv: torch.Tensor, query: torch.Tensor) -> tuple:
+def _expanded(kv_shape: tuple, query_shape: tuple) -> tuple:
     """The KV shape the kernel computes with: KV heads broadcast to the query heads."""
-    b, _, s, k = kv.shape
-    return (b, query.shape[1], s, k)
+    b, _, s, k = kv_shape
+    return (b, query_shape[1], s, k)
 
 
-def attention_flops(op: OpRecord) -> sympy.Expr:
-    if op.name == ATTENTION_FWD:
-        q, k, v = op.args[:3]
-        return as_expr(sdpa_flop_count(_shape(q), _expanded(k, q), _expanded(v, q)))
-    grad_out, q, k, v = op.args[:4]
-    return as_expr(sdpa_backward_flop_count(_shape(grad_out), _shape(q), _expanded(k, q), _expanded(v, q)))
+def attention_flop_rule(forward: bool):
+    """FLOP rule of mist_ds's fused attention ops, in FlopCounterMode's shape-argument form."""
+    def forward_rule(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q_shape, _expanded(k_shape, q_shape), _expanded(v_shape, q_shape))
+
+    def backward_rule(grad_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_shape, q_shape, _expanded(k_shape, q_shape), _expanded(v_shape, q_shape))
+
+    return forward_rule if forward else backward_rule
 
 
-def op_flops(op: OpRecord) -> sympy.Expr:
-    """FLOPs of one recorded op (2 per multiply-add)."""
-    if op.name in (ATTENTION_FWD, ATTENTION_BWD):
-        return attention_flops(op)
-    packet = _packet(op.name)
+def flop_counter_mapping() -> dict:
+    """`custom_mapping` for torch's FlopCounterMode so that it counts mist_ds's fused attention."""
+    return {torch.ops.mist_ds.flash_attention: attention_flop_rule(True),
+            torch.ops.mist_ds.flash_attention_backward: attention_flop_rule(False)}
+
+
+def op_flops(name: str, args: tuple, kwargs: dict, out) -> sympy.Expr:
+    """FLOPs of one op (2 per multiply-add), from its (fake) arguments."""
+    if name in (ATTENTION_FWD, ATTENTION_BWD):
+        count = 3 if name == ATTENTION_FWD else 4  # (q, k, v) or (grad_out, q, k, v)
+        shapes = [_shape(x) for x in args[:count]]
+        return as_expr(attention_flop_rule(name == ATTENTION_FWD)(*shapes))
+    packet = _packet(name)
     if packet is None or packet not in flop_registry:
         return sympy.Integer(0)
-    return as_expr(flop_registry[packet](*op.args, **op.kwargs, out_val=op.out))
+    return as_expr(flop_registry[packet](*args, **kwargs, out_val=out))
 
 
 def _packet(name: str):
@@ -57,15 +74,15 @@ def _packet(name: str):
         return None
 
 
-def gemm_dims(op: OpRecord) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+def gemm_dims(name: str, args: tuple) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
     """(batch, m, n, k) of a GEMM op: out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]."""
-    a, b_ = (op.args[1], op.args[2]) if op.name in ("aten.addmm.default", "aten.baddbmm.default") else op.args[:2]
+    a, b_ = (args[1], args[2]) if name in ("aten.addmm.default", "aten.baddbmm.default") else args[:2]
     if a.dim() == 2:
         return sympy.Integer(1), as_expr(a.shape[0]), as_expr(b_.shape[1]), as_expr(a.shape[1])
     return as_expr(a.shape[0]), as_expr(a.shape[1]), as_expr(b_.shape[2]), as_expr(a.shape[2])
 
 
-def is_view(op: OpRecord) -> bool:
+def is_view(op) -> bool:
     """An op that only makes a view (no data moved): outputs alias an input, nothing mutated."""
     if not op.outputs:
         return True
@@ -76,7 +93,7 @@ def is_view(op: OpRecord) -> bool:
     return all(t.storage_id in inputs for t in op.outputs)
 
 
-def memory_traffic_bytes(op: OpRecord) -> sympy.Expr:
+def memory_traffic_bytes(op) -> sympy.Expr:
     """HBM bytes a memory-bound op reads and writes (views and GEMM / attention / collectives: 0)."""
     if op.name in GEMM_OPS or op.name in (ATTENTION_FWD, ATTENTION_BWD) or op.name in COLLECTIVE_OPS \
             or op.name in WAIT_OPS or is_view(op):
@@ -84,6 +101,6 @@ def memory_traffic_bytes(op: OpRecord) -> sympy.Expr:
     return sympy.Add(*[t.nbytes for t in op.inputs]) + sympy.Add(*[t.nbytes for t in op.outputs])
 
 
-def collective_bytes(op: OpRecord) -> sympy.Expr:
+def collective_bytes(op) -> sympy.Expr:
     """Message bytes of a TP all-reduce (the tensor reduced)."""
     return op.inputs[0].nbytes if op.name in COLLECTIVE_OPS else sympy.Integer(0)

@@ -19,15 +19,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mist_ds.symbolic.rules import GEMM_OPS, as_expr, gemm_dims, op_flops
+
 FORWARD, BACKWARD = "fwd", "bwd"
 IGNORED_OPS = {"prim.device.default", "aten.detach.default"}
-
-
-def as_expr(value: Any) -> sympy.Expr:
-    """sympy form of an int or SymInt."""
-    if isinstance(value, torch.SymInt):
-        return sympy.sympify(value.node.expr)
-    return sympy.Integer(int(value))
 
 
 @dataclass
@@ -45,10 +40,9 @@ class OpRecord:
     phase: str
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]
-    args: tuple
-    """The raw (fake) arguments, for FLOP rules that need them; not kept past analysis."""
-    kwargs: dict
-    out: Any
+    flops: sympy.Expr
+    gemm: tuple | None
+    """(batch, m, n, k) when the op is a GEMM. No tensor is kept: that would keep it alive."""
 
 
 @dataclass
@@ -68,8 +62,6 @@ class Trace:
     saved: set[int] = field(default_factory=set)
     """Storages autograd saved for backward during forward."""
     param_storages: set[int] = field(default_factory=set)
-    grad_storages: set[int] = field(default_factory=set)
-    """Storages that ended as parameter gradients (model state, not transient memory)."""
     input_storages: set[int] = field(default_factory=set)
     output_storages: set[int] = field(default_factory=set)
     backward_start: int = 0
@@ -78,6 +70,10 @@ class Trace:
     output_bytes: sympy.Expr = sympy.Integer(0)
     input_bytes: sympy.Expr = sympy.Integer(0)
     guards: list[str] = field(default_factory=list)
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -97,19 +93,19 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.phase = FORWARD
+        self.unreleased: dict[int, StorageLife] = {}
 
     def _track(self, tensor: torch.Tensor, index: int) -> None:
         key = storage_key(tensor)
         if key not in self.trace.storages:
             storage = tensor.untyped_storage()
-            self.trace.storages[key] = StorageLife(nbytes=as_expr(storage.nbytes()), created=index,
-                                                   ref=StorageWeakRef(storage))
+            life = StorageLife(nbytes=as_expr(storage.nbytes()), created=index, ref=StorageWeakRef(storage))
+            self.trace.storages[key] = self.unreleased[key] = life
 
     def sweep(self, index: int) -> None:
-        """Mark storages freed since the last op (released after op `index - 1`)."""
-        for life in self.trace.storages.values():
-            if life.released is None and life.ref is not None and life.ref.expired():
-                life.released = index
+        """Mark storages freed since the last sweep as released at op `index`."""
+        for key in [k for k, life in self.unreleased.items() if life.ref.expired()]:
+            self.unreleased.pop(key).released = index
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -122,9 +118,10 @@ class _Recorder(TorchDispatchMode):
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         for tensor in outputs:
             self._track(tensor, index)
-        self.trace.ops.append(OpRecord(name=name, phase=self.phase, inputs=inputs,
-                                       outputs=[tensor_info(x) for x in outputs], args=args, kwargs=kwargs,
-                                       out=out))
+        self.trace.ops.append(OpRecord(
+            name=name, phase=self.phase, inputs=inputs, outputs=[tensor_info(x) for x in outputs],
+            flops=op_flops(name, args, kwargs, out), gemm=gemm_dims(name, args) if name in GEMM_OPS else None))
+        del outputs
         self.sweep(index)
         return out
 
@@ -154,15 +151,22 @@ def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
     output's gradient is an incoming tensor like it). `sizes` maps each name of `hints` to a SymInt.
     Returns the trace and ShapeEnv-symbol -> name, to rename expressions afterwards.
     """
+    import torch._dynamo.config as dynamo_config
+
     env = ShapeEnv()
     rename: dict = {}
     trace = Trace()
-    with FakeTensorMode(shape_env=env):
+    # FakeTensor's dispatch cache costs more than it saves on one pass with symbolic shapes.
+    with dynamo_config.patch(fake_tensor_cache_enabled=False), FakeTensorMode(shape_env=env):
         sizes = {name: make_symint(env, name, hint, rename) for name, hint in hints.items()}
         module = build(sizes)
         module.train()
         params = list(module.parameters())
         trace.param_storages = {storage_key(p) for p in params}
+        for param in params:
+            # DeepSpeed moves each gradient into its bucket / partition as soon as it is accumulated
+            # (its hooks); release it likewise, so that it counts only while it is transient.
+            param.register_post_accumulate_grad_hook(_drop_grad)
         trace.params = sympy.Add(*[as_expr(p.numel()) for p in params])
         trace.param_bytes = sympy.Add(*[as_expr(p.numel()) * p.element_size() for p in params])
         inputs = make_inputs(sizes)
@@ -184,11 +188,12 @@ def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
         trace.backward_start = len(trace.ops)
         recorder.phase = BACKWARD
         grad = None if loss_of else torch.empty_like(output)
+        if grad is not None:  # the incoming gradient exists before backward, like the layer's input
+            trace.input_storages.add(storage_key(grad))
         del output, inputs, tensor_inputs
         with recorder:
             target.backward(grad)
         del target, grad
         recorder.sweep(len(trace.ops))
-        trace.grad_storages = {storage_key(p.grad) for p in params if p.grad is not None}
         trace.guards = [str(g.expr) for g in env.guards]
     return trace, rename

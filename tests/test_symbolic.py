@@ -1,0 +1,309 @@
+"""Symbolic analysis: traced expressions against FlopCounterMode, closed forms, a real CPU run's
+saved tensors and allocator peaks, Korthikanti et al.'s activation formula, and the flash rule."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from mist_ds.config import compose
+from mist_ds.models import TensorParallel, build_layers, vocab_parallel_cross_entropy
+from mist_ds.symbolic import analyze_layers, analyze_model
+from mist_ds.symbolic.aggregate import PUBLIC_KEYS
+from mist_ds.models.attention import causal_attention
+from mist_ds.symbolic.aggregate import saved_bytes
+from mist_ds.symbolic.rules import flop_counter_mapping
+from mist_ds.symbolic.trace import run_trace
+from tests.conftest import REPO, zoo
+from tests.memory_probe import saved_activation_bytes, training_step_peaks
+
+b_, s_, t_ = sympy.symbols("b s t", positive=True, integer=True)
+FAST_ZOO = ["gpt3-1.3b", "llama2-70b", "falcon-7b"]  # MHA gpt, GQA llama, MQA falcon
+# An explicit-attention forward allocates one 8-byte tensor the tracer cannot see: the 0-dim fp64
+# tensor wrapping the Python scale 1/sqrt(K) in `scores * scale`, made before dispatch.
+SCALE_SCALAR_BYTES = 8
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("symbolic-cache")
+
+
+def model(name: str, **changes):
+    spec = compose([f"model={name}"], with_strategy=False).model
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def expr(cost, key):
+    return sympy.sympify(cost.exprs[key], locals={"b": b_, "s": s_, "t": t_})
+
+
+def valid_tp(spec) -> list[int]:
+    out = []
+    for t in (1, 2, 4, 8):
+        try:
+            spec.check_tensor_parallel(t)
+            out.append(t)
+        except Exception:
+            pass
+    return out
+
+
+def _flop_counts(spec, kind: str, b: int, s: int, t: int) -> tuple[int, int]:
+    """FlopCounterMode's forward and backward FLOPs of one layer on fake tensors (no memory)."""
+    tp = TensorParallel(group_name="flop-count" if t > 1 else None)
+    with FakeTensorMode():
+        layers = build_layers(spec, t, tp=tp, dtype=torch.bfloat16, num_blocks=1)
+        layer = {"embedding": layers.embedding, "block": layers.blocks[0], "head": layers.head}[kind]
+        if kind == "embedding":
+            x = torch.zeros(b, s, dtype=torch.int64)
+        else:
+            x = torch.empty(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        with FlopCounterMode(display=False, custom_mapping=flop_counter_mapping()) as forward:
+            out = layer(x)
+            if kind == "head":
+                out = vocab_parallel_cross_entropy(out, torch.zeros(b, s, dtype=torch.int64), tp)
+        with FlopCounterMode(display=False, custom_mapping=flop_counter_mapping()) as backward:
+            out.backward(None if kind == "head" else torch.empty_like(out))
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def _check_flops_against_counter(spec, cache_dir):
+    costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
+    tps = valid_tp(spec)
+    points = [(1, 128, tps[0]), (2, 256, tps[-1]), (3, 512, tps[len(tps) // 2])]
+    for kind in ("embedding", "block", "head"):
+        for b, s, t in points:
+            fwd, bwd = _flop_counts(spec, kind, b, s, t)
+            assert costs[kind]("fwd_flops", b, s, t) == fwd, (kind, b, s, t)
+            assert costs[kind]("bwd_flops", b, s, t) == bwd, (kind, b, s, t)
+
+
+@pytest.mark.parametrize("name", FAST_ZOO)
+def test_flops_equal_flop_counter_mode(name, cache_dir):
+    _check_flops_against_counter(model(name), cache_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(zoo("model")) - set(FAST_ZOO)))
+def test_flops_equal_flop_counter_mode_whole_zoo(name, cache_dir):
+    _check_flops_against_counter(model(name), cache_dir)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_gpt_block_flops_closed_form(flash, cache_dir):
+    """Forward 24bsh^2/t + 4bs^2h/t; backward twice the GEMMs, attention per its kernel:
+    2x (explicit: two matmuls' gradients) or 2.5x (fused: the scores are recomputed)."""
+    spec = model("gpt3-13b", flash_attention=flash)
+    cost = analyze_model(spec, "bf16", cache_dir=cache_dir)["block"]
+    h = spec.hidden_size
+    gemm, attention = 24 * b_ * s_ * h**2 / t_, 4 * b_ * s_**2 * h / t_
+    assert sympy.simplify(expr(cost, "fwd_flops") - (gemm + attention)) == 0
+    attention_bwd = attention * (sympy.Rational(5, 2) if flash else 2)
+    assert sympy.simplify(expr(cost, "bwd_flops") - (2 * gemm + attention_bwd)) == 0
+
+
+def test_llama_and_falcon_flops_from_gemm_shapes(cache_dir):
+    """GQA / MQA and SwiGLU written out: per rank n = N/t query heads, m = max(1, KV/t) KV heads."""
+    for name, mlp_matrices in (("llama2-70b", 3), ("falcon-7b", 2)):
+        spec = model(name)
+        cost = analyze_model(spec, "bf16", cache_dir=cache_dir)["block"]
+        h, k, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+        for t in valid_tp(spec):
+            n, m = spec.num_heads // t, max(1, spec.num_kv_heads // t)
+            qkv = 2 * h * (n + 2 * m) * k
+            out_proj = 2 * n * k * h
+            mlp = 2 * mlp_matrices * h * (f // t)
+            for b, s in ((1, 1024), (4, 4096)):
+                expected = b * s * (qkv + out_proj + mlp) + 4 * b * s * s * n * k
+                assert cost("fwd_flops", b, s, t) == expected, (name, t, b, s)
+
+
+def test_head_and_embedding_flops(cache_dir):
+    spec = model("llama3-8b")
+    costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
+    assert sympy.simplify(expr(costs["head"], "fwd_flops") - 2 * b_ * s_ * spec.hidden_size * spec.vocab_size / t_) == 0
+    assert expr(costs["embedding"], "fwd_flops") == 0
+
+
+def test_params_equal_instantiated_modules(cache_dir):
+    for name in FAST_ZOO:
+        spec = model(name)
+        costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
+        for t in valid_tp(spec):
+            with torch.device("meta"):
+                layers = build_layers(spec, t, num_blocks=1)
+            for kind, layer in (("embedding", layers.embedding), ("block", layers.blocks[0]), ("head", layers.head)):
+                assert costs[kind]("params", 1, 1, t) == sum(p.numel() for p in layer.parameters()), (name, kind, t)
+
+
+def test_korthikanti_activation_formula(cache_dir):
+    """Korthikanti et al. 2022, no flash attention, dropout on: s b h (34 + 5 a s / h) bytes without TP,
+    s b h (10 + 24/t + 5 a s / (h t)) with TP. Residual: the LayerNorm statistics, mean and rstd per
+    token, 2 LayerNorms x 2 x 2 bytes (the CPU / meta kernels keep them in bf16; CUDA uses fp32)."""
+    spec = model("gpt3-1.3b", flash_attention=False, dropout=0.1)
+    saved = expr(analyze_model(spec, "bf16", cache_dir=cache_dir)["block"], "saved_bytes")
+    h, a = spec.hidden_size, spec.num_heads
+    layer_norm_stats = 2 * 2 * 2 * s_ * b_
+    assert sympy.simplify(saved.subs(t_, 1) - s_ * b_ * h * (34 + 5 * a * s_ / h) - layer_norm_stats) == 0
+    with_tp = s_ * b_ * h * (10 + 24 / t_ + 5 * a * s_ / (h * t_)) + layer_norm_stats
+    for t in (2, 4, 8):
+        assert sympy.simplify(saved.subs(t_, t) - with_tp.subs(t_, t)) == 0
+
+
+def test_korthikanti_without_dropout_drops_the_masks(cache_dir):
+    """Dropout off removes 2 s b h one-byte masks, the a s^2 b attention mask and the separate
+    2 a s^2 b dropout output: 34 -> 32 and 5 -> 2 (per TP rank: the attention terms / t)."""
+    spec = model("gpt3-1.3b", flash_attention=False, dropout=0.0)
+    saved = expr(analyze_model(spec, "bf16", cache_dir=cache_dir)["block"], "saved_bytes")
+    h, a = spec.hidden_size, spec.num_heads
+    expected = s_ * b_ * h * (8 + 24 / t_ + 2 * a * s_ / (h * t_)) + 8 * s_ * b_
+    for t in (1, 2, 4):
+        assert sympy.simplify(saved.subs(t_, t) - expected.subs(t_, t)) == 0
+
+
+class _FusedAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return causal_attention(q, k, v, dropout_p=0.0, training=True, fused=True)
+
+
+def test_flash_rule_saves_q_k_v_out_and_logsumexp():
+    """The fused path's saved set is FlashAttention-2's on a GPU, a CPU trace notwithstanding:
+    q, k, v with KV heads unexpanded (GQA in the kernel), the output and the fp32 logsumexp
+    (b x n x s); nothing of size s^2. (On a GPU with dropout the kernel also keeps its RNG seed and
+    offset: two int64 scalars.)"""
+    head_dim = 64
+    hints = {"b": 3, "s": 13, "n": 5, "m": 2}
+
+    def make_inputs(size):
+        q = torch.empty(size["b"], size["n"] * size["m"], size["s"], head_dim, dtype=torch.bfloat16,
+                        requires_grad=True)
+        kv = [torch.empty(size["b"], size["m"], size["s"], head_dim, dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(2)]
+        return (q, *kv)
+
+    trace, rename = run_trace(lambda size: _FusedAttention(), make_inputs, None, hints)
+    names = {symbol: sympy.Symbol(name, positive=True, integer=True) for symbol, name in rename.items()}
+    saved = sympy.expand(saved_bytes(trace).xreplace(names))
+    b, s, n, m = (sympy.Symbol(x, positive=True, integer=True) for x in "bsnm")
+    heads = n * m  # query heads: a whole number of KV groups
+    expected = 2 * b * s * head_dim * (heads + m + m) + 2 * b * s * head_dim * heads + 4 * b * heads * s
+    assert sympy.expand(saved - expected) == 0
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A real gloo group of one rank (in-memory store, no sockets): TP collectives run for real."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+REAL_RUN_CASES = [("gpt", True, 0.0), ("gpt", False, 0.1), ("llama", True, 0.0), ("llama", False, 0.1),
+                  ("falcon", True, 0.0), ("falcon", False, 0.0)]
+
+
+@pytest.mark.parametrize("family,flash,dropout", REAL_RUN_CASES)
+def test_saved_and_peaks_match_a_real_cpu_run(family, flash, dropout, single_rank_group, cache_dir):
+    """Per layer and t in {1, 2}: saved bytes exactly, allocator peaks of forward and backward
+    exactly, but for the 8-byte scale scalar of the explicit path (memory_probe removes kernel-
+    internal workspace, which the dispatch level cannot see)."""
+    spec = dataclasses.replace(model("tiny"), family=family, flash_attention=flash, dropout=dropout,
+                               num_kv_heads=4 if family == "gpt" else 2)
+    costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
+    b, s = 2, 16
+    for t in (1, 2):
+        tp = TensorParallel(group_name=single_rank_group if t > 1 else None)
+        torch.manual_seed(0)
+        layers = build_layers(spec, t, tp=tp, dtype=torch.bfloat16, num_blocks=1)
+        for kind, layer in (("embedding", layers.embedding), ("block", layers.blocks[0]), ("head", layers.head)):
+            layer.reset_parameters()
+            layer.train()
+            for p in layer.parameters():  # as DeepSpeed's hooks do: the gradient leaves once accumulated
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            if kind == "embedding":
+                x = torch.randint(0, spec.vocab_size, (b, s))
+            else:
+                x = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+            incoming = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16)
+
+            def forward():
+                out = layer(x)
+                if kind == "head":
+                    out = vocab_parallel_cross_entropy(out, torch.zeros(b, s, dtype=torch.int64), tp)
+                return out
+
+            saved, _ = saved_activation_bytes(forward, layer.parameters())
+            assert costs[kind]("saved_bytes", b, s, t) == saved, (kind, t)
+            fwd_peak, bwd_peak, _ = training_step_peaks(
+                forward, lambda out: out.backward(None if kind == "head" else incoming))
+            residual = SCALE_SCALAR_BYTES if (kind == "block" and not flash) else 0
+            assert costs[kind]("fwd_peak_bytes", b, s, t) + residual == fwd_peak, (kind, t)
+            assert costs[kind]("bwd_peak_bytes", b, s, t) + residual == bwd_peak, (kind, t)
+
+
+def test_analyze_json_is_public_interface(tmp_path):
+    env_cache = {"MIST_DS_CACHE_DIR": str(tmp_path)}
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "analyze", "model=tiny", "--json"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, **env_cache})
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["symbols"] == ["b", "s", "t"]
+    assert set(data["layers"]) == {"embedding", "block", "head"}
+    for layer in data["layers"].values():
+        assert set(layer) == set(PUBLIC_KEYS)
+        for text in layer.values():
+            parsed = sympy.sympify(text, locals={"b": b_, "s": s_, "t": t_})
+            assert parsed.free_symbols <= {b_, s_, t_}
+
+
+def test_second_analysis_reads_the_cache(cache_dir, monkeypatch):
+    spec = model("tiny")
+    first = analyze_model(spec, "bf16", cache_dir=cache_dir)
+    import mist_ds.symbolic.analyze as analyze_module
+
+    monkeypatch.setattr(analyze_module, "trace_layer", lambda *a, **k: pytest.fail("traced again"))
+    second = analyze_model(spec, "bf16", cache_dir=cache_dir)
+    assert {k: c.exprs for k, c in first.items()} == {k: c.exprs for k, c in second.items()}
+    assert second["block"]("saved_bytes", 2, 64, 1) == first["block"]("saved_bytes", 2, 64, 1)
+
+
+class _UserBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 3 * width)
+        self.down = torch.nn.Linear(3 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def test_user_layers_module_and_layer_spec(cache_dir):
+    """A user's own nn.Module and a DeepSpeed LayerSpec: FLOPs and saved bytes as for the zoo."""
+    from deepspeed.pipe import LayerSpec
+
+    width = 64
+    module_cost, spec_cost = analyze_layers([_UserBlock(width), LayerSpec(_UserBlock, width)],
+                                            input_shape=("b", "s", width), dtype=torch.float32,
+                                            cache_dir=cache_dir)
+    for b, s in ((2, 8), (3, 32)):
+        real = _UserBlock(width)
+        x = torch.randn(b, s, width, requires_grad=True)
+        with FlopCounterMode(display=False) as counter:
+            saved, out = saved_activation_bytes(lambda: real(x), real.parameters())
+        assert module_cost("fwd_flops", b, s, 1) == counter.get_total_flops() == spec_cost("fwd_flops", b, s, 1)
+        assert module_cost("saved_bytes", b, s, 1) == saved
+    assert module_cost("params", 1, 1, 1) == sum(p.numel() for p in _UserBlock(width).parameters())
