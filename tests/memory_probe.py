@@ -1,12 +1,14 @@
 """Independent measurements of a real CPU run: saved-for-backward bytes and allocator peaks.
 
 Peaks come from torch.profiler's allocation events (the CPU allocator's own accounting), not from
-the tracer. One residual is removed and stated: workspace a non-composite ATen kernel allocates and
-frees inside one call (CPU dropout's temporary, the CPU flash kernels' buffers). It is invisible at
-the dispatch level the tracer observes, and the GPU kernels the model describes differ anyway.
+the tracer. Two residuals are removed and stated: workspace a non-composite ATen kernel allocates and
+frees inside one call (CPU dropout's temporary, the CPU flash kernels' buffers), and allocations of
+other threads (gloo's worker copies for a collective, whose timing varies run to run). Both are
+invisible at the dispatch level the tracer observes, and the GPU kernels the model describes differ.
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -73,12 +75,18 @@ def training_step_peaks(forward: Callable[[], torch.Tensor], backward: Callable[
     Both peaks count from the allocator's total before the forward (so the backward peak includes
     what the forward left alive, as the tracer's does); kernel-internal workspace is removed.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = forward()
-        with torch.profiler.record_function(BACKWARD_MARK):
-            backward(out)
+    gc.collect()
+    gc.disable()  # release by reference counts only, as the tracer models it
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = forward()
+            with torch.profiler.record_function(BACKWARD_MARK):
+                backward(out)
+    finally:
+        gc.enable()
     tree = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    backward_start = next(e.start_time_ns for e in tree if e.name == BACKWARD_MARK)
+    mark = next(e for e in tree if e.name == BACKWARD_MARK)
+    backward_start = mark.start_time_ns
     events = sorted((e for e in tree if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
     allocated_by_ptr: dict[int, object] = {}
     internal: set[int] = set()
@@ -86,10 +94,12 @@ def training_step_peaks(forward: Callable[[], torch.Tensor], backward: Callable[
         ptr, size = event.extra_fields.ptr, event.extra_fields.alloc_size
         if size > 0:
             allocated_by_ptr[ptr] = event
+            if event.start_tid != mark.start_tid:  # a communication library's own thread (gloo)
+                internal.add(id(event))
         elif ptr in allocated_by_ptr:
             alloc = allocated_by_ptr.pop(ptr)
             call = _kernel_call(alloc)
-            if call is not None and event.start_time_ns <= call.end_time_ns:
+            if id(alloc) in internal or (call is not None and event.start_time_ns <= call.end_time_ns):
                 internal.update({id(alloc), id(event)})
     live = live_all = 0
     peaks = [0, 0]

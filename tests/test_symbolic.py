@@ -213,11 +213,21 @@ REAL_RUN_CASES = [("gpt", True, 0.0), ("gpt", False, 0.1), ("llama", True, 0.0),
                   ("falcon", True, 0.0), ("falcon", False, 0.0)]
 
 
+def _gloo_slack(cost, phase: str, b: int, s: int, t: int) -> set[float]:
+    """What a t > 1 run may add: gloo's functional all-reduce keeps its message alive until the
+    work completes, which the allocator sees at a time that varies run to run: 0 or one message."""
+    count = float(cost(f"tp_collectives_{phase}", b, s, t))
+    if t == 1 or count == 0:
+        return {0.0}
+    return {0.0, float(cost(f"tp_comm_bytes_{phase}", b, s, t)) / count}
+
+
 @pytest.mark.parametrize("family,flash,dropout", REAL_RUN_CASES)
 def test_saved_and_peaks_match_a_real_cpu_run(family, flash, dropout, single_rank_group, cache_dir):
     """Per layer and t in {1, 2}: saved bytes exactly, allocator peaks of forward and backward
-    exactly, but for the 8-byte scale scalar of the explicit path (memory_probe removes kernel-
-    internal workspace, which the dispatch level cannot see)."""
+    exactly, but for the 8-byte scale scalar of the explicit path and, at t = 2, gloo's timing of
+    one all-reduce message (memory_probe removes kernel-internal workspace, which the dispatch
+    level cannot see)."""
     spec = dataclasses.replace(model("tiny"), family=family, flash_attention=flash, dropout=dropout,
                                num_kv_heads=4 if family == "gpt" else 2)
     costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
@@ -248,8 +258,9 @@ def test_saved_and_peaks_match_a_real_cpu_run(family, flash, dropout, single_ran
             fwd_peak, bwd_peak, _ = training_step_peaks(
                 forward, lambda out: out.backward(None if kind == "head" else incoming))
             residual = SCALE_SCALAR_BYTES if (kind == "block" and not flash) else 0
-            assert costs[kind]("fwd_peak_bytes", b, s, t) + residual == fwd_peak, (kind, t)
-            assert costs[kind]("bwd_peak_bytes", b, s, t) + residual == bwd_peak, (kind, t)
+            for phase, measured in (("fwd", fwd_peak), ("bwd", bwd_peak)):
+                predicted = float(costs[kind](f"{phase}_peak_bytes", b, s, t)) + residual
+                assert measured - predicted in _gloo_slack(costs[kind], phase, b, s, t), (kind, phase, t)
 
 
 def test_analyze_json_is_public_interface(tmp_path):

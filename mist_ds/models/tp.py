@@ -93,11 +93,6 @@ def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _ReduceFromTensorParallel.apply(x, tp.group_name) if tp.active else x
 
 
-def reduce_max_no_grad(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Element-wise max over TP ranks of a tensor that needs no gradient (softmax stabilizer)."""
-    return _all_reduce(x, "max", tp.group_name) if tp.active else x
-
-
 def new_weight(rows: Any, cols: Any, dtype: torch.dtype | None = None) -> nn.Parameter:
     """An uninitialized (rows, cols) weight; `reset_parameters` of the owning module fills it."""
     return nn.Parameter(torch.empty(rows, cols, dtype=dtype))
@@ -178,26 +173,53 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(rows_BSD, self.tp)
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean token cross-entropy over vocabulary-sharded logits, Megatron-LM's way: the softmax is
+    built in place in one fp32 buffer, saved, and turned into the gradient in place in backward.
+
+    With TP, the max, the target logit (it lives on exactly one rank) and the sum of exponentials
+    are all-reduced; no rank ever holds the full logits. Without TP it is plain cross-entropy.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_NV: torch.Tensor, labels_N: torch.Tensor, group_name: str | None, rank: int):
+        # fp32 logits: work on a copy (.float() would return the caller's tensor itself).
+        softmax_NV = logits_NV.clone() if logits_NV.dtype == torch.float32 else logits_NV.float()
+        vocab = softmax_NV.shape[-1]
+        max_N = softmax_NV.amax(dim=-1)
+        if group_name is not None:
+            max_N = _all_reduce(max_N, "max", group_name)
+        softmax_NV.sub_(max_N.unsqueeze(-1))
+        local_N = labels_N - rank * vocab
+        outside_N = (local_N < 0) | (local_N >= vocab)
+        local_N = local_N.masked_fill(outside_N, 0)
+        target_N = softmax_NV.gather(-1, local_N.unsqueeze(-1)).squeeze(-1).masked_fill(outside_N, 0.0)
+        softmax_NV.exp_()
+        sum_exp_N = softmax_NV.sum(dim=-1)
+        if group_name is not None:
+            target_N = _all_reduce(target_N, "sum", group_name)
+            sum_exp_N = _all_reduce(sum_exp_N, "sum", group_name)
+        loss = (sum_exp_N.log() - target_N).mean()
+        softmax_NV.div_(sum_exp_N.unsqueeze(-1))
+        ctx.save_for_backward(softmax_NV, local_N, outside_N)
+        ctx.input_dtype = logits_NV.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax_NV, local_N, outside_N = ctx.saved_tensors
+        grad_NV = softmax_NV  # becomes the gradient in place, as the saved buffer is used once
+        hit_N = (~outside_N).to(grad_NV.dtype)
+        grad_NV.scatter_add_(-1, local_N.unsqueeze(-1), -hit_N.unsqueeze(-1))
+        grad_NV.mul_(grad_loss / grad_NV.shape[0])
+        return grad_NV.to(ctx.input_dtype), None, None, None
+
+
 def vocab_parallel_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor,
                                  tp: TensorParallel) -> torch.Tensor:
-    """Mean token cross-entropy of logits split over the vocabulary (Megatron-LM's parallel loss).
-
-    Without TP this is F.cross_entropy. With TP: the max and the sum of exponentials are all-reduced,
-    and so is the target logit, which lives on exactly one rank; no rank ever holds the full logits.
-    """
-    logits_NV = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
-    labels_N = labels_BS.reshape(-1)
-    if not tp.active:
-        return F.cross_entropy(logits_NV, labels_N)
-    vocab = logits_NV.shape[-1]
-    max_N = reduce_max_no_grad(logits_NV.detach().amax(dim=-1), tp)
-    shifted_NV = logits_NV - max_N.unsqueeze(-1)
-    local_N = labels_N - tp.rank * vocab
-    outside_N = (local_N < 0) | (local_N >= vocab)
-    target_N = shifted_NV.gather(-1, local_N.masked_fill(outside_N, 0).unsqueeze(-1)).squeeze(-1)
-    target_N = reduce_from_tp(target_N.masked_fill(outside_N, 0.0), tp)
-    sum_exp_N = reduce_from_tp(shifted_NV.exp().sum(dim=-1), tp)
-    return (sum_exp_N.log() - target_N).mean()
+    """Mean token cross-entropy of logits split over the vocabulary (plain cross-entropy without TP)."""
+    logits_NV = logits_BSV.reshape(-1, logits_BSV.shape[-1])
+    return _VocabParallelCrossEntropy.apply(logits_NV, labels_BS.reshape(-1), tp.group_name, tp.rank)
 
 
 @dataclass(frozen=True)

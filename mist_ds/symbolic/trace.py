@@ -7,6 +7,8 @@ each storage's creation and release (op index), i.e. the liveness that a caching
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +25,9 @@ from mist_ds.symbolic.rules import GEMM_OPS, as_expr, gemm_dims, op_flops
 
 FORWARD, BACKWARD = "fwd", "bwd"
 IGNORED_OPS = {"prim.device.default", "aten.detach.default"}
+# Ops whose real kernel returns its input's memory while the fake kernel returns a fresh tensor:
+# the memory is handed over (counted once), not duplicated.
+HANDOVER_OPS = {"_c10d_functional.wait_tensor.default"}
 
 
 @dataclass
@@ -59,6 +64,7 @@ class StorageLife:
 class Trace:
     ops: list[OpRecord] = field(default_factory=list)
     storages: dict[int, StorageLife] = field(default_factory=dict)
+    """Every storage seen, by serial number (a freed storage's address can be reused by a new one)."""
     saved: set[int] = field(default_factory=set)
     """Storages autograd saved for backward during forward."""
     param_storages: set[int] = field(default_factory=set)
@@ -93,19 +99,28 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.phase = FORWARD
-        self.unreleased: dict[int, StorageLife] = {}
+        self.unreleased: dict[int, int] = {}
+        """Storage address -> serial of the live storage at that address."""
 
-    def _track(self, tensor: torch.Tensor, index: int) -> None:
+    def track(self, tensor: torch.Tensor, index: int) -> int:
+        """Serial number of the tensor's storage, registering it (created at op `index`) if new."""
         key = storage_key(tensor)
-        if key not in self.trace.storages:
-            storage = tensor.untyped_storage()
-            life = StorageLife(nbytes=as_expr(storage.nbytes()), created=index, ref=StorageWeakRef(storage))
-            self.trace.storages[key] = self.unreleased[key] = life
+        serial = self.unreleased.get(key)
+        if serial is not None and not self.trace.storages[serial].ref.expired():
+            return serial
+        if serial is not None:  # freed, and its address already reused by this new storage
+            self.trace.storages[serial].released = index
+        storage = tensor.untyped_storage()
+        serial = len(self.trace.storages)
+        self.trace.storages[serial] = StorageLife(nbytes=as_expr(storage.nbytes()), created=index,
+                                                  ref=StorageWeakRef(storage))
+        self.unreleased[key] = serial
+        return serial
 
     def sweep(self, index: int) -> None:
         """Mark storages freed since the last sweep as released at op `index`."""
-        for key in [k for k, life in self.unreleased.items() if life.ref.expired()]:
-            self.unreleased.pop(key).released = index
+        for key in [k for k, serial in self.unreleased.items() if self.trace.storages[serial].ref.expired()]:
+            self.trace.storages[self.unreleased.pop(key)].released = index
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,7 +132,11 @@ class _Recorder(TorchDispatchMode):
         inputs = [tensor_info(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         for tensor in outputs:
-            self._track(tensor, index)
+            self.track(tensor, index)
+        if name in HANDOVER_OPS:
+            handed = self.unreleased.pop(storage_key(args[0]), None)
+            if handed is not None:
+                self.trace.storages[handed].released = index
         self.trace.ops.append(OpRecord(
             name=name, phase=self.phase, inputs=inputs, outputs=[tensor_info(x) for x in outputs],
             flops=op_flops(name, args, kwargs, out), gemm=gemm_dims(name, args) if name in GEMM_OPS else None))
@@ -151,18 +170,39 @@ def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
     output's gradient is an incoming tensor like it). `sizes` maps each name of `hints` to a SymInt.
     Returns the trace and ShapeEnv-symbol -> name, to rename expressions afterwards.
     """
-    import torch._dynamo.config as dynamo_config
-
     env = ShapeEnv()
     rename: dict = {}
     trace = Trace()
+    with _no_cyclic_gc():
+        _run(build, make_inputs, loss_of, hints, env, rename, trace)
+    return trace, rename
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Release happens by reference counts alone while tracing, as in a run with the collector
+    paused: a collection at a random op would otherwise free reference cycles at a random time."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _run(build, make_inputs, loss_of, hints, env, rename, trace) -> None:
+    import torch._dynamo.config as dynamo_config
+
     # FakeTensor's dispatch cache costs more than it saves on one pass with symbolic shapes.
     with dynamo_config.patch(fake_tensor_cache_enabled=False), FakeTensorMode(shape_env=env):
         sizes = {name: make_symint(env, name, hint, rename) for name, hint in hints.items()}
         module = build(sizes)
         module.train()
         params = list(module.parameters())
-        trace.param_storages = {storage_key(p) for p in params}
+        recorder = _Recorder(trace)
+        trace.param_storages = {recorder.track(p, -1) for p in params}
         for param in params:
             # DeepSpeed moves each gradient into its bucket / partition as soon as it is accumulated
             # (its hooks); release it likewise, so that it counts only while it is transient.
@@ -171,29 +211,26 @@ def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
         trace.param_bytes = sympy.Add(*[as_expr(p.numel()) * p.element_size() for p in params])
         inputs = make_inputs(sizes)
         tensor_inputs = [x for x in inputs if isinstance(x, torch.Tensor)]
-        trace.input_storages = {storage_key(x) for x in tensor_inputs}
+        trace.input_storages = {recorder.track(x, -1) for x in tensor_inputs}
         trace.input_bytes = sympy.Add(*[tensor_info(x).nbytes for x in tensor_inputs[:1]])
-        recorder = _Recorder(trace)
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            trace.saved.add(storage_key(tensor))
-            recorder._track(tensor, len(trace.ops) - 1)
+            trace.saved.add(recorder.track(tensor, len(trace.ops) - 1))
             return tensor
 
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             output = module(*inputs)
             target = loss_of(output, inputs) if loss_of else output
-        trace.output_storages = {storage_key(output)}
+        trace.output_storages = {recorder.track(output, len(trace.ops) - 1)}
         trace.output_bytes = tensor_info(output).nbytes
         trace.backward_start = len(trace.ops)
         recorder.phase = BACKWARD
         grad = None if loss_of else torch.empty_like(output)
         if grad is not None:  # the incoming gradient exists before backward, like the layer's input
-            trace.input_storages.add(storage_key(grad))
+            trace.input_storages.add(recorder.track(grad, -1))
         del output, inputs, tensor_inputs
         with recorder:
             target.backward(grad)
         del target, grad
         recorder.sweep(len(trace.ops))
         trace.guards = [str(g.expr) for g in env.guards]
-    return trace, rename
