@@ -10,7 +10,7 @@ import mist_ds.specs as specs_pkg
 from mist_ds.specs import cluster, model, strategy, train, tuner
 
 UNIT_SUFFIXES = ("_bytes", "_s", "_flops", "_flops_per_s", "_bytes_per_s", "_params_per_s",
-                 "_gib", "_gbps", "_tflops", "_gparams_per_s", "_per_gpu_hour")
+                 "_gib", "_gbps", "_tflops", "_gparams_per_s", "_per_gpu_hour", "_efficiency", "_us", "_gflop")
 # Dimensionless numbers: counts of things, degrees, ratios, probabilities, factors.
 COUNTS = {
     "hidden_size", "ffn_hidden_size", "vocab_size", "seq_len", "tp", "pp", "dp", "micro_batch_size", "grad_accum",

@@ -23,7 +23,9 @@ def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
     gpu = GpuSpec(
         name=cfg.gpu.name, memory_bytes=cfg.gpu.memory_gib * GIB,
         peak_flops_per_s={dtype: tflops * TERA for dtype, tflops in cfg.gpu.peak_tflops.items()},
-        hbm_bytes_per_s=cfg.gpu.hbm_gbps * GB, reserve_bytes=cfg.gpu.reserve_gib * GIB)
+        hbm_bytes_per_s=cfg.gpu.hbm_gbps * GB, reserve_bytes=cfg.gpu.reserve_gib * GIB,
+        gemm_efficiency=cfg.gpu.gemm_efficiency, gemm_half_flops=cfg.gpu.gemm_half_gflop * GIGA,
+        attention_efficiency=cfg.gpu.attention_efficiency, memory_efficiency=cfg.gpu.memory_efficiency)
     interference = InterferenceSpec(
         fallback=cfg.interference.fallback,
         factors={k: dict(v) for k, v in cfg.interference.factors.items()})
@@ -32,6 +34,7 @@ def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
         intra_node_bytes_per_s=cfg.intra_node_gbps * GB, inter_node_bytes_per_s=cfg.inter_node_gbps * GB,
         pcie_bytes_per_s=cfg.pcie_gbps * GB, cpu_memory_bytes=cfg.cpu_memory_gib * GIB,
         cpu_adam_params_per_s=cfg.cpu_adam_gparams_per_s * GIGA, interference=interference,
+        collective_latency_s=cfg.collective_latency_us * 1e-6, profile_db=cfg.profile_db,
         price_per_gpu_hour=cfg.price_per_gpu_hour)
 
 

@@ -39,6 +39,10 @@ class GpuConfig:
     peak_tflops: Dict[str, float] = MISSING  # dense peak per dtype (bf16, fp16, fp32), TFLOP/s; never 2:4 sparse
     hbm_gbps: float = MISSING  # HBM bandwidth, GB/s
     reserve_gib: float = 1.0  # held back for CUDA context, NCCL buffers, fragmentation, GiB
+    gemm_efficiency: float = 0.8  # fraction of dense peak large GEMMs reach (calibrated: see the cluster file)
+    gemm_half_gflop: float = 1.0  # GEMM size (GFLOP) at which half of gemm_efficiency is reached
+    attention_efficiency: float = 0.5  # fraction of dense peak fused attention kernels reach
+    memory_efficiency: float = 0.7  # fraction of HBM bandwidth element-wise ops reach
 
 
 @dataclass
@@ -58,7 +62,9 @@ class ClusterConfig:
     pcie_gbps: float = MISSING  # host link per GPU, one direction, GB/s, measured with all GPUs copying at once
     cpu_memory_gib: float = MISSING  # host memory per node, GiB
     cpu_adam_gparams_per_s: float = MISSING  # host optimizer (CPU Adam) speed per node, 1e9 params/s
+    collective_latency_us: float = 10.0  # per ring step of a collective and per p2p message, microseconds
     interference: InterferenceConfig = field(default_factory=InterferenceConfig)
+    profile_db: Optional[str] = None  # SQLite file of measured op times (mist-ds profile); null = roofline only
     price_per_gpu_hour: Optional[float] = None  # USD per GPU-hour; null = unknown
 
 

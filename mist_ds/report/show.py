@@ -26,8 +26,9 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     model, cluster, train, strategy = specs.model, specs.cluster, specs.train, specs.strategy
     par = strategy.parallelism
     heaviest = max(_stage_params(specs))
-    states = {str(z): float(model_state_bytes(heaviest, par.dp, z, train.dtype_bytes,
-                                              train.mixed_precision).gpu_total) for z in ZERO_STAGES}
+    states = {str(z): float(model_state_bytes(strategy.runtime, heaviest, par.dp, z, train.dtype_bytes,
+                                              train.mixed_precision, pipeline=par.pp > 1).gpu_total)
+              for z in ZERO_STAGES}
     tokens_per_step = train.global_batch_size * model.seq_len
     return {
         "params_total": model.total_params(),
@@ -39,7 +40,8 @@ def show_facts(specs: Specs) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step,
         "model_state_bytes_per_gpu": states,
         "model_state_note": (f"heaviest stage's GPU ({heaviest:,} parameters per GPU), "
-                             f"data-parallel size {par.dp}, {train.precision}"),
+                             f"data-parallel size {par.dp}, {train.precision}, runtime {strategy.runtime}, "
+                             f"peak inside the optimizer step"),
         "gpus": cluster.num_gpus,
         "peak_flops_per_gpu": cluster.gpu.peak(train.precision),
         "gpu_memory_bytes": cluster.gpu.memory_bytes,

@@ -61,6 +61,13 @@ class GpuSpec:
     hbm_bytes_per_s: float
     reserve_bytes: float
     """Held back from `memory_bytes` for the CUDA context, NCCL buffers and allocator fragmentation."""
+    gemm_efficiency: float = 0.8
+    """Fraction of dense peak reached by large GEMMs."""
+    gemm_half_flops: float = 1e9
+    """GEMM size (FLOPs) at which half of gemm_efficiency is reached."""
+    attention_efficiency: float = 0.5
+    memory_efficiency: float = 0.7
+    """Fraction of HBM bandwidth reached by memory-bound ops."""
 
     def __post_init__(self) -> None:
         require_positive("cluster.gpu.memory_gib", self.memory_bytes / GIB)
@@ -73,6 +80,11 @@ class GpuSpec:
             require_positive(f"cluster.gpu.peak_tflops.{dtype}", peak / TERA)
         require(0 <= self.reserve_bytes < self.memory_bytes, "cluster.gpu.reserve_gib",
                 self.reserve_bytes / GIB, "must be >= 0 and below cluster.gpu.memory_gib")
+        for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            require(0 < value <= 1, f"cluster.gpu.{name}", value, "an efficiency is a fraction in (0, 1]")
+        require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
+                "must be >= 0 (0 = every GEMM at gemm_efficiency)")
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -104,6 +116,9 @@ class ClusterSpec:
     cpu_adam_params_per_s: float
     """Host optimizer (CPU Adam) speed per node, parameters per second."""
     interference: InterferenceSpec
+    collective_latency_s: float = 10e-6
+    """Per ring step of a collective and per p2p message."""
+    profile_db: str | None = None
     price_per_gpu_hour: float | None = None
 
     def __post_init__(self) -> None:
@@ -117,6 +132,8 @@ class ClusterSpec:
         require_positive("cluster.pcie_gbps", self.pcie_bytes_per_s / GB)
         require_positive("cluster.cpu_memory_gib", self.cpu_memory_bytes / GIB)
         require_positive("cluster.cpu_adam_gparams_per_s", self.cpu_adam_params_per_s / GIGA)
+        require(self.collective_latency_s >= 0, "cluster.collective_latency_us", self.collective_latency_s * 1e6,
+                "must be >= 0")
         if self.price_per_gpu_hour is not None:
             require(self.price_per_gpu_hour >= 0, "cluster.price_per_gpu_hour", self.price_per_gpu_hour,
                     "must be >= 0, or null when unknown")

@@ -1,0 +1,36 @@
+"""Time of GPU compute: GEMMs by a roofline with a size-dependent efficiency, fused attention at its
+own efficiency, memory-bound ops by HBM bandwidth. Vectorized over numpy arrays; seconds."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def gemm_efficiency(flops, efficiency_max: float, half_flops: float):
+    """Fraction of dense peak a GEMM of `flops` reaches: efficiency_max * x / (x + half_flops).
+
+    A saturating curve: small GEMMs cannot fill the GPU (wave quantization, launch latency), large
+    ones approach efficiency_max; half_flops is the size at which half of it is reached.
+    """
+    flops = np.asarray(flops, dtype=np.float64)
+    return efficiency_max * flops / (flops + half_flops)
+
+
+def gemm_time_s(batch, m, n, k, dtype_bytes: int, peak_flops_per_s: float, hbm_bytes_per_s: float,
+                efficiency_max: float, half_flops: float):
+    """Roofline of (batch x) [m x k] @ [k x n]: the slower of math at the curve's efficiency and
+    moving the operands and result through HBM once."""
+    flops = 2.0 * batch * m * n * k
+    bytes_moved = dtype_bytes * batch * (m * k + k * n + m * n)
+    math_s = np.divide(flops, peak_flops_per_s * gemm_efficiency(flops, efficiency_max, half_flops),
+                       out=np.zeros_like(flops, dtype=np.float64), where=flops > 0)
+    return np.maximum(math_s, bytes_moved / hbm_bytes_per_s)
+
+
+def attention_time_s(flops, peak_flops_per_s: float, efficiency: float):
+    """Fused attention kernels: their FLOPs at a fixed fraction of peak (no causal discount, as counted)."""
+    return np.asarray(flops, dtype=np.float64) / (peak_flops_per_s * efficiency)
+
+
+def memory_bound_time_s(bytes_moved, hbm_bytes_per_s: float, efficiency: float):
+    """Element-wise ops, norms, softmax: bytes read + written at a fraction of HBM bandwidth."""
+    return np.asarray(bytes_moved, dtype=np.float64) / (hbm_bytes_per_s * efficiency)

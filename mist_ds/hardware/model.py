@@ -1,0 +1,73 @@
+"""HardwareModel: every hardware figure the cost model reads, for one cluster and training dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mist_ds.hardware import compute, host, interference, network
+from mist_ds.hardware.profile_db import ProfileDB
+from mist_ds.specs import ClusterSpec
+
+
+@dataclass(frozen=True)
+class HardwareModel:
+    cluster: ClusterSpec
+    dtype: str
+    dtype_bytes: int
+    peak_flops_per_s: float
+    interference_table: np.ndarray
+    profile: ProfileDB | None = None
+
+    # --- compute -------------------------------------------------------------------------------
+    def gemm_time_s(self, batch, m, n, k) -> np.ndarray:
+        gpu = self.cluster.gpu
+        modelled = compute.gemm_time_s(batch, m, n, k, self.dtype_bytes, self.peak_flops_per_s, gpu.hbm_bytes_per_s,
+                                       gpu.gemm_efficiency, gpu.gemm_half_flops)
+        if self.profile is None:
+            return modelled
+        measured = self.profile.lookup("gemm", batch, m, n, k)
+        return np.where(np.isnan(measured), modelled, measured)
+
+    def attention_time_s(self, flops) -> np.ndarray:
+        return compute.attention_time_s(flops, self.peak_flops_per_s, self.cluster.gpu.attention_efficiency)
+
+    def memory_bound_time_s(self, bytes_moved) -> np.ndarray:
+        gpu = self.cluster.gpu
+        return compute.memory_bound_time_s(bytes_moved, gpu.hbm_bytes_per_s, gpu.memory_efficiency)
+
+    # --- GPU-GPU ---------------------------------------------------------------------------------
+    def _net(self):
+        c = self.cluster
+        return c.gpus_per_node, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s, c.collective_latency_s
+
+    def all_reduce_time_s(self, message_bytes, size, stride) -> np.ndarray:
+        return np.where(np.asarray(size) > 1, network.all_reduce_time_s(message_bytes, size, stride, *self._net()), 0.0)
+
+    def all_gather_time_s(self, message_bytes, size, stride) -> np.ndarray:
+        return np.where(np.asarray(size) > 1, network.all_gather_time_s(message_bytes, size, stride, *self._net()), 0.0)
+
+    reduce_scatter_time_s = all_gather_time_s
+
+    def p2p_time_s(self, message_bytes, cross_node) -> np.ndarray:
+        return network.p2p_time_s(message_bytes, cross_node, *self._net())
+
+    # --- host --------------------------------------------------------------------------------------
+    def host_copy_time_s(self, bytes_moved) -> np.ndarray:
+        return host.host_copy_time_s(bytes_moved, self.cluster.pcie_bytes_per_s)
+
+    def cpu_adam_time_s(self, params_per_gpu) -> np.ndarray:
+        return host.cpu_adam_time_s(params_per_gpu, self.cluster.gpus_per_node, self.cluster.cpu_adam_params_per_s)
+
+    # --- overlap -------------------------------------------------------------------------------------
+    def overlapped_time_s(self, compute_s, g2g_s, h2d_s, d2h_s) -> np.ndarray:
+        busy = np.stack(np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
+                                              for x in (compute_s, g2g_s, h2d_s, d2h_s))), axis=-1)
+        return interference.overlapped_time_s(busy, self.interference_table)
+
+
+def hardware_model(cluster: ClusterSpec, dtype: str) -> HardwareModel:
+    profile = ProfileDB.load(cluster.profile_db, cluster.gpu.name, dtype) if cluster.profile_db else None
+    return HardwareModel(cluster=cluster, dtype=dtype, dtype_bytes={"bf16": 2, "fp16": 2, "fp32": 4}[dtype],
+                         peak_flops_per_s=cluster.gpu.peak(dtype),
+                         interference_table=interference.factor_table(cluster.interference), profile=profile)
