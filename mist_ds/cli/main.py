@@ -33,8 +33,19 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from mist_ds.config import compose
+    from mist_ds.cost.predict import predict
+    from mist_ds.report.predict import render_prediction
+
+    prediction = predict(compose(args.overrides))
+    print(json.dumps(prediction.to_dict(), indent=2) if args.json else render_prediction(prediction))
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "show": (_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
+    "predict": (_predict, "predict time and memory of the strategy in the `strategy` group"),
     "analyze": (_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
 }
 

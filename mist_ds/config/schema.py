@@ -43,6 +43,7 @@ class GpuConfig:
     gemm_half_gflop: float = 1.0  # GEMM size (GFLOP) at which half of gemm_efficiency is reached
     attention_efficiency: float = 0.5  # fraction of dense peak fused attention kernels reach
     memory_efficiency: float = 0.7  # fraction of HBM bandwidth element-wise ops reach
+    kernel_overhead_us: float = 4.0  # fixed time per GPU kernel (launch, minimum duration), microseconds
 
 
 @dataclass

@@ -119,14 +119,15 @@ def textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weight
 
 def model_state_bytes(runtime: str, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
-                      reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS) -> ModelStateBytes:
+                      reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS, bf16: bool = True) -> ModelStateBytes:
     """Model states per GPU on `runtime` (module docstring). The one function show / predict / tune use."""
     if runtime in ("deepspeed", "mist"):
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements)
-    if runtime == "megatron":  # fp32 main gradients; distributed optimizer = ZeRO-1
+    if runtime == "megatron":  # main gradients in fp32 with bf16 (its rule); distributed optimizer = ZeRO-1
         return textbook_model_states(params, dp, np.minimum(zero, 1), dtype_bytes, mixed_precision,
-                                     optimizer_offload=optimizer_offload, grad_bytes=FP32_BYTES if mixed_precision
+                                     optimizer_offload=optimizer_offload,
+                                     grad_bytes=FP32_BYTES if (mixed_precision and dtype_bytes == 2 and bf16)
                                      else None)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,
                                  optimizer_offload)

@@ -68,6 +68,8 @@ class GpuSpec:
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.7
     """Fraction of HBM bandwidth reached by memory-bound ops."""
+    kernel_overhead_s: float = 4e-6
+    """Fixed time per GPU kernel: launch latency and the shortest kernel's duration."""
 
     def __post_init__(self) -> None:
         require_positive("cluster.gpu.memory_gib", self.memory_bytes / GIB)
@@ -83,6 +85,8 @@ class GpuSpec:
         for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             require(0 < value <= 1, f"cluster.gpu.{name}", value, "an efficiency is a fraction in (0, 1]")
+        require(self.kernel_overhead_s >= 0, "cluster.gpu.kernel_overhead_us", self.kernel_overhead_s * 1e6,
+                "must be >= 0")
         require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
                 "must be >= 0 (0 = every GEMM at gemm_efficiency)")
 

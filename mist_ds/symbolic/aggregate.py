@@ -5,14 +5,15 @@ from dataclasses import dataclass
 
 import sympy
 
-from mist_ds.symbolic.rules import ATTENTION_BWD, ATTENTION_FWD, collective_bytes, memory_traffic_bytes
+from mist_ds.symbolic.rules import (ATTENTION_BWD, ATTENTION_FWD, COLLECTIVE_OPS, WAIT_OPS, collective_bytes,
+                                    is_view, memory_traffic_bytes)
 from mist_ds.symbolic.trace import BACKWARD, FORWARD, Trace
 
 # The public per-layer quantities (`mist-ds analyze --json`), then the ones the cost model also uses.
 PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_ckpt", "fwd_peak_bytes",
                "bwd_peak_bytes", "output_bytes", "tp_comm_bytes_fwd", "tp_comm_bytes_bwd")
 EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
-              "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd")
+              "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels")
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     sums = {key: sympy.Integer(0) for key in ("fwd_flops", "bwd_flops", "fwd_attention_flops",
                                               "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
                                               "tp_comm_bytes_fwd", "tp_comm_bytes_bwd", "tp_collectives_fwd",
-                                              "tp_collectives_bwd")}
+                                              "tp_collectives_bwd", "fwd_kernels", "bwd_kernels")}
     gemms = []
     for op in trace.ops:
         sums[f"{op.phase}_flops"] += op.flops
@@ -121,6 +122,8 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
         if op.gemm is not None:
             gemms.append(Gemm(op.phase, *op.gemm))
         sums[f"{op.phase}_memory_bytes"] += memory_traffic_bytes(op)
+        if not is_view(op) and op.name not in WAIT_OPS and op.name not in COLLECTIVE_OPS:
+            sums[f"{op.phase}_kernels"] += 1  # a GPU kernel launch (views and bookkeeping launch none)
         comm = collective_bytes(op)
         sums[f"tp_comm_bytes_{op.phase}"] += comm
         sums[f"tp_collectives_{op.phase}"] += 1 if comm != 0 else 0

@@ -1,0 +1,81 @@
+"""Accuracy and ranking on vTrain's single-node A100 measurements (runtime megatron, full recompute).
+
+    .venv/bin/python benchmarks/vtrain.py > benchmarks/results/vtrain.md
+
+1,440 measured iterations on 2, 4 or 8 A100s of one node, many (tp, dp, pp, micro-batch) splits per
+model. Reported: MAPE; per (model, GPU count) group the Spearman rank correlation and the top-1
+regret (how much slower the predicted-best split really was than the measured best). The cluster
+file names the subset its calibrated values were fitted on; errors are given for the fitted and
+the held-out rows separately. A constant-efficiency baseline, fitted on the same subset, beside.
+"""
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from common import mape, predict_specs, reference_rows, spearman, specs_for, top1_regret  # noqa: E402
+
+FIT_GPUS = {2, 4}  # the calibration subset of cluster/a100-80g.yaml; 8-GPU rows are held out
+
+
+def row_specs(row: dict, **gpu_changes):
+    overrides = ("model=gpt3-1.3b", f"model.name=vtrain-h{row['hidden_size']}-l{row['num_layers']}",
+                 f"model.hidden_size={row['hidden_size']}", f"model.num_layers={row['num_layers']}",
+                 f"model.num_heads={row['num_heads']}", "model.vocab_size=51200", f"model.seq_len={row['seq_len']}",
+                 "model.flash_attention=false", "cluster=a100-80g", "train.precision=fp16")
+    return specs_for(overrides, nodes=1, gpus_per_node=int(row["gpus"]), global_batch=int(row["global_batch"]),
+                     gpu_changes=gpu_changes or None, runtime="megatron", tp=int(row["tp"]), pp=int(row["pp"]),
+                     micro_batch_size=int(row["micro_batch"]), ckpt_layers="full", zero_stage=0)
+
+
+def model_flops(row: dict) -> float:
+    h, l, s, batch = (int(row[k]) for k in ("hidden_size", "num_layers", "seq_len", "global_batch"))
+    return 96 * batch * s * l * h * h * (1 + s / (6 * h) + 51200 / (16 * l * h))
+
+
+def report(rows, predicted, constant) -> None:
+    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    fit = np.array([int(r["gpus"]) in FIT_GPUS for r in rows])
+    groups = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[(r["hidden_size"], r["num_layers"], r["gpus"])].append(i)
+    print("| hidden | layers | GPUs | rows | MAPE | Spearman | top-1 regret | const. Spearman | const. regret |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    summary = defaultdict(list)
+    for (h, l, g), idx in sorted(groups.items(), key=lambda kv: (int(kv[0][0]), int(kv[0][1]), int(kv[0][2]))):
+        idx = np.array(idx)
+        rho, regret = spearman(predicted[idx], measured[idx]), top1_regret(predicted[idx], measured[idx])
+        c_rho, c_regret = spearman(constant[idx], measured[idx]), top1_regret(constant[idx], measured[idx])
+        part = "fit" if int(g) in FIT_GPUS else "held-out"
+        summary[part].append((rho, regret, c_rho, c_regret))
+        print(f"| {h} | {l} | {g} | {len(idx)} | {mape(predicted[idx], measured[idx]):.1%} | {rho:.3f} | "
+              f"{regret:.1%} | {c_rho:.3f} | {c_regret:.1%} |")
+    print()
+    for part, mask in (("fit", fit), ("held-out", ~fit)):
+        values = np.array(summary[part])
+        print(f"- {part} rows ({mask.sum()}): MAPE {mape(predicted[mask], measured[mask]):.1%} "
+              f"(constant-efficiency {mape(constant[mask], measured[mask]):.1%}); mean Spearman "
+              f"{values[:, 0].mean():.3f} (constant {values[:, 2].mean():.3f}); mean top-1 regret "
+              f"{values[:, 1].mean():.1%} (constant {values[:, 3].mean():.1%}); max regret {values[:, 1].max():.1%}")
+
+
+def main() -> None:
+    rows = reference_rows("vtrain_a100_single_node")
+    predicted = np.array([predict_specs(row_specs(r)).iteration_time_s for r in rows])
+    ideal = np.array([model_flops(r) / (int(r["gpus"]) * 312e12) for r in rows])
+    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    fit = np.array([int(r["gpus"]) in FIT_GPUS for r in rows])
+    efficiency = float(np.exp(np.mean(np.log(ideal[fit] / measured[fit]))))
+    print("# vTrain single-node A100: predicted vs measured iteration time\n")
+    print("Command: `.venv/bin/python benchmarks/vtrain.py`  ")
+    print("Runtime `megatron`, cluster `a100-80g` with gpus_per_node = the row's GPUs, fp16, full recompute, "
+          f"no flash attention, vocab 51200. Constant-efficiency baseline: e = {efficiency:.3f} "
+          "(fitted on the 2- and 4-GPU rows).\n")
+    report(rows, predicted, ideal / efficiency)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Per-layer compute and TP-collective times from a LayerCost on a HardwareModel. Seconds, arrays."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mist_ds.hardware import HardwareModel
+from mist_ds.symbolic import LayerCost
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd_compute_s: np.ndarray
+    bwd_compute_s: np.ndarray
+    fwd_tp_s: np.ndarray
+    """TP all-reduces of the forward, serial with compute (they sit between dependent GEMMs)."""
+    bwd_tp_s: np.ndarray
+
+
+def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.ndarray:
+    total = np.zeros(np.broadcast(b, s, t).shape)
+    for index, gemm in enumerate(cost.gemms):
+        if gemm[0] == phase:
+            total = total + hw.gemm_time_s(*cost.gemm_shapes(index, b, s, t))
+    total = total + hw.attention_time_s(cost(f"{phase}_attention_flops", b, s, t))
+    total = total + cost(f"{phase}_kernels", b, s, t) * hw.cluster.gpu.kernel_overhead_s
+    return total + hw.memory_bound_time_s(cost(f"{phase}_memory_bytes", b, s, t))
+
+
+def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.ndarray:
+    count = cost(f"tp_collectives_{phase}", b, s, t)
+    message = np.divide(cost(f"tp_comm_bytes_{phase}", b, s, t), count, out=np.zeros_like(count), where=count > 0)
+    return count * hw.all_reduce_time_s(message, t, 1)
+
+
+def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t) -> LayerTimes:
+    return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t),
+                      bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t),
+                      fwd_tp_s=_pass_tp_s(cost, hw, "fwd", b, s, t), bwd_tp_s=_pass_tp_s(cost, hw, "bwd", b, s, t))

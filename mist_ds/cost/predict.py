@@ -1,0 +1,105 @@
+"""Predict one strategy: iteration time, throughput, MFU, per-stage time and memory, fit."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mist_ds.cost.iteration import bubble_s, iteration_time_s
+from mist_ds.cost.simulate import simulate
+from mist_ds.cost.stage import ModelCosts, StageCandidates, norm_sync_s, stage_memory, stage_times
+from mist_ds.hardware import HardwareModel, hardware_model
+from mist_ds.specs import Specs, StrategySpec, check_runtime, runtime_capabilities
+from mist_ds.symbolic import analyze_model
+
+MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "transient", "buffers")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What `mist-ds predict --json` prints (its keys are a public interface). Seconds and bytes."""
+
+    iteration_time_s: float
+    iteration_time_closed_form_s: float
+    throughput_samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    stage_stable_s: list[float]
+    stage_delta_s: list[float]
+    bubble_s: float
+    optimizer_s: float
+    tail_s: float
+    peak_memory_bytes: list[float]
+    memory_breakdown: list[dict[str, float]]
+    fits: bool
+    host_memory_bytes: float
+    sources: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+    strategy: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_costs(specs: Specs, cache_dir: Path | None = None) -> ModelCosts:
+    layers = analyze_model(specs.model, specs.train.precision, cache_dir=cache_dir)
+    return ModelCosts(specs.model, layers["embedding"], layers["block"], layers["head"])
+
+
+def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
+    par, stages = strategy.parallelism, strategy.stages
+    per_stage = lambda attr: np.array([getattr(st, attr) for st in stages], dtype=np.float64)  # noqa: E731
+    return StageCandidates.of(
+        b=par.micro_batch_size, s=seq_len, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum,
+        stage=np.arange(par.pp), layers=per_stage("layers"), ckpt=per_stage("ckpt_layers"),
+        zero=per_stage("zero_stage"), wo=per_stage("weights_offload"), go=per_stage("grads_offload"),
+        oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"))
+
+
+def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Prediction:
+    strategy = specs.strategy
+    check_runtime(strategy)
+    caps = runtime_capabilities(strategy.runtime)
+    c = stage_candidates(strategy, specs.model.seq_len)
+    times = stage_times(costs, hw, caps, specs.train, c)
+    memory = stage_memory(costs, hw, caps, specs.train, c)
+    par = strategy.parallelism
+    world = par.num_gpus
+    tail = float(np.max(times.end_s) + norm_sync_s(hw, specs.train, world)) if np.any(times.end_s > 0) else 0.0
+    simulated, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
+                            par.grad_accum, end_s=list(times.end_s), blocking=False)
+    if tail > 0:
+        simulated += tail - float(np.max(times.end_s))  # the norm sync after every stage's end work
+    closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail))
+    tokens = par.global_batch_size * specs.model.seq_len
+    model_flops = specs.model.training_flops_per_token() * tokens
+    recompute_flops = float(np.sum(c.ckpt * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)) * par.grad_accum * par.dp
+    peak = hw.peak_flops_per_s
+    usable = specs.cluster.gpu.usable_memory_bytes
+    breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
+        "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
+    stage_gpus_per_node = min(specs.cluster.gpus_per_node, par.tp * par.dp)
+    return Prediction(
+        iteration_time_s=simulated, iteration_time_closed_form_s=closed,
+        throughput_samples_per_s=par.global_batch_size / simulated, tokens_per_s=tokens / simulated,
+        mfu=model_flops / (simulated * world * peak), hfu=(model_flops + recompute_flops) / (simulated * world * peak),
+        stage_stable_s=[float(x) for x in times.stable_s], stage_delta_s=[float(x) for x in times.delta_s],
+        bubble_s=float(bubble_s(times.stable_s)), optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
+        peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
+        fits=bool(np.all(memory.peak_bytes <= usable)),
+        host_memory_bytes=float(np.max(memory.host_bytes) * stage_gpus_per_node),
+        sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
+                 "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
+                 "host": "pcie+cpu-adam"},
+        warnings=[], strategy={"runtime": strategy.runtime, "tp": par.tp, "pp": par.pp, "dp": par.dp,
+                               "micro_batch_size": par.micro_batch_size, "grad_accum": par.grad_accum,
+                               "layers_per_stage": list(strategy.layers_per_stage),
+                               "ckpt_layers": [st.ckpt_layers for st in strategy.stages],
+                               "zero_stage": [st.zero_stage for st in strategy.stages]})
+
+
+def predict(specs: Specs, cache_dir: Path | None = None) -> Prediction:
+    return predict_strategy(specs, model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision))

@@ -1,0 +1,259 @@
+"""The stage template: per-stage stable time, first/last micro-batch extra (delta), end-of-iteration
+work, and peak memory, for arrays of candidate strategies on a given runtime (DESIGN.md).
+
+Symbols: b micro-batch, s sequence, t TP, d data parallel, S stages (pp), G micro-batches, i stage
+index, l layers, c checkpointed layers, z ZeRO stage, wo / go / oo / ao offload fractions.
+Every input broadcasts; every output is an array of seconds or bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from mist_ds.cost.layer_time import LayerTimes, layer_times
+from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
+from mist_ds.hardware import HardwareModel
+from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec
+from mist_ds.symbolic import LayerCost
+
+# Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
+# exp_avg_sq (24 bytes), read the fp32 gradient (4); the low-precision weight write is added per dtype.
+ADAM_STEP_BYTES_PER_PARAM = 28
+# Gradient-norm / overflow check: one scalar all-reduced across every GPU.
+NORM_MESSAGE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class StageCandidates:
+    """Arrays (broadcast together) describing one pipeline stage of each candidate strategy."""
+
+    b: np.ndarray
+    s: np.ndarray
+    t: np.ndarray
+    d: np.ndarray
+    pp: np.ndarray
+    G: np.ndarray
+    stage: np.ndarray
+    layers: np.ndarray
+    ckpt: np.ndarray
+    zero: np.ndarray
+    wo: np.ndarray
+    go: np.ndarray
+    oo: np.ndarray
+    ao: np.ndarray
+
+    @classmethod
+    def of(cls, **values) -> "StageCandidates":
+        arrays = np.broadcast_arrays(*(np.asarray(values[f.name], dtype=np.float64) for f in fields(cls)))
+        return cls(*arrays)
+
+    @property
+    def first(self) -> np.ndarray:
+        return (self.stage == 0).astype(np.float64)
+
+    @property
+    def last(self) -> np.ndarray:
+        return (self.stage == self.pp - 1).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    model: ModelSpec
+    embedding: LayerCost
+    block: LayerCost
+    head: LayerCost
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    stable_s: np.ndarray
+    """Steady forward + backward of one micro-batch, everything included (TP, p2p, swaps)."""
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    """The two halves of stable_s (p2p and TP collectives split by pass)."""
+    delta_s: np.ndarray
+    """(first forward + last backward) - stable: the runtime's once-per-iteration extras."""
+    first_fwd_extra_s: np.ndarray
+    last_bwd_extra_s: np.ndarray
+    end_s: np.ndarray
+    """Work after the stage's last backward before the step completes (runtimes with a tail)."""
+    compute_s: np.ndarray
+    recompute_s: np.ndarray
+    tp_s: np.ndarray
+    p2p_s: np.ndarray
+    dp_comm_s: np.ndarray
+    swap_s: np.ndarray
+    optimizer_s: np.ndarray
+    grad_reduce_s: np.ndarray
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    peak_bytes: np.ndarray
+    weights: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray
+    transient: np.ndarray
+    buffers: np.ndarray
+    host_bytes: np.ndarray
+
+
+def stage_params(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
+    """Parameters on one GPU of the stage (its TP shard); a tied head shares the embedding at S = 1."""
+    block = costs.block("params", c.b, c.s, c.t)
+    params = c.layers * block + c.first * costs.embedding("params", c.b, c.s, c.t) + c.last * costs.head(
+        "params", c.b, c.s, c.t)
+    if costs.model.tie_embeddings:
+        params = params - np.where((c.pp == 1), costs.model.vocab_size * costs.model.hidden_size / c.t, 0.0)
+    return params
+
+
+def _times(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
+    return tuple(layer_times(cost, hw, c.b, c.s, c.t) for cost in (costs.embedding, costs.block, costs.head))
+
+
+def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarray:
+    """Blocking send / recv of activations (forward) and their gradients (backward), per micro-batch.
+
+    Stage i's ranks are [i t d, (i + 1) t d): a boundary crosses nodes when a stage fills whole
+    nodes or the boundary falls on a node edge.
+    """
+    gpn = hw.cluster.gpus_per_node
+    message = costs.block("output_bytes", c.b, c.s, c.t)
+    width = c.t * c.d
+    cross_next = (width >= gpn) | (((c.stage + 1) * width) % gpn == 0)
+    cross_prev = (width >= gpn) | ((c.stage * width) % gpn == 0)
+    to_next = (1 - c.last) * hw.p2p_time_s(message, cross_next)
+    from_prev = (1 - c.first) * hw.p2p_time_s(message, cross_prev)
+    return 2 * (to_next + from_prev)  # each: activation forward, its gradient backward
+
+
+def _saved_bytes(costs: ModelCosts, c: StageCandidates) -> tuple[np.ndarray, np.ndarray]:
+    """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded."""
+    args = (c.b, c.s, c.t)
+    full = costs.block("saved_bytes", *args)
+    ckpt = costs.block("saved_bytes_ckpt", *args)
+    blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
+    ends = c.first * costs.embedding("saved_bytes", *args) + c.last * costs.head("saved_bytes", *args)
+    return blocks + ends, blocks * c.ao
+
+
+def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+                c: StageCandidates) -> StageTimes:
+    emb, block, head = _times(costs, hw, c)
+    overlap = caps.overlap
+    fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
+    recompute = c.ckpt * block.fwd_compute_s
+    bwd_compute = c.layers * block.bwd_compute_s + c.first * emb.bwd_compute_s + c.last * head.bwd_compute_s
+    fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
+    bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
+    tp = fwd_tp + bwd_tp
+    p2p = _p2p_s(costs, hw, c)
+
+    params = stage_params(costs, c)
+    b_w = hw.dtype_bytes
+    weight_bytes = b_w * params
+    # ZeRO-3 gathers the stage's weights in forward and again in backward, and reduce-scatters
+    # gradients in backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch.
+    gather = hw.all_gather_time_s(weight_bytes, c.d, c.t)
+    scatter = hw.reduce_scatter_time_s(weight_bytes, c.d, c.t)
+    fwd_g2g = np.where(c.zero == 3, gather, 0.0)
+    bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
+
+    saved, saved_offloaded = _saved_bytes(costs, c)
+    fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
+    fwd_d2h = hw.host_copy_time_s(saved_offloaded)
+    bwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes)
+    bwd_d2h = hw.host_copy_time_s(c.go * weight_bytes)
+    swap = fwd_h2d + fwd_d2h + bwd_h2d + bwd_d2h
+
+    # DeepSpeed's ZeRO-3 prefetches and overlaps its collectives with compute (overlap_comm).
+    g2g_overlapped = overlap.prefetch_weights or caps.name in ("deepspeed", "mist")
+    if overlap.offload_overlapped:
+        fwd_phase = hw.overlapped_time_s(fwd_compute, fwd_g2g, fwd_h2d, fwd_d2h)
+        bwd_phase = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, bwd_h2d, bwd_d2h)
+    else:
+        fwd_phase = np.where(g2g_overlapped & (c.zero == 3), hw.overlapped_time_s(fwd_compute, fwd_g2g, 0, 0),
+                             fwd_compute + fwd_g2g) + fwd_h2d + fwd_d2h
+        bwd_phase = (np.where(g2g_overlapped & (c.zero == 3),
+                              hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, 0, 0),
+                              bwd_compute + recompute + bwd_g2g) + bwd_h2d + bwd_d2h)
+    stable = fwd_phase + bwd_phase + tp + p2p
+
+    # End of iteration: gradient reduction over data parallel and the optimizer step.
+    grad_bytes = FP32_BYTES if caps.name == "megatron" and train.precision == "bf16" else b_w
+    reduce = np.select([c.zero <= 1, c.zero == 2],
+                       [hw.all_reduce_time_s(grad_bytes * params, c.d, c.t),
+                        hw.all_gather_time_s(weight_bytes, c.d, c.t)], default=0.0)
+    partition = np.where(c.zero >= 1, params / c.d, params)
+    gpu_step = hw.memory_bound_time_s((ADAM_STEP_BYTES_PER_PARAM + b_w) * partition * (1 - c.oo))
+    cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(
+        (FP32_BYTES + b_w) * partition * c.oo)
+    step = gpu_step + cpu_step
+    tied = np.where((c.pp > 1) & costs.model.tie_embeddings & ((c.first + c.last) > 0),
+                    hw.all_reduce_time_s(b_w * costs.model.vocab_size * costs.model.hidden_size / c.t, 2,
+                                         c.t * c.d * (c.pp - 1)), 0.0)
+
+    if overlap.optimizer_in_first_forward:
+        # Mist: the step runs per layer inside the first forward, the reduction inside the last
+        # backward; both overlap that pass's compute on their own channels.
+        first_fwd = hw.overlapped_time_s(fwd_compute + gpu_step, fwd_g2g + np.where(c.zero >= 1, gather, 0.0),
+                                         fwd_h2d + hw.host_copy_time_s(b_w * partition * c.oo),
+                                         fwd_d2h + hw.host_copy_time_s(FP32_BYTES * partition * c.oo))
+        last_bwd = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + reduce, bwd_h2d, bwd_d2h)
+        first_extra = np.maximum(first_fwd - fwd_phase, hw.cpu_adam_time_s(partition * c.oo))
+        last_extra = last_bwd - bwd_phase + tied
+        end = np.zeros_like(stable)
+    elif overlap.overlap_grad_reduce:
+        first_extra = np.zeros_like(stable)
+        last_extra = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + reduce, 0, 0) - (
+            bwd_compute + recompute + bwd_g2g)
+        end = step + tied
+    else:
+        first_extra = last_extra = np.zeros_like(stable)
+        end = reduce + step + tied
+    fwd = fwd_phase + fwd_tp + p2p / 2
+    return StageTimes(stable_s=stable, fwd_s=fwd, bwd_s=stable - fwd, delta_s=first_extra + last_extra,
+                      first_fwd_extra_s=first_extra, last_bwd_extra_s=last_extra, end_s=end,
+                      compute_s=fwd_compute + bwd_compute,
+                      recompute_s=recompute, tp_s=tp, p2p_s=p2p, dp_comm_s=fwd_g2g + bwd_g2g, swap_s=swap,
+                      optimizer_s=step, grad_reduce_s=reduce)
+
+
+def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
+    """The gradient-norm (clipping) all-reduce spanning every GPU, after the reduction."""
+    return np.where(train.grad_clip > 0, hw.all_reduce_time_s(NORM_MESSAGE_BYTES, world, 1), 0.0)
+
+
+def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+                 c: StageCandidates) -> StageMemory:
+    """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
+    args = (c.b, c.s, c.t)
+    params = stage_params(costs, c)
+    states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
+                               pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
+                               bf16=train.precision == "bf16")
+    in_flight = np.minimum(c.pp - c.stage - 1, c.G - 1) + 1
+    saved, saved_offloaded = _saved_bytes(costs, c)
+    activations = (saved - saved_offloaded) * in_flight
+    block_saved = costs.block("saved_bytes", *args)
+    transient = np.maximum.reduce([
+        costs.block("fwd_peak_bytes", *args) - block_saved,
+        costs.block("bwd_peak_bytes", *args) - block_saved,
+        np.where(c.ckpt > 0, costs.block("bwd_peak_bytes", *args) - costs.block("saved_bytes_ckpt", *args), 0.0),
+        c.first * (np.maximum(costs.embedding("fwd_peak_bytes", *args), costs.embedding("bwd_peak_bytes", *args))
+                   - costs.embedding("saved_bytes", *args)),
+        c.last * (np.maximum(costs.head("fwd_peak_bytes", *args), costs.head("bwd_peak_bytes", *args))
+                  - costs.head("saved_bytes", *args)),
+    ])
+    # Pipeline send / receive buffers of one activation each; ZeRO-3 holds the gathered layer and the
+    # prefetched next one.
+    p2p_buffers = np.where(c.pp > 1, 2 * costs.block("output_bytes", *args), 0.0)
+    gathered = np.where(c.zero == 3, 2 * hw.dtype_bytes * costs.block("params", *args), 0.0)
+    buffers = states.buffers + p2p_buffers + gathered
+    peak = states.weights + states.grads + states.optimizer + activations + transient + buffers
+    return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,
+                       activations=activations, transient=transient, buffers=buffers,
+                       host_bytes=states.host + saved_offloaded * in_flight)
