@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mist_ds.config import compose
 from mist_ds.models import TensorParallel, build_layers, vocab_parallel_cross_entropy
 from mist_ds.symbolic import analyze_layers, analyze_model
-from mist_ds.symbolic.aggregate import PUBLIC_KEYS
+from mist_ds.symbolic.layer_cost import PUBLIC_KEYS
 from mist_ds.models.attention import causal_attention
 from mist_ds.symbolic.aggregate import saved_bytes
 from mist_ds.symbolic.rules import flop_counter_mapping
@@ -283,7 +283,7 @@ def test_analyze_json_is_public_interface(tmp_path):
 def test_second_analysis_reads_the_cache(cache_dir, monkeypatch):
     spec = model("tiny")
     first = analyze_model(spec, "bf16", cache_dir=cache_dir)
-    import mist_ds.symbolic.analyze as analyze_module
+    import mist_ds.symbolic.tracing as analyze_module
 
     monkeypatch.setattr(analyze_module, "trace_layer", lambda *a, **k: pytest.fail("traced again"))
     second = analyze_model(spec, "bf16", cache_dir=cache_dir)

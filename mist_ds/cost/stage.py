@@ -57,6 +57,27 @@ class StageCandidates:
         return (self.stage == self.pp - 1).astype(np.float64)
 
 
+class ShapeIndex:
+    """Layer costs depend on (b, s, t) only, which take few distinct values among many candidates:
+    evaluate each quantity once per distinct triple and spread it back."""
+
+    def __init__(self, c: "StageCandidates") -> None:
+        # One integer key per (b, s, t): sorting integers is ~40x faster than rows (np.unique axis=0).
+        s_span, t_span = c.s.max() + 1, c.t.max() + 1
+        keys = ((c.b * s_span + c.s) * t_span + c.t).astype(np.int64).ravel()
+        unique, inverse = np.unique(keys, return_inverse=True)
+        self.inverse = inverse.reshape(c.b.shape)
+        self.t = (unique % int(t_span)).astype(np.float64)
+        self.s = ((unique // int(t_span)) % int(s_span)).astype(np.float64)
+        self.b = (unique // int(t_span * s_span)).astype(np.float64)
+
+    def __call__(self, cost: LayerCost, key: str) -> np.ndarray:
+        return cost(key, self.b, self.s, self.t)[self.inverse]
+
+    def spread(self, values: np.ndarray) -> np.ndarray:
+        return values[self.inverse]
+
+
 @dataclass(frozen=True)
 class ModelCosts:
     model: ModelSpec
@@ -100,28 +121,31 @@ class StageMemory:
     host_bytes: np.ndarray
 
 
-def stage_params(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
+def stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
     """Parameters on one GPU of the stage (its TP shard); a tied head shares the embedding at S = 1."""
-    block = costs.block("params", c.b, c.s, c.t)
-    params = c.layers * block + c.first * costs.embedding("params", c.b, c.s, c.t) + c.last * costs.head(
-        "params", c.b, c.s, c.t)
+    params = (c.layers * ev(costs.block, "params") + c.first * ev(costs.embedding, "params")
+              + c.last * ev(costs.head, "params"))
     if costs.model.tie_embeddings:
         params = params - np.where((c.pp == 1), costs.model.vocab_size * costs.model.hidden_size / c.t, 0.0)
     return params
 
 
-def _times(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
-    return tuple(layer_times(cost, hw, c.b, c.s, c.t) for cost in (costs.embedding, costs.block, costs.head))
+def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
+    out = []
+    for cost in (costs.embedding, costs.block, costs.head):
+        unique = layer_times(cost, hw, ev.b, ev.s, ev.t)
+        out.append(LayerTimes(*(ev.spread(getattr(unique, f.name)) for f in fields(LayerTimes))))
+    return tuple(out)
 
 
-def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarray:
+def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
     """Blocking send / recv of activations (forward) and their gradients (backward), per micro-batch.
 
     Stage i's ranks are [i t d, (i + 1) t d): a boundary crosses nodes when a stage fills whole
     nodes or the boundary falls on a node edge.
     """
     gpn = hw.cluster.gpus_per_node
-    message = costs.block("output_bytes", c.b, c.s, c.t)
+    message = ev(costs.block, "output_bytes")
     width = c.t * c.d
     cross_next = (width >= gpn) | (((c.stage + 1) * width) % gpn == 0)
     cross_prev = (width >= gpn) | ((c.stage * width) % gpn == 0)
@@ -130,19 +154,19 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarr
     return 2 * (to_next + from_prev)  # each: activation forward, its gradient backward
 
 
-def _saved_bytes(costs: ModelCosts, c: StageCandidates) -> tuple[np.ndarray, np.ndarray]:
+def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> tuple[np.ndarray, np.ndarray]:
     """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded."""
-    args = (c.b, c.s, c.t)
-    full = costs.block("saved_bytes", *args)
-    ckpt = costs.block("saved_bytes_ckpt", *args)
+    full = ev(costs.block, "saved_bytes")
+    ckpt = ev(costs.block, "saved_bytes_ckpt")
     blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
-    ends = c.first * costs.embedding("saved_bytes", *args) + c.last * costs.head("saved_bytes", *args)
+    ends = c.first * ev(costs.embedding, "saved_bytes") + c.last * ev(costs.head, "saved_bytes")
     return blocks + ends, blocks * c.ao
 
 
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                 c: StageCandidates) -> StageTimes:
-    emb, block, head = _times(costs, hw, c)
+    ev = ShapeIndex(c)
+    emb, block, head = _times(costs, hw, ev)
     overlap = caps.overlap
     fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
     recompute = c.ckpt * block.fwd_compute_s
@@ -150,9 +174,9 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
     bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
     tp = fwd_tp + bwd_tp
-    p2p = _p2p_s(costs, hw, c)
+    p2p = _p2p_s(costs, hw, c, ev)
 
-    params = stage_params(costs, c)
+    params = stage_params(costs, c, ev)
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
     # ZeRO-3 gathers the stage's weights in forward and again in backward, and reduce-scatters
@@ -162,7 +186,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     fwd_g2g = np.where(c.zero == 3, gather, 0.0)
     bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
 
-    saved, saved_offloaded = _saved_bytes(costs, c)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev)
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
     fwd_d2h = hw.host_copy_time_s(saved_offloaded)
     bwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes)
@@ -230,28 +254,29 @@ def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
 def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
-    args = (c.b, c.s, c.t)
-    params = stage_params(costs, c)
+    ev = ShapeIndex(c)
+    params = stage_params(costs, c, ev)
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16")
     in_flight = np.minimum(c.pp - c.stage - 1, c.G - 1) + 1
-    saved, saved_offloaded = _saved_bytes(costs, c)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev)
     activations = (saved - saved_offloaded) * in_flight
-    block_saved = costs.block("saved_bytes", *args)
+    block_saved = ev(costs.block, "saved_bytes")
+    block_bwd_peak = ev(costs.block, "bwd_peak_bytes")
     transient = np.maximum.reduce([
-        costs.block("fwd_peak_bytes", *args) - block_saved,
-        costs.block("bwd_peak_bytes", *args) - block_saved,
-        np.where(c.ckpt > 0, costs.block("bwd_peak_bytes", *args) - costs.block("saved_bytes_ckpt", *args), 0.0),
-        c.first * (np.maximum(costs.embedding("fwd_peak_bytes", *args), costs.embedding("bwd_peak_bytes", *args))
-                   - costs.embedding("saved_bytes", *args)),
-        c.last * (np.maximum(costs.head("fwd_peak_bytes", *args), costs.head("bwd_peak_bytes", *args))
-                  - costs.head("saved_bytes", *args)),
+        ev(costs.block, "fwd_peak_bytes") - block_saved,
+        block_bwd_peak - block_saved,
+        np.where(c.ckpt > 0, block_bwd_peak - ev(costs.block, "saved_bytes_ckpt"), 0.0),
+        c.first * (np.maximum(ev(costs.embedding, "fwd_peak_bytes"), ev(costs.embedding, "bwd_peak_bytes"))
+                   - ev(costs.embedding, "saved_bytes")),
+        c.last * (np.maximum(ev(costs.head, "fwd_peak_bytes"), ev(costs.head, "bwd_peak_bytes"))
+                  - ev(costs.head, "saved_bytes")),
     ])
     # Pipeline send / receive buffers of one activation each; ZeRO-3 holds the gathered layer and the
     # prefetched next one.
-    p2p_buffers = np.where(c.pp > 1, 2 * costs.block("output_bytes", *args), 0.0)
-    gathered = np.where(c.zero == 3, 2 * hw.dtype_bytes * costs.block("params", *args), 0.0)
+    p2p_buffers = np.where(c.pp > 1, 2 * ev(costs.block, "output_bytes"), 0.0)
+    gathered = np.where(c.zero == 3, 2 * hw.dtype_bytes * ev(costs.block, "params"), 0.0)
     buffers = states.buffers + p2p_buffers + gathered
     peak = states.weights + states.grads + states.optimizer + activations + transient + buffers
     return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,

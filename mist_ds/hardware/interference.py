@@ -28,19 +28,36 @@ def factor_table(spec: InterferenceSpec) -> np.ndarray:
 
 def overlapped_time_s(busy_s: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Elapsed seconds for busy_s[..., 4] (alone-times of C, G2G, H2D, D2H) run concurrently."""
-    remaining = np.array(busy_s, dtype=np.float64, copy=True)
-    elapsed = np.zeros(remaining.shape[:-1])
-    weights = 1 << np.arange(len(CHANNELS))
-    for _ in range(len(CHANNELS)):
+    busy_s = np.asarray(busy_s, dtype=np.float64)
+    shape = busy_s.shape[:-1]
+    channels = np.ascontiguousarray(busy_s.reshape(-1, len(CHANNELS)).T)  # [4, n]: reductions run along n
+    elapsed = channels.max(axis=0)  # exact wherever at most one channel is busy
+    concurrent = (channels > 0).sum(axis=0) > 1
+    if concurrent.any():
+        elapsed[concurrent] = _segments(channels[:, concurrent], table)
+    return elapsed.reshape(shape)
+
+
+def _segments(remaining: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Run the channels ([4, n] alone-times) segment by segment: until the next one finishes, under
+    the factors of the busy set. A row drops out when one channel is left: it finishes alone."""
+    remaining = remaining.copy()
+    elapsed = np.zeros(remaining.shape[1])
+    rows = np.arange(remaining.shape[1])
+    weights = (1 << np.arange(len(CHANNELS)))[:, None]
+    while rows.size:
         active = remaining > 0
-        if not active.any():
-            break
-        mask = (active * weights).sum(axis=-1)
-        factors = table[mask]  # [..., 4]
+        alone = active.sum(axis=0) <= 1
+        if alone.any():
+            elapsed[rows[alone]] += remaining[:, alone].max(axis=0)
+            keep = ~alone
+            rows, remaining, active = rows[keep], remaining[:, keep], active[:, keep]
+            if not rows.size:
+                break
+        factors = table[(active * weights).sum(axis=0)].T  # [4, n]
         finish = np.where(active, remaining * factors, np.inf)
-        step = finish.min(axis=-1)
-        step = np.where(np.isfinite(step), step, 0.0)
-        elapsed += step
-        remaining = np.where(active, np.maximum(remaining - step[..., None] / factors, 0.0), 0.0)
-        remaining = np.where(remaining < 1e-15, 0.0, remaining)
+        step = finish.min(axis=0)
+        elapsed[rows] += step
+        remaining = remaining - step / factors
+        remaining[(remaining < 1e-15) | ~active] = 0.0
     return elapsed

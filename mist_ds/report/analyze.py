@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 from mist_ds.specs import Specs
-from mist_ds.symbolic.aggregate import EXTRA_KEYS, PUBLIC_KEYS
+from mist_ds.symbolic.layer_cost import EXTRA_KEYS, PUBLIC_KEYS, PUBLIC_SYMBOL_NAMES
 from mist_ds.symbolic.analyze import analyze_model
-from mist_ds.symbolic.symbols import PUBLIC_SYMBOLS
+
 
 
 def analyze_facts(specs: Specs) -> dict[str, Any]:
@@ -16,7 +16,7 @@ def analyze_facts(specs: Specs) -> dict[str, Any]:
     """
     costs = analyze_model(specs.model, specs.train.precision)
     return {
-        "symbols": [str(x) for x in PUBLIC_SYMBOLS],
+        "symbols": list(PUBLIC_SYMBOL_NAMES),
         "layers": {kind: {key: cost.exprs[key] for key in PUBLIC_KEYS} for kind, cost in costs.items()},
         "details": {kind: {**{key: cost.exprs[key] for key in EXTRA_KEYS},
                            "gemms": [dict(zip(("phase", "batch", "m", "n", "k"), g)) for g in cost.gemms]}

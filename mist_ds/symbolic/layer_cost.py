@@ -11,6 +11,12 @@ from typing import Callable
 import numpy as np
 
 GEMM_FIELDS = ("batch", "m", "n", "k")
+PUBLIC_SYMBOL_NAMES = ("b", "s", "t")  # micro-batch, sequence length, TP degree (DESIGN.md)
+# The public per-layer quantities (`mist-ds analyze --json`), then the ones the cost model also uses.
+PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_ckpt", "fwd_peak_bytes",
+               "bwd_peak_bytes", "output_bytes", "tp_comm_bytes_fwd", "tp_comm_bytes_bwd")
+EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
+              "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels")
 
 
 def _compile(source: str) -> dict[str, Callable]:

@@ -16,7 +16,6 @@ from mist_ds.models import LayerSettings, LocalSizes, TensorParallel, layer_clas
 from mist_ds.specs import ModelSpec
 from mist_ds.symbolic.symbols import f_local, g_local, m_local, n_local, t, v_local
 
-LAYER_KINDS = ("embedding", "block", "head")
 TRACE_TP_GROUP = "mist-ds-trace"  # a group name only the trace uses: collectives recorded, never run
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Example values while tracing: distinct primes, above 1, so that no size is specialized or

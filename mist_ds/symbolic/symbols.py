@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import sympy
 
-b, s, t = sympy.symbols("b s t", positive=True, integer=True)
+from mist_ds.symbolic.layer_cost import PUBLIC_SYMBOL_NAMES
+
+b, s, t = sympy.symbols(" ".join(PUBLIC_SYMBOL_NAMES), positive=True, integer=True)
 PUBLIC_SYMBOLS: tuple[sympy.Symbol, ...] = (b, s, t)
 
 # Rank-local sizes while tracing (replaced by functions of t before anything leaves the tracer).

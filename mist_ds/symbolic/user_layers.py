@@ -21,7 +21,7 @@ import torch
 
 from mist_ds.symbolic import cache
 from mist_ds.symbolic.aggregate import aggregate
-from mist_ds.symbolic.analyze import NAME_TO_SYMBOL, TracedLayer, _rename, _tidy, layer_cost
+from mist_ds.symbolic.tracing import NAME_TO_SYMBOL, TracedLayer, _rename, _tidy, layer_cost
 from mist_ds.symbolic.cache import cache_key, default_cache_dir
 from mist_ds.symbolic.layer_cost import LayerCost
 from mist_ds.symbolic.layers import HINTS

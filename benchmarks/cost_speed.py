@@ -1,0 +1,75 @@
+"""Speed of the cost model: 10^6 stage candidates in one vectorized call, and `mist-ds predict` end to end.
+
+    .venv/bin/python benchmarks/cost_speed.py > benchmarks/results/cost_speed.md
+
+Targets (development machine, 2 cores): 10^6 candidates < 1 s; one predict end to end < 3 s (cached
+analysis, fresh process, as a user runs it).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from mist_ds.config import compose
+from mist_ds.cost.predict import model_costs
+from mist_ds.cost.stage import StageCandidates, stage_memory, stage_times
+from mist_ds.hardware import hardware_model
+from mist_ds.specs import runtime_capabilities
+
+CANDIDATES = 1_000_000
+REPEATS = 3
+
+
+def candidates(n: int, seed: int = 0) -> StageCandidates:
+    rng = np.random.default_rng(seed)
+    pp = rng.choice([1, 2, 4, 8], n)
+    layers = rng.integers(1, 25, n)
+    return StageCandidates.of(b=rng.choice([1, 2, 4], n), s=2048, t=rng.choice([1, 2, 4, 8], n),
+                              d=rng.choice([1, 2, 4, 8], n), pp=pp, G=rng.integers(1, 65, n),
+                              stage=rng.integers(0, 8, n) % pp, layers=layers, ckpt=rng.integers(0, 25, n) % (layers + 1),
+                              zero=rng.integers(0, 4, n), wo=rng.choice([0, 0.5, 1], n), go=rng.choice([0, 0.5, 1], n),
+                              oo=rng.choice([0, 0.5, 1], n), ao=rng.choice([0, 0.5, 1], n))
+
+
+def main() -> None:
+    specs = compose(["model=gpt3-13b", "cluster=a100-80g"], with_strategy=False)
+    costs = model_costs(specs)
+    hw = hardware_model(specs.cluster, specs.train.precision)
+    batch = candidates(CANDIDATES)
+    timings = {}
+    for runtime in ("deepspeed", "mist-paper"):
+        caps = runtime_capabilities(runtime)
+        timings[runtime] = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            stage_times(costs, hw, caps, specs.train, batch)
+            stage_memory(costs, hw, caps, specs.train, batch)
+            timings[runtime].append(time.perf_counter() - start)
+    command = [sys.executable, "-m", "mist_ds.cli.main", "predict", "model=gpt3-13b", "cluster=a100-80g",
+               "strategy.tp=4", "strategy.pp=2", "strategy.ckpt_layers=full", "train.global_batch_size=64"]
+    subprocess.run(command, capture_output=True, check=True)  # warm the analysis cache
+    ends = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        subprocess.run(command, capture_output=True, check=True)
+        ends.append(time.perf_counter() - start)
+    print("# Cost model speed\n")
+    print("Command: `.venv/bin/python benchmarks/cost_speed.py`  ")
+    print(f"Machine: {os.cpu_count()} cores; gpt3-13b layers; {REPEATS} repeats. Random candidates over every "
+          "knob; on mist-paper most rows run several channels at once, so the interference segments dominate.\n")
+    print("| what | median s | min s | max s | target s |")
+    print("|---|---|---|---|---|")
+    for runtime, values in timings.items():
+        print(f"| {CANDIDATES:,} stage candidates, runtime {runtime}: time + memory | {statistics.median(values):.3f} | "
+              f"{min(values):.3f} | {max(values):.3f} | 1 |")
+    print(f"| `mist-ds predict` end to end (fresh process, cached analysis) | {statistics.median(ends):.3f} | "
+          f"{min(ends):.3f} | {max(ends):.3f} | 3 |")
+
+
+if __name__ == "__main__":
+    main()
