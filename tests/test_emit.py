@@ -1,0 +1,285 @@
+"""Emitter: DeepSpeed's own config parser accepts every emitted plan, checks the batch rule for the plan's
+data-parallel size, reads back what was planned and ignores the "mist" block; unrunnable strategies are
+refused with the rule's name; output files are written atomically."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from mist_ds.config import compose
+from mist_ds.cost.memory import DEFAULT_REDUCE_BUCKET_ELEMENTS
+from mist_ds.emit import (BucketSizes, bucket_sizes, ds_config, write_atomic, write_files_atomic,
+                          write_json_atomic)
+from mist_ds.specs import ConfigError, runtime_capabilities
+
+# tiny (8 blocks, 4 heads) on one node of 8 GPUs, global batch 128 = b x G x d.
+BASE = ["model=tiny", "cluster=a100-40g"]
+
+CASES = {
+    "zero0-bf16": [],
+    "zero1-b2": ["strategy.zero_stage=1", "strategy.micro_batch_size=2"],
+    "zero2-fp16": ["strategy.zero_stage=2", "train.precision=fp16"],
+    "zero3-fp32": ["strategy.zero_stage=3", "train.precision=fp32"],
+    "pp2-tp2-zero0": ["strategy.tp=2", "strategy.pp=2"],
+    "pp2-zero1-ckpt": ["strategy.pp=2", "strategy.zero_stage=1", "strategy.ckpt_layers=full",
+                       "train.grad_clip=0"],
+    "zero1-optimizer-offload": ["strategy.zero_stage=1", "strategy.offload.optimizer=1",
+                                "strategy.offload.grads=1"],
+    "zero3-optimizer-offload-half": ["strategy.zero_stage=3", "strategy.offload.optimizer=0.5",
+                                     "strategy.offload.grads=0.5", "train.precision=fp16"],
+    "zero3-weights-offload": ["strategy.zero_stage=3", "strategy.offload.weights=1",
+                              "strategy.offload.optimizer=1", "strategy.offload.grads=1"],
+    "mist-schedule-pp2": ["strategy.runtime=mist", "strategy.schedule=mist", "strategy.pp=2",
+                          "strategy.zero_stage=1"],
+}
+
+
+def specs_of(*overrides):
+    return compose(BASE + list(overrides))
+
+
+class DataParallelMpu:
+    """DeepSpeed's duck-typed `mpu` interface (as Megatron's mpu provides it), for a plan's d ranks.
+
+    DeepSpeedConfig takes the batch rule's world size from `get_data_parallel_world_size()` once a
+    process group exists; without one it assumes 1.
+    """
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def parse():
+    """DeepSpeed's config parser in a one-rank gloo group (DeepSpeedConfig only consults `mpu` when a
+    process group exists). Global state restored after: env, the shm-op switch, the process group."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+        import torch.distributed as torch_dist
+
+        import deepspeed.ops as ds_ops
+        # Else init_distributed JIT-builds DeepSpeed's shared-memory comm op on CPU (minutes).
+        patch.setitem(ds_ops.__compatible_ops__, "deepspeed_shm_comm", False)
+        import deepspeed.comm as ds_dist
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        assert not torch_dist.is_initialized(), "another test left a process group behind"
+        torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
+        try:
+            ds_dist.init_distributed(dist_backend="gloo", verbose=False)
+            yield lambda config, dp: DeepSpeedConfig(config, mpu=DataParallelMpu(dp))
+        finally:
+            ds_dist.destroy_process_group()
+
+
+# --- DeepSpeed's parser ----------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepspeed_parses_the_plan(parse, case):
+    specs = specs_of(*CASES[case])
+    strategy, par = specs.strategy, specs.strategy.parallelism
+    config = ds_config(strategy, specs.train, specs.model)
+    assert json.loads(json.dumps(config, allow_nan=False)) == config  # plain JSON, nothing lost
+
+    parsed = parse(config, par.dp)  # runs DeepSpeed's batch assertion with world size = dp
+    assert parsed.world_size == par.dp
+    assert parsed.train_batch_size == par.micro_batch_size * par.grad_accum * par.dp == 128
+    assert parsed.train_micro_batch_size_per_gpu == par.micro_batch_size
+    assert parsed.gradient_accumulation_steps == par.grad_accum
+    stage = strategy.stages[0]
+    assert parsed.zero_optimization_stage == stage.zero_stage
+    assert parsed.bfloat16_config.enabled == (specs.train.precision == "bf16")
+    assert parsed.float16_config.enabled == (specs.train.precision == "fp16")
+    assert parsed.gradient_clipping == specs.train.grad_clip
+    assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["torch_adam"] is True
+    assert parsed.pipeline["activation_checkpoint_interval"] == 0
+    zero = parsed.zero_config
+    if stage.zero_stage > 0:
+        assert zero.reduce_bucket_size == DEFAULT_REDUCE_BUCKET_ELEMENTS
+        assert zero.overlap_comm == (stage.zero_stage == 3 and par.pp == 1)
+    optimizer_device = zero.offload_optimizer.device if zero.offload_optimizer else "none"
+    assert optimizer_device == ("cpu" if stage.optimizer_offload > 0 else "none")
+    if stage.optimizer_offload > 0:
+        assert zero.offload_optimizer.ratio == stage.optimizer_offload
+        assert parsed.zero_force_ds_cpu_optimizer is False  # torch's AdamW steps on the host
+    param_device = zero.offload_param.device if zero.offload_param else "none"
+    assert param_device == ("cpu" if stage.weights_offload == 1 else "none")
+    mist = config["mist"]
+    assert (mist["runtime"], mist["schedule"]) == (strategy.runtime, strategy.schedule)
+
+
+def test_batch_rule_is_checked_for_the_plans_dp(parse):
+    specs = specs_of("strategy.pp=2")  # d = 4: DeepSpeed's rule must use d, not the 8 GPUs
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    parse(config, 4)
+    for wrong in (1, 8):
+        with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+            parse(config, wrong)
+
+
+def test_deepspeed_ignores_the_mist_block(parse):
+    specs = specs_of(*CASES["zero3-weights-offload"])
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    without = {k: v for k, v in config.items() if k != "mist"}
+
+    def shown(value):  # plain objects (e.g. the comms config) by their fields, not their address
+        return repr(vars(value)) if " object at 0x" in repr(value) else repr(value)
+
+    def settings(parsed):
+        return {k: shown(v) for k, v in vars(parsed).items() if k != "_param_dict"}
+
+    assert settings(parse(config, 8)) == settings(parse(without, 8))
+
+
+def test_zero_block_rejects_unknown_keys(parse):
+    """The check above means something: DeepSpeed does refuse a key it does not know under ZeRO."""
+    specs = specs_of("strategy.zero_stage=2")
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    config["zero_optimization"]["mist_stage"] = 1
+    with pytest.raises(Exception, match="mist_stage"):
+        parse(config, 8)
+
+
+# --- what the emitter writes -----------------------------------------------------------------------
+def test_zero3_buckets_are_the_ones_the_cost_model_counts():
+    specs = specs_of("strategy.zero_stage=3", "strategy.tp=2")
+    zero = ds_config(specs.strategy, specs.train, specs.model)["zero_optimization"]
+    block = specs.model.block_params(2)  # one block on one TP rank
+    assert zero["stage3_prefetch_bucket_size"] == block
+    assert zero["stage3_max_live_parameters"] == 2 * block  # running + prefetched block (cost/stage.py)
+    assert zero["stage3_param_persistence_threshold"] == 0  # memory.py: no persistent parameters
+    assert zero["reduce_bucket_size"] == DEFAULT_REDUCE_BUCKET_ELEMENTS
+    without_model = ds_config(specs.strategy, specs.train)["zero_optimization"]
+    assert "stage3_prefetch_bucket_size" not in without_model  # DeepSpeed's default, left alone
+    custom = ds_config(specs.strategy, specs.train, buckets=BucketSizes(reduce_bucket_elements=1000))
+    assert custom["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert bucket_sizes(None, 1) == BucketSizes()
+
+
+def test_precision_blocks():
+    blocks = {p: ds_config(specs_of(f"train.precision={p}").strategy, specs_of(f"train.precision={p}").train)
+              for p in ("bf16", "fp16", "fp32")}
+    assert blocks["bf16"]["bf16"] == {"enabled": True} and "fp16" not in blocks["bf16"]
+    assert blocks["fp16"]["fp16"]["enabled"] and blocks["fp16"]["fp16"]["loss_scale"] == 0  # dynamic
+    assert "bf16" not in blocks["fp32"] and "fp16" not in blocks["fp32"]
+
+
+def test_mist_block_holds_every_stage():
+    specs = specs_of("strategy.pp=2", "strategy.zero_stage=1", "strategy.layers_per_stage=[3,5]",
+                     "strategy.ckpt_layers=[3,0]", "strategy.offload.optimizer=[0,1]",
+                     "strategy.offload.grads=[0,1]")
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    mist = config["mist"]
+    assert (mist["runtime"], mist["schedule"], mist["tp"], mist["pp"], mist["dp"]) == ("deepspeed", "1f1b", 1, 2, 4)
+    assert mist["layers_per_stage"] == [3, 5]
+    assert [s["layer_range"] for s in mist["stages"]] == [[0, 3], [3, 8]]
+    assert [s["ckpt_layers"] for s in mist["stages"]] == [3, 0]
+    assert [s["offload"]["optimizer"] for s in mist["stages"]] == [0.0, 1.0]
+    assert mist["overlap"] == dataclasses.asdict(runtime_capabilities("deepspeed").overlap)
+    # DeepSpeed's keys hold the first stage's local settings; the second stage's offload is in "mist" only.
+    assert "offload_optimizer" not in config["zero_optimization"]
+    assert config["zero_force_ds_cpu_optimizer"] is False
+    assert config["zero_optimization"]["overlap_comm"] is False  # pipelines need it off
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda s: dataclasses.replace(s, stages=tuple(dataclasses.replace(x, zero_stage=2) for x in s.stages)),
+     "deepspeed.pipeline-zero"),
+    (lambda s: dataclasses.replace(s, stages=tuple(dataclasses.replace(x, optimizer_offload=0.5, grads_offload=0.5)
+                                                   for x in s.stages)),
+     "deepspeed.offload-ratio-zero3"),
+    (lambda s: dataclasses.replace(s, runtime="mist-paper"), "mist-paper.not-on-deepspeed"),
+])
+def test_unrunnable_strategy_is_refused_with_its_rule(change, rule):
+    specs = specs_of("strategy.pp=2", "strategy.zero_stage=1")
+    with pytest.raises(ConfigError) as error:
+        ds_config(change(specs.strategy), specs.train, specs.model)
+    assert error.value.rule == rule and rule in str(error.value)
+
+
+def test_unknown_runtime_is_refused_by_name():
+    specs = specs_of()
+    with pytest.raises(ConfigError, match="strategy.runtime"):
+        ds_config(dataclasses.replace(specs.strategy, runtime="torchtitan"), specs.train)
+
+
+# --- atomic writes ---------------------------------------------------------------------------------
+def test_write_atomic_replaces_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "plan.txt"
+    write_atomic(target, "first")
+    write_atomic(target, b"second \xe2\x9c\x93")
+    assert target.read_bytes() == b"second \xe2\x9c\x93"
+    assert os.listdir(tmp_path) == ["plan.txt"]
+
+
+def test_unserializable_json_leaves_no_file_and_no_temporary(tmp_path):
+    target = tmp_path / "ds_config.json"
+    with pytest.raises(TypeError):
+        write_json_atomic(target, {"bad": object()})
+    with pytest.raises(ValueError):
+        write_json_atomic(target, {"nan": float("nan")})  # not JSON
+    assert os.listdir(tmp_path) == []
+    write_json_atomic(target, {"ok": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(target, {"bad": object()})
+    assert json.loads(target.read_text()) == {"ok": 1}  # the old file is untouched
+
+
+def test_failed_write_removes_its_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "plan.json"
+    write_atomic(target, "old")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(target, "new")
+    monkeypatch.undo()
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["plan.json"]
+
+
+def test_write_files_atomic_all_or_none(tmp_path):
+    paths = write_files_atomic(tmp_path, {"plan.json": "{}\n", "ds_config.json": b"{}\n"})
+    assert [p.name for p in paths] == ["plan.json", "ds_config.json"]
+    with pytest.raises(TypeError):  # the second content is bad: the first file is not replaced either
+        write_files_atomic(tmp_path, {"plan.json": "new", "ds_config.json": 3})
+    (tmp_path / "report").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_files_atomic(tmp_path, {"plan.json": "new", "report": "x"})
+    with pytest.raises(ValueError, match="plain file name"):
+        write_files_atomic(tmp_path, {"plan.json": "new", "../escape": "x"})
+    assert (tmp_path / "plan.json").read_text() == "{}\n"
+    assert sorted(os.listdir(tmp_path)) == ["ds_config.json", "plan.json", "report"]
+
+
+def test_write_files_atomic_failure_while_writing_temporaries(tmp_path, monkeypatch):
+    write_files_atomic(tmp_path, {"a.json": "old-a", "b.json": "old-b"})
+    real_fsync, calls = os.fsync, []
+
+    def fail_second(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fail_second)
+    with pytest.raises(OSError):
+        write_files_atomic(tmp_path, {"a.json": "new-a", "b.json": "new-b"})
+    monkeypatch.undo()
+    assert (tmp_path / "a.json").read_text() == "old-a" and (tmp_path / "b.json").read_text() == "old-b"
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "b.json"]
