@@ -1,0 +1,279 @@
+"""Inter-stage solver: the threshold DP and the MILP against brute force, each other, and hand-made cases."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mist_ds.tuner.partition import (Partition, StageOptions, pareto_front, partition_objective, solve_partition,
+                                     solve_partition_dp, solve_partition_milp)
+
+REL_TOL = 1e-9  # DP and brute force do the same float operations up to summation order
+MILP_REL_TOL = 1e-6  # CBC works to feasibility tolerances, on costs scaled to at most 1
+
+
+def brute_force_partition(options: list[StageOptions], S: int, L: int, G: int, imbalance: bool = True):
+    """(objective_s, layers, option) of the best split by enumeration, with the objective written the
+    way DESIGN.md states it (prefix sums), not through the DP's recurrence; None when nothing fits."""
+    table = {(o.position, o.layers): o for o in options if o.stable_s.size}
+    best = None
+    for layers in itertools.product(range(1, L + 1), repeat=S):
+        if sum(layers) != L or any((i, l) not in table for i, l in enumerate(layers)):
+            continue
+        picked = [table[i, l] for i, l in enumerate(layers)]
+        for option in itertools.product(*[range(o.stable_s.size) for o in picked]):
+            t = np.array([o.stable_s[k] for o, k in zip(picked, option)])
+            d = np.array([o.delta_s[k] for o, k in zip(picked, option)])
+            e = np.array([o.end_s[k] for o, k in zip(picked, option)])
+            prefix = np.concatenate([[0.0], np.cumsum(t)[:-1]])
+            deficit = max(0.0, float(np.max(d - prefix))) if imbalance else 0.0
+            objective = float(t.sum() + (G - 1) * t.max() + deficit + e.max())
+            if best is None or objective < best[0]:
+                best = (objective, layers, option)
+    return best
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
+
+
+def _check_consistent(p: Partition, options: list[StageOptions], L: int, G: int, imbalance: bool) -> None:
+    """A returned split is well formed and its objective_s is what its choice costs."""
+    table = {(o.position, o.layers): o for o in options}
+    assert sum(p.layers) == L and len(p.layers) == len(p.option)
+    picked = [(table[i, l], k) for i, (l, k) in enumerate(zip(p.layers, p.option))]
+    assert p.objective_s == partition_objective([o.stable_s[k] for o, k in picked], [o.delta_s[k] for o, k in picked],
+                                                [o.end_s[k] for o, k in picked], G, imbalance)
+    assert p.bound_s <= p.objective_s
+
+
+@st.composite
+def instances(draw, max_stages: int = 4):
+    """Small random problems: sparse (some (i, l) with no option), costs on a coarse grid for ties."""
+    S = draw(st.integers(1, max_stages))
+    L = draw(st.integers(S, S + 4))
+    grid = st.integers(0, 40).map(lambda n: n / 8)
+    options = []
+    for i in range(S):
+        for l in range(1, L - S + 2):
+            K = draw(st.integers(0, 3))
+            options.append(StageOptions(i, l, np.array(draw(st.lists(grid, min_size=K, max_size=K))) * l,
+                                        draw(st.lists(grid, min_size=K, max_size=K)),
+                                        draw(st.lists(st.one_of(st.just(0.0), grid), min_size=K, max_size=K))))
+    G = draw(st.sampled_from([1, 2, 3, 8, 64]))
+    return options, S, L, G, draw(st.booleans())
+
+
+@settings(derandomize=True, deadline=None, max_examples=50)
+@given(instances())
+def test_dp_and_milp_match_brute_force(case):
+    options, S, L, G, imbalance = case
+    expected = brute_force_partition(options, S, L, G, imbalance)
+    dp = solve_partition(options, S, L, G, imbalance, method="dp")
+    milp = solve_partition(options, S, L, G, imbalance, method="milp")
+    if expected is None:
+        assert dp is None and milp is None
+        return
+    assert dp.solver == "dp" and milp.solver == "milp" and dp.gap == 0.0 and milp.gap == 0.0
+    assert _close(dp.objective_s, expected[0], REL_TOL)
+    assert _close(milp.objective_s, expected[0], MILP_REL_TOL)
+    _check_consistent(dp, options, L, G, imbalance)
+    _check_consistent(milp, options, L, G, imbalance)
+
+
+def _random_pareto_options(S: int, per_stage: int, K: int, seed: int, end_levels: int | None = 1):
+    """Stages of per_stage +- 2 layers with K options on a (stable, delta) trade-off, stage 0's delta largest;
+    end_levels distinct tails (1: none), None for a continuous tail. Returns (options, L)."""
+    rng = np.random.default_rng(seed)
+    options = []
+    for i in range(S):
+        for l in range(max(1, per_stage - 2), per_stage + 3):
+            stable = np.sort(l * (0.1 + 0.05 * rng.random(K)) + 0.02 * (i == S - 1))
+            delta = np.sort(rng.random(K) * 0.5 * l * (S - i) / S)[::-1]
+            end = rng.random(K) * 0.3 if end_levels is None else rng.integers(0, end_levels, K) * 0.01
+            options.append(StageOptions(i, l, stable, delta, end))
+    return options, S * per_stage
+
+
+@pytest.mark.parametrize("G, imbalance, end_levels",
+                         [(1, True, 1), (4, True, 3), (16, False, 1), (64, True, 2), (8, True, None)])
+def test_milp_equals_dp_on_mid_size(G, imbalance, end_levels):
+    options, L = _random_pareto_options(6, 3, 6, seed=G, end_levels=end_levels)
+    dp = solve_partition_dp(options, 6, L, G, imbalance)
+    milp = solve_partition_milp(options, 6, L, G, imbalance)
+    assert milp.gap == 0.0 and _close(dp.objective_s, milp.objective_s, MILP_REL_TOL)
+
+
+def test_uneven_layers_are_optimal():
+    """A heavy last stage (the head): with many micro-batches the max stage time rules, so it gets fewer layers."""
+    S, L, G = 3, 9, 32
+    options = [StageOptions(i, l, [l + (2.5 if i == S - 1 else 0.0)], [0.0]) for i in range(S) for l in range(1, L)]
+    for method in ("dp", "milp"):  # (4, 4, 1): stage times 4, 4, 3.5; any other split has a max >= 4.5
+        p = solve_partition(options, S, L, G, method=method)
+        assert p.layers == (4, 4, 1) and p.objective_s == 11.5 + 31 * 4
+    assert brute_force_partition(options, S, L, G)[1] == (4, 4, 1)
+
+
+def test_imbalance_term_binds_on_an_unhidden_first_stage():
+    """Stage 0's delta has no earlier stage to hide behind; stage 1's is hidden by stage 0's stable time."""
+    options = [StageOptions(0, 1, [1.0, 2.5], [3.0, 0.0]), StageOptions(1, 1, [1.0], [2.0])]
+    on = solve_partition(options, 2, 2, 1, imbalance=True)
+    off = solve_partition(options, 2, 2, 1, imbalance=False)
+    assert on.option == (1, 0) and on.objective_s == 3.5  # 2.5 + 1, stage 1's delta 2 <= 2.5 hidden
+    assert off.option == (0, 0) and off.objective_s == 2.0  # the Aceso space ignores the 3 s delta
+    assert solve_partition(options, 2, 2, 1, imbalance=True, method="milp").option == (1, 0)
+
+
+def test_optimum_off_the_convex_hull_is_found():
+    """Option B = (6, 6) of stage 1 lies above the segment from A = (1, 12) to C = (10, 1): no weighted sum
+    of (stable, delta) ever picks it (Mist's sampling of the hull), yet it is the unique optimum."""
+    stable, delta = np.array([1.0, 6.0, 10.0]), np.array([12.0, 6.0, 1.0])
+    weights = np.linspace(0.0, 1.0, 2001)
+    picked = np.argmin(weights[:, None] * stable + (1 - weights[:, None]) * delta, axis=1)
+    assert 1 not in set(picked.tolist())
+    assert set(pareto_front(stable, delta).tolist()) == {0, 1, 2}
+    options = [StageOptions(0, 1, [6.0], [0.0]), StageOptions(1, 1, stable, delta)]
+    G = 10  # A: 6 + 1 + 9*6 + (12 - 6) = 67, B: 6 + 6 + 54 + 0 = 66, C: 6 + 10 + 90 = 106
+    for method in ("dp", "milp"):
+        p = solve_partition(options, 2, 2, G, method=method)
+        assert p.option == (0, 1) and p.objective_s == 66.0
+    hull_only = [options[0], StageOptions(1, 1, stable[[0, 2]], delta[[0, 2]])]
+    assert solve_partition(hull_only, 2, 2, G).objective_s == 67.0
+
+
+def test_end_term_is_the_max_over_stages():
+    options = [StageOptions(0, 1, [1.0, 2.0], [0.0, 0.0], [5.0, 0.0]), StageOptions(1, 1, [1.0], [0.0], [1.0])]
+    for method in ("dp", "milp"):
+        p = solve_partition(options, 2, 2, 1, method=method)
+        assert p.option == (1, 0) and p.objective_s == 2.0 + 1.0 + 1.0
+
+
+def test_infeasible_positions_and_layer_bounds():
+    # stage 1 cannot hold 1 layer (nothing fits in memory), so 3 layers must go 1 + 2
+    options = [StageOptions(0, 1, [5.0], [0.0]), StageOptions(0, 2, [1.0], [0.0]),
+               StageOptions(1, 1, np.array([]), np.array([])), StageOptions(1, 2, [1.0], [0.0])]
+    for method in ("dp", "milp"):
+        assert solve_partition(options, 2, 3, 1, method=method).layers == (1, 2)
+        assert solve_partition(options, 2, 4, 1, method=method).layers == (2, 2)
+        assert solve_partition(options, 2, 2, 1, method=method) is None
+        assert solve_partition(options, 2, 4, 1, method=method, layer_bounds=[(1, 1), (1, 3)]) is None
+        assert solve_partition(options, 3, 4, 1, method=method) is None  # stage 2 has no options at all
+
+
+def test_mapping_input_and_determinism():
+    options, L = _random_pareto_options(5, 3, 6, seed=7, end_levels=2)
+    by_key = {(o.position, o.layers): o for o in reversed(options)}
+    for method in ("dp", "milp"):
+        first = solve_partition(options, 5, L, 8, method=method)
+        again = solve_partition([StageOptions(o.position, o.layers, o.stable_s.copy(), o.delta_s.copy(),
+                                              o.end_s.copy()) for o in options], 5, L, 8, method=method)
+        assert first == again
+        assert solve_partition(by_key, 5, L, 8, method=method) == first
+    with pytest.raises(ValueError, match="key"):
+        solve_partition({(5, 5): options[0]}, 1, 2, 1)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="stable_s"):
+        StageOptions(0, 1, [1.0, 2.0], [0.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        StageOptions(0, 1, [-1.0], [0.0])
+    with pytest.raises(ValueError, match="L >= S"):
+        solve_partition([], 3, 2, 1)
+    with pytest.raises(ValueError, match="method"):
+        solve_partition([], 1, 1, 1, method="simplex")
+
+
+def test_dp_time_limit_returns_a_valid_bound():
+    options, L = _random_pareto_options(16, 4, 20, seed=3, end_levels=3)
+    exact = solve_partition_dp(options, 16, L, 8)
+    early = solve_partition_dp(options, 16, L, 8, time_limit_s=0.0)
+    assert early.bound_s <= exact.objective_s <= early.objective_s
+    assert early.gap == pytest.approx((early.objective_s - early.bound_s) / early.objective_s)
+
+
+def test_milp_time_limit_reports_gap_or_timeout():
+    options, L = _random_pareto_options(16, 4, 20, seed=1616, end_levels=1)
+    exact = solve_partition_dp(options, 16, L, 16)
+    try:
+        p = solve_partition_milp(options, 16, L, 16, time_limit_s=0.5)
+    except TimeoutError:
+        return
+    assert p.bound_s <= exact.objective_s * (1 + MILP_REL_TOL) and p.objective_s >= exact.objective_s * (1 - REL_TOL)
+    assert p.gap == 0.0 or p.gap == pytest.approx((p.objective_s - p.bound_s) / p.objective_s)
+
+
+@pytest.mark.parametrize("S", [16, 32])
+def test_dp_scale(S):
+    """S stages, 4 +- 2 layers each, 20 options per (stage, layers): the DP must stay interactive."""
+    for G, end_levels in ((1, 3), (4, 3), (64, 3), (8, None)):
+        options, L = _random_pareto_options(S, 4, 20, seed=S * 100 + G, end_levels=end_levels)
+        start = time.perf_counter()
+        p = solve_partition(options, S, L, G)
+        assert time.perf_counter() - start < 3.0  # measured 0.01-0.13 s, 0.7 s with a continuous tail at S=32
+        assert p.solver == "dp" and p.gap == 0.0
+        _check_consistent(p, options, L, G, True)
+
+
+@pytest.mark.parametrize("G, imbalance", [(16, False), (1, True),
+                                         pytest.param(4, True, marks=pytest.mark.slow)])  # ~20 s on CBC
+def test_milp_scale_cross_check(G, imbalance):
+    """S = 16, 20 options per (stage, layers): CBC proves the DP's optimum (slow once imbalance meets G > 1)."""
+    options, L = _random_pareto_options(16, 4, 20, seed=1600 + G, end_levels=1)
+    dp = solve_partition_dp(options, 16, L, G, imbalance)
+    milp = solve_partition_milp(options, 16, L, G, imbalance, time_limit_s=120)
+    assert milp.gap == 0.0 and _close(dp.objective_s, milp.objective_s, MILP_REL_TOL)
+
+
+# ------------------------------------------------------------------------------------------ pareto_front
+
+
+def _pareto_reference(points: np.ndarray) -> set[tuple[float, ...]]:
+    """Distinct non-dominated points by the O(n^2) definition."""
+    front = set()
+    for p in points:
+        dominated = any(np.all(q <= p) and np.any(q < p) for q in points)
+        if not dominated:
+            front.add(tuple(p))
+    return front
+
+
+@settings(derandomize=True, deadline=None, max_examples=40)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 2)), max_size=60))
+def test_pareto_front_matches_definition(rows):
+    points = np.array(rows, dtype=float).reshape(-1, 3)
+    idx = pareto_front(points[:, 0], points[:, 1], points[:, 2])
+    assert {tuple(points[i]) for i in idx} == _pareto_reference(points)
+    assert len(idx) == len({tuple(points[i]) for i in idx})  # duplicates collapsed
+    for i in idx:  # the kept copy of a duplicate is its lowest index
+        assert i == min(j for j in range(len(points)) if tuple(points[j]) == tuple(points[i]))
+    keys = [tuple(points[i]) for i in idx]
+    assert keys == sorted(keys)
+
+
+def test_pareto_front_two_criteria_order_and_empty():
+    stable, delta = [3.0, 1.0, 2.0, 2.0, 1.0, 4.0], [1.0, 5.0, 2.0, 2.0, 6.0, 1.0]
+    assert pareto_front(stable, delta).tolist() == [1, 2, 0]
+    assert pareto_front([], []).tolist() == []
+    with pytest.raises(ValueError, match="NaN"):
+        pareto_front([np.nan], [0.0])
+
+
+def test_pareto_front_is_fast_on_a_big_grid():
+    rng = np.random.default_rng(0)
+    stable = rng.random(30000)
+    delta = (1 - stable) + 0.3 * rng.random(30000)
+    end = rng.integers(0, 4, 30000) * 0.1
+    start = time.perf_counter()
+    idx = pareto_front(stable, delta, end)
+    assert time.perf_counter() - start < 2.0
+    sample = rng.choice(30000, 400, replace=False)
+    points = np.stack([stable, delta, end], axis=1)
+    front = points[idx]
+    for i in sample:  # a point off the front is dominated by some front point, one on it by none
+        dominated = np.any(np.all(front <= points[i], axis=1) & np.any(front < points[i], axis=1))
+        assert dominated != (i in set(idx.tolist()))
