@@ -3,6 +3,8 @@
 Python API (the same override strings as the `mist-ds` CLI):
     mist_ds.compose(["model=llama2-7b", "cluster=a100-80g"]) -> Specs   # validated config
     mist_ds.show([...]) -> dict                                          # `mist-ds show --json`
+    mist_ds.predict([...]) -> Prediction                                 # `mist-ds predict`
+    mist_ds.tune([...]) -> Plan                                          # `mist-ds tune` (no files)
 
 Imports are lazy so that `import mist_ds` stays cheap (torch and DeepSpeed load only when needed).
 """
@@ -27,6 +29,22 @@ def show(overrides: Sequence[str] = ()) -> dict[str, Any]:
     return show_facts(compose(overrides))
 
 
+def predict(overrides: Sequence[str] = ()):
+    """Time and memory of the strategy in `overrides` (the `strategy` group) -> Prediction."""
+    from mist_ds.cost.predict import predict as _predict
+
+    return _predict(compose(overrides))
+
+
+def tune(overrides: Sequence[str] = ()):
+    """The best plan for `overrides` -> Plan; raises mist_ds.tuner.NoPlanFits when nothing fits."""
+    from mist_ds.plan import plan_from_result
+    from mist_ds.tuner import tune_specs
+
+    specs = compose(overrides, with_strategy=False)
+    return plan_from_result(tune_specs(specs, progress=False), overrides)
+
+
 def __getattr__(name: str):
     if name == "ConfigError":
         from mist_ds.specs import ConfigError
@@ -35,4 +53,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mist_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "compose", "show"]
+__all__ = ["ConfigError", "compose", "predict", "show", "tune"]

@@ -49,7 +49,11 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
         runtime_capabilities(cfg.runtime, field="tuner.runtime")
     return TunerSpec(space=cfg.space, runtime=cfg.runtime, micro_batch_sizes=tuple(cfg.micro_batch_sizes),
                      max_tp=cfg.max_tp, workers=cfg.workers, compare_baselines=cfg.compare_baselines,
-                     milp_time_limit_s=cfg.milp_time_limit_s)
+                     milp_time_limit_s=cfg.milp_time_limit_s, layer_slack=cfg.layer_slack,
+                     weights_offload_ratios=tuple(cfg.weights_offload_ratios),
+                     grads_offload_ratios=tuple(cfg.grads_offload_ratios),
+                     optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
+                     activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet)
 
 
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:

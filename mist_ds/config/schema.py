@@ -110,6 +110,12 @@ class TunerConfig:
     workers: int = 1  # worker processes for the outer loop; the plan does not depend on it
     compare_baselines: bool = True  # also tune the megatron, deepspeed and aceso spaces and compare
     milp_time_limit_s: float = 60.0  # CBC time limit per MILP, seconds; the gap is reported if it binds
+    layer_slack: int = 2  # a stage holds L/S - slack .. L/S + slack layers (Mist's range)
+    weights_offload_ratios: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # tried wo
+    grads_offload_ratios: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # tried go
+    optimizer_offload_ratios: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # tried oo
+    activations_offload_ratios: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # tried ao
+    quiet: bool = False  # no progress bar and no baseline chatter
 
 
 @dataclass

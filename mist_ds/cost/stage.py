@@ -119,6 +119,9 @@ class StageMemory:
     transient: np.ndarray
     buffers: np.ndarray
     host_bytes: np.ndarray
+    in_flight: np.ndarray
+    """Micro-batches in flight at the peak: `activations` and `host_activations` are per micro-batch x this."""
+    host_activations: np.ndarray
 
 
 def stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
@@ -144,14 +147,24 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIn
     Stage i's ranks are [i t d, (i + 1) t d): a boundary crosses nodes when a stage fills whole
     nodes or the boundary falls on a node edge.
     """
-    gpn = hw.cluster.gpus_per_node
     message = ev(costs.block, "output_bytes")
-    width = c.t * c.d
-    cross_next = (width >= gpn) | (((c.stage + 1) * width) % gpn == 0)
-    cross_prev = (width >= gpn) | ((c.stage * width) % gpn == 0)
+    cross_prev, cross_next = stage_boundaries_cross_nodes(c.stage, c.t * c.d, hw.cluster.gpus_per_node)
     to_next = (1 - c.last) * hw.p2p_time_s(message, cross_next)
     from_prev = (1 - c.first) * hw.p2p_time_s(message, cross_prev)
     return 2 * (to_next + from_prev)  # each: activation forward, its gradient backward
+
+
+def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarray, np.ndarray]:
+    """(previous boundary, next boundary) of stage `stage` cross a node edge, when each stage holds
+    `width` = t d consecutive ranks."""
+    stage, width = np.asarray(stage), np.asarray(width)
+    whole = width >= gpus_per_node
+    return whole | ((stage * width) % gpus_per_node == 0), whole | (((stage + 1) * width) % gpus_per_node == 0)
+
+
+def in_flight_micro_batches(stage, pp, grad_accum) -> np.ndarray:
+    """Micro-batches whose activations stage `stage` holds at its 1F1B peak: min(S - i - 1, G - 1) + 1."""
+    return np.minimum(np.asarray(pp) - np.asarray(stage) - 1, np.asarray(grad_accum) - 1) + 1
 
 
 def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> tuple[np.ndarray, np.ndarray]:
@@ -259,7 +272,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16")
-    in_flight = np.minimum(c.pp - c.stage - 1, c.G - 1) + 1
+    in_flight = in_flight_micro_batches(c.stage, c.pp, c.G)
     saved, saved_offloaded = _saved_bytes(costs, c, ev)
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")
@@ -281,4 +294,5 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     peak = states.weights + states.grads + states.optimizer + activations + transient + buffers
     return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, transient=transient, buffers=buffers,
-                       host_bytes=states.host + saved_offloaded * in_flight)
+                       host_bytes=states.host + saved_offloaded * in_flight, in_flight=in_flight,
+                       host_activations=saved_offloaded * in_flight)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Mapping
 
+import numpy as np
+
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.strategy import StrategySpec
 
@@ -149,3 +151,34 @@ def _check_offload(name: str, caps: RuntimeCapabilities, i: int, s) -> None:
     if ao > 0 and not caps.activations_offload:
         raise _refuse(f"{name}.no-activation-offload", f"strategy.offload.activations[{i}]", ao,
                       f"runtime {name} cannot offload activations")
+
+
+def allowed_stage_options(caps: RuntimeCapabilities, layers: int, pipeline: bool, *, ckpt, zero, wo, go, oo,
+                          ao) -> np.ndarray:
+    """Vectorized twin of check_runtime's per-stage rules: True where one stage of `layers` blocks with
+    these options (arrays) is something the runtime can execute. The uniform-across-stages rules
+    (uniform_zero, uniform_ckpt) are the caller's: they couple stages."""
+    ckpt, zero, wo, go, oo, ao = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
+                                                       for x in (ckpt, zero, wo, go, oo, ao)))
+    ok = np.ones(ckpt.shape, dtype=bool)
+    if pipeline:
+        ok &= np.isin(zero, caps.zero_stages_with_pipeline)
+    if caps.ckpt_whole_stage_only:
+        ok &= (ckpt == 0) | (ckpt == layers)
+    if caps.weights_offload == "none":
+        ok &= wo == 0
+    elif caps.weights_offload == "zero3-all":
+        ok &= (wo == 0) | ((wo == 1) & (zero == 3))
+    if caps.grads_offload == "fraction":
+        ok &= (wo == 0) | (go > 0)
+    elif caps.grads_offload == "none":
+        ok &= go == 0
+    elif caps.grads_offload == "with-optimizer":
+        ok &= go == oo
+    if caps.optimizer_offload == "none":
+        ok &= oo == 0
+    elif caps.optimizer_offload == "whole-or-zero3-fraction":
+        ok &= (oo == 0) | ((zero >= 1) & ((oo == 1) | (zero == 3)))
+    if not caps.activations_offload:
+        ok &= ao == 0
+    return ok

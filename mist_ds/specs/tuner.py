@@ -20,6 +20,13 @@ class TunerSpec:
     """Worker processes for the outer loop (spawned); results do not depend on it."""
     compare_baselines: bool = True
     milp_time_limit_s: float = 60.0
+    layer_slack: int = 2
+    """A stage holds between L / S - slack and L / S + slack layers (Mist's range)."""
+    weights_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    grads_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    optimizer_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    activations_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    quiet: bool = False
 
     def __post_init__(self) -> None:
         require(self.space in SPACES, "tuner.space", self.space, f"use one of {', '.join(SPACES)}")
@@ -28,3 +35,9 @@ class TunerSpec:
         require_positive("tuner.max_tp", self.max_tp)
         require_positive("tuner.workers", self.workers)
         require_positive("tuner.milp_time_limit_s", self.milp_time_limit_s)
+        require(self.layer_slack >= 0, "tuner.layer_slack", self.layer_slack, "must be >= 0")
+        for kind in ("weights", "grads", "optimizer", "activations"):
+            name = f"{kind}_offload_ratios"
+            ratios = getattr(self, name)
+            require(len(ratios) > 0 and all(0.0 <= r <= 1.0 for r in ratios) and 0.0 in ratios, f"tuner.{name}",
+                    list(ratios), "give fractions in [0, 1], including 0 (no offload)")

@@ -128,6 +128,11 @@ def pareto_front(stable_s, delta_s, end_s=None) -> np.ndarray:
     fresh = np.ones(len(order), dtype=bool)
     fresh[1:] = np.any(pts[1:] != pts[:-1], axis=1)
     order, pts = order[fresh], pts[fresh]
+    if np.all(pts[:, 2] == pts[0, 2]) if len(pts) else True:
+        # One criterion constant (the common case: a runtime has either deltas or a tail): a point
+        # survives iff its delta is below every earlier point's, a sweep of O(n) after the sort.
+        best_before = np.minimum.accumulate(np.concatenate([[np.inf], pts[:-1, 1]]))
+        return order[pts[:, 1] < best_before].astype(np.int64)
     front_d, front_e, kept = np.empty(0), np.empty(0), []
     for lo in range(0, len(order), PARETO_BLOCK):
         d, e = pts[lo:lo + PARETO_BLOCK, 1], pts[lo:lo + PARETO_BLOCK, 2]

@@ -1,0 +1,73 @@
+"""`mist-ds tune`: summary.md (per stage: layers, recompute, ZeRO, offloads, times, memory and its
+margin; the iteration; the baselines) and the files of a plan, written all at once."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mist_ds.emit import ds_config, write_files_atomic
+from mist_ds.emit.ds_config import DEEPSPEED_RUNTIMES, bucket_sizes
+from mist_ds.emit.atomic import json_text
+from mist_ds.plan import Plan
+from mist_ds.specs import Specs, StrategySpec
+
+GIB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def render_summary(plan: Plan, specs: Specs, strategy: StrategySpec) -> str:
+    p, search = plan.prediction, plan.search
+    par = strategy.parallelism
+    usable = specs.cluster.gpu.usable_memory_bytes
+    lines = [
+        f"# Plan: {specs.model.name} on {specs.cluster.num_gpus}x {specs.cluster.gpu.name}",
+        "",
+        f"Runtime `{strategy.runtime}`, space `{search['space']}`: tp {par.tp} x pp {par.pp} x dp {par.dp}, "
+        f"micro-batch {par.micro_batch_size} x {par.grad_accum} accumulation steps "
+        f"(global batch {par.global_batch_size}, sequence {specs.model.seq_len}).",
+        "",
+        f"- iteration {p['iteration_time_s']:.3f} s (closed form {p['iteration_time_closed_form_s']:.3f} s), "
+        f"{p['tokens_per_s']:,.0f} tokens/s, {p['throughput_samples_per_s']:.2f} samples/s",
+        f"- MFU {p['mfu']:.1%}, HFU {p['hfu']:.1%}; bubble {p['bubble_s']:.3f} s, optimizer {p['optimizer_s']:.3f} s, "
+        f"tail {p['tail_s']:.3f} s",
+        f"- host memory per node {_gib(p['host_memory_bytes'])} GiB of {_gib(specs.cluster.cpu_memory_bytes)} GiB",
+        f"- search: {search['points_priced']} global points priced, {search['points_pruned']} pruned by their "
+        f"lower bound, {search['candidates_evaluated']:,} stage candidates, {search['seconds']:.2f} s, "
+        f"largest optimality gap {search['max_gap']:.2%}",
+        "",
+        "| stage | layers | recomputed | ZeRO | offload w / g / o / a | stable s | delta s | peak GiB | margin GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, st in enumerate(strategy.stages):
+        peak = p["peak_memory_bytes"][i]
+        lines.append(
+            f"| {i} | {st.layers} | {st.ckpt_layers} | {st.zero_stage} | {st.weights_offload:g} / {st.grads_offload:g} / "
+            f"{st.optimizer_offload:g} / {st.activations_offload:g} | {p['stage_stable_s'][i]:.4f} | "
+            f"{p['stage_delta_s'][i]:.4f} | {_gib(peak)} | {_gib(usable - peak)} |")
+    if plan.baselines:
+        lines += ["", "| baseline space | iteration s | plan's speedup | its strategy |", "|---|---|---|---|"]
+        for b in plan.baselines:
+            if b["iteration_time_s"] is None:
+                lines.append(f"| {b['space']} | no plan fits | - | - |")
+                continue
+            s = b["strategy"]
+            lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | tp {s['tp']} pp {s['pp']} "
+                         f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
+                         f"ZeRO {s['zero_stage']} |")
+    lines += ["", "Reproduce the prediction: `mist-ds predict --plan plan.json`."]
+    return "\n".join(lines) + "\n"
+
+
+def plan_files(plan: Plan, specs: Specs, strategy: StrategySpec) -> dict[str, str]:
+    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, strategy)}
+    if strategy.runtime in DEEPSPEED_RUNTIMES:
+        config = ds_config(strategy, specs.train, specs.model, bucket_sizes(specs.model, strategy.parallelism.tp))
+        files["ds_config.json"] = json_text(config)
+    return files
+
+
+def write_plan(directory: Path, plan: Plan, specs: Specs, strategy: StrategySpec) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_files_atomic(directory, plan_files(plan, specs, strategy))

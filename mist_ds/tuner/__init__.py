@@ -1,0 +1,108 @@
+"""Tuner: the best strategy of a space on a runtime, with the baselines' best for comparison.
+
+    tune_specs(specs) -> TuneResult     # or raises NoPlanFits with the explanation
+
+Hierarchical (DESIGN.md): global points (space.py) in lower-bound order (search.py), per point the
+intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
+from mist_ds.hardware import hardware_model
+from mist_ds.specs import Specs
+from mist_ds.tuner.search import SearchResult, search
+from mist_ds.tuner.space import tuner_runtime
+
+BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
+GIB = 2**30
+
+
+class NoPlanFits(Exception):
+    """No strategy of the space fits in memory; the message explains what binds and what would help."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    space: str
+    prediction: Prediction | None
+    search: SearchResult
+    speedup: float | None
+    """Baseline iteration time / the plan's (> 1: the plan is faster); None when nothing of it fits."""
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    specs: Specs
+    prediction: Prediction
+    search: SearchResult
+    baselines: tuple[Baseline, ...]
+
+    @property
+    def strategy(self):
+        return self.search.best.strategy
+
+
+def _predict(specs: Specs, strategy, costs, hw) -> Prediction:
+    return predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw)
+
+
+def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
+    """Least memory any plan needs per GPU against what the GPU has, what takes it, what would help."""
+    usable = specs.cluster.gpu.usable_memory_bytes
+    tried = [p for p in result.points if p.closest is not None]
+    if not tried:
+        return (f"no layout of {specs.cluster.num_gpus} GPUs suits model {specs.model.name} in space "
+                f"{result.space} (tensor parallel must divide the heads; global batch {specs.train.global_batch_size} "
+                f"must split over micro-batches x data parallel): change train.global_batch_size or "
+                f"tuner.micro_batch_sizes")
+    nearest = min(tried, key=lambda p: (p.least_peak_bytes, p.point))
+    prediction = _predict(specs, nearest.closest, costs, hw)
+    stage = max(range(len(prediction.peak_memory_bytes)), key=lambda i: prediction.peak_memory_bytes[i])
+    parts = prediction.memory_breakdown[stage]
+    binding = max(("weights", "grads", "optimizer", "activations", "transient", "buffers"), key=lambda k: parts[k])
+    states = parts["weights"] + parts["grads"] + parts["optimizer"]
+    need = nearest.least_peak_bytes
+    fixes = []
+    if binding == "activations" or parts["activations"] > states:
+        fixes.append("a smaller micro-batch (tuner.micro_batch_sizes=[1]) or a shorter model.seq_len")
+    fixes.append(f"more GPUs (cluster.nodes > {specs.cluster.nodes}): ZeRO and pipelines shard the model states")
+    if result.runtime not in ("mist-paper",):
+        fixes.append("a runtime with more offload (tuner.runtime=mist-paper prices what DeepSpeed cannot run)")
+    fixes.append(f"a GPU with more than {need / GIB:.1f} GiB (cluster=a100-80g, h100-80g, h200-141g)")
+    p = nearest.point
+    return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU (tp {p.tp}, pp {p.pp}, dp {p.dp}, "
+            f"micro-batch {p.micro_batch_size}), the GPU has {usable / GIB:.2f} GiB usable "
+            f"(cluster.gpu.memory_gib minus cluster.gpu.reserve_gib). On its fullest stage {binding} take the most "
+            f"({parts[binding] / GIB:.2f} GiB; model states {states / GIB:.2f} GiB, activations "
+            f"{parts['activations'] / GIB:.2f} GiB). What would fit: " + "; ".join(fixes) + ".")
+
+
+def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | None = None,
+               baselines: bool | None = None) -> TuneResult:
+    """The best plan of specs.tuner.space on its runtime; the megatron, deepspeed and aceso spaces'
+    best with the plan's speedup over each (unless baselines are off). Raises NoPlanFits."""
+    costs = model_costs(specs, cache_dir)
+    hw = hardware_model(specs.cluster, specs.train.precision)
+    show = (not specs.tuner.quiet) if progress is None else progress
+    runtime = tuner_runtime(specs.tuner)
+    result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=show and None)
+    if result.best is None:
+        raise NoPlanFits(explain_no_fit(specs, result, costs, hw))
+    prediction = _predict(specs, result.best.strategy, costs, hw)
+    compare = specs.tuner.compare_baselines if baselines is None else baselines
+    found = []
+    for space in (BASELINE_SPACES if compare else ()):
+        if space == result.space:
+            continue
+        other = search(specs, space=space, runtime=runtime, cache_dir=cache_dir, progress=show and None)
+        other_prediction = _predict(specs, other.best.strategy, costs, hw) if other.best else None
+        speedup = other_prediction.iteration_time_s / prediction.iteration_time_s if other_prediction else None
+        found.append(Baseline(space, other_prediction, other, speedup))
+    return TuneResult(specs=specs, prediction=prediction, search=result, baselines=tuple(found))
+
+
+__all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "TuneResult", "explain_no_fit", "tune_specs"]

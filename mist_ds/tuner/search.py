@@ -1,0 +1,322 @@
+"""The outer loop: every global point (t, S, d, b, G) of the space, in lower-bound order, pruned when
+its bound exceeds the best plan found; per point the intra-stage fronts and the partition solver
+(free-stage spaces) or a direct vectorized evaluation (fixed-partition spaces).
+
+Determinism: points are priced in fixed rounds of fixed chunks, whatever the worker count; a point is
+pruned only when its bound is strictly above the best time, so pruning never changes the optimum, and
+ties are broken by the point's order.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mist_ds.cost.layer_time import layer_times
+from mist_ds.cost.predict import model_costs
+from mist_ds.cost.stage import ModelCosts, StageCandidates, norm_sync_s, stage_memory, stage_times
+from mist_ds.cost.iteration import iteration_time_s
+from mist_ds.hardware import HardwareModel, hardware_model
+from mist_ds.specs import Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec, runtime_capabilities
+from mist_ds.specs.runtime import allowed_stage_options
+from mist_ds.specs.strategy import partition_uniform
+from mist_ds.tuner.intra import position_memory, price_options, stage_fronts
+from mist_ds.tuner.partition import solve_partition
+from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, OptionGrids, fixed_partitions,
+                                 global_points, layer_counts, stage_option_grid, tuner_runtime)
+
+CHUNK_POINTS = 4
+CHUNKS_PER_ROUND = 4
+MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "transient", "buffers")
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What every worker needs; rebuilt in each process from the specs (the analysis is cached on disk)."""
+
+    specs: Specs
+    space: str
+    runtime: str
+    cache_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """The best strategy of one global point (None when nothing fits) and what pricing it took."""
+
+    point: GlobalPoint
+    variant: tuple[tuple[str, int], ...]
+    """Uniform choices the runtime imposes, fixed per run of the solver (e.g. (("zero", 1),))."""
+    lower_bound_s: float
+    objective_s: float | None
+    strategy: StrategySpec | None
+    candidates: int
+    gap: float = 0.0
+    solver: str = ""
+    least_peak_bytes: float = math.inf
+    """The least GPU peak any option of this point needs on its most loaded stage (bytes)."""
+    closest: StrategySpec | None = None
+    """The strategy of this point that comes closest to fitting (for the no-fit explanation)."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    space: str
+    runtime: str
+    best: PointResult | None
+    points: tuple[PointResult, ...]
+    pruned: tuple[tuple[GlobalPoint, float], ...]
+    seconds: float
+
+    @property
+    def candidates(self) -> int:
+        return sum(p.candidates for p in self.points)
+
+
+def option_grids(specs: Specs) -> OptionGrids:
+    tuner = specs.tuner
+    return OptionGrids(weights=tuner.weights_offload_ratios, grads=tuner.grads_offload_ratios,
+                       optimizer=tuner.optimizer_offload_ratios, activations=tuner.activations_offload_ratios)
+
+
+# --- lower bound ---------------------------------------------------------------------------------------
+
+def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint) -> float:
+    """No plan of `point` is faster: every stage's stable time is at least its compute and TP time,
+    so sum_i T_i >= L m + embedding + head and max_i T_i >= sum_i T_i / S."""
+    b, s, t = (np.array([float(x)]) for x in (point.micro_batch_size, costs.model.seq_len, point.tp))
+    per = [layer_times(cost, hw, b, s, t) for cost in (costs.embedding, costs.block, costs.head)]
+    serial = [float((x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s)[0]) for x in per]
+    total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
+    return total * (1 + (point.grad_accum - 1) / point.pp)
+
+
+# --- one point -------------------------------------------------------------------------------------------
+
+def _variants(caps: RuntimeCapabilities, space: str, grid_zero: np.ndarray, point: GlobalPoint,
+              min_layers: int) -> list[tuple[tuple[str, int], ...]]:
+    """Choices a runtime forces to be equal on every stage, enumerated outside the partition solver."""
+    zeros = sorted({int(z) for z in grid_zero}) if caps.uniform_zero and point.pp > 1 else [None]
+    ckpts = list(range(min_layers + 1)) if caps.uniform_ckpt and point.pp > 1 else [None]
+    out = []
+    for z in zeros:
+        for k in ckpts:
+            out.append(tuple((name, v) for name, v in (("zero", z), ("ckpt", k)) if v is not None))
+    return out
+
+
+def _stage_strategies(options: dict[str, np.ndarray], layers: list[int], chosen: list[int]) -> tuple[StageStrategy, ...]:
+    return tuple(StageStrategy(layers=int(l), ckpt_layers=int(options["ckpt"][k]), zero_stage=int(options["zero"][k]),
+                               weights_offload=float(options["wo"][k]), grads_offload=float(options["go"][k]),
+                               optimizer_offload=float(options["oo"][k]), activations_offload=float(options["ao"][k]))
+                 for l, k in zip(layers, chosen))
+
+
+def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...]) -> StrategySpec:
+    par = Parallelism(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch_size=point.micro_batch_size,
+                      grad_accum=point.grad_accum)
+    return StrategySpec(runtime=runtime, parallelism=par, stages=stages, schedule="1f1b")
+
+
+def _memory_limits(specs: Specs) -> tuple[float, float]:
+    cluster = specs.cluster
+    return cluster.gpu.usable_memory_bytes, cluster.cpu_memory_bytes / cluster.gpus_per_node
+
+
+def _least_peak(priced, layers: tuple[int, ...]) -> tuple[float, list[int]]:
+    """(the largest over positions of the least peak any option needs there, bytes; per position the
+    option of least peak among those holding layers[i] blocks): no plan of the point needs less, and
+    the options picked form the plan that comes closest to fitting."""
+    worst, chosen = 0.0, []
+    for i, l in enumerate(layers):
+        peak, _ = position_memory(priced, i)
+        peak = np.where(priced.layers == l, peak, np.inf)
+        j = int(np.argmin(peak))
+        worst, chosen = max(worst, float(np.min(position_memory(priced, i)[0]))), chosen + [j]
+    return worst, chosen
+
+
+def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
+                point: GlobalPoint, bound: float) -> list[PointResult]:
+    specs = ctx.specs
+    L = specs.model.num_layers
+    counts = layer_counts(L, point.pp, specs.tuner.layer_slack)
+    priced = price_options(costs, hw, caps, specs.train, point, ctx.space, option_grids(specs), counts)
+    usable, host = _memory_limits(specs)
+    uniform = partition_uniform(L, point.pp)
+    least, nearest = _least_peak(priced, uniform)
+    closest = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(uniform), nearest))
+    tail_extra = float(norm_sync_s(hw, specs.train, point.tp * point.pp * point.dp))
+    results = []
+    for variant in _variants(caps, ctx.space, priced.options["zero"], point, min(counts)):
+        allowed = np.ones(priced.layers.size, dtype=bool)
+        for name, value in variant:
+            allowed &= priced.options[name] == value
+        fronts = stage_fronts(priced, usable, host, allowed)
+        partition = solve_partition(fronts.options, point.pp, L, point.grad_accum,
+                                    imbalance=ctx.space != "aceso", time_limit_s=specs.tuner.milp_time_limit_s)
+        if partition is None:
+            results.append(PointResult(point, variant, bound, None, None, priced.count, least_peak_bytes=least,
+                                       closest=closest))
+            continue
+        chosen = [int(fronts.indices[(i, l)][k]) for i, (l, k) in enumerate(zip(partition.layers, partition.option))]
+        strategy = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(partition.layers), chosen))
+        objective = partition.objective_s
+        if max(float(priced.end_s[priced.position_class[i], j]) for i, j in enumerate(chosen)) > 0:
+            objective += tail_extra
+        results.append(PointResult(point, variant, bound, objective, strategy, priced.count, gap=partition.gap,
+                                   solver=partition.solver, least_peak_bytes=least, closest=closest))
+    return results
+
+
+def ckpt_choices(layers: tuple[int, ...], space: str) -> np.ndarray:
+    """[choices, S] recompute counts for spaces with one option on every stage: the same count k on
+    every stage (Megatron's uniform recompute), or every layer of every stage ("full")."""
+    if space == "deepspeed":
+        return np.zeros((1, len(layers)))
+    uniform = np.repeat(np.arange(min(layers) + 1, dtype=np.float64)[:, None], len(layers), axis=1)
+    full = np.array(layers, dtype=np.float64)[None, :]
+    return np.unique(np.concatenate([uniform, full]), axis=0)
+
+
+def _fixed_candidates(caps: RuntimeCapabilities, space: str, grids: OptionGrids, layers: tuple[int, ...],
+                      pipeline: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(ckpt [n, S], other options [n] each) every stage of the partition can run."""
+    others = stage_option_grid(caps, space, grids, 1, pipeline)
+    keys = [k for k in OPTION_KEYS if k != "ckpt"]
+    rows = np.unique(np.stack([others[k] for k in keys], axis=1), axis=0)
+    ckpt = ckpt_choices(layers, space)
+    pick_ckpt, pick_row = (a.ravel() for a in np.meshgrid(np.arange(len(ckpt)), np.arange(len(rows)), indexing="ij"))
+    ckpt, options = ckpt[pick_ckpt], {k: rows[pick_row, j] for j, k in enumerate(keys)}
+    ok = np.ones(len(ckpt), dtype=bool)
+    for i, l in enumerate(layers):
+        ok &= allowed_stage_options(caps, l, pipeline, ckpt=ckpt[:, i], **options)
+    return ckpt[ok], {k: v[ok] for k, v in options.items()}
+
+
+def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
+                 point: GlobalPoint, bound: float) -> list[PointResult]:
+    """Spaces with a fixed partition and one option for every stage: price [candidates, S] directly."""
+    specs = ctx.specs
+    usable, host = _memory_limits(specs)
+    S, L = point.pp, specs.model.num_layers
+    world = point.tp * S * point.dp
+    best, closest, count = None, None, 0
+    for layers in fixed_partitions(L, S, ctx.space, specs.tuner.layer_slack):
+        ckpt, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1)
+        if not len(ckpt):
+            continue
+        column = {k: v[:, None] for k, v in opts.items()}
+        c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
+                               G=point.grad_accum, stage=np.arange(S)[None, :], layers=np.array(layers)[None, :],
+                               ckpt=ckpt, **column)
+        times = stage_times(costs, hw, caps, specs.train, c)
+        memory = stage_memory(costs, hw, caps, specs.train, c)
+        count += times.stable_s.size
+        worst_peak = np.max(memory.peak_bytes, axis=1)
+        j = int(np.argmin(worst_peak))
+        if closest is None or worst_peak[j] < closest[0]:
+            closest = (float(worst_peak[j]), _uniform_stages(layers, ckpt[j], opts, j))
+        tail = np.max(times.end_s, axis=1)
+        tail = np.where(tail > 0, tail + norm_sync_s(hw, specs.train, world), 0.0)
+        total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail)
+        ok = np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
+        if ok.any():
+            j = int(np.flatnonzero(ok)[np.argmin(total[ok])])
+            if best is None or total[j] < best[0]:
+                best = (float(total[j]), _uniform_stages(layers, ckpt[j], opts, j))
+    least, near = closest if closest else (math.inf, None)
+    near = _strategy(ctx.runtime, point, near) if near else None
+    if best is None:
+        return [PointResult(point, (), bound, None, None, count, least_peak_bytes=least, closest=near)]
+    return [PointResult(point, (), bound, best[0], _strategy(ctx.runtime, point, best[1]), count, solver="direct",
+                        least_peak_bytes=least, closest=near)]
+
+
+def _uniform_stages(layers, ckpt_row, opts, j) -> tuple[StageStrategy, ...]:
+    return tuple(StageStrategy(layers=int(l), ckpt_layers=int(c), zero_stage=int(opts["zero"][j]),
+                               weights_offload=float(opts["wo"][j]), grads_offload=float(opts["go"][j]),
+                               optimizer_offload=float(opts["oo"][j]), activations_offload=float(opts["ao"][j]))
+                 for l, c in zip(layers, ckpt_row))
+
+
+# --- workers ------------------------------------------------------------------------------------------------
+
+def _state(ctx: SearchContext) -> tuple:
+    """(costs, hardware, capabilities): the analysis loads from the disk cache in milliseconds."""
+    costs = model_costs(ctx.specs, ctx.cache_dir)
+    hw = hardware_model(ctx.specs.cluster, ctx.specs.train.precision)
+    return costs, hw, runtime_capabilities(ctx.runtime, "tuner.runtime")
+
+
+def price_points(ctx: SearchContext, chunk: list[tuple[GlobalPoint, float]], state: tuple | None = None
+                 ) -> list[PointResult]:
+    costs, hw, caps = state or _state(ctx)
+    price = _free_point if ctx.space in FREE_STAGE_SPACES else _fixed_point
+    out = []
+    for point, bound in chunk:
+        out.extend(price(ctx, costs, hw, caps, point, bound))
+    return out
+
+
+def _best(results) -> PointResult | None:
+    feasible = [r for r in results if r.objective_s is not None]
+    return min(feasible, key=lambda r: (r.objective_s, r.point, r.variant)) if feasible else None
+
+
+def search(specs: Specs, space: str | None = None, runtime: str | None = None, cache_dir: Path | None = None,
+           progress: bool | None = None) -> SearchResult:
+    """Best strategy of `space` (default specs.tuner.space) on `runtime` (default: the tuner's)."""
+    start = time.perf_counter()
+    space = space or specs.tuner.space
+    runtime = runtime or tuner_runtime(specs.tuner)
+    ctx = SearchContext(specs=specs, space=space, runtime=runtime, cache_dir=cache_dir)
+    state = _state(ctx)
+    costs, hw, _ = state
+    points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space)
+    ordered = sorted(((p, lower_bound_s(costs, hw, p)) for p in points), key=lambda pb: (pb[1], pb[0]))
+    results: list[PointResult] = []
+    pruned: list[tuple[GlobalPoint, float]] = []
+    chunks = [ordered[i:i + CHUNK_POINTS] for i in range(0, len(ordered), CHUNK_POINTS)]
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _progress_bar(len(ordered), show)
+    pool = (ProcessPoolExecutor(specs.tuner.workers, mp_context=multiprocessing.get_context("spawn"))
+            if specs.tuner.workers > 1 and len(chunks) > 1 else None)
+    try:
+        for r in range(0, len(chunks), CHUNKS_PER_ROUND):
+            best = _best(results)
+            todo = []
+            for chunk in chunks[r:r + CHUNKS_PER_ROUND]:
+                keep = [(p, b) for p, b in chunk if best is None or b <= best.objective_s]
+                pruned.extend((p, b) for p, b in chunk if not (best is None or b <= best.objective_s))
+                if keep:
+                    todo.append(keep)
+            priced = pool.map(price_points, [ctx] * len(todo), todo) if pool else (price_points(ctx, c, state) for c in todo)
+            for chunk_results in priced:
+                results.extend(chunk_results)
+            if bar is not None:
+                bar.update(sum(len(c) for c in chunks[r:r + CHUNKS_PER_ROUND]))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+        if bar is not None:
+            bar.close()
+    return SearchResult(space=space, runtime=runtime, best=_best(results), points=tuple(results),
+                        pruned=tuple(pruned), seconds=time.perf_counter() - start)
+
+
+def _progress_bar(total: int, show: bool):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="point", desc="tuning", leave=False, file=sys.stderr)
+
+
+__all__ = ["PointResult", "SearchContext", "SearchResult", "lower_bound_s", "option_grids", "price_points", "search"]

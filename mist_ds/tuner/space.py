@@ -1,0 +1,134 @@
+"""The search space (DESIGN.md): global points (t, S, d, b, G) and, per stage, option grids
+(c, z, wo, go, oo, ao) that the runtime can execute and the space allows.
+
+Spaces:
+- mist: everything the runtime can run; layers per stage within `layer_slack` of L / S.
+- aceso: uneven partition and per-stage recompute; no ZeRO, no offload, no imbalance term.
+- megatron: uniform partition (or uneven first / last stage), the same recompute count k on every
+  stage, ZeRO-1 (distributed optimizer), one optimizer offload fraction for all stages.
+- deepspeed: what DeepSpeed's autotuner explores: data parallel only (t = S = 1), ZeRO 0-3, b.
+- uniform: uniform partition, the same per-stage option on every stage.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from mist_ds.specs import ClusterSpec, ConfigError, ModelSpec, RuntimeCapabilities, TrainSpec, TunerSpec
+from mist_ds.specs.runtime import allowed_stage_options
+from mist_ds.specs.strategy import partition_uniform
+
+OPTION_KEYS = ("ckpt", "zero", "wo", "go", "oo", "ao")
+# Spaces whose stages are free (per-stage Pareto sets + the partition solver); the others fix the
+# partition and use one option for every stage.
+FREE_STAGE_SPACES = ("mist", "aceso")
+
+
+@dataclass(frozen=True, order=True)
+class GlobalPoint:
+    """One global layout; d = GPUs / (t S), G = global batch / (b d)."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    grad_accum: int
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _tp_ok(model: ModelSpec, t: int) -> bool:
+    try:
+        model.check_tensor_parallel(t)
+    except ConfigError:
+        return False
+    return True
+
+
+def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
+                  space: str) -> list[GlobalPoint]:
+    """Every (t, S, d, b, G) the space allows, in a fixed order. TP stays inside a node."""
+    gpus = cluster.num_gpus
+    points = []
+    for t in divisors(cluster.gpus_per_node):
+        if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:
+            continue
+        for S in divisors(gpus // t):
+            if S > model.num_layers:
+                continue
+            if space == "deepspeed" and (t > 1 or S > 1):
+                continue
+            d = gpus // (t * S)
+            for b in tuner.micro_batch_sizes:
+                if train.global_batch_size % (b * d):
+                    continue
+                points.append(GlobalPoint(t, S, d, b, train.global_batch_size // (b * d)))
+    return points
+
+
+def layer_counts(num_layers: int, num_stages: int, slack: int) -> list[int]:
+    """Layer counts a stage may take: within `slack` of L / S, at least 1, leaving 1 for each other stage."""
+    if num_stages == 1:
+        return [num_layers]
+    mean = num_layers / num_stages
+    low = max(1, int(np.floor(mean)) - slack)
+    high = min(num_layers - (num_stages - 1), int(np.ceil(mean)) + slack)
+    return list(range(low, high + 1))
+
+
+def fixed_partitions(num_layers: int, num_stages: int, space: str, slack: int) -> list[tuple[int, ...]]:
+    """Partitions of the fixed-partition spaces: uniform; megatron also tries uneven first / last stages
+    (Megatron-LM's --decoder-first/last-pipeline-num-layers) with equal middle stages."""
+    uniform = partition_uniform(num_layers, num_stages)
+    out = [uniform]
+    if space == "megatron" and num_stages > 2:
+        for first, last in itertools.product(layer_counts(num_layers, num_stages, slack), repeat=2):
+            middle, rest = divmod(num_layers - first - last, num_stages - 2)
+            if rest == 0 and middle >= 1:
+                out.append((first, *([middle] * (num_stages - 2)), last))
+    return sorted(set(out), key=lambda p: (p != uniform, p))
+
+
+@dataclass(frozen=True)
+class OptionGrids:
+    """Ratios the tuner tries (fractions in [0, 1])."""
+
+    weights: tuple[float, ...]
+    grads: tuple[float, ...]
+    optimizer: tuple[float, ...]
+    activations: tuple[float, ...]
+
+
+def stage_option_grid(caps: RuntimeCapabilities, space: str, grids: OptionGrids, layers: int,
+                      pipeline: bool) -> dict[str, np.ndarray]:
+    """All per-stage options for a stage of `layers` blocks: 1-D arrays keyed by OPTION_KEYS, filtered
+    by the runtime's rules (the same rules `check_runtime` applies) and the space's."""
+    ckpt = np.arange(layers + 1)
+    zero = np.arange(4)
+    wo, go, oo, ao = (np.asarray(g, dtype=np.float64) for g in
+                      (grids.weights, grids.grads, grids.optimizer, grids.activations))
+    if space in ("aceso", "megatron"):
+        wo = go = ao = np.zeros(1)
+        zero = np.array([0]) if space == "aceso" else np.array([1])
+        if space == "aceso":
+            oo = np.zeros(1)
+    if space == "deepspeed":
+        ckpt, wo, go, oo, ao = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
+    mesh = np.meshgrid(ckpt, zero, wo, go, oo, ao, indexing="ij")
+    options = {k: m.ravel().astype(np.float64) for k, m in zip(OPTION_KEYS, mesh)}
+    keep = allowed_stage_options(caps, layers, pipeline, **options)
+    return {k: v[keep] for k, v in options.items()}
+
+
+def tuner_runtime(tuner: TunerSpec) -> str:
+    """The runtime plans must run on: the tuner's, else the best built one (mist when its overlap
+    schedule is built, DeepSpeed's stock engines until then)."""
+    from mist_ds.specs import RUNTIMES
+
+    if tuner.runtime is not None:
+        return tuner.runtime
+    return "mist" if RUNTIMES["mist"].built else "deepspeed"
