@@ -3,22 +3,39 @@
 One function serves `show`, `predict` and `tune`; inputs broadcast as numpy arrays, so the same code
 prices one strategy or millions of candidates. Bytes throughout.
 
-DeepSpeed 0.19.8 (runtime `deepspeed`), measured on real engines on CPU (tests/test_model_states.py
-enumerates every tensor an engine holds, deduplicated by storage; b = bytes of the model dtype,
-P = parameters on the GPU, d = data parallel, Pa = P padded to a multiple of 2d, ps = Pa / d):
-- ZeRO 0, bf16/fp16, no pipeline: FP16_UnfusedOptimizer, nothing partitioned: weights bP, fp32
-  master 4P, Adam 8P, gradients bP, and an fp32 copy of the gradients (4P) while stepping.
-- ZeRO 0 in a pipeline (bf16): BF16_Optimizer: weights 2P, a full-size gradient buffer bP, the
-  low-precision .grad (2P) until the step, fp32 master and Adam partitioned (12 ps), fp32 gradient
-  partition (4 ps) while stepping.
-- ZeRO 0, fp32: torch AdamW: weights 4P, Adam 8P, gradients 4P.
-- ZeRO 1 and 2 (identical allocations: contiguous gradients partition both): weights b Pa, fp32
-  master and Adam 12 ps, gradient partition b ps from backward to the step, a reduce bucket of
-  min(reduce_bucket_size, P) elements in backward, fp32 gradient partition 4 ps while stepping.
-- ZeRO 3: weights b P/d, gradient partition b P/d, fp32 master + Adam 12 P/d, fp32 gradients 4 P/d
-  while stepping, a reduce bucket of reduce_bucket_size elements kept for good, small parameters
-  (<= stage3_param_persistence_threshold) resident whole, gathered layers while they run.
-- optimizer offload: master, Adam, the fp32 gradient partition and a staging copy live on the host.
+DeepSpeed 0.19.8 (runtimes `deepspeed`, `mist`), measured on real engines on CPU
+(tests/test_model_states.py enumerates every tensor an engine holds, deduplicated by storage).
+b = bytes of the model dtype, P = parameters on the GPU, d = data parallel, Pa = P padded to a
+multiple of 2d, ps = Pa / d, p3 = ceil(P / d), L = elements of the largest single parameter,
+R = reduce_bucket_size elements, N = elements of the ZeRO-3 parameters kept whole
+(<= stage3_param_persistence_threshold), k = 2 for ZeRO-1 in a pipeline (reduce_gradients appends a
+second bucket) else 1, U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)): an upper bound of the
+whole parameters overlapping one rank's partition plus the padding inside it (L - 1 taken as 0 when
+L is not given: U = ps). One parameter group; ZeRO-1/2 with overlap_comm off (DeepSpeed's default and
+what mist_ds/emit writes; on, a second bucket). Measured in bf16 and fp32; fp16 follows bf16 but for
+the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 bytes, not 8).
+- ZeRO 0 without a pipeline, bf16/fp16: FP16_UnfusedOptimizer, nothing partitioned: weights bP,
+  fp32 master + Adam 12P, gradients bP, buffers 4P (an fp32 copy of the gradients while stepping).
+- ZeRO 0 in a pipeline, bf16: BF16_Optimizer: flat weights b Pa, gradients b Pa + bP (an
+  accumulation buffer beside the module's .grad), fp32 master + Adam 12 ps, buffers 4 ps (the fp32
+  gradient partition while stepping).
+- ZeRO 0, fp32, with or without a pipeline: torch AdamW: weights 4P, gradients 4P, Adam 8P.
+- ZeRO 1 and 2: weights b Pa, fp32 master + Adam 12 ps, buffers max(k b R, 4 ps): the bucket is
+  allocated whole whatever P and released before the fp32 gradient partition of the step exists.
+  Gradients: ZeRO-1 b max(P, U) (the full .grad lives until the reduction after backward, then the
+  partition), ZeRO-2 b U (the partition holds whole parameters).
+- ZeRO 3 (DeepSpeed pads each parameter to d: a few elements above p3): weights b p3, gradient
+  partition b p3, fp32 master + Adam 12 p3, buffers b R + max(4 p3, b N): the bucket is never
+  freed, the step's fp32 gradients add to it, the whole small parameters are resident outside the
+  step. The layers gathered while they run are not model states (cost/stage.py counts them).
+- optimizer offload (cpu): master, Adam and the fp32 gradient partition live on the host, 16 bytes
+  per element, with a b-byte copy of the updated partition; no device gradient partition. ZeRO-1/2:
+  gradients b max(P, U) (ZeRO-1's full .grad) or 0 (ZeRO-2), buffers k b R + b L, host
+  16 ps + b ps + b L (a staging buffer of the largest parameter on each side). ZeRO-3: gradients 0
+  (the partition is allocated on the host), buffers b R + b N, host 16 p3 + b p3.
+Each field is its own peak over the end of backward and the optimizer step (ZeRO-1's full .grad and
+the bucket peak in the first, the partitions and the fp32 gradients in the second), so `gpu_total`
+is at least the device bytes at either moment (ZeRO-3's per-parameter padding aside).
 Other runtimes use the ZeRO paper's accounting (Rajbhandari et al. 2020): b + b + 12 bytes per
 parameter, each part divided by d where sharded; Megatron keeps fp32 main gradients (4 bytes).
 """
@@ -31,14 +48,23 @@ import numpy as np
 FP32_BYTES = 4
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (Kingma & Ba 2015)
 MASTER_BYTES = FP32_BYTES
-# DeepSpeed defaults (runtime/zero/config.py), elements.
+MASTER_ADAM_BYTES = MASTER_BYTES + ADAM_MOMENT_BYTES
+# DeepSpeed's default reduce_bucket_size (runtime/zero/config.py), elements: what an engine whose
+# config leaves the bucket unset allocates.
 DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
+# The reduce bucket mist_ds plans, prices and emits (emit/ds_config.py BucketSizes), elements.
+# DeepSpeed allocates the whole bucket whatever the model's size (stage_1_and_2.py setup_buckets:
+# torch.empty(reduce_bucket_size); stage3.py keeps it for good), so its default holds 1 GB per GPU in
+# bf16 (2 GB with a pipeline's ZeRO-1) that a small stage never fills. 5e7 (100 MB in bf16) is the
+# smallest value DeepSpeed's own autotuner tries (deepspeed/autotuning/constants.py,
+# DEFAULT_TUNING_SPACE_ZERO_{1,2,3}: reduce_bucket_size [5e7, 5e8, 1e9]).
+PLANNED_REDUCE_BUCKET_ELEMENTS = 50_000_000
 
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Per-GPU bytes of one stage's model states at their peak (inside the optimizer step or at the
-    end of backward, whichever is larger); `host` is what offloading keeps in CPU memory."""
+    """Per-GPU bytes of one stage's model states, each field at its own peak over the end of backward
+    and the optimizer step (module docstring); `host` is what offloading keeps in CPU memory."""
 
     weights: np.ndarray
     grads: np.ndarray
@@ -56,46 +82,66 @@ def _padded(params, dp):
     return np.ceil(params / (2 * dp)) * (2 * dp)
 
 
+def partition_touch_elements(params, dp, largest_param_elements):
+    """U: an upper bound, over the ranks, of the elements ZeRO-1/2 hold for one rank's partition
+    [r ps, (r + 1) ps) of the padded flat group: the whole parameters overlapping it plus the padding
+    inside it (DeepSpeed copies whole parameters, stage_1_and_2.py copy_grads_in_partition).
+
+    A parameter of at most L elements that overlaps the partition sticks out by at most L - 1 on each
+    side: U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)), the second term for the rank holding
+    the padding (only the left side sticks out). L = 0 (unknown) gives ps. Exact for d = 1 (Pa).
+    """
+    p = np.asarray(params, dtype=np.float64)
+    d = np.asarray(dp, dtype=np.float64)
+    padded = _padded(p, d)
+    part = padded / d
+    reach = np.maximum(np.asarray(largest_param_elements, dtype=np.float64) - 1, 0.0)
+    return np.maximum(np.minimum(p, part + 2 * reach), np.minimum(padded, part + reach))
+
+
 def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                            weights_offload, reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS,
-                           largest_param=0.0, persistent_params=0.0) -> ModelStateBytes:
-    """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring)."""
+                           largest_param_elements=0.0, persistent_param_elements=0.0,
+                           bf16: bool = True) -> ModelStateBytes:
+    """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring: P `params`, d `dp`,
+    R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`)."""
     p = np.asarray(params, dtype=np.float64)
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
     b = float(dtype_bytes)
-    offloaded = np.asarray(optimizer_offload) > 0
+    pipe = np.asarray(pipeline, dtype=bool)
+    largest = np.asarray(largest_param_elements, dtype=np.float64)
+    offloaded = (np.asarray(optimizer_offload) > 0) & (z >= 1)
     padded = _padded(p, d)
     part = padded / d
     p3 = np.ceil(p / d)  # ZeRO-3 pads each parameter to d; a whole-layer bound here
-    zero0_plain = (z == 0) & ~np.asarray(pipeline, dtype=bool)
-    zero0_pipe = (z == 0) & np.asarray(pipeline, dtype=bool)
-    mixed = bool(mixed_precision)
+    touch = partition_touch_elements(p, d, largest)
+    zero12 = (z == 1) | (z == 2)
+    bf16_optimizer = (z == 0) & pipe & bool(mixed_precision and bf16)  # DeepSpeed's pipelines in bf16
+    torch_optimizer = (z == 0) & ~bf16_optimizer  # FP16_UnfusedOptimizer, or torch AdamW in fp32
+    master = MASTER_BYTES if mixed_precision else 0  # fp32 training: the weights are the master (ZeRO-0 only)
+    shard = np.select([torch_optimizer, z == 3], [p, p3], default=part)  # elements the optimizer updates
 
-    weights = np.select([z == 3], [b * p3], default=np.where((z == 1) | (z == 2), b * padded, b * p))
-    if mixed:
-        master_adam_full = (MASTER_BYTES + ADAM_MOMENT_BYTES) * p
-        step_grads_full = FP32_BYTES * p
-        grads = np.select([zero0_plain, zero0_pipe, z == 3], [b * p, b * padded + 2 * p, b * p3], default=b * part)
-    else:
-        master_adam_full = ADAM_MOMENT_BYTES * p  # fp32 training: the weights are the master
-        step_grads_full = 0 * p
-        grads = np.select([z == 3], [b * p3], default=np.where(z == 0, b * p, b * part))
-    optimizer = np.select([zero0_plain, z == 3], [master_adam_full, master_adam_full / np.maximum(p, 1) * p3],
-                          default=master_adam_full / np.maximum(p, 1) * part)
-    step_grads = np.select([zero0_plain, z == 3], [step_grads_full, FP32_BYTES * p3], default=FP32_BYTES * part)
-    bucket = np.select([(z == 1) | (z == 2), z == 3],
-                       [b * np.minimum(reduce_bucket_elements, p), b * reduce_bucket_elements], default=0.0)
-    persistent = np.where(z == 3, b * np.asarray(persistent_params, dtype=np.float64), 0.0)
+    weights = b * np.select([z == 3, torch_optimizer], [p3, p], default=padded)
+    grads = b * np.select([torch_optimizer, bf16_optimizer, z == 1, z == 2, z == 3],
+                          [p, padded + p, np.maximum(p, touch), touch, p3])
+    grads = np.where(offloaded & (z >= 2), 0.0, grads)  # no device partition: gradients go to the host
+    optimizer = np.where(torch_optimizer, (master + ADAM_MOMENT_BYTES) * p, MASTER_ADAM_BYTES * shard)
+    step_grads = np.where(torch_optimizer & (master == 0), 0.0, FP32_BYTES * shard)
+    bucket = b * np.asarray(reduce_bucket_elements, dtype=np.float64) * np.select(
+        [zero12, z == 3], [np.where(pipe & (z == 1), 2, 1), 1], default=0)
+    staging = np.where(offloaded & zero12, b * largest, 0.0)  # one on the device, one on the host
+    persistent = np.where(z == 3, b * np.asarray(persistent_param_elements, dtype=np.float64), 0.0)
 
-    host = np.where(offloaded, optimizer + step_grads + b * np.where(z == 3, p3, part), 0.0)
+    host = np.where(offloaded, optimizer + step_grads + b * shard + staging, 0.0)
     optimizer = np.where(offloaded, 0.0, optimizer)
     step_grads = np.where(offloaded, 0.0, step_grads)
+    # ZeRO-1/2 release the bucket before the step's fp32 gradients exist; ZeRO-3 keeps it, and its
+    # persistent parameters are resident outside the step only.
+    buffers = np.where(z == 3, bucket + np.maximum(step_grads, persistent), np.maximum(bucket, step_grads) + staging)
     weights_on_host = np.asarray(weights_offload) > 0
     host = host + np.where(weights_on_host, weights, 0.0)
     weights = np.where(weights_on_host, 0.0, weights)
-    # The larger of the two moments: backward's end (gradients + bucket) and the step (gradients + fp32 copy).
-    buffers = np.maximum(bucket, step_grads) + persistent
     return ModelStateBytes(weights=weights, grads=grads, optimizer=optimizer, buffers=buffers, host=host)
 
 
@@ -119,11 +165,19 @@ def textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weight
 
 def model_state_bytes(runtime: str, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
-                      reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS, bf16: bool = True) -> ModelStateBytes:
-    """Model states per GPU on `runtime` (module docstring). The one function show / predict / tune use."""
+                      reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
+                      largest_param_elements=0.0, persistent_param_elements=0.0) -> ModelStateBytes:
+    """Model states per GPU on `runtime` (module docstring). The one function show / predict / tune use.
+
+    DeepSpeed runtimes read three more sizes, elements on one TP rank of the stage: the reduce bucket
+    (the planned one by default, as mist_ds/emit writes it), the largest single parameter tensor L
+    (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps, offload staging at 0) and the ZeRO-3
+    parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it).
+    """
     if runtime in ("deepspeed", "mist"):
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
-                                      weights_offload, reduce_bucket_elements)
+                                      weights_offload, reduce_bucket_elements, largest_param_elements,
+                                      persistent_param_elements, bf16=bf16)
     if runtime == "megatron":  # main gradients in fp32 with bf16 (its rule); distributed optimizer = ZeRO-1
         return textbook_model_states(params, dp, np.minimum(zero, 1), dtype_bytes, mixed_precision,
                                      optimizer_offload=optimizer_offload,

@@ -149,8 +149,10 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIn
     """
     message = ev(costs.block, "output_bytes")
     cross_prev, cross_next = stage_boundaries_cross_nodes(c.stage, c.t * c.d, hw.cluster.gpus_per_node)
-    to_next = (1 - c.last) * hw.p2p_time_s(message, cross_next)
-    from_prev = (1 - c.first) * hw.p2p_time_s(message, cross_prev)
+    # np.where, not a product: a single node has no inter-node bandwidth (infinite time) and the first
+    # stage has no previous boundary at all.
+    to_next = np.where(c.last > 0, 0.0, hw.p2p_time_s(message, cross_next & (c.last == 0)))
+    from_prev = np.where(c.first > 0, 0.0, hw.p2p_time_s(message, cross_prev & (c.first == 0)))
     return 2 * (to_next + from_prev)  # each: activation forward, its gradient backward
 
 

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from mist_ds.cost.memory import DEFAULT_REDUCE_BUCKET_ELEMENTS
+from mist_ds.cost.memory import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs import (ConfigError, ModelSpec, StageStrategy, StrategySpec, TrainSpec, check_runtime,
                            runtime_capabilities)
 
@@ -59,8 +59,9 @@ class BucketSizes:
     The ZeRO-3 fields set to None are left at DeepSpeed's defaults (nothing emitted).
     """
 
-    reduce_bucket_elements: int = DEFAULT_REDUCE_BUCKET_ELEMENTS
-    """ZeRO 1-3 gradient reduce bucket (`reduce_bucket_size`): memory.py counts b bytes per element."""
+    reduce_bucket_elements: int = PLANNED_REDUCE_BUCKET_ELEMENTS
+    """ZeRO 1-3 gradient reduce bucket (`reduce_bucket_size`): DeepSpeed allocates it whole, and
+    memory.py counts b bytes per element (PLANNED_REDUCE_BUCKET_ELEMENTS, not DeepSpeed's 5e8)."""
     stage3_prefetch_bucket_elements: int | None = None
     """ZeRO-3: parameters all-gathered ahead of use (`stage3_prefetch_bucket_size`)."""
     stage3_max_live_elements: int | None = None

@@ -2,7 +2,7 @@
 
 Ranks are laid out TP fastest, then data parallel, then pipeline (Megatron-LM and DeepSpeed's
 PipeModelDataParallelTopology), so a group of `size` ranks whose members are `stride` ranks apart
-spans ceil(size * stride / gpus_per_node) nodes. Inside a node a ring runs at the intra-node
+covers (size - 1) * stride + 1 consecutive ranks and leaves the node when that exceeds it. Inside a node a ring runs at the intra-node
 bandwidth; across nodes every GPU of a node shares the node's NICs (each GPU drives its share,
 inter_node / gpus_per_node, as concurrent groups of the same kind communicate together).
 """
@@ -22,8 +22,9 @@ def ring_all_gather_factor(n):
 
 
 def spans_nodes(size, stride, gpus_per_node: int):
-    """True where a group of `size` ranks `stride` apart does not fit in one node."""
-    return np.asarray(size) * np.asarray(stride) > gpus_per_node
+    """True where a group of `size` ranks `stride` apart (the first on a node's first rank) does not fit
+    in one node; e.g. the tied-embedding pair of the first and last stage of one node's pipeline fits."""
+    return (np.asarray(size) - 1) * np.asarray(stride) + 1 > gpus_per_node
 
 
 def link_bandwidth(size, stride, gpus_per_node: int, intra_bytes_per_s: float, inter_node_bytes_per_s: float):

@@ -1,0 +1,224 @@
+"""Tuner: agreement with exhaustive search over the same space and cost model, determinism, the
+plan round trip (tune -> plan.json -> predict), emitted DeepSpeed configs, no-fit explanations."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mist_ds.config import compose
+from mist_ds.cost.iteration import imbalance_s, iteration_time_s
+from mist_ds.cost.predict import model_costs
+from mist_ds.cost.stage import StageCandidates, norm_sync_s, stage_memory, stage_times
+from mist_ds.hardware import hardware_model
+from mist_ds.specs import ConfigError, check_runtime, runtime_capabilities
+from mist_ds.specs.runtime import allowed_stage_options
+from mist_ds.tuner import NoPlanFits, tune_specs
+from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points
+from mist_ds.tuner.space import OPTION_KEYS, global_points, layer_counts, stage_option_grid
+from tests.test_emit import parse  # noqa: F401  (DeepSpeed's parser in a one-rank group, a fixture)
+
+# A 7-layer tiny GPT on 3 "GPUs" (processes) of the cpu cluster: S = 3 is possible, and the grids are
+# small enough to enumerate every (partition, option per stage) combination.
+SMALL = ["model=tiny", "model.num_layers=7", "cluster=cpu", "cluster.gpus_per_node=3", "cluster.intra_node_gbps=0.005",
+         "tuner.micro_batch_sizes=[1,2]", "tuner.layer_slack=1", "train.global_batch_size=48",
+         "tuner.weights_offload_ratios=[0]", "tuner.grads_offload_ratios=[0]",
+         "tuner.activations_offload_ratios=[0,1]", "tuner.optimizer_offload_ratios=[0,1]"]
+
+
+def exhaustive(specs, runtime, point):
+    """Best (seconds, layers, options [S] per key, imbalance s, peaks) of one global point by
+    enumerating every partition and every per-stage option, priced [combinations, S] at once."""
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    caps, space = runtime_capabilities(runtime), specs.tuner.space
+    usable = specs.cluster.gpu.usable_memory_bytes
+    host = specs.cluster.cpu_memory_bytes / specs.cluster.gpus_per_node
+    L, S = specs.model.num_layers, point.pp
+    best = (math.inf, None, None, None, None)
+    for layers in itertools.product(layer_counts(L, S, specs.tuner.layer_slack), repeat=S):
+        if sum(layers) != L:
+            continue
+        grids = [stage_option_grid(caps, space, option_grids(specs), l, S > 1) for l in layers]
+        pick = [g.ravel() for g in np.meshgrid(*[np.arange(g["ckpt"].size) for g in grids], indexing="ij")]
+        opt = {k: np.stack([grids[i][k][pick[i]] for i in range(S)], axis=1) for k in OPTION_KEYS}
+        ok = np.ones(pick[0].size, dtype=bool)
+        if caps.uniform_zero:
+            ok &= np.all(opt["zero"] == opt["zero"][:, :1], axis=1)
+        c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
+                               G=point.grad_accum, stage=np.arange(S)[None], layers=np.array(layers)[None],
+                               ckpt=opt["ckpt"], zero=opt["zero"], wo=opt["wo"], go=opt["go"], oo=opt["oo"], ao=opt["ao"])
+        times, memory = stage_times(costs, hw, caps, specs.train, c), stage_memory(costs, hw, caps, specs.train, c)
+        ok &= np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
+        tail = times.end_s.max(axis=1)
+        tail = np.where(tail > 0, tail + norm_sync_s(hw, specs.train, point.tp * S * point.dp), 0.0)
+        delta = times.delta_s if space != "aceso" else np.zeros_like(times.delta_s)
+        total = np.where(ok, iteration_time_s(times.stable_s, delta, point.grad_accum, tail), np.inf)
+        j = int(np.argmin(total))
+        if total[j] < best[0]:
+            best = (float(total[j]), layers, {k: v[j] for k, v in opt.items()},
+                    float(imbalance_s(times.stable_s[j], delta[j])), memory.peak_bytes[j])
+    return best
+
+
+def _per_point(overrides, runtime):
+    specs = compose(overrides, with_strategy=False)
+    ctx = SearchContext(specs=specs, space=specs.tuner.space, runtime=runtime)
+    for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space):
+        tuned = [r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None]
+        yield specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None, exhaustive(specs, runtime, point)
+
+
+GIB = 2**30
+PIPELINE = dict(tp=1, pp=3, dp=1, micro_batch_size=2, grad_accum=24)
+
+
+def _point(**kw):
+    from mist_ds.tuner.space import GlobalPoint
+
+    return GlobalPoint(**kw)
+
+
+def _tight_memory(overrides, runtime) -> list[str]:
+    """A GPU 5% smaller than the peak of the unconstrained optimum at the pipelined point: it binds."""
+    specs = compose(overrides, with_strategy=False)
+    peaks = exhaustive(specs, runtime, _point(**PIPELINE))[4]
+    reserve = specs.cluster.gpu.reserve_bytes
+    return [f"cluster.gpu.memory_gib={(reserve + 0.95 * float(np.max(peaks))) / GIB!r}"]
+
+
+CASES = {
+    "mist-paper": (SMALL, "mist-paper"),
+    "deepspeed": (SMALL + ["tuner.activations_offload_ratios=[0]"], "deepspeed"),
+    "aceso": (SMALL + ["tuner.space=aceso"], "mist-paper"),
+}
+
+
+def _case(name):
+    if name.endswith(", memory binds"):
+        overrides, runtime = CASES[name.split(",")[0]]
+        return overrides + _tight_memory(overrides, runtime), runtime
+    return CASES[name]
+
+
+@pytest.mark.parametrize("case", ["mist-paper", "mist-paper, memory binds", "deepspeed", "deepspeed, memory binds",
+                                  "aceso"])
+def test_tuner_equals_exhaustive_search_at_every_global_point(case):
+    overrides, runtime = _case(case)
+    compared = 0
+    for specs, point, tuned, (best_s, layers, options, _, _) in _per_point(overrides, runtime):
+        if tuned is None:
+            assert best_s == math.inf, f"{point}: exhaustive search found {best_s} s, the tuner nothing"
+            continue
+        assert tuned.objective_s == pytest.approx(best_s, rel=1e-9), (point, tuned.strategy, layers, options)
+        bound = lower_bound_s(model_costs(specs), hardware_model(specs.cluster, specs.train.precision), point)
+        assert bound <= tuned.objective_s * (1 + 1e-12)
+        compared += 1
+    assert compared >= 2
+
+
+def test_the_exhaustive_cases_exercise_uneven_layers_memory_and_imbalance():
+    """The agreement above means something only if the optimum there is not trivial: at the pipelined
+    point the optimum splits layers unevenly (and not as the uniform rule would), the imbalance term is
+    positive, and the tight GPU forces a different choice than the unconstrained optimum."""
+    from mist_ds.specs.strategy import partition_uniform
+
+    overrides, runtime = CASES["mist-paper"]
+    free = exhaustive(compose(overrides, with_strategy=False), runtime, _point(**PIPELINE))
+    assert len(set(free[1])) > 1 and free[1] != partition_uniform(7, 3)
+    assert free[3] > 0  # imbalance term
+    tight_overrides = overrides + _tight_memory(overrides, runtime)
+    tight = exhaustive(compose(tight_overrides, with_strategy=False), runtime, _point(**PIPELINE))
+    assert tight[0] < math.inf
+    assert (tight[1], {k: v.tolist() for k, v in tight[2].items()}) != (free[1], {k: v.tolist() for k, v in free[2].items()})
+
+
+def test_vectorized_runtime_rules_agree_with_check_runtime():
+    """allowed_stage_options (the tuner's mask) and check_runtime (predict's refusal) are one rule set."""
+    from mist_ds.specs import Parallelism, StageStrategy, StrategySpec
+
+    values = [0.0, 0.5, 1.0]
+    for name in ("deepspeed", "mist", "mist-paper", "megatron"):
+        caps = runtime_capabilities(name)
+        for pp in (1, 2):
+            for ckpt, zero, wo, go, oo, ao in itertools.product([0, 1, 2], range(4), values, values, values, values):
+                mask = allowed_stage_options(caps, 2, pp > 1, ckpt=ckpt, zero=zero, wo=wo, go=go, oo=oo, ao=ao)
+                stage = StageStrategy(2, ckpt, zero, wo, go, oo, ao)
+                strategy = StrategySpec(name, Parallelism(1, pp, 1, 1, 1), (stage,) * pp)
+                try:
+                    check_runtime(strategy)
+                    refused = False
+                except ConfigError:
+                    refused = True
+                assert bool(mask) != refused, (name, pp, ckpt, zero, wo, go, oo, ao)
+
+
+def test_same_inputs_same_plan_whatever_the_worker_count(tmp_path):
+    overrides = SMALL + ["tuner.compare_baselines=false"]
+    first = tune_specs(compose(overrides, with_strategy=False), progress=False)
+    again = tune_specs(compose(overrides, with_strategy=False), progress=False)
+    spawned = tune_specs(compose(overrides + ["tuner.workers=2"], with_strategy=False), progress=False)
+    assert first.strategy == again.strategy == spawned.strategy
+    assert first.prediction == again.prediction == spawned.prediction
+    assert [(p.point, p.objective_s) for p in first.search.points] == [(p.point, p.objective_s) for p in spawned.search.points]
+
+
+def test_cli_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
+    out = tmp_path / "plan"
+    run = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "tune", *SMALL, "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["ds_config.json", "plan.json", "summary.md"]
+    plan = json.loads((out / "plan.json").read_text())
+    assert {b["space"] for b in plan["baselines"]} == {"megatron", "deepspeed", "aceso"}
+    again = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "predict", "--plan", str(out / "plan.json"), "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == plan["prediction"]
+    assert "| stage | layers |" in (out / "summary.md").read_text()
+
+
+def test_cli_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "tune", "model=gpt3-175b", "cluster=l4-24g",
+                          "tuner.compare_baselines=false", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stderr
+    assert "no plan fits" in run.stderr and "GiB" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_emitted_ds_config_is_accepted_by_deepspeed_for_the_plans_dp(parse, tmp_path):
+    from mist_ds.plan import plan_from_result
+    from mist_ds.report.tune import plan_files
+
+    for overrides in (SMALL, SMALL + ["cluster.gpus_per_node=4", "model.num_heads=4", "train.global_batch_size=16"]):
+        specs = compose(overrides + ["tuner.compare_baselines=false"], with_strategy=False)
+        result = tune_specs(specs, progress=False)
+        files = plan_files(plan_from_result(result, overrides), specs, result.strategy)
+        parsed = parse(json.loads(files["ds_config.json"]), result.strategy.parallelism.dp)
+        assert parsed.train_batch_size == specs.train.global_batch_size
+
+
+@settings(derandomize=True, deadline=None, max_examples=8, suppress_health_check=list(HealthCheck))
+@given(layers=st.integers(2, 6), gpus=st.sampled_from([1, 2, 4]), batch=st.sampled_from([4, 8, 12]),
+       memory=st.sampled_from([0.505, 0.52, 0.6, 4.0]), runtime=st.sampled_from(["deepspeed", "mist-paper"]),
+       space=st.sampled_from(["mist", "megatron", "uniform", "aceso", "deepspeed"]))
+def test_tune_gives_a_plan_predict_agrees_with_or_explains_why_none_fits(layers, gpus, batch, memory, runtime, space):
+    overrides = ["model=tiny", f"model.num_layers={layers}", "cluster=cpu", f"cluster.gpus_per_node={gpus}",
+                 f"cluster.gpu.memory_gib={memory}", f"train.global_batch_size={batch}", f"tuner.runtime={runtime}",
+                 f"tuner.space={space}", "tuner.compare_baselines=false", "tuner.micro_batch_sizes=[1,2]"]
+    import mist_ds
+
+    try:
+        plan = mist_ds.tune(overrides)
+    except NoPlanFits as reason:
+        assert "GiB" in str(reason)
+        return
+    assert mist_ds.predict(plan.overrides()).to_dict() == plan.prediction
+    assert plan.prediction["fits"]
