@@ -15,6 +15,8 @@ UNIT_SUFFIXES = ("_bytes", "_s", "_flops", "_flops_per_s", "_bytes_per_s", "_par
 COUNTS = {
     "hidden_size", "ffn_hidden_size", "vocab_size", "seq_len", "tp", "pp", "dp", "micro_batch_size", "grad_accum",
     "global_batch_size", "nodes", "gpus_per_node", "layers", "ckpt_layers", "zero_stage", "workers", "max_tp",
+    "layer_slack", "weights_offload_ratios", "grads_offload_ratios", "optimizer_offload_ratios",
+    "activations_offload_ratios",
     "dropout", "fallback", "grad_clip", "weights_offload", "grads_offload", "optimizer_offload",
     "activations_offload", "weights", "grads", "optimizer", "activations", "layers_per_stage", "micro_batch_sizes",
 }
