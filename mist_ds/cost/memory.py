@@ -111,10 +111,10 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     b = float(dtype_bytes)
     pipe = np.asarray(pipeline, dtype=bool)
     largest = np.asarray(largest_param_elements, dtype=np.float64)
-    offloaded = (np.asarray(optimizer_offload) > 0) & (z >= 1)
+    offloaded = np.asarray(optimizer_offload) > 0
     padded = _padded(p, d)
     part = padded / d
-    p3 = np.ceil(p / d)  # ZeRO-3 pads each parameter to d; a whole-layer bound here
+    p3 = np.ceil(p / d)  # DeepSpeed pads each parameter to d: a few elements more
     touch = partition_touch_elements(p, d, largest)
     zero12 = (z == 1) | (z == 2)
     bf16_optimizer = (z == 0) & pipe & bool(mixed_precision and bf16)  # DeepSpeed's pipelines in bf16
