@@ -10,7 +10,7 @@ import os
 import pytest
 
 from mist_ds.config import compose
-from mist_ds.cost.memory import DEFAULT_REDUCE_BUCKET_ELEMENTS
+from mist_ds.cost.memory import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.emit import (BucketSizes, bucket_sizes, ds_config, write_atomic, write_files_atomic,
                           write_json_atomic)
 from mist_ds.specs import ConfigError, runtime_capabilities
@@ -109,7 +109,7 @@ def test_deepspeed_parses_the_plan(parse, case):
     assert parsed.pipeline["activation_checkpoint_interval"] == 0
     zero = parsed.zero_config
     if stage.zero_stage > 0:
-        assert zero.reduce_bucket_size == DEFAULT_REDUCE_BUCKET_ELEMENTS
+        assert zero.reduce_bucket_size == PLANNED_REDUCE_BUCKET_ELEMENTS
         assert zero.overlap_comm == (stage.zero_stage == 3 and par.pp == 1)
     optimizer_device = zero.offload_optimizer.device if zero.offload_optimizer else "none"
     assert optimizer_device == ("cpu" if stage.optimizer_offload > 0 else "none")
@@ -162,7 +162,7 @@ def test_zero3_buckets_are_the_ones_the_cost_model_counts():
     assert zero["stage3_prefetch_bucket_size"] == block
     assert zero["stage3_max_live_parameters"] == 2 * block  # running + prefetched block (cost/stage.py)
     assert zero["stage3_param_persistence_threshold"] == 0  # memory.py: no persistent parameters
-    assert zero["reduce_bucket_size"] == DEFAULT_REDUCE_BUCKET_ELEMENTS
+    assert zero["reduce_bucket_size"] == PLANNED_REDUCE_BUCKET_ELEMENTS
     without_model = ds_config(specs.strategy, specs.train)["zero_optimization"]
     assert "stage3_prefetch_bucket_size" not in without_model  # DeepSpeed's default, left alone
     custom = ds_config(specs.strategy, specs.train, buckets=BucketSizes(reduce_bucket_elements=1000))

@@ -266,6 +266,14 @@ def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
     return np.where(train.grad_clip > 0, hw.all_reduce_time_s(NORM_MESSAGE_BYTES, world, 1), 0.0)
 
 
+def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:
+    """Elements of the stage's largest parameter tensor on one TP rank (the vocab shard on the ends)."""
+    ts = np.unique(c.t)
+    block = np.select([c.t == t for t in ts], [model.largest_block_tensor(int(t)) for t in ts])
+    vocab = np.select([c.t == t for t in ts], [model.vocab_tensor(int(t)) for t in ts])
+    return np.where((c.first + c.last) > 0, np.maximum(block, vocab), block).astype(np.float64)
+
+
 def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
@@ -273,7 +281,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     params = stage_params(costs, c, ev)
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
-                               bf16=train.precision == "bf16")
+                               bf16=train.precision == "bf16", largest_param_elements=largest_tensor(costs.model, c))
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G)
     saved, saved_offloaded = _saved_bytes(costs, c, ev)
     activations = (saved - saved_offloaded) * in_flight

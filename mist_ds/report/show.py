@@ -26,8 +26,12 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     model, cluster, train, strategy = specs.model, specs.cluster, specs.train, specs.strategy
     par = strategy.parallelism
     heaviest = max(_stage_params(specs))
+    # The largest tensor anywhere (the vocab shard sits on the first / last stage) bounds how far a
+    # ZeRO-1/2 gradient partition overshoots its share.
+    largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp))
     states = {str(z): float(model_state_bytes(strategy.runtime, heaviest, par.dp, z, train.dtype_bytes,
-                                              train.mixed_precision, pipeline=par.pp > 1).gpu_total)
+                                              train.mixed_precision, pipeline=par.pp > 1,
+                                              largest_param_elements=largest).gpu_total)
               for z in ZERO_STAGES}
     tokens_per_step = train.global_batch_size * model.seq_len
     return {
@@ -41,7 +45,7 @@ def show_facts(specs: Specs) -> dict[str, Any]:
         "model_state_bytes_per_gpu": states,
         "model_state_note": (f"heaviest stage's GPU ({heaviest:,} parameters per GPU), "
                              f"data-parallel size {par.dp}, {train.precision}, runtime {strategy.runtime}, "
-                             f"peak inside the optimizer step"),
+                             f"each part at its own peak (end of backward or inside the optimizer step)"),
         "gpus": cluster.num_gpus,
         "peak_flops_per_gpu": cluster.gpu.peak(train.precision),
         "gpu_memory_bytes": cluster.gpu.memory_bytes,

@@ -100,6 +100,19 @@ class ModelSpec:
             return attention + 3 * h * f_rank + 2 * h  # gate, up, down; two RMSNorm weights
         return attention + 2 * h * f_rank + 2 * h  # falcon: one shared LayerNorm, no linear biases
 
+    def largest_block_tensor(self, t: int = 1) -> int:
+        """Elements of a block's largest single parameter tensor on one TP rank (the fused qkv weight or
+        the MLP's input weight, fused gate+up for llama): DeepSpeed's ZeRO-1/2 gradient partitions hold
+        whole tensors, so it bounds how far a partition overshoots its share."""
+        h, d = self.hidden_size, self.head_dim
+        qkv = h * ((self.num_heads // t) + 2 * self.kv_heads_per_rank(t)) * d
+        mlp_in = h * (self.ffn_hidden_size // t) * (2 if self.family == "llama" else 1)
+        return max(qkv, mlp_in)
+
+    def vocab_tensor(self, t: int = 1) -> int:
+        """Elements of the token embedding (or LM head) shard on one TP rank: one tensor."""
+        return (self.vocab_size // t) * self.hidden_size
+
     def head_params(self, t: int = 1) -> int:
         """Final norm plus the LM head (V/t rows); the head holds its own copy even when tied."""
         norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
