@@ -4,8 +4,9 @@ Each stage runs DeepSpeed's TrainSchedule order: min(S - i - 1, G) warm-up forwa
 forward and one backward per step, then the remaining backwards. F_i(m) needs F_{i-1}(m) done; B_i(m)
 needs B_{i+1}(m) done. Sends block (DeepSpeed's p2p): a stage that produced an activation (gradient)
 waits until its neighbour has reached the matching receive, i.e. finished the instruction before it.
-The first forward and the last backward of a stage carry its extras; `end_s` runs after a stage's
-last backward, before the iteration ends. Also returns every instruction's span, to draw timelines.
+A stage's first-forward extra runs before its first activation arrives (it needs no input: Mist's
+optimizer step), its last-backward extra after the last gradient is sent (the reduction); `end_s`
+runs after a stage's last backward, before the iteration ends. Also returns every instruction's span, to draw timelines.
 """
 from __future__ import annotations
 
@@ -60,13 +61,13 @@ def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: i
             has_source = (kind == FORWARD and i > 0) or (kind == BACKWARD and i < stages - 1)
             if has_source and source not in done:
                 continue
-            start = max(free_at[i], done[source] if has_source else 0.0)
-            duration = fwd_s[i] if kind == FORWARD else bwd_s[i]
-            if kind == FORWARD and m == 0:
-                duration += first_fwd_extra_s[i]
-            if kind == BACKWARD and m == micro_batches - 1:
-                duration += last_bwd_extra_s[i]
-            finish = start + duration
+            # The first forward's extra (Mist: the optimizer step) needs no input, so it runs while the
+            # stage waits for its first activation; the last backward's extra (the gradient reduction)
+            # runs after the gradient has gone to the previous stage.
+            ahead = first_fwd_extra_s[i] if (kind == FORWARD and m == 0) else 0.0
+            start = max(free_at[i] + ahead, done[source] if has_source else 0.0)
+            finish = start + (fwd_s[i] if kind == FORWARD else bwd_s[i])
+            after = last_bwd_extra_s[i] if (kind == BACKWARD and m == micro_batches - 1) else 0.0
             target = (i + 1, FORWARD, m) if kind == FORWARD else (i - 1, BACKWARD, m)
             sends = (kind == FORWARD and i < stages - 1) or (kind == BACKWARD and i > 0)
             if blocking and sends:
@@ -75,8 +76,8 @@ def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: i
                 finish = max(finish, ready_before[target])
             started_at[(i, kind, m)] = start
             done[(i, kind, m)] = finish
-            spans.append(Span(i, kind, m, start, finish))
-            free_at[i] = finish
+            spans.append(Span(i, kind, m, start, finish + after))
+            free_at[i] = finish + after
             position[i] += 1
             remaining -= 1
             progressed = True
