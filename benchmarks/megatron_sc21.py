@@ -23,6 +23,7 @@ def row_specs(row: dict):
     overrides = ("model=gpt3-1.3b", f"model.name=gpt-{row['model']}", f"model.hidden_size={row['hidden_size']}",
                  f"model.num_layers={row['num_layers']}", f"model.num_heads={row['num_heads']}",
                  "model.vocab_size=51200", "model.seq_len=2048", "model.flash_attention=false",
+                 "model.dropout=0.1",  # Megatron-LM defaults: attention and hidden dropout 0.1
                  "cluster=a100-80g", "train.precision=fp16")
     gpus = int(row["gpus"])
     return specs_for(overrides, nodes=gpus // 8, gpus_per_node=8, global_batch=int(row["global_batch"]),

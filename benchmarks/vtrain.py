@@ -25,7 +25,8 @@ def row_specs(row: dict, **gpu_changes):
     overrides = ("model=gpt3-1.3b", f"model.name=vtrain-h{row['hidden_size']}-l{row['num_layers']}",
                  f"model.hidden_size={row['hidden_size']}", f"model.num_layers={row['num_layers']}",
                  f"model.num_heads={row['num_heads']}", "model.vocab_size=51200", f"model.seq_len={row['seq_len']}",
-                 "model.flash_attention=false", "cluster=a100-80g", "train.precision=fp16")
+                 "model.flash_attention=false", "cluster=a100-80g", "train.precision=fp16",
+                 "model.dropout=0.1")  # Megatron-DeepSpeed defaults: attention and hidden dropout 0.1
     return specs_for(overrides, nodes=1, gpus_per_node=int(row["gpus"]), global_batch=int(row["global_batch"]),
                      gpu_changes=gpu_changes or None, runtime="megatron", tp=int(row["tp"]), pp=int(row["pp"]),
                      micro_batch_size=int(row["micro_batch"]), ckpt_layers="full", zero_stage=0)
