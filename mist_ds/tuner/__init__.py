@@ -89,7 +89,7 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     hw = hardware_model(specs.cluster, specs.train.precision)
     show = (not specs.tuner.quiet) if progress is None else progress
     runtime = tuner_runtime(specs.tuner)
-    result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=show and None)
+    result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
     if result.best is None:
         raise NoPlanFits(explain_no_fit(specs, result, costs, hw))
     prediction = _predict(specs, result.best.strategy, costs, hw)
@@ -98,7 +98,7 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     for space in (BASELINE_SPACES if compare else ()):
         if space == result.space:
             continue
-        other = search(specs, space=space, runtime=runtime, cache_dir=cache_dir, progress=show and None)
+        other = search(specs, space=space, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
         other_prediction = _predict(specs, other.best.strategy, costs, hw) if other.best else None
         speedup = other_prediction.iteration_time_s / prediction.iteration_time_s if other_prediction else None
         found.append(Baseline(space, other_prediction, other, speedup))
