@@ -136,9 +136,8 @@ def _least_peak(priced, layers: tuple[int, ...]) -> tuple[float, list[int]]:
     worst, chosen = 0.0, []
     for i, l in enumerate(layers):
         peak, _ = position_memory(priced, i)
-        peak = np.where(priced.layers == l, peak, np.inf)
-        j = int(np.argmin(peak))
-        worst, chosen = max(worst, float(np.min(position_memory(priced, i)[0]))), chosen + [j]
+        worst = max(worst, float(np.min(peak)))
+        chosen.append(int(np.argmin(np.where(priced.layers == l, peak, np.inf))))
     return worst, chosen
 
 
