@@ -87,14 +87,24 @@ def option_grids(specs: Specs) -> OptionGrids:
 
 # --- lower bound ---------------------------------------------------------------------------------------
 
-def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint) -> float:
-    """No plan of `point` is faster: every stage's stable time is at least its compute and TP time,
-    so sum_i T_i >= L m + embedding + head and max_i T_i >= sum_i T_i / S."""
-    b, s, t = (np.array([float(x)]) for x in (point.micro_batch_size, costs.model.seq_len, point.tp))
-    per = [layer_times(cost, hw, b, s, t) for cost in (costs.embedding, costs.block, costs.head)]
-    serial = [float((x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s)[0]) for x in per]
+def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint]) -> np.ndarray:
+    """No plan of a point is faster than its bound (seconds; one array call for all points): every
+    stage's stable time is at least its compute and TP time, so sum_i T_i >= L m + embedding + head,
+    and max_i T_i >= sum_i T_i / S."""
+    if not points:
+        return np.zeros(0)
+    b = np.array([p.micro_batch_size for p in points], dtype=np.float64)
+    t = np.array([p.tp for p in points], dtype=np.float64)
+    s = np.full_like(b, costs.model.seq_len)
+    serial = [x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
+              for x in (layer_times(cost, hw, b, s, t) for cost in (costs.embedding, costs.block, costs.head))]
     total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
-    return total * (1 + (point.grad_accum - 1) / point.pp)
+    factor = np.array([1 + (p.grad_accum - 1) / p.pp for p in points])
+    return total * factor
+
+
+def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint) -> float:
+    return float(lower_bounds_s(costs, hw, [point])[0])
 
 
 # --- one point -------------------------------------------------------------------------------------------
@@ -279,7 +289,8 @@ def search(specs: Specs, space: str | None = None, runtime: str | None = None, c
     state = _state(ctx)
     costs, hw, _ = state
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space)
-    ordered = sorted(((p, lower_bound_s(costs, hw, p)) for p in points), key=lambda pb: (pb[1], pb[0]))
+    bounds = lower_bounds_s(costs, hw, points)
+    ordered = sorted(((p, float(b)) for p, b in zip(points, bounds)), key=lambda pb: (pb[1], pb[0]))
     results: list[PointResult] = []
     pruned: list[tuple[GlobalPoint, float]] = []
     chunks = [ordered[i:i + CHUNK_POINTS] for i in range(0, len(ordered), CHUNK_POINTS)]
@@ -318,4 +329,4 @@ def _progress_bar(total: int, show: bool):
     return tqdm(total=total, unit="point", desc="tuning", leave=False, file=sys.stderr)
 
 
-__all__ = ["PointResult", "SearchContext", "SearchResult", "lower_bound_s", "option_grids", "price_points", "search"]
+__all__ = ["PointResult", "SearchContext", "SearchResult", "lower_bound_s", "lower_bounds_s", "option_grids", "price_points", "search"]
