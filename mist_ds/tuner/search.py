@@ -329,4 +329,5 @@ def _progress_bar(total: int, show: bool):
     return tqdm(total=total, unit="point", desc="tuning", leave=False, file=sys.stderr)
 
 
-__all__ = ["PointResult", "SearchContext", "SearchResult", "lower_bound_s", "lower_bounds_s", "option_grids", "price_points", "search"]
+__all__ = ["PointResult", "SearchContext", "SearchResult", "lower_bound_s", "lower_bounds_s", "option_grids",
+           "price_points", "search"]
