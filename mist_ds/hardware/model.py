@@ -61,9 +61,7 @@ class HardwareModel:
 
     # --- overlap -------------------------------------------------------------------------------------
     def overlapped_time_s(self, compute_s, g2g_s, h2d_s, d2h_s) -> np.ndarray:
-        busy = np.stack(np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
-                                              for x in (compute_s, g2g_s, h2d_s, d2h_s))), axis=-1)
-        return interference.overlapped_time_s(busy, self.interference_table)
+        return interference.overlapped_channels_s((compute_s, g2g_s, h2d_s, d2h_s), self.interference_table)
 
 
 def hardware_model(cluster: ClusterSpec, dtype: str) -> HardwareModel:
