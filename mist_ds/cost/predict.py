@@ -9,7 +9,7 @@ import numpy as np
 
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.simulate import simulate
-from mist_ds.cost.stage import ModelCosts, StageCandidates, norm_sync_s, stage_memory, stage_times
+from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import Specs, StrategySpec, check_runtime, runtime_capabilities
 from mist_ds.symbolic import analyze_model
@@ -68,7 +68,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
     memory = stage_memory(costs, hw, caps, specs.train, c)
     par = strategy.parallelism
     world = par.num_gpus
-    tail = float(np.max(times.end_s) + norm_sync_s(hw, specs.train, world)) if np.any(times.end_s > 0) else 0.0
+    tail = float(tail_s(hw, specs.train, np.max(times.end_s), world))
     simulated, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
                             par.grad_accum, end_s=list(times.end_s), blocking=False)
     if tail > 0:

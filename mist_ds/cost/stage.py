@@ -266,6 +266,13 @@ def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
     return np.where(train.grad_clip > 0, hw.all_reduce_time_s(NORM_MESSAGE_BYTES, world, 1), 0.0)
 
 
+def tail_s(hw: HardwareModel, train: TrainSpec, end_max_s, world) -> np.ndarray:
+    """The iteration's tail after the pipeline drains: the slowest stage's end work (reduction and
+    step) and then the gradient-norm sync; 0 on runtimes that leave no end work."""
+    end_max_s = np.asarray(end_max_s, dtype=np.float64)
+    return np.where(end_max_s > 0, end_max_s + norm_sync_s(hw, train, world), 0.0)
+
+
 def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:
     """Elements of the stage's largest parameter tensor on one TP rank (the vocab shard on the ends)."""
     ts = np.unique(c.t)

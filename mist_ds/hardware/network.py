@@ -2,8 +2,8 @@
 
 Ranks are laid out TP fastest, then data parallel, then pipeline (Megatron-LM and DeepSpeed's
 PipeModelDataParallelTopology), so a group of `size` ranks whose members are `stride` ranks apart
-covers (size - 1) * stride + 1 consecutive ranks and leaves the node when that exceeds it. Inside a node a ring runs at the intra-node
-bandwidth; across nodes every GPU of a node shares the node's NICs (each GPU drives its share,
+covers (size - 1) * stride + 1 consecutive ranks and leaves the node when that exceeds it. Inside a
+node a ring runs at the intra-node bandwidth; across nodes every GPU of a node shares the node's NICs (each GPU drives its share,
 inter_node / gpus_per_node, as concurrent groups of the same kind communicate together).
 """
 from __future__ import annotations

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from mist_ds.emit import ds_config, write_files_atomic
-from mist_ds.emit.ds_config import DEEPSPEED_RUNTIMES, bucket_sizes
+from mist_ds.emit.ds_config import DEEPSPEED_RUNTIMES
 from mist_ds.emit.atomic import json_text
 from mist_ds.plan import Plan
 from mist_ds.specs import Specs, StrategySpec
-
-GIB = 2**30
+from mist_ds.specs.cluster import GIB
 
 
 def _gib(n: float) -> str:
@@ -63,8 +62,7 @@ def render_summary(plan: Plan, specs: Specs, strategy: StrategySpec) -> str:
 def plan_files(plan: Plan, specs: Specs, strategy: StrategySpec) -> dict[str, str]:
     files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, strategy)}
     if strategy.runtime in DEEPSPEED_RUNTIMES:
-        config = ds_config(strategy, specs.train, specs.model, bucket_sizes(specs.model, strategy.parallelism.tp))
-        files["ds_config.json"] = json_text(config)
+        files["ds_config.json"] = json_text(ds_config(strategy, specs.train, specs.model))
     return files
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mist_ds.specs.errors import require, require_positive
+from mist_ds.specs.strategy import OFFLOAD_KINDS
 
 SPACES: tuple[str, ...] = ("mist", "megatron", "deepspeed", "aceso", "uniform")
 
@@ -36,7 +37,7 @@ class TunerSpec:
         require_positive("tuner.workers", self.workers)
         require_positive("tuner.milp_time_limit_s", self.milp_time_limit_s)
         require(self.layer_slack >= 0, "tuner.layer_slack", self.layer_slack, "must be >= 0")
-        for kind in ("weights", "grads", "optimizer", "activations"):
+        for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"
             ratios = getattr(self, name)
             require(len(ratios) > 0 and all(0.0 <= r <= 1.0 for r in ratios) and 0.0 in ratios, f"tuner.{name}",

@@ -11,14 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
+from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import Specs
+from mist_ds.specs.cluster import GIB
 from mist_ds.tuner.search import SearchResult, search
 from mist_ds.tuner.space import tuner_runtime
 
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
-GIB = 2**30
 
 
 class NoPlanFits(Exception):
@@ -63,7 +63,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
     prediction = _predict(specs, nearest.closest, costs, hw)
     stage = max(range(len(prediction.peak_memory_bytes)), key=lambda i: prediction.peak_memory_bytes[i])
     parts = prediction.memory_breakdown[stage]
-    binding = max(("weights", "grads", "optimizer", "activations", "transient", "buffers"), key=lambda k: parts[k])
+    binding = max(MEMORY_PARTS, key=lambda k: parts[k])
     states = parts["weights"] + parts["grads"] + parts["optimizer"]
     need = nearest.least_peak_bytes
     fixes = []

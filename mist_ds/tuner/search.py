@@ -20,7 +20,7 @@ import numpy as np
 
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.cost.predict import model_costs
-from mist_ds.cost.stage import ModelCosts, StageCandidates, norm_sync_s, stage_memory, stage_times
+from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.cost.iteration import iteration_time_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec, runtime_capabilities
@@ -33,7 +33,6 @@ from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, Op
 
 CHUNK_POINTS = 4
 CHUNKS_PER_ROUND = 4
-MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "transient", "buffers")
 
 
 @dataclass(frozen=True)
@@ -121,11 +120,16 @@ def _variants(caps: RuntimeCapabilities, space: str, grid_zero: np.ndarray, poin
     return out
 
 
+def _stage_strategy(options: dict[str, np.ndarray], k: int, layers: int, ckpt: float) -> StageStrategy:
+    """Stage of `layers` blocks with option k of `options` (recompute count given: the fixed-partition
+    spaces keep it apart from the other options)."""
+    return StageStrategy(layers=int(layers), ckpt_layers=int(ckpt), zero_stage=int(options["zero"][k]),
+                         weights_offload=float(options["wo"][k]), grads_offload=float(options["go"][k]),
+                         optimizer_offload=float(options["oo"][k]), activations_offload=float(options["ao"][k]))
+
+
 def _stage_strategies(options: dict[str, np.ndarray], layers: list[int], chosen: list[int]) -> tuple[StageStrategy, ...]:
-    return tuple(StageStrategy(layers=int(l), ckpt_layers=int(options["ckpt"][k]), zero_stage=int(options["zero"][k]),
-                               weights_offload=float(options["wo"][k]), grads_offload=float(options["go"][k]),
-                               optimizer_offload=float(options["oo"][k]), activations_offload=float(options["ao"][k]))
-                 for l, k in zip(layers, chosen))
+    return tuple(_stage_strategy(options, k, l, options["ckpt"][k]) for l, k in zip(layers, chosen))
 
 
 def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...]) -> StrategySpec:
@@ -161,7 +165,7 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
     uniform = partition_uniform(L, point.pp)
     least, nearest = _least_peak(priced, uniform)
     closest = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(uniform), nearest))
-    tail_extra = float(norm_sync_s(hw, specs.train, point.tp * point.pp * point.dp))
+    world = point.tp * point.pp * point.dp
     results = []
     for variant in _variants(caps, ctx.space, priced.options["zero"], point, min(counts)):
         allowed = np.ones(priced.layers.size, dtype=bool)
@@ -176,9 +180,9 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
             continue
         chosen = [int(fronts.indices[(i, l)][k]) for i, (l, k) in enumerate(zip(partition.layers, partition.option))]
         strategy = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(partition.layers), chosen))
-        objective = partition.objective_s
-        if max(float(priced.end_s[priced.position_class[i], j]) for i, j in enumerate(chosen)) > 0:
-            objective += tail_extra
+        # The partition's objective holds the slowest end work; the tail adds the norm sync after it.
+        end_max = max(float(priced.end_s[priced.position_class[i], j]) for i, j in enumerate(chosen))
+        objective = partition.objective_s - end_max + float(tail_s(hw, specs.train, end_max, world))
         results.append(PointResult(point, variant, bound, objective, strategy, priced.count, gap=partition.gap,
                                    solver=partition.solver, least_peak_bytes=least, closest=closest))
     return results
@@ -232,8 +236,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
         j = int(np.argmin(worst_peak))
         if closest is None or worst_peak[j] < closest[0]:
             closest = (float(worst_peak[j]), _uniform_stages(layers, ckpt[j], opts, j))
-        tail = np.max(times.end_s, axis=1)
-        tail = np.where(tail > 0, tail + norm_sync_s(hw, specs.train, world), 0.0)
+        tail = tail_s(hw, specs.train, np.max(times.end_s, axis=1), world)
         total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail)
         ok = np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
         if ok.any():
@@ -249,10 +252,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
 
 
 def _uniform_stages(layers, ckpt_row, opts, j) -> tuple[StageStrategy, ...]:
-    return tuple(StageStrategy(layers=int(l), ckpt_layers=int(c), zero_stage=int(opts["zero"][j]),
-                               weights_offload=float(opts["wo"][j]), grads_offload=float(opts["go"][j]),
-                               optimizer_offload=float(opts["oo"][j]), activations_offload=float(opts["ao"][j]))
-                 for l, c in zip(layers, ckpt_row))
+    return tuple(_stage_strategy(opts, j, l, c) for l, c in zip(layers, ckpt_row))
 
 
 # --- workers ------------------------------------------------------------------------------------------------
@@ -302,9 +302,10 @@ def search(specs: Specs, space: str | None = None, runtime: str | None = None, c
         for r in range(0, len(chunks), CHUNKS_PER_ROUND):
             best = _best(results)
             todo = []
+            limit = math.inf if best is None else best.objective_s
             for chunk in chunks[r:r + CHUNKS_PER_ROUND]:
-                keep = [(p, b) for p, b in chunk if best is None or b <= best.objective_s]
-                pruned.extend((p, b) for p, b in chunk if not (best is None or b <= best.objective_s))
+                keep = [(p, b) for p, b in chunk if b <= limit]
+                pruned.extend((p, b) for p, b in chunk if b > limit)
                 if keep:
                     todo.append(keep)
             priced = pool.map(price_points, [ctx] * len(todo), todo) if pool else (price_points(ctx, c, state) for c in todo)
