@@ -8,6 +8,7 @@ Every input broadcasts; every output is an array of seconds or bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import numpy as np
 
@@ -48,13 +49,18 @@ class StageCandidates:
         arrays = np.broadcast_arrays(*(np.asarray(values[f.name], dtype=np.float64) for f in fields(cls)))
         return cls(*arrays)
 
-    @property
+    # Derived arrays are cached: time and memory of the same candidates share them.
+    @cached_property
     def first(self) -> np.ndarray:
         return (self.stage == 0).astype(np.float64)
 
-    @property
+    @cached_property
     def last(self) -> np.ndarray:
         return (self.stage == self.pp - 1).astype(np.float64)
+
+    @cached_property
+    def shapes(self) -> "ShapeIndex":
+        return ShapeIndex(self)
 
 
 class ShapeIndex:
@@ -180,7 +186,7 @@ def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> tuple
 
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                 c: StageCandidates) -> StageTimes:
-    ev = ShapeIndex(c)
+    ev = c.shapes
     emb, block, head = _times(costs, hw, ev)
     overlap = caps.overlap
     fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
@@ -275,16 +281,16 @@ def tail_s(hw: HardwareModel, train: TrainSpec, end_max_s, world) -> np.ndarray:
 
 def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:
     """Elements of the stage's largest parameter tensor on one TP rank (the vocab shard on the ends)."""
-    ts = np.unique(c.t)
-    block = np.select([c.t == t for t in ts], [model.largest_block_tensor(int(t)) for t in ts])
-    vocab = np.select([c.t == t for t in ts], [model.vocab_tensor(int(t)) for t in ts])
-    return np.where((c.first + c.last) > 0, np.maximum(block, vocab), block).astype(np.float64)
+    ev = c.shapes  # few distinct t: evaluate per distinct shape, spread back
+    block = ev.spread(np.array([model.largest_block_tensor(int(t)) for t in ev.t], dtype=np.float64))
+    vocab = ev.spread(np.array([model.vocab_tensor(int(t)) for t in ev.t], dtype=np.float64))
+    return np.where((c.first + c.last) > 0, np.maximum(block, vocab), block)
 
 
 def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
-    ev = ShapeIndex(c)
+    ev = c.shapes
     params = stage_params(costs, c, ev)
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,

@@ -8,6 +8,8 @@ Vectorized: each argument is an array over candidates.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mist_ds.specs.channels import CHANNELS, canonical_active_set
@@ -34,37 +36,62 @@ def overlapped_time_s(busy_s: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     """Channel-major twin of overlapped_time_s: channels_s is a sequence of 4 arrays (or a [4, ...]
-    array) that broadcast together; reductions then run along contiguous candidate rows."""
-    channels = np.stack(np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in channels_s)))
-    shape = channels.shape[1:]
-    channels = channels.reshape(len(CHANNELS), -1)
-    elapsed = channels.max(axis=0)  # exact wherever at most one channel is busy
-    concurrent = (channels > 0).sum(axis=0) > 1
-    if concurrent.any():
-        elapsed[concurrent] = _segments(channels[:, concurrent], table)
+    array) that broadcast together."""
+    arrays = [np.asarray(x, dtype=np.float64) for x in channels_s]
+    shape = np.broadcast_shapes(*(a.shape for a in arrays))
+    # A channel idle on every row never joins a busy set: it is left out of the loop.
+    busy = [(bit, np.broadcast_to(a, shape).reshape(-1)) for bit, a in enumerate(arrays) if a.any()]
+    if len(busy) <= 1:
+        return busy[0][1].reshape(shape).copy() if busy else np.zeros(shape)
+    factors = [(bit, np.ascontiguousarray(table[:, bit])) for bit, _ in busy]
+    elapsed = np.empty(math.prod(shape))
+    for start in range(0, elapsed.size, _BLOCK):
+        rows = [row[start:start + _BLOCK] for _, row in busy]
+        elapsed[start:start + _BLOCK] = _block_elapsed(rows, factors)
     return elapsed.reshape(shape)
 
 
-_POPCOUNT = np.array([bin(m).count("1") for m in range(1 << len(CHANNELS))])
+_POPCOUNT = np.array([bin(m).count("1") for m in range(1 << len(CHANNELS))], dtype=np.uint8)
+_BLOCK = 16384
+"""Rows per block: a block's temporaries stay in cache (the loop is memory-bound otherwise)."""
+_FINISHED = 1e300
+"""Remaining time of a channel that has finished: it never wins a min, so no masking is needed."""
 
 
-def _segments(remaining: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Run the channels ([4, n] alone-times) segment by segment: until the next one finishes, under
-    the factors of the busy set. At most 3 segments have 2+ busy channels; the last one left
-    finishes alone. Every row takes the same steps (no compaction: cheaper than indexing)."""
-    remaining = remaining.copy()
-    by_channel = np.ascontiguousarray(table.T)  # [4, 16]: gathers come out channel-major
-    elapsed = np.zeros(remaining.shape[1])
-    done = 1e-12 * remaining.max(axis=0)  # relative: a channel this close to finishing has finished
-    for _ in range(len(CHANNELS) - 1):
-        active = remaining > done
-        mask = active[0] + 2 * active[1].astype(np.int64) + 4 * active[2] + 8 * active[3]
-        concurrent = _POPCOUNT[mask] > 1
+def _block_elapsed(busy: list[np.ndarray], factors: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """Elapsed seconds of the channels' alone-times (busy[k] belongs to channel bit factors[k][0],
+    whose slowdown under each busy set is factors[k][1][set]). Rows with one busy channel take its
+    time; the rest run segment by segment: until the next channel finishes, under the factors of
+    the busy set; the last one left finishes alone. Channels are separate 1-D rows (1-D gathers
+    are several times cheaper than a [4, n] one) and every temporary is reused: the loop is
+    bound by memory traffic."""
+    longest = busy[0].copy()
+    for row in busy[1:]:
+        np.maximum(longest, row, out=longest)
+    done = 1e-12 * longest  # relative: a channel this close to finishing has finished
+    remaining, mask = [], np.zeros(longest.shape, dtype=np.intp)
+    for row, (bit, _) in zip(busy, factors):
+        running = row > done
+        remaining.append(np.where(running, row, _FINISHED))
+        mask |= running.view(np.uint8) << bit
+    elapsed, step, scratch = np.zeros(longest.shape), np.empty(longest.shape), np.empty(longest.shape)
+    finished = np.empty(longest.shape, dtype=bool)
+    for _ in range(len(busy) - 1):
+        concurrent = _POPCOUNT.take(mask) > 1
         if not concurrent.any():
             break
-        factors = by_channel[:, mask]  # [4, n]
-        finish = np.where(active, remaining * factors, np.inf).min(axis=0)
-        step = np.where(concurrent, finish, 0.0)
+        slowdowns = [by_set.take(mask) for _, by_set in factors]
+        np.multiply(remaining[0], slowdowns[0], out=step)
+        for row, slowdown in zip(remaining[1:], slowdowns[1:]):
+            np.minimum(step, np.multiply(row, slowdown, out=scratch), out=step)
+        step *= concurrent
         elapsed += step
-        remaining = np.where(active, remaining - step / factors, 0.0)
-    return elapsed + np.where(remaining > done, remaining, 0.0).max(axis=0)
+        for row, slowdown, (bit, _) in zip(remaining, slowdowns, factors):
+            row -= np.divide(step, slowdown, out=scratch)
+            np.less_equal(row, done, out=finished)
+            np.putmask(row, finished, _FINISHED)
+            mask ^= finished.view(np.uint8) << bit
+    leftover = remaining[0]
+    for row in remaining[1:]:
+        np.minimum(leftover, row, out=leftover)
+    return elapsed + np.where(leftover < _FINISHED, leftover, 0.0)
