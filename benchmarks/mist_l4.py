@@ -10,12 +10,16 @@ Peaks are the PyTorch allocator's, in MiB (2^20 bytes).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
+from unittest import mock
 
 import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import mape, predict_specs, reference_rows, specs_for  # noqa: E402
+
+from mist_ds.specs import runtime_capabilities  # noqa: E402
 
 PINNED_PEAK_TFLOPS = 121 * 1050 / 2040
 MIB = 2**20
@@ -56,7 +60,7 @@ def main() -> None:
     print("| model | flash | GPUs | pp | dp | layers | ckpt | opt offload | measured s | predicted s | error | "
           "measured peak MiB | predicted peak MiB | peak error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    time_pred, time_meas, mem_err = [], [], []
+    time_pred, time_meas, mem_err, row_specs = [], [], [], []
     for row in rows:
         pp, dp, gpus = int(row["pp"]), int(row["dp"]), int(row["gpus"])
         global_batch = int(row["global_batch"])
@@ -66,6 +70,7 @@ def main() -> None:
                          _floats(row["opt_offload_per_stage"]), row["flash_attention"] == "true", family,
                          int(row["hidden_size"]), int(row["num_layers"]), int(row["num_heads"]), gpus, global_batch)
         p = predict_specs(specs)
+        row_specs.append(specs)
         measured = float(row["measured_iter_s"])
         peaks_measured = _ints(row["peak_alloc_mb_per_stage"])
         peaks_predicted = [x / MIB for x in p.peak_memory_bytes]
@@ -83,22 +88,106 @@ def main() -> None:
           f"{np.mean(np.abs(mem_err)):.1%}, max under-prediction {min(mem_err):+.1%}.\n")
 
     pair = reference_rows("mist_l4_pair")
-    results = {}
-    for row in pair:
-        pp, micro, accum = int(row["pp"]), int(row["micro_batch"]), int(row["grad_accum"])
-        gpus = 2
-        specs = l4_specs(row, pp, micro, _ints(row["layers_per_stage"]), _ints(row["ckpt_layers_per_stage"]),
-                         [0.0] * pp, False, "gpt", 2048, 24, 16, gpus, 32, zero=int(row["zero"]))
-        results[row["plan"]] = (predict_specs(specs).iteration_time_s, float(row["measured_s"]),
-                                float(row["predicted_by_mist_s"]))
-    (mp, mm, mmist), (tp_, tm, tmist) = results["megatron-best"], results["mist-tuned"]
+    pair_section(pair)
+    ablation_section(row_specs, time_meas, pair)
+
+
+def _hardware_flops(specs, p) -> float:
+    """FLOPs the GPUs execute in one iteration, recompute included (from the prediction's HFU)."""
+    return p.hfu * p.iteration_time_s * specs.strategy.parallelism.num_gpus * PINNED_PEAK_TFLOPS * 1e12
+
+
+def _eager(specs):
+    """The same prediction with the runtime's element-wise runs priced one kernel per op."""
+    caps = dataclasses.replace(runtime_capabilities(specs.strategy.runtime), fused_kernels=False)
+    with mock.patch("mist_ds.cost.predict.runtime_capabilities", lambda name: caps):
+        return predict_specs(specs)
+
+
+def ablation_section(row_specs: list, measured: list[float], pair: list[dict]) -> None:
+    """The full model against (a) itself with eager (unfused) element-wise pricing and (b) a
+    constant-efficiency predictor, time = hardware FLOPs / (GPUs x e x peak), e fitted on these rows."""
+    full = [predict_specs(s) for s in row_specs]
+    eager = [_eager(s).iteration_time_s for s in row_specs]
+    flops = np.array([_hardware_flops(s, p) for s, p in zip(row_specs, full)])
+    gpus = np.array([s.strategy.parallelism.num_gpus for s in row_specs])
+    capacity = gpus * PINNED_PEAK_TFLOPS * 1e12
+    efficiency = float(np.exp(np.mean(np.log(flops / (capacity * np.array(measured))))))
+    constant = flops / (capacity * efficiency)
+    rows = {row["plan"]: row for row in pair}
+    pair_specs = {"megatron-best": _pair_specs(rows["megatron-best"], True), "mist-tuned": _pair_specs(rows["mist-tuned"], False)}
+    measured_ratio = float(rows["megatron-best"]["measured_s"]) / float(rows["mist-tuned"]["measured_s"])
+
+    def ratio(predict) -> float:
+        return predict(pair_specs["megatron-best"]) / predict(pair_specs["mist-tuned"])
+
+    def constant_time(specs) -> float:
+        p = predict_specs(specs)
+        return _hardware_flops(specs, p) / (specs.strategy.parallelism.num_gpus * PINNED_PEAK_TFLOPS * 1e12 * efficiency)
+
+    print("## Ablation\n")
+    print(f"Same rows. Eager: element-wise runs priced one kernel per op (RuntimeCapabilities.fused_kernels off). "
+          f"Constant efficiency: e = {efficiency:.3f} fitted on these rows (log error). Pair ratio: megatron-best "
+          f"(full-recompute reading) / mist-tuned, measured {measured_ratio:.3f}.\n")
+    print("| predictor | time MAPE | max abs error | pair ratio | pair ratio error |")
+    print("|---|---|---|---|---|")
+    for name, times, pair_ratio in (
+            ("cost model", [p.iteration_time_s for p in full], ratio(lambda s: predict_specs(s).iteration_time_s)),
+            ("cost model, eager element-wise", eager, ratio(lambda s: _eager(s).iteration_time_s)),
+            ("constant efficiency", list(constant), ratio(constant_time))):
+        errors = np.abs(np.subtract(times, measured)) / np.array(measured)
+        print(f"| {name} | {mape(times, measured):.1%} | {errors.max():.1%} | {pair_ratio:.3f} | "
+              f"{pair_ratio / measured_ratio - 1:+.1%} |")
+    print()
+
+
+def _pair_specs(row: dict, full_recompute: bool):
+    pp, micro = int(row["pp"]), int(row["micro_batch"])
+    layers = _ints(row["layers_per_stage"])
+    ckpt = layers if full_recompute else _ints(row["ckpt_layers_per_stage"])
+    return l4_specs(row, pp, micro, layers, ckpt, [0.0] * pp, False, "gpt", 2048, 24, 16, 2, 32, zero=int(row["zero"]))
+
+
+def _pair_prediction(row: dict, full_recompute: bool):
+    return predict_specs(_pair_specs(row, full_recompute))
+
+
+def pair_section(pair: list[dict]) -> None:
+    """The pair as written, and with full recompute on the Megatron-style plan: as written (b = 8,
+    no recompute, explicit attention) it cannot fit the L4, so the measured run must have recomputed."""
+    rows = {row["plan"]: row for row in pair}
+    megatron, mist = rows["megatron-best"], rows["mist-tuned"]
+    readings = {"as written": _pair_prediction(megatron, False),
+                "full recompute": _pair_prediction(megatron, True)}
+    mist_prediction = _pair_prediction(mist, False)
+    measured_mb = _ints(megatron["peak_mem_measured_mb"])[0]
     print("## The measured pair (GPT-1.3B, 2x L4, no flash attention)\n")
-    print("| plan | measured s | predicted s | Mist's own prediction s |")
-    print("|---|---|---|---|")
-    for name, (p, m, mist) in results.items():
-        print(f"| {name} | {m:.2f} | {p:.2f} | {mist:.2f} |")
-    print(f"\nRatio megatron-best / mist-tuned: measured {mm / tm:.3f}, predicted {mp / tp_:.3f} "
-          f"({(mp / tp_) / (mm / tm) - 1:+.1%}), Mist's own {mmist / tmist:.3f}.")
+    print("| plan | reading | measured s | predicted s | error | measured peak MiB | predicted peak MiB | "
+          "Mist's own prediction s |")
+    print("|---|---|---|---|---|---|---|---|")
+    measured_m, measured_t = float(megatron["measured_s"]), float(mist["measured_s"])
+    for reading, p in readings.items():
+        print(f"| megatron-best | {reading} | {measured_m:.2f} | {p.iteration_time_s:.2f} | "
+              f"{p.iteration_time_s / measured_m - 1:+.1%} | {measured_mb} | {max(p.peak_memory_bytes) / MIB:.0f} | "
+              f"{float(megatron['predicted_by_mist_s']):.2f} |")
+    print(f"| mist-tuned | as written | {measured_t:.2f} | {mist_prediction.iteration_time_s:.2f} | "
+          f"{mist_prediction.iteration_time_s / measured_t - 1:+.1%} | - | "
+          f"{max(mist_prediction.peak_memory_bytes) / MIB:.0f} | {float(mist['predicted_by_mist_s']):.2f} |")
+    measured_ratio = measured_m / measured_t
+    mist_ratio = float(megatron["predicted_by_mist_s"]) / float(mist["predicted_by_mist_s"])
+    print()
+    for reading, p in readings.items():
+        ratio = p.iteration_time_s / mist_prediction.iteration_time_s
+        print(f"- Ratio megatron-best / mist-tuned, megatron-best {reading}: predicted {ratio:.3f} against the "
+              f"measured {measured_ratio:.3f} ({ratio / measured_ratio - 1:+.1%}); Mist's own {mist_ratio:.3f}.")
+    written = readings["as written"]
+    print(f"\nThe Megatron-style plan as written (micro-batch {megatron['micro_batch']}, no recompute, explicit "
+          f"attention) needs {max(written.peak_memory_bytes) / MIB:.0f} MiB by this model against the "
+          f"{MIST_USABLE_BYTES / MIB:.0f} MiB Mist could use and the {measured_mb} MiB measured, so the measured "
+          "run cannot have kept every activation; with full recompute (Megatron-LM's usual setting) the "
+          f"predicted peak is {max(readings['full recompute'].peak_memory_bytes) / MIB:.0f} MiB, next to the "
+          "measured peak and to Mist's own estimate of it. The full-recompute reading is an inference from "
+          "memory, not a recorded fact.\n")
 
 
 if __name__ == "__main__":

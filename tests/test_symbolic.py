@@ -19,7 +19,7 @@ from mist_ds.models import TensorParallel, build_layers, vocab_parallel_cross_en
 from mist_ds.symbolic import analyze_layers, analyze_model
 from mist_ds.symbolic.layer_cost import PUBLIC_KEYS
 from mist_ds.models.attention import causal_attention
-from mist_ds.symbolic.aggregate import saved_bytes
+from mist_ds.symbolic.aggregate import fused_memory_traffic, fusion_groups, saved_bytes
 from mist_ds.symbolic.rules import flop_counter_mapping
 from mist_ds.symbolic.trace import run_trace
 from tests.conftest import REPO, zoo
@@ -197,6 +197,52 @@ def test_flash_rule_saves_q_k_v_out_and_logsumexp():
     heads = n * m  # query heads: a whole number of KV groups
     expected = 2 * b * s * head_dim * (heads + m + m) + 2 * b * s * head_dim * heads + 4 * b * heads * s
     assert sympy.expand(saved - expected) == 0
+
+
+class _GemmThenChain(torch.nn.Module):
+    """GEMM; gelu -> * 2 -> + x (one fusable run); a GEMM reading the run's middle; a final add."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width, bias=False)
+        self.outer = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        y = torch.nn.functional.gelu(self.inner(x)) * 2.0
+        z = y + x
+        return self.outer(y) + z
+
+
+def _eager_bytes(trace, group) -> sympy.Expr:
+    return sympy.Add(*[t.nbytes for i in group for t in trace.ops[i].inputs + trace.ops[i].outputs])
+
+
+def test_fused_traffic_reads_outside_tensors_once_and_writes_what_outlives_the_run():
+    """Counted by hand, T = one (b, s, width) fp32 tensor. Run 1 [gelu, mul, add]: reads h (the
+    inner GEMM's output) and x; gelu's output feeds only the mul and is not saved (gelu saves h):
+    on chip; y is read by the outer GEMM and z by the last add: written. 4T. Run 2 [add]: reads the
+    outer GEMM's output and z, writes the layer's output: 3T. Eager: 2 + 2 + 3 + 3 = 10T."""
+    width = 64
+    hints = {"b": 3, "s": 13}
+
+    def make_inputs(size):
+        return (torch.empty(size["b"], size["s"], width, requires_grad=True),)
+
+    trace, rename = run_trace(lambda size: _GemmThenChain(width), make_inputs, None, hints)
+    names = {symbol: sympy.Symbol(name, positive=True, integer=True) for symbol, name in rename.items()}
+    b, s = (sympy.Symbol(x, positive=True, integer=True) for x in "bs")
+    tensor = 4 * b * s * width
+    groups = fusion_groups(trace, "fwd")
+    assert [[trace.ops[i].name for i in g] for g in groups] == [
+        ["aten.gelu.default", "aten.mul.Tensor", "aten.add.Tensor"], ["aten.add.Tensor"]]
+    fused, kernels = fused_memory_traffic(trace, "fwd")
+    assert sympy.expand(fused.xreplace(names) - 7 * tensor) == 0
+    assert kernels == 4  # two GEMMs, two fused runs
+    assert sympy.expand(sum((_eager_bytes(trace, g) for g in groups), sympy.Integer(0)).xreplace(names)
+                        - 10 * tensor) == 0
+    bwd_fused, _ = fused_memory_traffic(trace, "bwd")
+    bwd_eager = sum((_eager_bytes(trace, g) for g in fusion_groups(trace, "bwd")), sympy.Integer(0))
+    assert 0 < bwd_fused.xreplace(names).subs({b: 3, s: 13}) < bwd_eager.xreplace(names).subs({b: 3, s: 13})
 
 
 @pytest.fixture(scope="module")

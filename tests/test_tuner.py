@@ -117,7 +117,8 @@ def test_tuner_equals_exhaustive_search_at_every_global_point(case):
             assert best_s == math.inf, f"{point}: exhaustive search found {best_s} s, the tuner nothing"
             continue
         assert tuned.objective_s == pytest.approx(best_s, rel=1e-9), (point, tuned.strategy, layers, options)
-        bound = lower_bound_s(model_costs(specs), hardware_model(specs.cluster, specs.train.precision), point)
+        bound = lower_bound_s(model_costs(specs), hardware_model(specs.cluster, specs.train.precision), point,
+                              runtime_capabilities(runtime).fused_kernels)
         assert bound <= tuned.objective_s * (1 + 1e-12)
         compared += 1
     assert compared >= 2

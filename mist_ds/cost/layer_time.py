@@ -18,14 +18,15 @@ class LayerTimes:
     bwd_tp_s: np.ndarray
 
 
-def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.ndarray:
+def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, fused: bool) -> np.ndarray:
     total = np.zeros(np.broadcast(b, s, t).shape)
     for index, gemm in enumerate(cost.gemms):
         if gemm[0] == phase:
             total = total + hw.gemm_time_s(*cost.gemm_shapes(index, b, s, t))
     total = total + hw.attention_time_s(cost(f"{phase}_attention_flops", b, s, t))
-    total = total + cost(f"{phase}_kernels", b, s, t) * hw.cluster.gpu.kernel_overhead_s
-    return total + hw.memory_bound_time_s(cost(f"{phase}_memory_bytes", b, s, t))
+    kind = "_fused" if fused else ""
+    total = total + cost(f"{phase}{kind}_kernels", b, s, t) * hw.cluster.gpu.kernel_overhead_s
+    return total + hw.memory_bound_time_s(cost(f"{phase}{kind}_memory_bytes", b, s, t))
 
 
 def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.ndarray:
@@ -34,7 +35,8 @@ def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.nd
     return count * hw.all_reduce_time_s(message, t, 1)
 
 
-def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t) -> LayerTimes:
-    return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t),
-                      bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t),
+def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False) -> LayerTimes:
+    """fused: price element-wise runs as fused kernels (RuntimeCapabilities.fused_kernels)."""
+    return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t, fused),
+                      bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t, fused),
                       fwd_tp_s=_pass_tp_s(cost, hw, "fwd", b, s, t), bwd_tp_s=_pass_tp_s(cost, hw, "bwd", b, s, t))

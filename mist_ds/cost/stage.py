@@ -139,10 +139,11 @@ def stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.nd
     return params
 
 
-def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
+def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex,
+           fused: bool) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
     out = []
     for cost in (costs.embedding, costs.block, costs.head):
-        unique = layer_times(cost, hw, ev.b, ev.s, ev.t)
+        unique = layer_times(cost, hw, ev.b, ev.s, ev.t, fused)
         out.append(LayerTimes(*(ev.spread(getattr(unique, f.name)) for f in fields(LayerTimes))))
     return tuple(out)
 
@@ -187,7 +188,7 @@ def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> tuple
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                 c: StageCandidates) -> StageTimes:
     ev = c.shapes
-    emb, block, head = _times(costs, hw, ev)
+    emb, block, head = _times(costs, hw, ev, caps.fused_kernels)
     overlap = caps.overlap
     fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
     recompute = c.ckpt * block.fwd_compute_s

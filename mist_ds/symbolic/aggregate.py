@@ -103,6 +103,72 @@ def saved_bytes(trace: Trace) -> sympy.Expr:
     return sympy.Add(*[trace.storages[k].nbytes for k in trace.saved if k not in trace.param_storages])
 
 
+def _launches_kernel(op) -> bool:
+    return not is_view(op) and op.name not in WAIT_OPS and op.name not in COLLECTIVE_OPS
+
+
+def _memory_bound(op) -> bool:
+    return _launches_kernel(op) and op.gemm is None and op.name not in (ATTENTION_FWD, ATTENTION_BWD)
+
+
+def fusion_groups(trace: Trace, phase: str) -> list[list[int]]:
+    """Op indices of the phase's fused kernels: each maximal run of memory-bound ops (element-wise,
+    norms, softmax, reductions) that no GEMM, attention or collective interrupts; views move no
+    data and interrupt nothing. What a fusing runtime (Megatron's fused bias-GELU,
+    bias-dropout-add and scale-mask-softmax kernels, or a fusing compiler) launches as one kernel."""
+    groups: list[list[int]] = []
+    open_run = False
+    for index, op in enumerate(trace.ops):
+        if op.phase != phase or is_view(op):
+            continue
+        if not _memory_bound(op):
+            open_run = False
+        elif open_run:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+            open_run = True
+    return groups
+
+
+def _storage(tensor) -> tuple:
+    return ("serial", tensor.serial) if tensor.serial is not None else ("untracked", tensor.storage_id)
+
+
+def fused_memory_traffic(trace: Trace, phase: str) -> tuple[sympy.Expr, sympy.Integer]:
+    """(HBM bytes, kernel launches) of the phase's memory-bound work when each fusion group is one
+    kernel: it reads each outside tensor once and writes only what outlives it. A tensor stays on
+    chip when every op that reads it is in its group and autograd does not save it; a tensor no op
+    reads (a gradient, the layer's output) is written."""
+    readers: dict[tuple, set[int]] = {}
+    for index, op in enumerate(trace.ops):
+        if _launches_kernel(op):
+            for tensor in op.inputs:
+                readers.setdefault(_storage(tensor), set()).add(index)
+    kept = {("serial", k) for k in trace.saved | trace.output_storages}
+    total = sympy.Integer(0)
+    groups = fusion_groups(trace, phase)
+    for group in groups:
+        members = set(group)
+        produced: dict[tuple, sympy.Expr] = {}
+        read: dict[tuple, sympy.Expr] = {}
+        for index in group:
+            for tensor in trace.ops[index].inputs:
+                key = _storage(tensor)
+                if key not in produced:
+                    read.setdefault(key, tensor.nbytes)
+            for tensor in trace.ops[index].outputs:
+                produced[_storage(tensor)] = tensor.nbytes
+        for key, nbytes in produced.items():
+            consumers = readers.get(key, set())
+            # an input updated in place, kept, unread or read outside the group is written back
+            if key in read or key in kept or not consumers or not consumers <= members:
+                total += nbytes
+        total += sympy.Add(*read.values())
+    other_kernels = sum(1 for op in trace.ops if op.phase == phase and _launches_kernel(op) and not _memory_bound(op))
+    return total, sympy.Integer(other_kernels + len(groups))
+
+
 def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     """All per-layer expressions of one trace, in the trace's symbols."""
     sums = {key: sympy.Integer(0) for key in ("fwd_flops", "bwd_flops", "fwd_attention_flops",
@@ -117,7 +183,7 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
         if op.gemm is not None:
             gemms.append(Gemm(op.phase, *op.gemm))
         sums[f"{op.phase}_memory_bytes"] += memory_traffic_bytes(op)
-        if not is_view(op) and op.name not in WAIT_OPS and op.name not in COLLECTIVE_OPS:
+        if _launches_kernel(op):
             sums[f"{op.phase}_kernels"] += 1  # a GPU kernel launch (views and bookkeeping launch none)
         comm = collective_bytes(op)
         sums[f"tp_comm_bytes_{op.phase}"] += comm
@@ -128,4 +194,6 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
         "fwd_peak_bytes": peak_bytes(trace, FORWARD), "bwd_peak_bytes": peak_bytes(trace, BACKWARD),
         "output_bytes": trace.output_bytes, "input_bytes": trace.input_bytes,
     }
+    for phase in (FORWARD, BACKWARD):
+        exprs[f"{phase}_fused_memory_bytes"], exprs[f"{phase}_fused_kernels"] = fused_memory_traffic(trace, phase)
     return exprs, gemms

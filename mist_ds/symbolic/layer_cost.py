@@ -16,7 +16,8 @@ PUBLIC_SYMBOL_NAMES = ("b", "s", "t")  # micro-batch, sequence length, TP degree
 PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_ckpt", "fwd_peak_bytes",
                "bwd_peak_bytes", "output_bytes", "tp_comm_bytes_fwd", "tp_comm_bytes_bwd")
 EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
-              "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels")
+              "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels",
+              "fwd_fused_memory_bytes", "bwd_fused_memory_bytes", "fwd_fused_kernels", "bwd_fused_kernels")
 
 
 def _compile(source: str) -> dict[str, Callable]:
@@ -35,7 +36,10 @@ class LayerCost:
     input), fwd_peak_bytes / bwd_peak_bytes (transient peak of the pass, saved tensors included,
     params and their grads excluded), output_bytes (what the next stage receives), input_bytes,
     param_bytes, fwd_memory_bytes / bwd_memory_bytes (HBM traffic of memory-bound ops),
-    tp_comm_bytes_fwd / tp_comm_bytes_bwd (all-reduced bytes), tp_collectives_fwd / _bwd (count).
+    tp_comm_bytes_fwd / tp_comm_bytes_bwd (all-reduced bytes), tp_collectives_fwd / _bwd (count),
+    fwd_kernels / bwd_kernels (launches), fwd_fused_memory_bytes / bwd_fused_memory_bytes and
+    fwd_fused_kernels / bwd_fused_kernels (the same with each run of memory-bound ops fused into one
+    kernel: aggregate.fused_memory_traffic).
     `gemms`: (phase, batch, m, n, k) expressions of each GEMM, for size-dependent efficiency.
     """
 

@@ -37,6 +37,8 @@ class TensorInfo:
     storage_id: int
     nbytes: sympy.Expr
     """Bytes of the elements the tensor covers (its view), not of its whole storage."""
+    serial: int | None = None
+    """Key of its storage in Trace.storages (None: a storage the trace never saw created)."""
 
 
 @dataclass
@@ -86,12 +88,12 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def tensor_info(tensor: torch.Tensor) -> TensorInfo:
+def tensor_info(tensor: torch.Tensor, serial: int | None = None) -> TensorInfo:
     numel = sympy.Integer(1)
     for size in tensor.shape:
         numel *= as_expr(size)
     return TensorInfo(shape=tuple(as_expr(x) for x in tensor.shape), dtype=tensor.dtype,
-                      storage_id=storage_key(tensor), nbytes=numel * tensor.element_size())
+                      storage_id=storage_key(tensor), nbytes=numel * tensor.element_size(), serial=serial)
 
 
 class _Recorder(TorchDispatchMode):
@@ -117,6 +119,11 @@ class _Recorder(TorchDispatchMode):
         self.unreleased[key] = serial
         return serial
 
+    def live_serial(self, tensor: torch.Tensor) -> int | None:
+        """Serial of a live tracked storage, without registering an unknown one."""
+        serial = self.unreleased.get(storage_key(tensor))
+        return serial if serial is not None and not self.trace.storages[serial].ref.expired() else None
+
     def sweep(self, index: int) -> None:
         """Mark storages freed since the last sweep as released at op `index`."""
         for key in [k for k, serial in self.unreleased.items() if self.trace.storages[serial].ref.expired()]:
@@ -129,16 +136,17 @@ class _Recorder(TorchDispatchMode):
         if name in IGNORED_OPS:
             return out
         index = len(self.trace.ops)
-        inputs = [tensor_info(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        inputs = [tensor_info(x, self.live_serial(x)) for x in tree_flatten((args, kwargs))[0]
+                  if isinstance(x, torch.Tensor)]
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        for tensor in outputs:
-            self.track(tensor, index)
+        serials = [self.track(tensor, index) for tensor in outputs]
         if name in HANDOVER_OPS:
             handed = self.unreleased.pop(storage_key(args[0]), None)
             if handed is not None:
                 self.trace.storages[handed].released = index
         self.trace.ops.append(OpRecord(
-            name=name, phase=self.phase, inputs=inputs, outputs=[tensor_info(x) for x in outputs],
+            name=name, phase=self.phase, inputs=inputs,
+            outputs=[tensor_info(x, serial) for x, serial in zip(outputs, serials)],
             flops=op_flops(name, args, kwargs, out), gemm=gemm_dims(name, args) if name in GEMM_OPS else None))
         del outputs
         self.sweep(index)

@@ -86,24 +86,24 @@ def option_grids(specs: Specs) -> OptionGrids:
 
 # --- lower bound ---------------------------------------------------------------------------------------
 
-def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint]) -> np.ndarray:
+def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint], fused: bool) -> np.ndarray:
     """No plan of a point is faster than its bound (seconds; one array call for all points): every
     stage's stable time is at least its compute and TP time, so sum_i T_i >= L m + embedding + head,
-    and max_i T_i >= sum_i T_i / S."""
+    and max_i T_i >= sum_i T_i / S. fused: the runtime's RuntimeCapabilities.fused_kernels."""
     if not points:
         return np.zeros(0)
     b = np.array([p.micro_batch_size for p in points], dtype=np.float64)
     t = np.array([p.tp for p in points], dtype=np.float64)
     s = np.full_like(b, costs.model.seq_len)
     serial = [x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
-              for x in (layer_times(cost, hw, b, s, t) for cost in (costs.embedding, costs.block, costs.head))]
+              for x in (layer_times(cost, hw, b, s, t, fused) for cost in (costs.embedding, costs.block, costs.head))]
     total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
     factor = np.array([1 + (p.grad_accum - 1) / p.pp for p in points])
     return total * factor
 
 
-def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint) -> float:
-    return float(lower_bounds_s(costs, hw, [point])[0])
+def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint, fused: bool) -> float:
+    return float(lower_bounds_s(costs, hw, [point], fused)[0])
 
 
 # --- one point -------------------------------------------------------------------------------------------
@@ -287,9 +287,9 @@ def search(specs: Specs, space: str | None = None, runtime: str | None = None, c
     runtime = runtime or tuner_runtime(specs.tuner)
     ctx = SearchContext(specs=specs, space=space, runtime=runtime, cache_dir=cache_dir)
     state = _state(ctx)
-    costs, hw, _ = state
+    costs, hw, caps = state
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space)
-    bounds = lower_bounds_s(costs, hw, points)
+    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels)
     ordered = sorted(((p, float(b)) for p, b in zip(points, bounds)), key=lambda pb: (pb[1], pb[0]))
     results: list[PointResult] = []
     pruned: list[tuple[GlobalPoint, float]] = []
