@@ -175,6 +175,26 @@ def test_mist_paper_moves_the_step_into_the_first_forward(costs_13b):
     assert float(times.end_s[0]) == 0.0 and float(times.first_fwd_extra_s[0]) > 0
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_mist_paper_moves_each_data_parallel_byte_once_per_step(costs_13b, zero):
+    """On a link so slow that data-parallel traffic dwarfs compute, the once-per-iteration extras
+    are that traffic: ZeRO-0 one all-reduce (last backward); ZeRO-1 a reduce-scatter (last backward)
+    and an all-gather of the updated shard (first forward); ZeRO-2 the all-gather only (it reduce-
+    scatters every micro-batch); ZeRO-3 nothing (it gathers every forward anyway)."""
+    specs = specs_of("strategy.runtime=mist-paper", f"strategy.zero_stage={zero}", "strategy.schedule=mist",
+                     "strategy.dp=8", "cluster.intra_node_gbps=0.01")
+    times, hw = _times(specs, costs_13b)
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    params = float(c.layers[0] * costs_13b.block("params", 1, 2048, 1) + costs_13b.embedding("params", 1, 2048, 1)
+                   + costs_13b.head("params", 1, 2048, 1)) - (specs.model.vocab_size * specs.model.hidden_size
+                                                              if specs.model.tie_embeddings else 0)
+    weights = hw.dtype_bytes * params
+    gather, scatter = float(hw.all_gather_time_s(weights, 8, 1)), float(hw.reduce_scatter_time_s(weights, 8, 1))
+    expected = {0: float(hw.all_reduce_time_s(weights, 8, 1)), 1: scatter + gather, 2: gather, 3: 0.0}[zero]
+    once = float(times.first_fwd_extra_s[0] + times.last_bwd_extra_s[0])
+    assert once == pytest.approx(expected, rel=0.02, abs=0.02 * gather)
+
+
 def test_recompute_costs_a_forward(costs_13b):
     none, _ = _times(specs_of(), costs_13b)
     full, _ = _times(specs_of("strategy.ckpt_layers=full"), costs_13b)

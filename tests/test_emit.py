@@ -28,8 +28,8 @@ CASES = {
                        "train.grad_clip=0"],
     "zero1-optimizer-offload": ["strategy.zero_stage=1", "strategy.offload.optimizer=1",
                                 "strategy.offload.grads=1"],
-    "zero3-optimizer-offload-half": ["strategy.zero_stage=3", "strategy.offload.optimizer=0.5",
-                                     "strategy.offload.grads=0.5", "train.precision=fp16"],
+    "zero3-optimizer-offload-fp16": ["strategy.zero_stage=3", "strategy.offload.optimizer=1",
+                                     "strategy.offload.grads=1", "train.precision=fp16"],
     "zero3-weights-offload": ["strategy.zero_stage=3", "strategy.offload.weights=1",
                               "strategy.offload.optimizer=1", "strategy.offload.grads=1"],
     "mist-schedule-pp2": ["strategy.runtime=mist", "strategy.schedule=mist", "strategy.pp=2",
@@ -201,7 +201,7 @@ def test_mist_block_holds_every_stage():
      "deepspeed.pipeline-zero"),
     (lambda s: dataclasses.replace(s, stages=tuple(dataclasses.replace(x, optimizer_offload=0.5, grads_offload=0.5)
                                                    for x in s.stages)),
-     "deepspeed.offload-ratio-zero3"),
+     "deepspeed.offload-ratio"),
     (lambda s: dataclasses.replace(s, runtime="mist-paper"), "mist-paper.not-on-deepspeed"),
 ])
 def test_unrunnable_strategy_is_refused_with_its_rule(change, rule):

@@ -22,7 +22,7 @@ from mist_ds.specs import ConfigError, check_runtime, runtime_capabilities
 from mist_ds.specs.runtime import allowed_stage_options
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points
-from mist_ds.tuner.space import OPTION_KEYS, global_points, layer_counts, stage_option_grid
+from mist_ds.tuner.space import OPTION_KEYS, fixed_partitions, global_points, layer_counts, stage_option_grid
 from tests.test_emit import parse  # noqa: F401  (DeepSpeed's parser in a one-rank group, a fixture)
 
 # A 7-layer tiny GPT on 3 "GPUs" (processes) of the cpu cluster: S = 3 is possible, and the grids are
@@ -192,6 +192,30 @@ def test_cli_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
     assert run.returncode == 3, run.stderr
     assert "no plan fits" in run.stderr and "GiB" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("layers,stages", [(24, 3), (30, 4), (96, 12), (7, 3), (5, 5)])
+def test_fixed_partitions_lie_inside_the_mist_space(layers, stages):
+    """The mist plan can only be at least as fast as a baseline if the mist space contains it."""
+    counts = set(layer_counts(layers, stages, 2))
+    for space in ("megatron", "deepspeed", "uniform"):
+        for partition in fixed_partitions(layers, stages, space, 2):
+            assert sum(partition) == layers and set(partition) <= counts, (space, partition)
+
+
+def test_no_fit_explanation_names_host_memory_when_it_binds():
+    """gpt3-22b on 2 L4s fits in GPU memory only by offloading more than the host holds: the
+    explanation must say so (not that the GPU lacks memory), and predict flags the same plan."""
+    specs = compose(["model=gpt3-22b", "cluster=l4-24g", "cluster.gpus_per_node=2", "train.global_batch_size=32",
+                     "tuner.compare_baselines=false", "tuner.micro_batch_sizes=[1]"], with_strategy=False)
+    with pytest.raises(NoPlanFits) as reason:
+        tune_specs(specs, progress=False)
+    text = str(reason.value)
+    assert "host memory" in text and "cluster.cpu_memory_gib" in text, text
+    roomy = compose(["model=gpt3-22b", "cluster=l4-24g", "cluster.gpus_per_node=2", "train.global_batch_size=32",
+                     "cluster.cpu_memory_gib=4096", "tuner.compare_baselines=false", "tuner.micro_batch_sizes=[1]"],
+                    with_strategy=False)
+    assert tune_specs(roomy, progress=False).prediction.fits
 
 
 def test_emitted_ds_config_is_accepted_by_deepspeed_for_the_plans_dp(parse, tmp_path):

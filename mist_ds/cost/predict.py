@@ -12,6 +12,7 @@ from mist_ds.cost.simulate import simulate
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import Specs, StrategySpec, check_runtime, runtime_capabilities
+from mist_ds.specs.cluster import GIB
 from mist_ds.symbolic import analyze_model
 
 MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "transient", "buffers")
@@ -82,6 +83,13 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
     breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
         "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
     stage_gpus_per_node = min(specs.cluster.gpus_per_node, par.tp * par.dp)
+    host_share = specs.cluster.cpu_memory_bytes / specs.cluster.gpus_per_node  # the tuner's rule too
+    warnings = [f"stage {i} peaks at {peak_i / GIB:.2f} GiB, above the {usable / GIB:.2f} GiB usable per GPU"
+                for i, peak_i in enumerate(memory.peak_bytes) if peak_i > usable]
+    if np.max(memory.host_bytes) > host_share:
+        warnings.append(f"offloaded states need {np.max(memory.host_bytes) / GIB:.2f} GiB of host memory per GPU, "
+                        f"above its {host_share / GIB:.2f} GiB share of the node (cluster.cpu_memory_gib / "
+                        "cluster.gpus_per_node)")
     return Prediction(
         iteration_time_s=simulated, iteration_time_closed_form_s=closed,
         throughput_samples_per_s=par.global_batch_size / simulated, tokens_per_s=tokens / simulated,
@@ -89,12 +97,12 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
         stage_stable_s=[float(x) for x in times.stable_s], stage_delta_s=[float(x) for x in times.delta_s],
         bubble_s=float(bubble_s(times.stable_s)), optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
-        fits=bool(np.all(memory.peak_bytes <= usable)),
+        fits=not warnings,
         host_memory_bytes=float(np.max(memory.host_bytes) * stage_gpus_per_node),
         sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},
-        warnings=[], strategy={"runtime": strategy.runtime, "tp": par.tp, "pp": par.pp, "dp": par.dp,
+        warnings=warnings, strategy={"runtime": strategy.runtime, "tp": par.tp, "pp": par.pp, "dp": par.dp,
                                "micro_batch_size": par.micro_batch_size, "grad_accum": par.grad_accum,
                                "layers_per_stage": list(strategy.layers_per_stage),
                                "ckpt_layers": [st.ckpt_layers for st in strategy.stages],

@@ -244,11 +244,19 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
 
     if overlap.optimizer_in_first_forward:
         # Mist: the step runs per layer inside the first forward, the reduction inside the last
-        # backward; both overlap that pass's compute on their own channels.
-        first_fwd = hw.overlapped_time_s(fwd_compute + gpu_step, fwd_g2g + np.where(c.zero >= 1, gather, 0.0),
+        # backward; both overlap that pass's compute on their own channels. The gradient crosses
+        # the data-parallel group once and the updated weights once: ZeRO-0 all-reduces; ZeRO-1
+        # reduce-scatters and all-gathers the updated shard; ZeRO-2 has reduce-scattered every
+        # micro-batch (bwd_g2g) and all-gathers; ZeRO-3 gathers every forward anyway (fwd_g2g).
+        step_reduce = np.select([c.zero == 0, c.zero == 1],
+                                [hw.all_reduce_time_s(grad_bytes * params, c.d, c.t),
+                                 hw.reduce_scatter_time_s(grad_bytes * params, c.d, c.t)], default=0.0)
+        step_gather = np.where((c.zero == 1) | (c.zero == 2), gather, 0.0)
+        first_fwd = hw.overlapped_time_s(fwd_compute + gpu_step, fwd_g2g + step_gather,
                                          fwd_h2d + hw.host_copy_time_s(b_w * partition * c.oo),
                                          fwd_d2h + hw.host_copy_time_s(FP32_BYTES * partition * c.oo))
-        last_bwd = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + reduce, bwd_h2d, bwd_d2h)
+        last_bwd = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + step_reduce, bwd_h2d, bwd_d2h)
+        reduce = step_reduce
         first_extra = np.maximum(first_fwd - fwd_phase, hw.cpu_adam_time_s(partition * c.oo))
         last_extra = last_bwd - bwd_phase + tied
         end = np.zeros_like(stable)

@@ -139,12 +139,8 @@ def zero_block(stage: StageStrategy, pipeline: bool, buckets: BucketSizes) -> di
             if value is not None:
                 block[key] = value
     if stage.optimizer_offload > 0:
-        # The gradient partition moves with the optimizer states (grads offload = optimizer offload,
-        # checked by check_runtime); a ratio below 1 is ZeRO-3's partial offload.
-        offload: dict[str, Any] = {"device": "cpu"}
-        if stage.optimizer_offload < 1:
-            offload["ratio"] = stage.optimizer_offload
-        block["offload_optimizer"] = offload
+        # All of it (check_runtime): the gradient partition moves with the optimizer states.
+        block["offload_optimizer"] = {"device": "cpu"}
     if stage.weights_offload == 1:  # all or nothing, ZeRO-3 only (check_runtime)
         block["offload_param"] = {"device": "cpu"}
     return block

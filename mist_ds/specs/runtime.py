@@ -46,7 +46,7 @@ class RuntimeCapabilities:
     grads_offload: str
     """'none' | 'with-optimizer' (go equals oo) | 'fraction'."""
     optimizer_offload: str
-    """'none' | 'whole-or-zero3-fraction' (ratio < 1 needs ZeRO-3) | 'fraction'."""
+    """'none' | 'whole' (all or nothing, ZeRO >= 1) | 'fraction'."""
     activations_offload: bool
     schedules: tuple[str, ...]
     blocking_p2p: bool
@@ -54,15 +54,15 @@ class RuntimeCapabilities:
     fused_kernels: bool = False
     """Each run of element-wise / norm / softmax ops executes as one kernel, priced by the traffic
     that leaves it (symbolic.aggregate.fused_memory_traffic). Mist's runtime: its layers use
-    FlashAttention's modules and jit-fused bias-dropout-add (held-out L4 time MAPE 2.9% fused,
-    27.5% eager). False: the model's eager op stream, one kernel per op, as mist_ds's runtimes run it."""
+    FlashAttention's modules and jit-fused bias-dropout-add (held-out L4 time MAPE 2.5% fused,
+    27.1% eager). False: the model's eager op stream, one kernel per op, as mist_ds's runtimes run it."""
 
 
 def _deepspeed() -> RuntimeCapabilities:
     return RuntimeCapabilities(
         name="deepspeed", built=True, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
         ckpt_whole_stage_only=True, weights_offload="zero3-all", grads_offload="with-optimizer",
-        optimizer_offload="whole-or-zero3-fraction", activations_offload=False, schedules=("1f1b",),
+        optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
         blocking_p2p=True, overlap=OverlapFeatures())
 
 
@@ -150,13 +150,17 @@ def _check_offload(name: str, caps: RuntimeCapabilities, i: int, s) -> None:
         if caps.optimizer_offload == "none":
             raise _refuse(f"{name}.no-optimizer-offload", f"strategy.offload.optimizer[{i}]", oo,
                           f"runtime {name} cannot offload optimizer states")
-        if caps.optimizer_offload == "whole-or-zero3-fraction":
+        if caps.optimizer_offload == "whole":
             if s.zero_stage == 0:
                 raise _refuse(f"{name}.offload-optimizer-zero", f"strategy.offload.optimizer[{i}]", oo,
                               "optimizer offload needs ZeRO >= 1")
-            if oo < 1.0 and s.zero_stage != 3:
-                raise _refuse(f"{name}.offload-ratio-zero3", f"strategy.offload.optimizer[{i}]", oo,
-                              "a partial optimizer offload ratio (< 1) needs ZeRO-3")
+            if oo < 1.0:
+                # DeepSpeed's offload_optimizer.ratio runs only with its compiled DeepSpeedCPUAdam and
+                # moves whole optimizer sub-groups (sub_group_size, 1e9 elements by default): a stage
+                # smaller than one sub-group is offloaded entirely whatever the ratio.
+                raise _refuse(f"{name}.offload-ratio", f"strategy.offload.optimizer[{i}]", oo,
+                              f"runtime {name} offloads optimizer states all at once: use 0 or 1 "
+                              "(fractions: tuner.runtime=mist-paper)")
     if ao > 0 and not caps.activations_offload:
         raise _refuse(f"{name}.no-activation-offload", f"strategy.offload.activations[{i}]", ao,
                       f"runtime {name} cannot offload activations")
@@ -186,8 +190,8 @@ def allowed_stage_options(caps: RuntimeCapabilities, layers: int, pipeline: bool
         ok &= go == oo
     if caps.optimizer_offload == "none":
         ok &= oo == 0
-    elif caps.optimizer_offload == "whole-or-zero3-fraction":
-        ok &= (oo == 0) | ((zero >= 1) & ((oo == 1) | (zero == 3)))
+    elif caps.optimizer_offload == "whole":
+        ok &= (oo == 0) | ((zero >= 1) & (oo == 1))
     if not caps.activations_offload:
         ok &= ao == 0
     return ok

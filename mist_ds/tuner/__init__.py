@@ -66,6 +66,17 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
     binding = max(MEMORY_PARTS, key=lambda k: parts[k])
     states = parts["weights"] + parts["grads"] + parts["optimizer"]
     need = nearest.least_peak_bytes
+    p = nearest.point
+    layout = f"tp {p.tp}, pp {p.pp}, dp {p.dp}, micro-batch {p.micro_batch_size}"
+    if need <= usable:  # some plans fit on the GPU, but only by offloading more than the host holds
+        share = specs.cluster.cpu_memory_bytes / specs.cluster.gpus_per_node
+        host = prediction.host_memory_bytes / min(specs.cluster.gpus_per_node, p.tp * p.dp)
+        return (f"no plan fits: the plans that fit in GPU memory ({layout} needs {need / GIB:.2f} of "
+                f"{usable / GIB:.2f} GiB usable) offload more than the host holds: {host / GIB:.2f} GiB of host "
+                f"memory per GPU against its {share / GIB:.2f} GiB share (cluster.cpu_memory_gib / "
+                f"cluster.gpus_per_node). What would fit: more host memory (cluster.cpu_memory_gib > "
+                f"{specs.cluster.cpu_memory_bytes / GIB:g}); more GPUs (cluster.nodes > {specs.cluster.nodes}); a GPU with more "
+                "memory, so that less is offloaded.")
     fixes = []
     if binding == "activations" or parts["activations"] > states:
         fixes.append("a smaller micro-batch (tuner.micro_batch_sizes=[1]) or a shorter model.seq_len")
@@ -73,9 +84,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
     if result.runtime not in ("mist-paper",):
         fixes.append("a runtime with more offload (tuner.runtime=mist-paper prices what DeepSpeed cannot run)")
     fixes.append(f"a GPU with more than {need / GIB:.1f} GiB (cluster=a100-80g, h100-80g, h200-141g)")
-    p = nearest.point
-    return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU (tp {p.tp}, pp {p.pp}, dp {p.dp}, "
-            f"micro-batch {p.micro_batch_size}), the GPU has {usable / GIB:.2f} GiB usable "
+    return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU ({layout}), the GPU has {usable / GIB:.2f} GiB usable "
             f"(cluster.gpu.memory_gib minus cluster.gpu.reserve_gib). On its fullest stage {binding} take the most "
             f"({parts[binding] / GIB:.2f} GiB; model states {states / GIB:.2f} GiB, activations "
             f"{parts['activations'] / GIB:.2f} GiB). What would fit: " + "; ".join(fixes) + ".")

@@ -82,13 +82,15 @@ def layer_counts(num_layers: int, num_stages: int, slack: int) -> list[int]:
 
 def fixed_partitions(num_layers: int, num_stages: int, space: str, slack: int) -> list[tuple[int, ...]]:
     """Partitions of the fixed-partition spaces: uniform; megatron also tries uneven first / last stages
-    (Megatron-LM's --decoder-first/last-pipeline-num-layers) with equal middle stages."""
+    (Megatron-LM's --decoder-first/last-pipeline-num-layers) with equal middle stages. Every stage stays
+    within the slack, as in the mist space, so that the mist space contains these partitions."""
     uniform = partition_uniform(num_layers, num_stages)
     out = [uniform]
     if space == "megatron" and num_stages > 2:
-        for first, last in itertools.product(layer_counts(num_layers, num_stages, slack), repeat=2):
+        counts = layer_counts(num_layers, num_stages, slack)
+        for first, last in itertools.product(counts, repeat=2):
             middle, rest = divmod(num_layers - first - last, num_stages - 2)
-            if rest == 0 and middle >= 1:
+            if rest == 0 and middle in counts:
                 out.append((first, *([middle] * (num_stages - 2)), last))
     return sorted(set(out), key=lambda p: (p != uniform, p))
 
