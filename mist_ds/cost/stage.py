@@ -76,9 +76,14 @@ class ShapeIndex:
         self.t = (unique % int(t_span)).astype(np.float64)
         self.s = ((unique // int(t_span)) % int(s_span)).astype(np.float64)
         self.b = (unique // int(t_span * s_span)).astype(np.float64)
+        self._memo: dict[tuple[int, str], tuple[LayerCost, np.ndarray]] = {}
 
     def __call__(self, cost: LayerCost, key: str) -> np.ndarray:
-        return cost(key, self.b, self.s, self.t)[self.inverse]
+        """cost's `key` on every candidate; memoized, as time and memory read the same quantities."""
+        memo_key = (id(cost), key)
+        if memo_key not in self._memo:  # the cost is kept with its value: its id cannot be reused
+            self._memo[memo_key] = (cost, cost(key, self.b, self.s, self.t)[self.inverse])
+        return self._memo[memo_key][1]
 
     def spread(self, values: np.ndarray) -> np.ndarray:
         return values[self.inverse]
@@ -203,8 +208,9 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     weight_bytes = b_w * params
     # ZeRO-3 gathers the stage's weights in forward and again in backward, and reduce-scatters
     # gradients in backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch.
-    gather = hw.all_gather_time_s(weight_bytes, c.d, c.t)
-    scatter = hw.reduce_scatter_time_s(weight_bytes, c.d, c.t)
+    data_parallel = hw.group(c.d, c.t)
+    gather = data_parallel.all_gather_time_s(weight_bytes)
+    scatter = data_parallel.reduce_scatter_time_s(weight_bytes)
     fwd_g2g = np.where(c.zero == 3, gather, 0.0)
     bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
 
@@ -230,9 +236,8 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
 
     # End of iteration: gradient reduction over data parallel and the optimizer step.
     grad_bytes = FP32_BYTES if caps.name == "megatron" and train.precision == "bf16" else b_w
-    reduce = np.select([c.zero <= 1, c.zero == 2],
-                       [hw.all_reduce_time_s(grad_bytes * params, c.d, c.t),
-                        hw.all_gather_time_s(weight_bytes, c.d, c.t)], default=0.0)
+    grads_all_reduce = data_parallel.all_reduce_time_s(grad_bytes * params)
+    reduce = np.select([c.zero <= 1, c.zero == 2], [grads_all_reduce, gather], default=0.0)
     partition = np.where(c.zero >= 1, params / c.d, params)
     gpu_step = hw.memory_bound_time_s((ADAM_STEP_BYTES_PER_PARAM + b_w) * partition * (1 - c.oo))
     cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(
@@ -249,8 +254,8 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         # reduce-scatters and all-gathers the updated shard; ZeRO-2 has reduce-scattered every
         # micro-batch (bwd_g2g) and all-gathers; ZeRO-3 gathers every forward anyway (fwd_g2g).
         step_reduce = np.select([c.zero == 0, c.zero == 1],
-                                [hw.all_reduce_time_s(grad_bytes * params, c.d, c.t),
-                                 hw.reduce_scatter_time_s(grad_bytes * params, c.d, c.t)], default=0.0)
+                                [grads_all_reduce, data_parallel.reduce_scatter_time_s(grad_bytes * params)],
+                                default=0.0)
         step_gather = np.where((c.zero == 1) | (c.zero == 2), gather, 0.0)
         first_fwd = hw.overlapped_time_s(fwd_compute + gpu_step, fwd_g2g + step_gather,
                                          fwd_h2d + hw.host_copy_time_s(b_w * partition * c.oo),

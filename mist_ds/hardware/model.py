@@ -41,11 +41,15 @@ class HardwareModel:
         c = self.cluster
         return c.gpus_per_node, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s, c.collective_latency_s
 
+    def group(self, size, stride) -> network.RingGroup:
+        """Groups of `size` ranks `stride` apart, for several collectives over the same groups."""
+        return network.RingGroup.of(size, stride, *self._net())
+
     def all_reduce_time_s(self, message_bytes, size, stride) -> np.ndarray:
-        return np.where(np.asarray(size) > 1, network.all_reduce_time_s(message_bytes, size, stride, *self._net()), 0.0)
+        return self.group(size, stride).all_reduce_time_s(message_bytes)
 
     def all_gather_time_s(self, message_bytes, size, stride) -> np.ndarray:
-        return np.where(np.asarray(size) > 1, network.all_gather_time_s(message_bytes, size, stride, *self._net()), 0.0)
+        return self.group(size, stride).all_gather_time_s(message_bytes)
 
     reduce_scatter_time_s = all_gather_time_s
 

@@ -8,17 +8,9 @@ inter_node / gpus_per_node, as concurrent groups of the same kind communicate to
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-
-# Bytes each rank sends per byte of the message in a ring (Patarasuk & Yuan 2009; NCCL's busBw).
-def ring_all_reduce_factor(n):
-    n = np.asarray(n, dtype=np.float64)
-    return 2.0 * (n - 1.0) / n
-
-
-def ring_all_gather_factor(n):
-    n = np.asarray(n, dtype=np.float64)
-    return (n - 1.0) / n
 
 
 def spans_nodes(size, stride, gpus_per_node: int):
@@ -34,24 +26,38 @@ def link_bandwidth(size, stride, gpus_per_node: int, intra_bytes_per_s: float, i
                     intra_bytes_per_s)
 
 
-def all_reduce_time_s(message_bytes, size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,
-                      latency_s: float):
-    """Ring all-reduce of `message_bytes` per rank over `size` ranks (0 for a single rank)."""
-    size = np.asarray(size, dtype=np.float64)
-    bandwidth = link_bandwidth(size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s)
-    steps = 2.0 * (size - 1.0)
-    return ring_all_reduce_factor(size) * np.asarray(message_bytes) / bandwidth + steps * latency_s
+@dataclass(frozen=True)
+class RingGroup:
+    """Arrays describing groups of `size` ranks `stride` apart (one per candidate), so that several
+    collectives over the same groups share the placement work. Seconds; 0 for a single rank."""
 
+    size: np.ndarray
+    seconds_per_byte: np.ndarray
+    """1 / the ring's per-rank bandwidth (0 for a single rank)."""
+    latency_s: float
 
-def all_gather_time_s(message_bytes, size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,
-                      latency_s: float):
-    """Ring all-gather (or reduce-scatter) whose full result is `message_bytes` per rank."""
-    size = np.asarray(size, dtype=np.float64)
-    bandwidth = link_bandwidth(size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s)
-    return ring_all_gather_factor(size) * np.asarray(message_bytes) / bandwidth + (size - 1.0) * latency_s
+    @classmethod
+    def of(cls, size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s, latency_s: float):
+        size = np.asarray(size, dtype=np.float64)
+        bandwidth = link_bandwidth(size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s)
+        bandwidth = np.broadcast_to(bandwidth, np.broadcast(size, bandwidth).shape)
+        ring = np.broadcast_to(size > 1, bandwidth.shape)
+        seconds_per_byte = np.divide(1.0, bandwidth, out=np.zeros(bandwidth.shape), where=ring)
+        return cls(size=size, seconds_per_byte=seconds_per_byte, latency_s=latency_s)
 
+    # A ring sends 2 (n - 1) / n of the message per rank in 2 (n - 1) steps for an all-reduce, half
+    # that for an all-gather or reduce-scatter (Patarasuk & Yuan 2009; NCCL's busBw).
+    def all_reduce_time_s(self, message_bytes) -> np.ndarray:
+        """Ring all-reduce of `message_bytes` per rank."""
+        n = self.size
+        return 2.0 * (n - 1.0) * (np.asarray(message_bytes) / n * self.seconds_per_byte + self.latency_s)
 
-reduce_scatter_time_s = all_gather_time_s
+    def all_gather_time_s(self, message_bytes) -> np.ndarray:
+        """Ring all-gather (or reduce-scatter) whose full result is `message_bytes` per rank."""
+        n = self.size
+        return (n - 1.0) * (np.asarray(message_bytes) / n * self.seconds_per_byte + self.latency_s)
+
+    reduce_scatter_time_s = all_gather_time_s
 
 
 def p2p_time_s(message_bytes, cross_node, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,
