@@ -25,6 +25,7 @@ def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
         peak_flops_per_s={dtype: tflops * TERA for dtype, tflops in cfg.gpu.peak_tflops.items()},
         hbm_bytes_per_s=cfg.gpu.hbm_gbps * GB, reserve_bytes=cfg.gpu.reserve_gib * GIB,
         gemm_efficiency=cfg.gpu.gemm_efficiency, gemm_half_flops=cfg.gpu.gemm_half_gflop * GIGA,
+        gemm_curve_exponent=cfg.gpu.gemm_curve_exponent,
         attention_efficiency=cfg.gpu.attention_efficiency, memory_efficiency=cfg.gpu.memory_efficiency,
         kernel_overhead_s=cfg.gpu.kernel_overhead_us * 1e-6)
     interference = InterferenceSpec(

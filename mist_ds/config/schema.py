@@ -41,6 +41,7 @@ class GpuConfig:
     reserve_gib: float = 1.0  # held back for CUDA context, NCCL buffers, fragmentation, GiB
     gemm_efficiency: float = 0.8  # fraction of dense peak large GEMMs reach (calibrated: see the cluster file)
     gemm_half_gflop: float = 1.0  # GEMM size (GFLOP) at which half of gemm_efficiency is reached
+    gemm_curve_exponent: float = 1.0  # sharpness of the efficiency knee (1: x / (x + half); larger: steeper)
     attention_efficiency: float = 0.5  # fraction of dense peak fused attention kernels reach
     memory_efficiency: float = 0.7  # fraction of HBM bandwidth element-wise ops reach
     kernel_overhead_us: float = 4.0  # fixed time per GPU kernel (launch, minimum duration), microseconds

@@ -5,23 +5,27 @@ from __future__ import annotations
 import numpy as np
 
 
-def gemm_efficiency(flops, efficiency_max: float, half_flops: float):
-    """Fraction of dense peak a GEMM of `flops` reaches: efficiency_max * x / (x + half_flops).
+def gemm_efficiency(flops, efficiency_max: float, half_flops: float, exponent: float = 1.0):
+    """Fraction of dense peak a GEMM of `flops` reaches: efficiency_max * x^k / (x^k + half_flops^k).
 
     A saturating curve: small GEMMs cannot fill the GPU (wave quantization, launch latency), large
-    ones approach efficiency_max; half_flops is the size at which half of it is reached.
+    ones approach efficiency_max; half_flops is the size at which half of it is reached and the
+    exponent k how sharp the knee is (k = 1: hyperbolic).
     """
     flops = np.asarray(flops, dtype=np.float64)
-    return efficiency_max * flops / (flops + half_flops)
+    if exponent == 1.0:
+        return efficiency_max * flops / (flops + half_flops)
+    ratio = (half_flops / np.maximum(flops, 1e-300)) ** exponent  # x^k / (x^k + h^k) = 1 / (1 + (h/x)^k)
+    return efficiency_max / (1.0 + ratio)
 
 
 def gemm_time_s(batch, m, n, k, dtype_bytes: int, peak_flops_per_s: float, hbm_bytes_per_s: float,
-                efficiency_max: float, half_flops: float):
+                efficiency_max: float, half_flops: float, exponent: float = 1.0):
     """Roofline of (batch x) [m x k] @ [k x n]: the slower of math at the curve's efficiency and
     moving the operands and result through HBM once."""
     flops = 2.0 * batch * m * n * k
     bytes_moved = dtype_bytes * batch * (m * k + k * n + m * n)
-    math_s = np.divide(flops, peak_flops_per_s * gemm_efficiency(flops, efficiency_max, half_flops),
+    math_s = np.divide(flops, peak_flops_per_s * gemm_efficiency(flops, efficiency_max, half_flops, exponent),
                        out=np.zeros_like(flops, dtype=np.float64), where=flops > 0)
     return np.maximum(math_s, bytes_moved / hbm_bytes_per_s)
 

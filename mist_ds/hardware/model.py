@@ -23,7 +23,7 @@ class HardwareModel:
     def gemm_time_s(self, batch, m, n, k) -> np.ndarray:
         gpu = self.cluster.gpu
         modelled = compute.gemm_time_s(batch, m, n, k, self.dtype_bytes, self.peak_flops_per_s, gpu.hbm_bytes_per_s,
-                                       gpu.gemm_efficiency, gpu.gemm_half_flops)
+                                       gpu.gemm_efficiency, gpu.gemm_half_flops, gpu.gemm_curve_exponent)
         if self.profile is None:
             return modelled
         measured = self.profile.lookup("gemm", batch, m, n, k)

@@ -65,6 +65,8 @@ class GpuSpec:
     """Fraction of dense peak reached by large GEMMs."""
     gemm_half_flops: float = 1e9
     """GEMM size (FLOPs) at which half of gemm_efficiency is reached."""
+    gemm_curve_exponent: float = 1.0
+    """k of the efficiency curve x^k / (x^k + half^k): how sharply small GEMMs fall off (1: hyperbolic)."""
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.7
     """Fraction of HBM bandwidth reached by memory-bound ops."""
@@ -89,6 +91,8 @@ class GpuSpec:
                 "must be >= 0")
         require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
                 "must be >= 0 (0 = every GEMM at gemm_efficiency)")
+        require(0 < self.gemm_curve_exponent <= 8, "cluster.gpu.gemm_curve_exponent", self.gemm_curve_exponent,
+                "must be in (0, 8] (1 = the hyperbolic curve x / (x + half))")
 
     @property
     def usable_memory_bytes(self) -> float:

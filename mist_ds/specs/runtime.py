@@ -82,8 +82,9 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
         activations_offload=False, schedules=("1f1b",), blocking_p2p=True,
         # The reference measurements (SC'21, vTrain) ran Megatron-LM without overlapped grad reduce.
         # Megatron fuses three patterns only (bias-GELU, bias-dropout-add, scale-mask-softmax), fewer
-        # than fused_kernels assumes: refitted each way, its measured times (vTrain) fit the eager
-        # stream better (held-out MAPE 12.6% vs 13.0%; the fused fit needs an HBM efficiency of 0.55).
+        # than fused_kernels assumes: refitted each way (hyperbolic GEMM curve), its measured times
+        # (vTrain) fit the eager stream better: held-out MAPE 12.6% vs 13.0%, and fused needed an HBM
+        # efficiency of 0.55.
         overlap=OverlapFeatures(), fused_kernels=False)
     return MappingProxyType({r.name: r for r in (deepspeed, mist, mist_paper, megatron)})
 
