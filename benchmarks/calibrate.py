@@ -84,7 +84,8 @@ def main() -> None:
     print("| parameter | start | fitted |")
     print("|---|---|---|")
     for (name, _, lower, upper, first), value in zip(PARAMETERS, fit.x):
-        bound = " (at its bound)" if np.isclose(value, lower, atol=1e-9 * max(1.0, upper)) or np.isclose(value, upper) else ""
+        at_bound = np.isclose(value, lower, atol=1e-9 * max(1.0, upper)) or np.isclose(value, upper)
+        bound = " (at its bound)" if at_bound else ""
         print(f"| {name} | {first} | {value:.4g}{bound} |")
     print(f"| collective_latency_us | - | {COLLECTIVE_LATENCY_US} (not fitted: estimate) |")
     print(f"\nRMS (weighted) log error on the fit rows: start {np.sqrt(np.mean(residuals(start, *args) ** 2)):.3f}, "

@@ -70,8 +70,9 @@ def main() -> None:
     print("| what | median s | min s | max s | median CPU s | target s |")
     print("|---|---|---|---|---|---|")
     for runtime, values in timings.items():
-        print(f"| {CANDIDATES:,} stage candidates, runtime {runtime}: time + memory | {statistics.median(values):.3f} | "
-              f"{min(values):.3f} | {max(values):.3f} | {statistics.median(cpu_times[runtime]):.3f} | 1 |")
+        print(f"| {CANDIDATES:,} stage candidates, runtime {runtime}: time + memory | "
+              f"{statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} | "
+              f"{statistics.median(cpu_times[runtime]):.3f} | 1 |")
     print(f"| `mist-ds predict` end to end (fresh process, cached analysis) | {statistics.median(ends):.3f} | "
           f"{min(ends):.3f} | {max(ends):.3f} | - | 3 |")
 

@@ -115,7 +115,8 @@ def ablation_section(row_specs: list, measured: list[float], pair: list[dict]) -
     efficiency = float(np.exp(np.mean(np.log(flops / (capacity * np.array(measured))))))
     constant = flops / (capacity * efficiency)
     rows = {row["plan"]: row for row in pair}
-    pair_specs = {"megatron-best": _pair_specs(rows["megatron-best"], True), "mist-tuned": _pair_specs(rows["mist-tuned"], False)}
+    pair_specs = {"megatron-best": _pair_specs(rows["megatron-best"], True),
+                  "mist-tuned": _pair_specs(rows["mist-tuned"], False)}
     measured_ratio = float(rows["megatron-best"]["measured_s"]) / float(rows["mist-tuned"]["measured_s"])
 
     def ratio(predict) -> float:
@@ -123,7 +124,8 @@ def ablation_section(row_specs: list, measured: list[float], pair: list[dict]) -
 
     def constant_time(specs) -> float:
         p = predict_specs(specs)
-        return _hardware_flops(specs, p) / (specs.strategy.parallelism.num_gpus * PINNED_PEAK_TFLOPS * 1e12 * efficiency)
+        gpus = specs.strategy.parallelism.num_gpus
+        return _hardware_flops(specs, p) / (gpus * PINNED_PEAK_TFLOPS * 1e12 * efficiency)
 
     print("## Ablation\n")
     print(f"Same rows. Eager: element-wise runs priced one kernel per op (RuntimeCapabilities.fused_kernels off). "

@@ -28,6 +28,7 @@ def strategy_overrides(strategy: StrategySpec) -> list[str]:
     par, stages = strategy.parallelism, strategy.stages
     return [
         f"strategy.runtime={strategy.runtime}", f"strategy.schedule={strategy.schedule}",
+        f"strategy.virtual_stages={strategy.virtual_stages}",
         f"strategy.tp={par.tp}", f"strategy.pp={par.pp}", f"strategy.dp={par.dp}",
         f"strategy.micro_batch_size={par.micro_batch_size}", f"strategy.grad_accum={par.grad_accum}",
         f"strategy.layers_per_stage={_list(s.layers for s in stages)}",

@@ -17,7 +17,8 @@ COUNTS = {
     "global_batch_size", "nodes", "gpus_per_node", "layers", "ckpt_layers", "zero_stage", "workers", "max_tp",
     "layer_slack", "weights_offload_ratios", "grads_offload_ratios", "optimizer_offload_ratios",
     "activations_offload_ratios",
-    "dropout", "fallback", "grad_clip", "gemm_curve_exponent", "weights_offload", "grads_offload", "optimizer_offload",
+    "dropout", "fallback", "grad_clip", "gemm_curve_exponent", "virtual_stages", "weights_offload", "grads_offload",
+    "optimizer_offload",
     "activations_offload", "weights", "grads", "optimizer", "activations", "layers_per_stage", "micro_batch_sizes",
 }
 POLYMORPHIC_ANY = {("StrategyConfig", "ckpt_layers"), ("StrategyConfig", "zero_stage"),

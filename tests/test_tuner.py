@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from mist_ds.config import compose
 from mist_ds.cost.iteration import imbalance_s, iteration_time_s
-from mist_ds.cost.predict import model_costs
+from mist_ds.cost.predict import model_costs, predict_strategy
 from mist_ds.cost.stage import StageCandidates, norm_sync_s, stage_memory, stage_times
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import ConfigError, check_runtime, runtime_capabilities
 from mist_ds.specs.runtime import allowed_stage_options
 from mist_ds.tuner import NoPlanFits, tune_specs
-from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points
+from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points, search
 from mist_ds.tuner.space import OPTION_KEYS, fixed_partitions, global_points, layer_counts, stage_option_grid
 from tests.test_emit import parse  # noqa: F401  (DeepSpeed's parser in a one-rank group, a fixture)
 
@@ -192,6 +192,31 @@ def test_cli_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
     assert run.returncode == 3, run.stderr
     assert "no plan fits" in run.stderr and "GiB" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_megatron_space_interleaves_when_it_pays_and_prices_it_like_predict():
+    """On runtime megatron the megatron space also tries Megatron-LM's interleaved schedule: at each
+    pipelined point the pick is priced exactly as predict's closed form prices it, beats the same
+    plan run as plain 1F1B, and the point's lower bound (which allows for interleaving) holds."""
+    import dataclasses
+
+    overrides = ["model=tiny", "model.num_layers=8", "cluster=cpu", "cluster.gpus_per_node=4",
+                 "train.global_batch_size=8", "tuner.space=megatron", "tuner.runtime=megatron",
+                 "tuner.compare_baselines=false", "tuner.micro_batch_sizes=[1,2]"]
+    specs = compose(overrides, with_strategy=False)
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    result = search(specs, progress=False)
+    interleaved = [p for p in result.points if p.strategy is not None and p.strategy.virtual_stages > 1]
+    assert interleaved, "no pipelined point chose the interleaved schedule"
+    for p in interleaved:
+        strategy = p.strategy
+        closed = predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw)
+        assert closed.iteration_time_closed_form_s == pytest.approx(p.objective_s, rel=1e-9)
+        plain = dataclasses.replace(strategy, schedule="1f1b", virtual_stages=1)
+        plain_s = predict_strategy(dataclasses.replace(specs, strategy=plain), costs, hw).iteration_time_closed_form_s
+        assert plain_s > p.objective_s
+        most = specs.model.num_layers // p.point.pp
+        assert lower_bound_s(costs, hw, p.point, False, most) <= p.objective_s * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("layers,stages", [(24, 3), (30, 4), (96, 12), (7, 3), (5, 5)])

@@ -65,7 +65,7 @@ def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, t
         ckpt_layers=cfg.ckpt_layers, zero_stage=cfg.zero_stage,
         offload={"weights": cfg.offload.weights, "grads": cfg.offload.grads,
                  "optimizer": cfg.offload.optimizer, "activations": cfg.offload.activations},
-        schedule=cfg.schedule, allow_cross_node_tp=cfg.allow_cross_node_tp)
+        schedule=cfg.schedule, allow_cross_node_tp=cfg.allow_cross_node_tp, virtual_stages=cfg.virtual_stages)
 
 
 def to_specs(cfg: MistDsConfig, with_strategy: bool = True) -> Specs:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
-from mist_ds.cost.simulate import simulate
+from mist_ds.cost.simulate import simulate, simulate_interleaved
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import Specs, StrategySpec, check_runtime, runtime_capabilities
@@ -57,7 +57,7 @@ def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
         b=par.micro_batch_size, s=seq_len, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum,
         stage=np.arange(par.pp), layers=per_stage("layers"), ckpt=per_stage("ckpt_layers"),
         zero=per_stage("zero_stage"), wo=per_stage("weights_offload"), go=per_stage("grads_offload"),
-        oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"))
+        oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages)
 
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Prediction:
@@ -70,11 +70,17 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
     par = strategy.parallelism
     world = par.num_gpus
     tail = float(tail_s(hw, specs.train, np.max(times.end_s), world))
-    simulated, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
-                            par.grad_accum, end_s=list(times.end_s), blocking=False)
+    chunks = strategy.virtual_stages
+    if chunks > 1:
+        # Interleaving runs on Megatron-LM only, which has no first / last micro-batch extras.
+        assert not np.any(times.delta_s), "interleaved schedule with micro-batch extras"
+        simulated, _ = simulate_interleaved(times.fwd_s, times.bwd_s, par.grad_accum, chunks, end_s=list(times.end_s))
+    else:
+        simulated, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
+                                par.grad_accum, end_s=list(times.end_s), blocking=False)
     if tail > 0:
         simulated += tail - float(np.max(times.end_s))  # the norm sync after every stage's end work
-    closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail))
+    closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))
     tokens = par.global_batch_size * specs.model.seq_len
     model_flops = specs.model.training_flops_per_token() * tokens
     recompute_flops = float(np.sum(c.ckpt * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)) * par.grad_accum * par.dp
@@ -95,14 +101,16 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
         throughput_samples_per_s=par.global_batch_size / simulated, tokens_per_s=tokens / simulated,
         mfu=model_flops / (simulated * world * peak), hfu=(model_flops + recompute_flops) / (simulated * world * peak),
         stage_stable_s=[float(x) for x in times.stable_s], stage_delta_s=[float(x) for x in times.delta_s],
-        bubble_s=float(bubble_s(times.stable_s)), optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
+        bubble_s=float(bubble_s(times.stable_s, chunks)), optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
         fits=not warnings,
         host_memory_bytes=float(np.max(memory.host_bytes) * stage_gpus_per_node),
         sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},
-        warnings=warnings, strategy={"runtime": strategy.runtime, "tp": par.tp, "pp": par.pp, "dp": par.dp,
+        warnings=warnings, strategy={"runtime": strategy.runtime, "schedule": strategy.schedule,
+                                     "virtual_stages": strategy.virtual_stages,
+                                     "tp": par.tp, "pp": par.pp, "dp": par.dp,
                                "micro_batch_size": par.micro_batch_size, "grad_accum": par.grad_accum,
                                "layers_per_stage": list(strategy.layers_per_stage),
                                "ckpt_layers": [st.ckpt_layers for st in strategy.stages],

@@ -43,9 +43,13 @@ class StageCandidates:
     go: np.ndarray
     oo: np.ndarray
     ao: np.ndarray
+    v: np.ndarray
+    """Model chunks per stage (interleaved 1F1B; 1 otherwise)."""
 
     @classmethod
     def of(cls, **values) -> "StageCandidates":
+        """Arrays broadcast together; `v` defaults to 1 (no interleaving)."""
+        values = {"v": 1, **values}
         arrays = np.broadcast_arrays(*(np.asarray(values[f.name], dtype=np.float64) for f in fields(cls)))
         return cls(*arrays)
 
@@ -153,7 +157,8 @@ def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex,
     return tuple(out)
 
 
-def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
+def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIndex,
+           scatter_gather: bool) -> np.ndarray:
     """Blocking send / recv of activations (forward) and their gradients (backward), per micro-batch.
 
     Stage i's ranks are [i t d, (i + 1) t d): a boundary crosses nodes when a stage fills whole
@@ -161,11 +166,23 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIn
     """
     message = ev(costs.block, "output_bytes")
     cross_prev, cross_next = stage_boundaries_cross_nodes(c.stage, c.t * c.d, hw.cluster.gpus_per_node)
+
+    def send(cross):
+        if not scatter_gather:
+            return hw.p2p_time_s(message, cross)
+        # A TP rank sends its 1 / t slice across nodes; the receivers all-gather it over NVLink.
+        split = hw.p2p_time_s(message / c.t, cross) + hw.all_gather_time_s(message, c.t, 1)
+        return np.where(cross & (c.t > 1), split, hw.p2p_time_s(message, cross))
+
     # np.where, not a product: a single node has no inter-node bandwidth (infinite time) and the first
     # stage has no previous boundary at all.
-    to_next = np.where(c.last > 0, 0.0, hw.p2p_time_s(message, cross_next & (c.last == 0)))
-    from_prev = np.where(c.first > 0, 0.0, hw.p2p_time_s(message, cross_prev & (c.first == 0)))
-    return 2 * (to_next + from_prev)  # each: activation forward, its gradient backward
+    to_next = np.where(c.last > 0, 0.0, send(cross_next & (c.last == 0)))
+    from_prev = np.where(c.first > 0, 0.0, send(cross_prev & (c.first == 0)))
+    # Interleaved: every chunk crosses each boundary, and v - 1 chunks wrap from the last stage to
+    # the first (the same node only when the whole pipeline fits in one).
+    wrap = send(c.pp * c.t * c.d > hw.cluster.gpus_per_node)
+    wraps = np.where((c.first + c.last) > 0, (c.v - 1) * wrap, 0.0)
+    return 2 * (c.v * (to_next + from_prev) + wraps)  # each: activation forward, its gradient backward
 
 
 def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarray, np.ndarray]:
@@ -176,9 +193,14 @@ def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarra
     return whole | ((stage * width) % gpus_per_node == 0), whole | (((stage + 1) * width) % gpus_per_node == 0)
 
 
-def in_flight_micro_batches(stage, pp, grad_accum) -> np.ndarray:
-    """Micro-batches whose activations stage `stage` holds at its 1F1B peak: min(S - i - 1, G - 1) + 1."""
-    return np.minimum(np.asarray(pp) - np.asarray(stage) - 1, np.asarray(grad_accum) - 1) + 1
+def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
+    """Micro-batches' worth of activations stage `stage` holds at its peak: 1F1B, min(S - i - 1, G - 1)
+    + 1; interleaved with v chunks, Megatron-LM's warm-up of 2 (S - i - 1) + (v - 1) S chunk forwards
+    plus one, at most G v, each chunk 1 / v of the stage."""
+    stage, pp, grad_accum, chunks = (np.asarray(x, dtype=np.float64) for x in (stage, pp, grad_accum, chunks))
+    one_f_one_b = np.minimum(pp - stage - 1, grad_accum - 1) + 1
+    interleaved = np.minimum(2 * (pp - stage - 1) + (chunks - 1) * pp + 1, grad_accum * chunks) / chunks
+    return np.where(chunks > 1, interleaved, one_f_one_b)
 
 
 def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> tuple[np.ndarray, np.ndarray]:
@@ -201,7 +223,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
     bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
     tp = fwd_tp + bwd_tp
-    p2p = _p2p_s(costs, hw, c, ev)
+    p2p = _p2p_s(costs, hw, c, ev, caps.p2p_scatter_gather)
 
     params = stage_params(costs, c, ev)
     b_w = hw.dtype_bytes
@@ -309,7 +331,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16", largest_param_elements=largest_tensor(costs.model, c))
-    in_flight = in_flight_micro_batches(c.stage, c.pp, c.G)
+    in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = _saved_bytes(costs, c, ev)
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")

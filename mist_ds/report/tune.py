@@ -54,9 +54,14 @@ def render_summary(plan: Plan, specs: Specs, strategy: StrategySpec) -> str:
             s = b["strategy"]
             lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | tp {s['tp']} pp {s['pp']} "
                          f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
-                         f"ZeRO {s['zero_stage']} |")
+                         f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
     lines += ["", "Reproduce the prediction: `mist-ds predict --plan plan.json`."]
     return "\n".join(lines) + "\n"
+
+
+def _interleaving(strategy: dict) -> str:
+    chunks = strategy.get("virtual_stages", 1)  # plan.json files from before interleaving lack it
+    return f" interleaved x{chunks}" if chunks > 1 else ""
 
 
 def plan_files(plan: Plan, specs: Specs, strategy: StrategySpec) -> dict[str, str]:

@@ -51,6 +51,9 @@ class RuntimeCapabilities:
     schedules: tuple[str, ...]
     blocking_p2p: bool
     overlap: OverlapFeatures
+    p2p_scatter_gather: bool = False
+    """Inter-node pipeline sends carry 1 / t of the activation per TP rank, re-assembled by an
+    intra-node all-gather (Megatron-LM's scatter/gather optimization, Narayanan et al. SC'21 4.1)."""
     fused_kernels: bool = False
     """Each run of element-wise / norm / softmax ops executes as one kernel, priced by the traffic
     that leaves it (symbolic.aggregate.fused_memory_traffic). Mist's runtime: its layers use
@@ -79,13 +82,13 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     megatron = RuntimeCapabilities(
         name="megatron", built=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=True,
         ckpt_whole_stage_only=False, weights_offload="none", grads_offload="none", optimizer_offload="fraction",
-        activations_offload=False, schedules=("1f1b",), blocking_p2p=True,
+        activations_offload=False, schedules=("1f1b", "interleaved"), blocking_p2p=True,
         # The reference measurements (SC'21, vTrain) ran Megatron-LM without overlapped grad reduce.
         # Megatron fuses three patterns only (bias-GELU, bias-dropout-add, scale-mask-softmax), fewer
         # than fused_kernels assumes: refitted each way (hyperbolic GEMM curve), its measured times
         # (vTrain) fit the eager stream better: held-out MAPE 12.6% vs 13.0%, and fused needed an HBM
         # efficiency of 0.55.
-        overlap=OverlapFeatures(), fused_kernels=False)
+        overlap=OverlapFeatures(), fused_kernels=False, p2p_scatter_gather=True)
     return MappingProxyType({r.name: r for r in (deepspeed, mist, mist_paper, megatron)})
 
 

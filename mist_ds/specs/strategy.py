@@ -13,7 +13,7 @@ from mist_ds.specs.errors import ConfigError, require, require_positive
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.train import TrainSpec
 
-SCHEDULES: tuple[str, ...] = ("1f1b", "mist")
+SCHEDULES: tuple[str, ...] = ("1f1b", "mist", "interleaved")
 OFFLOAD_KINDS: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
 
 
@@ -71,6 +71,8 @@ class StrategySpec:
     parallelism: Parallelism
     stages: tuple[StageStrategy, ...]
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per stage (Megatron's interleaved 1F1B: stage i holds chunks i, i + S, ...)."""
 
     def __post_init__(self) -> None:
         require(self.schedule in SCHEDULES, "strategy.schedule", self.schedule,
@@ -79,6 +81,21 @@ class StrategySpec:
                 [s.layers for s in self.stages], f"needs one entry per stage (strategy.pp={self.parallelism.pp})")
         for i, stage in enumerate(self.stages):
             stage.check(i)
+        self._check_interleaving()
+
+    def _check_interleaving(self) -> None:
+        v, par = self.virtual_stages, self.parallelism
+        require(isinstance(v, int) and v >= 1, "strategy.virtual_stages", v, "a whole number >= 1")
+        if self.schedule != "interleaved":
+            require(v == 1, "strategy.virtual_stages", v, "more than 1 needs strategy.schedule=interleaved")
+            return
+        require(v >= 2 and par.pp >= 2, "strategy.virtual_stages", v,
+                "the interleaved schedule needs >= 2 chunks per stage and strategy.pp >= 2")
+        layers = [s.layers for s in self.stages]
+        require(len(set(layers)) == 1 and layers[0] % v == 0, "strategy.layers_per_stage", layers,
+                f"interleaving needs equal stages whose layers divide into {v} chunks (Megatron-LM's rule)")
+        require(par.grad_accum % par.pp == 0, "strategy.grad_accum", par.grad_accum,
+                f"the interleaved schedule needs micro-batches in multiples of strategy.pp={par.pp}")
 
     @property
     def layers_per_stage(self) -> tuple[int, ...]:
@@ -142,7 +159,7 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *
                      pp: int, dp: int | None, micro_batch_size: int, grad_accum: int | None,
                      layers_per_stage: Sequence[int] | None, ckpt_layers: PerStage, zero_stage: PerStage,
                      offload: dict[str, PerStage], schedule: str,
-                     allow_cross_node_tp: bool = False) -> StrategySpec:
+                     allow_cross_node_tp: bool = False, virtual_stages: int = 1) -> StrategySpec:
     """Derive dp and grad_accum, expand per-stage values and check every cross-field rule."""
     require_positive("strategy.tp", tp)
     require_positive("strategy.pp", pp)
@@ -190,4 +207,5 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *
                       optimizer_offload=float(ratios["optimizer"][i]),
                       activations_offload=float(ratios["activations"][i]))
         for i in range(pp))
-    return StrategySpec(runtime=runtime, parallelism=parallelism, stages=stages, schedule=schedule)
+    return StrategySpec(runtime=runtime, parallelism=parallelism, stages=stages, schedule=schedule,
+                        virtual_stages=virtual_stages)

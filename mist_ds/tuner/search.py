@@ -86,10 +86,13 @@ def option_grids(specs: Specs) -> OptionGrids:
 
 # --- lower bound ---------------------------------------------------------------------------------------
 
-def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint], fused: bool) -> np.ndarray:
+def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint], fused: bool,
+                   max_chunks=None) -> np.ndarray:
     """No plan of a point is faster than its bound (seconds; one array call for all points): every
     stage's stable time is at least its compute and TP time, so sum_i T_i >= L m + embedding + head,
-    and max_i T_i >= sum_i T_i / S. fused: the runtime's RuntimeCapabilities.fused_kernels."""
+    and max_i T_i >= sum_i T_i / S; G max T + (sum T - max T) / v >= sum T (G + (S - 1) / v) / S.
+    fused: the runtime's RuntimeCapabilities.fused_kernels; max_chunks: per point, the most chunks
+    per stage its plans may interleave (None: 1)."""
     if not points:
         return np.zeros(0)
     b = np.array([p.micro_batch_size for p in points], dtype=np.float64)
@@ -98,12 +101,13 @@ def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoin
     serial = [x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
               for x in (layer_times(cost, hw, b, s, t, fused) for cost in (costs.embedding, costs.block, costs.head))]
     total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
-    factor = np.array([1 + (p.grad_accum - 1) / p.pp for p in points])
+    chunks = np.ones(len(points)) if max_chunks is None else np.asarray(max_chunks, dtype=np.float64)
+    factor = np.array([(p.grad_accum + (p.pp - 1) / v) / p.pp for p, v in zip(points, chunks)])
     return total * factor
 
 
-def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint, fused: bool) -> float:
-    return float(lower_bounds_s(costs, hw, [point], fused)[0])
+def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint, fused: bool, max_chunks: int = 1) -> float:
+    return float(lower_bounds_s(costs, hw, [point], fused, [max_chunks])[0])
 
 
 # --- one point -------------------------------------------------------------------------------------------
@@ -132,10 +136,11 @@ def _stage_strategies(options: dict[str, np.ndarray], layers: list[int], chosen:
     return tuple(_stage_strategy(options, k, l, options["ckpt"][k]) for l, k in zip(layers, chosen))
 
 
-def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...]) -> StrategySpec:
+def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...], chunks: int = 1) -> StrategySpec:
     par = Parallelism(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch_size=point.micro_batch_size,
                       grad_accum=point.grad_accum)
-    return StrategySpec(runtime=runtime, parallelism=par, stages=stages, schedule="1f1b")
+    return StrategySpec(runtime=runtime, parallelism=par, stages=stages,
+                        schedule="interleaved" if chunks > 1 else "1f1b", virtual_stages=chunks)
 
 
 def _memory_limits(specs: Specs) -> tuple[float, float]:
@@ -221,34 +226,51 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
     S, L = point.pp, specs.model.num_layers
     world = point.tp * S * point.dp
     best, closest, count = None, None, 0
-    for layers in fixed_partitions(L, S, ctx.space, specs.tuner.layer_slack):
+    for layers, chunks in _partitions_and_chunks(ctx, caps, point):
         ckpt, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1)
         if not len(ckpt):
             continue
         column = {k: v[:, None] for k, v in opts.items()}
         c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
                                G=point.grad_accum, stage=np.arange(S)[None, :], layers=np.array(layers)[None, :],
-                               ckpt=ckpt, **column)
+                               ckpt=ckpt, v=chunks, **column)
         times = stage_times(costs, hw, caps, specs.train, c)
         memory = stage_memory(costs, hw, caps, specs.train, c)
         count += times.stable_s.size
         worst_peak = np.max(memory.peak_bytes, axis=1)
         j = int(np.argmin(worst_peak))
         if closest is None or worst_peak[j] < closest[0]:
-            closest = (float(worst_peak[j]), _uniform_stages(layers, ckpt[j], opts, j))
+            closest = (float(worst_peak[j]), _uniform_stages(layers, ckpt[j], opts, j), chunks)
         tail = tail_s(hw, specs.train, np.max(times.end_s, axis=1), world)
-        total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail)
+        total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail, chunks)
         ok = np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
         if ok.any():
             j = int(np.flatnonzero(ok)[np.argmin(total[ok])])
             if best is None or total[j] < best[0]:
-                best = (float(total[j]), _uniform_stages(layers, ckpt[j], opts, j))
-    least, near = closest if closest else (math.inf, None)
-    near = _strategy(ctx.runtime, point, near) if near else None
+                best = (float(total[j]), _uniform_stages(layers, ckpt[j], opts, j), chunks)
+    least, near = closest[:2] if closest else (math.inf, None)
+    near = _strategy(ctx.runtime, point, near, closest[2]) if near else None
     if best is None:
         return [PointResult(point, (), bound, None, None, count, least_peak_bytes=least, closest=near)]
-    return [PointResult(point, (), bound, best[0], _strategy(ctx.runtime, point, best[1]), count, solver="direct",
-                        least_peak_bytes=least, closest=near)]
+    return [PointResult(point, (), bound, best[0], _strategy(ctx.runtime, point, best[1], best[2]), count,
+                        solver="direct", least_peak_bytes=least, closest=near)]
+
+
+def _partitions_and_chunks(ctx: SearchContext, caps: RuntimeCapabilities, point: GlobalPoint):
+    """(layers per stage, chunks per stage) the fixed-partition space prices: each partition with
+    plain 1F1B, and, where the runtime interleaves, each uniform one with every chunk count that
+    divides its stages (Megatron-LM's rule: micro-batches a multiple of the stages)."""
+    for layers in fixed_partitions(ctx.specs.model.num_layers, point.pp, ctx.space, ctx.specs.tuner.layer_slack):
+        yield layers, 1
+        if _interleaves(caps, ctx.space, point) and len(set(layers)) == 1:
+            for chunks in range(2, layers[0] + 1):
+                if layers[0] % chunks == 0:
+                    yield layers, chunks
+
+
+def _interleaves(caps: RuntimeCapabilities, space: str, point: GlobalPoint) -> bool:
+    return ("interleaved" in caps.schedules and space == "megatron" and point.pp > 1
+            and point.grad_accum % point.pp == 0)
 
 
 def _uniform_stages(layers, ckpt_row, opts, j) -> tuple[StageStrategy, ...]:
@@ -289,7 +311,8 @@ def search(specs: Specs, space: str | None = None, runtime: str | None = None, c
     state = _state(ctx)
     costs, hw, caps = state
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space)
-    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels)
+    chunks = [specs.model.num_layers // p.pp if _interleaves(caps, space, p) else 1 for p in points]
+    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels, chunks)
     ordered = sorted(((p, float(b)) for p, b in zip(points, bounds)), key=lambda pb: (pb[1], pb[0]))
     results: list[PointResult] = []
     pruned: list[tuple[GlobalPoint, float]] = []
