@@ -19,7 +19,7 @@ from mist_ds.models import TensorParallel, build_layers, vocab_parallel_cross_en
 from mist_ds.symbolic import analyze_layers, analyze_model
 from mist_ds.symbolic.layer_cost import PUBLIC_KEYS
 from mist_ds.models.attention import causal_attention
-from mist_ds.symbolic.aggregate import fused_memory_traffic, fusion_groups, saved_bytes
+from mist_ds.symbolic.aggregate import fused_memory_traffic, fused_saved_bytes, fusion_groups, saved_bytes
 from mist_ds.symbolic.rules import flop_counter_mapping
 from mist_ds.symbolic.trace import run_trace
 from tests.conftest import REPO, zoo
@@ -243,6 +243,38 @@ def test_fused_traffic_reads_outside_tensors_once_and_writes_what_outlives_the_r
     bwd_fused, _ = fused_memory_traffic(trace, "bwd")
     bwd_eager = sum((_eager_bytes(trace, g) for g in fusion_groups(trace, "bwd")), sympy.Integer(0))
     assert 0 < bwd_fused.xreplace(names).subs({b: 3, s: 13}) < bwd_eager.xreplace(names).subs({b: 3, s: 13})
+
+
+class _Gated(torch.nn.Module):
+    """outer(silu(gate(x)) * up(x)), both projections first (as a fused gate-up GEMM runs): silu and
+    the multiply form one run, and the silu output only the multiply reads."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate, self.up, self.outer = (torch.nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        gate, up = self.gate(x), self.up(x)
+        return self.outer(torch.nn.functional.silu(gate) * up)
+
+
+def test_fused_kernels_keep_what_the_fused_backward_cannot_recompute():
+    """Eager autograd keeps x, gate(x), silu(gate(x)), up(x) and the product; a fused SwiGLU kernel
+    recomputes silu(gate(x)) from gate(x) in backward, so it keeps one tensor T less."""
+    width = 64
+    hints = {"b": 3, "s": 13}
+
+    def make_inputs(size):
+        return (torch.empty(size["b"], size["s"], width, requires_grad=True),)
+
+    trace, rename = run_trace(lambda size: _Gated(width), make_inputs, None, hints)
+    names = {symbol: sympy.Symbol(name, positive=True, integer=True) for symbol, name in rename.items()}
+    b, s = (sympy.Symbol(x, positive=True, integer=True) for x in "bs")
+    tensor = 4 * b * s * width
+    eager = sympy.expand(saved_bytes(trace).xreplace(names))
+    fused = sympy.expand(fused_saved_bytes(trace).xreplace(names))
+    assert sympy.expand(eager - 5 * tensor) == 0
+    assert sympy.expand(fused - 4 * tensor) == 0
 
 
 @pytest.fixture(scope="module")

@@ -203,9 +203,12 @@ def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
     return np.where(chunks > 1, interleaved, one_f_one_b)
 
 
-def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> tuple[np.ndarray, np.ndarray]:
-    """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded."""
-    full = ev(costs.block, "saved_bytes")
+def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
+                 fused: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded;
+    fused: the blocks keep what fused kernels keep (RuntimeCapabilities.fused_kernels). The ends
+    stay eager: the L4 rows' last stages (vocabulary-parallel loss) match the eager count."""
+    full = ev(costs.block, "saved_bytes_fused" if fused else "saved_bytes")
     ckpt = ev(costs.block, "saved_bytes_ckpt")
     blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
     ends = c.first * ev(costs.embedding, "saved_bytes") + c.last * ev(costs.head, "saved_bytes")
@@ -236,7 +239,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     fwd_g2g = np.where(c.zero == 3, gather, 0.0)
     bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
 
-    saved, saved_offloaded = _saved_bytes(costs, c, ev)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
     fwd_d2h = hw.host_copy_time_s(saved_offloaded)
     bwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes)
@@ -332,7 +335,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16", largest_param_elements=largest_tensor(costs.model, c))
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
-    saved, saved_offloaded = _saved_bytes(costs, c, ev)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")
     block_bwd_peak = ev(costs.block, "bwd_peak_bytes")

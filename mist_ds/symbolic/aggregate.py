@@ -169,6 +169,35 @@ def fused_memory_traffic(trace: Trace, phase: str) -> tuple[sympy.Expr, sympy.In
     return total, sympy.Integer(other_kernels + len(groups))
 
 
+def fused_saved_bytes(trace: Trace) -> sympy.Expr:
+    """saved_bytes when each forward fusion group is one kernel: a saved tensor that the group both
+    makes and alone reads is recomputed by the fused backward instead of stored (a fused SwiGLU keeps
+    gate and up, not silu(gate); a fused norm keeps its input, not its fp32 intermediates)."""
+    groups = fusion_groups(trace, FORWARD)
+    group_of = {index: g for g, members in enumerate(groups) for index in members}
+    made_in: dict[int, int] = {}
+    forward_readers: dict[int, set[int]] = {}
+    for index, op in enumerate(trace.ops):
+        if op.phase != FORWARD:
+            continue
+        for tensor in op.outputs:
+            if tensor.serial is not None and index in group_of:
+                made_in.setdefault(tensor.serial, group_of[index])
+        if _launches_kernel(op):
+            for tensor in op.inputs:
+                if tensor.serial is not None:
+                    forward_readers.setdefault(tensor.serial, set()).add(index)
+
+    def on_chip(serial: int) -> bool:
+        group = made_in.get(serial)
+        readers = forward_readers.get(serial, set())
+        return (group is not None and serial not in trace.output_storages and bool(readers)
+                and all(group_of.get(r) == group for r in readers))
+
+    return sympy.Add(*[trace.storages[k].nbytes for k in trace.saved
+                       if k not in trace.param_storages and not on_chip(k)])
+
+
 def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     """All per-layer expressions of one trace, in the trace's symbols."""
     sums = {key: sympy.Integer(0) for key in ("fwd_flops", "bwd_flops", "fwd_attention_flops",
@@ -190,7 +219,8 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
         sums[f"tp_collectives_{op.phase}"] += 1 if comm != 0 else 0
     exprs = {
         "params": trace.params, "param_bytes": trace.param_bytes, **sums,
-        "saved_bytes": saved_bytes(trace), "saved_bytes_ckpt": trace.input_bytes,
+        "saved_bytes": saved_bytes(trace), "saved_bytes_fused": fused_saved_bytes(trace),
+        "saved_bytes_ckpt": trace.input_bytes,
         "fwd_peak_bytes": peak_bytes(trace, FORWARD), "bwd_peak_bytes": peak_bytes(trace, BACKWARD),
         "output_bytes": trace.output_bytes, "input_bytes": trace.input_bytes,
     }

@@ -17,7 +17,8 @@ PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_c
                "bwd_peak_bytes", "output_bytes", "tp_comm_bytes_fwd", "tp_comm_bytes_bwd")
 EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
               "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels",
-              "fwd_fused_memory_bytes", "bwd_fused_memory_bytes", "fwd_fused_kernels", "bwd_fused_kernels")
+              "fwd_fused_memory_bytes", "bwd_fused_memory_bytes", "fwd_fused_kernels", "bwd_fused_kernels",
+              "saved_bytes_fused")
 
 
 def _compile(source: str) -> dict[str, Callable]:
@@ -39,7 +40,8 @@ class LayerCost:
     tp_comm_bytes_fwd / tp_comm_bytes_bwd (all-reduced bytes), tp_collectives_fwd / _bwd (count),
     fwd_kernels / bwd_kernels (launches), fwd_fused_memory_bytes / bwd_fused_memory_bytes and
     fwd_fused_kernels / bwd_fused_kernels (the same with each run of memory-bound ops fused into one
-    kernel: aggregate.fused_memory_traffic).
+    kernel: aggregate.fused_memory_traffic), saved_bytes_fused (saved_bytes less what a fused
+    kernel recomputes: aggregate.fused_saved_bytes).
     `gemms`: (phase, batch, m, n, k) expressions of each GEMM, for size-dependent efficiency.
     """
 
