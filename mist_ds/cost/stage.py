@@ -180,9 +180,11 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIn
     from_prev = np.where(c.first > 0, 0.0, send(cross_prev & (c.first == 0)))
     # Interleaved: every chunk crosses each boundary, and v - 1 chunks wrap from the last stage to
     # the first (the same node only when the whole pipeline fits in one).
+    if not np.any(c.v > 1):
+        return 2 * (to_next + from_prev)  # each: activation forward, its gradient backward
     wrap = send(c.pp * c.t * c.d > hw.cluster.gpus_per_node)
     wraps = np.where((c.first + c.last) > 0, (c.v - 1) * wrap, 0.0)
-    return 2 * (c.v * (to_next + from_prev) + wraps)  # each: activation forward, its gradient backward
+    return 2 * (c.v * (to_next + from_prev) + wraps)
 
 
 def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarray, np.ndarray]:
