@@ -213,6 +213,18 @@ class _GemmThenChain(torch.nn.Module):
         return self.outer(y) + z
 
 
+def _trace_on_activation(module_class: type, width: int):
+    """Trace module_class(width), built under the trace's fake tensors, on one (b, s, width) fp32
+    input: (trace, rename to b / s symbols, b, s, the input's bytes T)."""
+    def make_inputs(size):
+        return (torch.empty(size["b"], size["s"], width, requires_grad=True),)
+
+    trace, rename = run_trace(lambda size: module_class(width), make_inputs, None, {"b": 3, "s": 13})
+    names = {symbol: sympy.Symbol(name, positive=True, integer=True) for symbol, name in rename.items()}
+    b, s = (sympy.Symbol(x, positive=True, integer=True) for x in "bs")
+    return trace, names, b, s, 4 * b * s * width
+
+
 def _eager_bytes(trace, group) -> sympy.Expr:
     return sympy.Add(*[t.nbytes for i in group for t in trace.ops[i].inputs + trace.ops[i].outputs])
 
@@ -222,16 +234,7 @@ def test_fused_traffic_reads_outside_tensors_once_and_writes_what_outlives_the_r
     inner GEMM's output) and x; gelu's output feeds only the mul and is not saved (gelu saves h):
     on chip; y is read by the outer GEMM and z by the last add: written. 4T. Run 2 [add]: reads the
     outer GEMM's output and z, writes the layer's output: 3T. Eager: 2 + 2 + 3 + 3 = 10T."""
-    width = 64
-    hints = {"b": 3, "s": 13}
-
-    def make_inputs(size):
-        return (torch.empty(size["b"], size["s"], width, requires_grad=True),)
-
-    trace, rename = run_trace(lambda size: _GemmThenChain(width), make_inputs, None, hints)
-    names = {symbol: sympy.Symbol(name, positive=True, integer=True) for symbol, name in rename.items()}
-    b, s = (sympy.Symbol(x, positive=True, integer=True) for x in "bs")
-    tensor = 4 * b * s * width
+    trace, names, b, s, tensor = _trace_on_activation(_GemmThenChain, 64)
     groups = fusion_groups(trace, "fwd")
     assert [[trace.ops[i].name for i in g] for g in groups] == [
         ["aten.gelu.default", "aten.mul.Tensor", "aten.add.Tensor"], ["aten.add.Tensor"]]
@@ -261,16 +264,7 @@ class _Gated(torch.nn.Module):
 def test_fused_kernels_keep_what_the_fused_backward_cannot_recompute():
     """Eager autograd keeps x, gate(x), silu(gate(x)), up(x) and the product; a fused SwiGLU kernel
     recomputes silu(gate(x)) from gate(x) in backward, so it keeps one tensor T less."""
-    width = 64
-    hints = {"b": 3, "s": 13}
-
-    def make_inputs(size):
-        return (torch.empty(size["b"], size["s"], width, requires_grad=True),)
-
-    trace, rename = run_trace(lambda size: _Gated(width), make_inputs, None, hints)
-    names = {symbol: sympy.Symbol(name, positive=True, integer=True) for symbol, name in rename.items()}
-    b, s = (sympy.Symbol(x, positive=True, integer=True) for x in "bs")
-    tensor = 4 * b * s * width
+    trace, names, _, _, tensor = _trace_on_activation(_Gated, 64)
     eager = sympy.expand(saved_bytes(trace).xreplace(names))
     fused = sympy.expand(fused_saved_bytes(trace).xreplace(names))
     assert sympy.expand(eager - 5 * tensor) == 0

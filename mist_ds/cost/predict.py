@@ -89,7 +89,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
     breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
         "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
     stage_gpus_per_node = min(specs.cluster.gpus_per_node, par.tp * par.dp)
-    host_share = specs.cluster.cpu_memory_bytes / specs.cluster.gpus_per_node  # the tuner's rule too
+    host_share = specs.cluster.host_bytes_per_gpu
     warnings = [f"stage {i} peaks at {peak_i / GIB:.2f} GiB, above the {usable / GIB:.2f} GiB usable per GPU"
                 for i, peak_i in enumerate(memory.peak_bytes) if peak_i > usable]
     if np.max(memory.host_bytes) > host_share:

@@ -147,5 +147,10 @@ class ClusterSpec:
                     "must be >= 0, or null when unknown")
 
     @property
+    def host_bytes_per_gpu(self) -> float:
+        """A GPU's share of its node's host memory: the most its offloaded states may take."""
+        return self.cpu_memory_bytes / self.gpus_per_node
+
+    @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node

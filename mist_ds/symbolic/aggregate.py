@@ -135,16 +135,22 @@ def _storage(tensor) -> tuple:
     return ("serial", tensor.serial) if tensor.serial is not None else ("untracked", tensor.storage_id)
 
 
+def _readers(trace: Trace, phase: str | None = None) -> dict[tuple, set[int]]:
+    """Storage key -> indices of the kernel ops (of `phase`, or of any) that read it."""
+    readers: dict[tuple, set[int]] = {}
+    for index, op in enumerate(trace.ops):
+        if _launches_kernel(op) and phase in (None, op.phase):
+            for tensor in op.inputs:
+                readers.setdefault(_storage(tensor), set()).add(index)
+    return readers
+
+
 def fused_memory_traffic(trace: Trace, phase: str) -> tuple[sympy.Expr, sympy.Integer]:
     """(HBM bytes, kernel launches) of the phase's memory-bound work when each fusion group is one
     kernel: it reads each outside tensor once and writes only what outlives it. A tensor stays on
     chip when every op that reads it is in its group and autograd does not save it; a tensor no op
     reads (a gradient, the layer's output) is written."""
-    readers: dict[tuple, set[int]] = {}
-    for index, op in enumerate(trace.ops):
-        if _launches_kernel(op):
-            for tensor in op.inputs:
-                readers.setdefault(_storage(tensor), set()).add(index)
+    readers = _readers(trace)
     kept = {("serial", k) for k in trace.saved | trace.output_storages}
     total = sympy.Integer(0)
     groups = fusion_groups(trace, phase)
@@ -176,21 +182,15 @@ def fused_saved_bytes(trace: Trace) -> sympy.Expr:
     groups = fusion_groups(trace, FORWARD)
     group_of = {index: g for g, members in enumerate(groups) for index in members}
     made_in: dict[int, int] = {}
-    forward_readers: dict[int, set[int]] = {}
-    for index, op in enumerate(trace.ops):
-        if op.phase != FORWARD:
-            continue
-        for tensor in op.outputs:
-            if tensor.serial is not None and index in group_of:
+    for index in group_of:
+        for tensor in trace.ops[index].outputs:
+            if tensor.serial is not None:
                 made_in.setdefault(tensor.serial, group_of[index])
-        if _launches_kernel(op):
-            for tensor in op.inputs:
-                if tensor.serial is not None:
-                    forward_readers.setdefault(tensor.serial, set()).add(index)
+    forward_readers = _readers(trace, FORWARD)
 
     def on_chip(serial: int) -> bool:
         group = made_in.get(serial)
-        readers = forward_readers.get(serial, set())
+        readers = forward_readers.get(("serial", serial), set())
         return (group is not None and serial not in trace.output_storages and bool(readers)
                 and all(group_of.get(r) == group for r in readers))
 

@@ -69,7 +69,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
     p = nearest.point
     layout = f"tp {p.tp}, pp {p.pp}, dp {p.dp}, micro-batch {p.micro_batch_size}"
     if need <= usable:  # some plans fit on the GPU, but only by offloading more than the host holds
-        share = specs.cluster.cpu_memory_bytes / specs.cluster.gpus_per_node
+        share = specs.cluster.host_bytes_per_gpu
         host = prediction.host_memory_bytes / min(specs.cluster.gpus_per_node, p.tp * p.dp)
         return (f"no plan fits: the plans that fit in GPU memory ({layout} needs {need / GIB:.2f} of "
                 f"{usable / GIB:.2f} GiB usable) offload more than the host holds: {host / GIB:.2f} GiB of host "

@@ -145,7 +145,7 @@ def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...
 
 def _memory_limits(specs: Specs) -> tuple[float, float]:
     cluster = specs.cluster
-    return cluster.gpu.usable_memory_bytes, cluster.cpu_memory_bytes / cluster.gpus_per_node
+    return cluster.gpu.usable_memory_bytes, cluster.host_bytes_per_gpu
 
 
 def _least_peak(priced, layers: tuple[int, ...]) -> tuple[float, list[int]]:
