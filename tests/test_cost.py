@@ -227,10 +227,47 @@ def test_memory_drops_with_checkpointing_and_zero(costs_13b):
     assert zero.memory_breakdown[0]["optimizer"] < base.memory_breakdown[0]["optimizer"]
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_megatron_fp16_step_copies_gradients_to_fp32(costs_13b, zero):
+    """Megatron hands Adam `main_grad.float()`: a new fp32 copy of fp16 gradients (4 bytes per updated
+    parameter, the shard with its distributed optimizer), an alias of bf16's fp32 buffer. The copy
+    exists while the activations are freed, so the peak is the larger of backward and the step."""
+    run = ["strategy.runtime=megatron", f"strategy.zero_stage={zero}", "strategy.dp=8"]
+    step, tiny, large = (predict(specs_of(*run, *extra)).memory_breakdown[0] for extra in (
+        ["train.precision=fp16", "strategy.ckpt_layers=full"],
+        ["train.precision=fp16", "strategy.ckpt_layers=full", "model.seq_len=128"],
+        ["train.precision=fp16", "strategy.micro_batch_size=8"]))
+    bf16 = predict(specs_of(*run, "train.precision=bf16", "strategy.ckpt_layers=full")).memory_breakdown[0]
+    def fp32_copy(breakdown):
+        return 4 * breakdown["optimizer"] / 12  # fp32 master + Adam: 12 bytes per updated parameter
+
+    for breakdown in (step, tiny):
+        held = breakdown["activations"] + breakdown["transient"] + breakdown["buffers"]
+        assert held == pytest.approx(max(fp32_copy(breakdown), breakdown["activations"] + breakdown["transient"]))
+    assert tiny["buffers"] > 0  # few activations: the step's copy sets the peak
+    # many activations: the copy hides under them, nothing added
+    p2p_and_gathered = 0.0  # pp = 1, ZeRO < 3
+    assert large["buffers"] == pytest.approx(p2p_and_gathered)
+    assert large["activations"] > fp32_copy(large)
+    # bf16: gradients in fp32 all along (4 bytes, not 2), and no copy at the step
+    assert bf16["grads"] == pytest.approx(2 * step["grads"])
+    assert bf16["buffers"] == 0.0
+
+
 def test_runtime_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError) as caught:
         predict(specs_of("strategy.pp=2", "strategy.zero_stage=3"))
     assert caught.value.rule == "deepspeed.pipeline-zero"
+
+
+def test_megatron_recomputes_one_count_on_every_stage():
+    uneven = ["strategy.runtime=megatron", "strategy.pp=2", "strategy.layers_per_stage=[11,13]",
+              "strategy.dp=4", "strategy.zero_stage=1"]
+    for ckpt in ("full", "[2,2]", "[11,12]"):  # full on uneven stages; N = 12 recomputes min(12, 11) = 11
+        assert predict(specs_of(*uneven, f"strategy.ckpt_layers={ckpt}")).iteration_time_s > 0
+    with pytest.raises(ConfigError) as caught:
+        predict(specs_of(*uneven, "strategy.ckpt_layers=[2,3]"))
+    assert caught.value.rule == "megatron.uniform-recompute"
 
 
 def test_predict_json_interface():

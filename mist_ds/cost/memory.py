@@ -37,11 +37,16 @@ Each field is its own peak over the end of backward and the optimizer step (ZeRO
 the bucket peak in the first, the partitions and the fp32 gradients in the second), so `gpu_total`
 is at least the device bytes at either moment (ZeRO-3's per-parameter padding aside).
 Other runtimes use the ZeRO paper's accounting (Rajbhandari et al. 2020): b + b + 12 bytes per
-parameter, each part divided by d where sharded; Megatron keeps fp32 main gradients (4 bytes).
+parameter, each part divided by d where sharded. Megatron-LM: its DDP keeps gradients in one contiguous
+buffer that lives all iteration, in fp32 with bf16 (accumulate_allreduce_grads_in_fp32 is forced on)
+and in the model dtype otherwise. Its mixed-precision optimizer hands Adam `main_grad.float()`, an
+alias of an fp32 buffer but a new fp32 copy of a half one: with fp16 gradients the step adds 4 bytes
+per parameter it updates (the shard with the distributed optimizer), while the activations are freed
+(`step_only`: the stage's peak is the larger of backward and the step, cost/stage.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -71,6 +76,9 @@ class ModelStateBytes:
     optimizer: np.ndarray
     buffers: np.ndarray
     host: np.ndarray
+    step_only: np.ndarray | float = 0.0
+    """Device bytes that exist only during the optimizer step, when no activation is held; not in
+    `gpu_total` (the stage's peak takes the larger of the two moments)."""
 
     @property
     def gpu_total(self) -> np.ndarray:
@@ -163,6 +171,24 @@ def textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weight
                            buffers=np.zeros_like(p), host=host)
 
 
+def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload=0.0,
+                          bf16: bool = True) -> ModelStateBytes:
+    """Megatron-LM (module docstring): the distributed optimizer is ZeRO-1; gradients in fp32 with
+    bf16; with fp16 gradients the step's fp32 copy of the gradients it updates is `step_only`."""
+    half_grads = bool(mixed_precision and dtype_bytes == 2)
+    fp32_main_grads = half_grads and bf16
+    zero1 = np.minimum(zero, 1)
+    states = textbook_model_states(params, dp, zero1, dtype_bytes, mixed_precision,
+                                   optimizer_offload=optimizer_offload,
+                                   grad_bytes=FP32_BYTES if fp32_main_grads else None)
+    if not half_grads or fp32_main_grads:
+        return states
+    p = np.asarray(params, dtype=np.float64)
+    updated = np.where(zero1 >= 1, p / np.asarray(dp, dtype=np.float64), p)
+    on_device = 1.0 - np.asarray(optimizer_offload, dtype=np.float64)  # an offloaded share steps on the host
+    return replace(states, step_only=FP32_BYTES * updated * on_device)
+
+
 def model_state_bytes(runtime: str, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
                       reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
@@ -178,10 +204,7 @@ def model_state_bytes(runtime: str, params, dp, zero, dtype_bytes, mixed_precisi
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
                                       persistent_param_elements, bf16=bf16)
-    if runtime == "megatron":  # main gradients in fp32 with bf16 (its rule); distributed optimizer = ZeRO-1
-        return textbook_model_states(params, dp, np.minimum(zero, 1), dtype_bytes, mixed_precision,
-                                     optimizer_offload=optimizer_offload,
-                                     grad_bytes=FP32_BYTES if (mixed_precision and dtype_bytes == 2 and bf16)
-                                     else None)
+    if runtime == "megatron":
+        return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,
                                  optimizer_offload)

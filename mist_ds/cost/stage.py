@@ -355,6 +355,9 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     p2p_buffers = np.where(c.pp > 1, 2 * ev(costs.block, "output_bytes"), 0.0)
     gathered = np.where(c.zero == 3, 2 * hw.dtype_bytes * ev(costs.block, "params"), 0.0)
     buffers = states.buffers + p2p_buffers + gathered
+    # The step's own bytes (Megatron's fp32 copy of half gradients) raise the peak only by what they
+    # exceed the activations, transients and buffers they never coexist with.
+    buffers = buffers + np.maximum(states.step_only - (activations + transient + buffers), 0.0)
     peak = states.weights + states.grads + states.optimizer + activations + transient + buffers
     return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, transient=transient, buffers=buffers,

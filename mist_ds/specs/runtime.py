@@ -118,9 +118,13 @@ def check_runtime(strategy: StrategySpec, caps: RuntimeCapabilities | None = Non
     if caps.uniform_zero and len(set(zeros)) > 1:
         raise _refuse(f"{name}.uniform-zero", "strategy.zero_stage", zeros,
                       f"runtime {name} needs one ZeRO stage for every pipeline stage")
-    if caps.uniform_ckpt and len({s.ckpt_layers for s in stages}) > 1:
+    # Megatron's --recompute-num-layers N recomputes the first min(N, layers) blocks of every stage:
+    # one count everywhere, or every layer of every stage (full) when stages are uneven.
+    most = max(s.ckpt_layers for s in stages)
+    if caps.uniform_ckpt and any(s.ckpt_layers != min(most, s.layers) for s in stages):
         raise _refuse(f"{name}.uniform-recompute", "strategy.ckpt_layers", [s.ckpt_layers for s in stages],
-                      f"runtime {name} recomputes the same number of layers on every stage")
+                      f"runtime {name} recomputes the same number of layers on every stage (at most a "
+                      "stage's layers: min(N, layers))")
     for i, s in enumerate(stages):
         if strategy.parallelism.pp > 1 and s.zero_stage not in caps.zero_stages_with_pipeline:
             raise _refuse(f"{name}.pipeline-zero", f"strategy.zero_stage[{i}]", s.zero_stage,
