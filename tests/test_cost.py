@@ -18,7 +18,7 @@ from mist_ds.cost.predict import model_costs, predict, predict_strategy, stage_c
 from mist_ds.cost.simulate import schedule, simulate, simulate_interleaved
 from mist_ds.cost.stage import norm_sync_s, stage_times
 from mist_ds.hardware import hardware_model
-from mist_ds.hardware.interference import factor_table, overlapped_time_s
+from mist_ds.hardware.interference import _BLOCK, factor_table, overlapped_time_s
 from mist_ds.specs import ConfigError, InterferenceSpec, runtime_capabilities
 from tests.conftest import REPO
 
@@ -138,12 +138,13 @@ def _overlapped_by_events(busy: list[float], table: np.ndarray) -> float:
 
 
 def test_interference_kernel_equals_an_event_loop():
-    """The blocked, vectorized kernel against a plain loop, over more rows than one block, with idle
-    channels, ties and a channel idle on every row (left out of the kernel's loop)."""
+    """The grouped, blocked, vectorized kernel against a plain loop: every starting set of busy
+    channels, one set with more rows than a block, ties, and a channel idle on every row."""
     rng = np.random.default_rng(7)
     table = factor_table(compose(["cluster=l4-24g"], with_strategy=False).cluster.interference)
     rows = 40_000
-    busy = np.round(rng.random((rows, 4)), 2) * (rng.random((rows, 4)) < 0.7)
+    busy = np.round(rng.random((rows, 4)), 2) * (rng.random((rows, 4)) < 0.9)
+    assert np.sum(np.all(busy > 0, axis=1)) > _BLOCK  # all four busy: more than one block of rows
     busy[:, 2] = np.where(np.arange(rows) % 5 == 0, 0.0, busy[:, 2])
     picked = rng.choice(rows, 300, replace=False)
     fast = overlapped_time_s(busy, table)

@@ -66,6 +66,18 @@ class StageCandidates:
     def shapes(self) -> "ShapeIndex":
         return ShapeIndex(self)
 
+    @cached_property
+    def _derived(self) -> dict:
+        return {}
+
+    def derived(self, name: str, source, compute):
+        """compute(), once per (name, source) for these candidates: time and memory share what both
+        derive (the source, kept with the value, is what it was derived from)."""
+        key = (name, id(source))
+        if key not in self._derived:
+            self._derived[key] = (source, compute())
+        return self._derived[key][1]
+
 
 class ShapeIndex:
     """Layer costs depend on (b, s, t) only, which take few distinct values among many candidates:
@@ -190,9 +202,13 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIn
 def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarray, np.ndarray]:
     """(previous boundary, next boundary) of stage `stage` cross a node edge, when each stage holds
     `width` = t d consecutive ranks."""
-    stage, width = np.asarray(stage), np.asarray(width)
+    stage, width = np.asarray(stage, dtype=np.float64), np.asarray(width, dtype=np.float64)
     whole = width >= gpus_per_node
-    return whole | ((stage * width) % gpus_per_node == 0), whole | (((stage + 1) * width) % gpus_per_node == 0)
+
+    def on_node_edge(rank):  # rank % gpus_per_node == 0, without the (slow) float remainder
+        return np.floor(rank / gpus_per_node) * gpus_per_node == rank
+
+    return whole | on_node_edge(stage * width), whole | on_node_edge((stage + 1) * width)
 
 
 def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
@@ -230,7 +246,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     tp = fwd_tp + bwd_tp
     p2p = _p2p_s(costs, hw, c, ev, caps.p2p_scatter_gather)
 
-    params = stage_params(costs, c, ev)
+    params = c.derived("params", costs, lambda: stage_params(costs, c, ev))
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
     # ZeRO-3 gathers the stage's weights in forward and again in backward, and reduce-scatters
@@ -241,7 +257,8 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     fwd_g2g = np.where(c.zero == 3, gather, 0.0)
     bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
 
-    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
+    saved, saved_offloaded = c.derived("saved fused" if caps.fused_kernels else "saved", costs,
+                                       lambda: _saved_bytes(costs, c, ev, caps.fused_kernels))
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
     fwd_d2h = hw.host_copy_time_s(saved_offloaded)
     bwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes)
@@ -332,12 +349,13 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
     ev = c.shapes
-    params = stage_params(costs, c, ev)
+    params = c.derived("params", costs, lambda: stage_params(costs, c, ev))
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16", largest_param_elements=largest_tensor(costs.model, c))
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
-    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
+    saved, saved_offloaded = c.derived("saved fused" if caps.fused_kernels else "saved", costs,
+                                       lambda: _saved_bytes(costs, c, ev, caps.fused_kernels))
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")
     block_bwd_peak = ev(costs.block, "bwd_peak_bytes")

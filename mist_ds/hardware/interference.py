@@ -39,15 +39,40 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     array) that broadcast together."""
     arrays = [np.asarray(x, dtype=np.float64) for x in channels_s]
     shape = np.broadcast_shapes(*(a.shape for a in arrays))
-    # A channel idle on every row never joins a busy set: it is left out of the loop.
-    busy = [(bit, np.broadcast_to(a, shape).reshape(-1)) for bit, a in enumerate(arrays) if a.any()]
-    if len(busy) <= 1:
-        return busy[0][1].reshape(shape).copy() if busy else np.zeros(shape)
-    factors = [(bit, np.ascontiguousarray(table[:, bit])) for bit, _ in busy]
-    elapsed = np.empty(math.prod(shape))
-    for start in range(0, elapsed.size, _BLOCK):
-        rows = [row[start:start + _BLOCK] for _, row in busy]
-        elapsed[start:start + _BLOCK] = _block_elapsed(rows, factors)
+    rows = [np.broadcast_to(a, shape).reshape(-1) for a in arrays]
+    longest = np.zeros(math.prod(shape))
+    for row in rows:
+        np.maximum(longest, row, out=longest)
+    done = 1e-12 * longest  # relative: a channel this close to finishing has finished
+    # Rows are grouped by the set of channels busy at the start: each group runs only its own
+    # channels, and only as many segments as it has channels less one.
+    start_set = np.zeros(longest.shape, dtype=np.uint8)
+    for bit, row in enumerate(rows):
+        start_set |= (row > done).view(np.uint8) << bit
+    sizes = np.bincount(start_set, minlength=len(table))
+    order = np.argsort(start_set, kind="stable")
+    ever_busy = np.bitwise_or.reduce(np.flatnonzero(sizes))
+    grouped = [row.take(order) if ever_busy >> bit & 1 else None for bit, row in enumerate(rows)]
+    grouped_elapsed = np.zeros(longest.shape)
+    offset = int(sizes[0])  # nothing busy: 0 s
+    for busy_set in range(1, len(table)):
+        size = int(sizes[busy_set])
+        if not size:
+            continue
+        bits = [bit for bit in range(len(rows)) if busy_set >> bit & 1]
+        end = offset + size
+        if len(bits) == 1:
+            grouped_elapsed[offset:end] = grouped[bits[0]][offset:end]
+        else:
+            factors = [(bit, np.ascontiguousarray(table[:, bit])) for bit in bits]
+            for first in range(offset, end, _BLOCK):
+                last = min(first + _BLOCK, end)
+                # views into the private gathers, which the block consumes
+                grouped_elapsed[first:last] = _block_elapsed([grouped[bit][first:last] for bit in bits],
+                                                             factors, busy_set)
+        offset = end
+    elapsed = np.empty(longest.shape)
+    elapsed[order] = grouped_elapsed
     return elapsed.reshape(shape)
 
 
@@ -58,33 +83,33 @@ _FINISHED = 1e300
 """Remaining time of a channel that has finished: it never wins a min, so no masking is needed."""
 
 
-def _block_elapsed(busy: list[np.ndarray], factors: list[tuple[int, np.ndarray]]) -> np.ndarray:
-    """Elapsed seconds of the channels' alone-times (busy[k] belongs to channel bit factors[k][0],
-    whose slowdown under each busy set is factors[k][1][set]). Rows with one busy channel take its
-    time; the rest run segment by segment: until the next channel finishes, under the factors of
-    the busy set; the last one left finishes alone. Channels are separate 1-D rows (1-D gathers
-    are several times cheaper than a [4, n] one) and every temporary is reused: the loop is
-    bound by memory traffic."""
+def _block_elapsed(busy: list[np.ndarray], factors: list[tuple[int, np.ndarray]], busy_set: int) -> np.ndarray:
+    """Elapsed seconds of rows whose channels busy[k] (channel bit factors[k][0], slowdown under
+    each busy set factors[k][1][set]) all start busy (set `busy_set`): segment by segment, until
+    the next channel finishes, under the factors of the set still busy; the last one left finishes
+    alone. Channels are separate 1-D rows (1-D gathers are several times cheaper than a [4, n]
+    one) and every temporary is reused: the loop is bound by memory traffic."""
     longest = busy[0].copy()
     for row in busy[1:]:
         np.maximum(longest, row, out=longest)
     done = 1e-12 * longest  # relative: a channel this close to finishing has finished
-    remaining, mask = [], np.zeros(longest.shape, dtype=np.intp)
-    for row, (bit, _) in zip(busy, factors):
-        running = row > done
-        remaining.append(np.where(running, row, _FINISHED))
-        mask |= running.view(np.uint8) << bit
+    remaining = busy  # the caller's private copies: updated in place
+    mask = np.full(longest.shape, busy_set, dtype=np.intp)
     elapsed, step, scratch = np.zeros(longest.shape), np.empty(longest.shape), np.empty(longest.shape)
     finished = np.empty(longest.shape, dtype=bool)
-    for _ in range(len(busy) - 1):
-        concurrent = _POPCOUNT.take(mask) > 1
-        if not concurrent.any():
-            break
-        slowdowns = [by_set.take(mask) for _, by_set in factors]
+    for segment in range(len(busy) - 1):
+        if segment == 0:  # every row runs the starting set: its slowdowns are scalars
+            slowdowns = [float(by_set[busy_set]) for _, by_set in factors]
+        else:
+            concurrent = _POPCOUNT.take(mask) > 1
+            if not concurrent.any():
+                break
+            slowdowns = [by_set.take(mask) for _, by_set in factors]
         np.multiply(remaining[0], slowdowns[0], out=step)
         for row, slowdown in zip(remaining[1:], slowdowns[1:]):
             np.minimum(step, np.multiply(row, slowdown, out=scratch), out=step)
-        step *= concurrent
+        if segment:
+            step *= concurrent
         elapsed += step
         for row, slowdown, (bit, _) in zip(remaining, slowdowns, factors):
             row -= np.divide(step, slowdown, out=scratch)
