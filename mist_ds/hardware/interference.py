@@ -39,39 +39,40 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     array) that broadcast together."""
     arrays = [np.asarray(x, dtype=np.float64) for x in channels_s]
     shape = np.broadcast_shapes(*(a.shape for a in arrays))
-    rows = [np.broadcast_to(a, shape).reshape(-1) for a in arrays]
+    # A channel idle on every row (often a scalar 0) never joins a busy set.
+    rows = {bit: np.broadcast_to(a, shape).reshape(-1) for bit, a in enumerate(arrays) if a.any()}
+    if len(rows) <= 1:
+        return next(iter(rows.values())).reshape(shape).copy() if rows else np.zeros(shape)
     longest = np.zeros(math.prod(shape))
-    for row in rows:
+    for row in rows.values():
         np.maximum(longest, row, out=longest)
     done = 1e-12 * longest  # relative: a channel this close to finishing has finished
-    # Rows are grouped by the set of channels busy at the start: each group runs only its own
-    # channels, and only as many segments as it has channels less one.
     start_set = np.zeros(longest.shape, dtype=np.uint8)
-    for bit, row in enumerate(rows):
+    for bit, row in rows.items():
         start_set |= (row > done).view(np.uint8) << bit
-    sizes = np.bincount(start_set, minlength=len(table))
-    order = np.argsort(start_set, kind="stable")
-    ever_busy = np.bitwise_or.reduce(np.flatnonzero(sizes))
-    grouped = [row.take(order) if ever_busy >> bit & 1 else None for bit, row in enumerate(rows)]
-    grouped_elapsed = np.zeros(longest.shape)
-    offset = int(sizes[0])  # nothing busy: 0 s
-    for busy_set in range(1, len(table)):
-        size = int(sizes[busy_set])
-        if not size:
-            continue
-        bits = [bit for bit in range(len(rows)) if busy_set >> bit & 1]
-        end = offset + size
-        if len(bits) == 1:
-            grouped_elapsed[offset:end] = grouped[bits[0]][offset:end]
-        else:
-            factors = [(bit, np.ascontiguousarray(table[:, bit])) for bit in bits]
-            for first in range(offset, end, _BLOCK):
-                last = min(first + _BLOCK, end)
-                # views into the private gathers, which the block consumes
-                grouped_elapsed[first:last] = _block_elapsed([grouped[bit][first:last] for bit in bits],
-                                                             factors, busy_set)
+    # A row with one busy channel takes its time, the longest; one with none, 0 s = its longest.
+    elapsed = longest
+    concurrent = np.flatnonzero(_POPCOUNT.take(start_set) > 1)
+    if not concurrent.size:
+        return elapsed.reshape(shape)
+    # The rest are grouped by their starting set: each group runs only its own channels, and only
+    # as many segments as it has channels less one.
+    sets = start_set.take(concurrent)
+    order = concurrent.take(np.argsort(sets, kind="stable"))
+    sizes = np.bincount(sets, minlength=len(table))
+    grouped = {bit: row.take(order) for bit, row in rows.items()}
+    grouped_elapsed = np.empty(order.size)
+    offset = 0
+    for busy_set in np.flatnonzero(sizes):
+        end = offset + int(sizes[busy_set])
+        bits = [bit for bit in grouped if busy_set >> bit & 1]
+        factors = [(bit, np.ascontiguousarray(table[:, bit])) for bit in bits]
+        for first in range(offset, end, _BLOCK):
+            last = min(first + _BLOCK, end)
+            # views into the private gathers, which the block consumes
+            grouped_elapsed[first:last] = _block_elapsed([grouped[bit][first:last] for bit in bits],
+                                                         factors, int(busy_set))
         offset = end
-    elapsed = np.empty(longest.shape)
     elapsed[order] = grouped_elapsed
     return elapsed.reshape(shape)
 
