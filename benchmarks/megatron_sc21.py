@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/megatron_sc21.py > benchmarks/results/megatron_sc21.md
 
 Each row: the published configuration priced by `predict`, against the time implied by the paper's
-TFLOP/s per GPU. Rows 76B and up used the interleaved 1F1B schedule: they are priced with it, at the
-layers per chunk of the paper's scripts (reference file's header), and as plain 1F1B beside. A
+TFLOP/s per GPU. Rows 76B to 530B used the interleaved 1F1B schedule: they are priced with it, at the
+layers per chunk of the paper's script (Megatron-LM's examples/sc21/run_table_1.sh), and as plain 1F1B
+beside. The 1T row's entry there sets no --num-layers-per-virtual-pipeline-stage: plain 1F1B, although
+the reference file's header counts it among the interleaved rows. A
 constant-efficiency baseline (time = FLOPs / (GPUs x e x peak), e fitted on the same rows) too.
 """
 from __future__ import annotations
@@ -16,10 +18,9 @@ import numpy as np
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import mape, predict_specs, reference_rows, specs_for  # noqa: E402
 
-# Layers per model chunk of the interleaved rows (the reference file's header, from the paper's
-# scripts); the 1T row's is not given there: 1, the finest split, is assumed.
-LAYERS_PER_CHUNK = {"76.1B": 5, "145.6B": 5, "310.1B": 3, "529.6B": 1, "1008B": 1}
-ASSUMED_LAYERS_PER_CHUNK = {"1008B"}
+# Layers per model chunk (--num-layers-per-virtual-pipeline-stage) of the rows the paper's script
+# (Megatron-LM examples/sc21/run_table_1.sh) runs interleaved; every other row, 1T included, runs 1F1B.
+LAYERS_PER_CHUNK = {"76.1B": 5, "145.6B": 5, "310.1B": 3, "529.6B": 1}
 
 
 def virtual_stages(row: dict) -> int:
@@ -72,8 +73,7 @@ def main() -> None:
         m = float(row["implied_iter_s"])
         plain_s = plain_1f1b[row["model"]]
         chunks = virtual_stages(row)
-        v_text = f"{chunks}{' (assumed)' if row['model'] in ASSUMED_LAYERS_PER_CHUNK else ''}"
-        print(f"| {row['model']} | {row['tp']} | {row['pp']} | {row['dp']} | {row['micro_batch']} | {v_text} | "
+        print(f"| {row['model']} | {row['tp']} | {row['pp']} | {row['dp']} | {row['micro_batch']} | {chunks} | "
               f"{m:.2f} | {p.iteration_time_s:.2f} | {(p.iteration_time_s - m) / m:+.1%} | {plain_s:.2f} | "
               f"{(plain_s - m) / m:+.1%} | {c:.2f} | {(c - m) / m:+.1%} |")
     errors = np.abs(predicted - measured) / measured
