@@ -217,6 +217,8 @@ def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
     plus one, at most G v, each chunk 1 / v of the stage."""
     stage, pp, grad_accum, chunks = (np.asarray(x, dtype=np.float64) for x in (stage, pp, grad_accum, chunks))
     one_f_one_b = np.minimum(pp - stage - 1, grad_accum - 1) + 1
+    if not np.any(chunks > 1):
+        return one_f_one_b
     interleaved = np.minimum(2 * (pp - stage - 1) + (chunks - 1) * pp + 1, grad_accum * chunks) / chunks
     return np.where(chunks > 1, interleaved, one_f_one_b)
 
@@ -352,7 +354,10 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     params = c.derived("params", costs, lambda: stage_params(costs, c, ev))
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
-                               bf16=train.precision == "bf16", largest_param_elements=largest_tensor(costs.model, c))
+                               bf16=train.precision == "bf16",
+                               # only DeepSpeed's engines size buffers by the largest tensor
+                               largest_param_elements=largest_tensor(costs.model, c)
+                               if caps.name in ("deepspeed", "mist") else 0.0)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = c.derived("saved fused" if caps.fused_kernels else "saved", costs,
                                        lambda: _saved_bytes(costs, c, ev, caps.fused_kernels))
