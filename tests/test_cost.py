@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 
 from mist_ds.config import compose
 from mist_ds.cost.iteration import imbalance_s, iteration_time_s
+from mist_ds.cost.layer_time import layer_times
 from mist_ds.cost.predict import model_costs, predict, predict_strategy, stage_candidates
 from mist_ds.cost.simulate import schedule, simulate, simulate_interleaved
 from mist_ds.cost.stage import norm_sync_s, stage_times
 from mist_ds.hardware import hardware_model
+from mist_ds.hardware.compute import gemm_efficiency, gemm_time_s
 from mist_ds.hardware.interference import _BLOCK, factor_table, overlapped_time_s
 from mist_ds.specs import ConfigError, InterferenceSpec, runtime_capabilities
 from tests.conftest import REPO
@@ -155,6 +157,45 @@ def test_interference_kernel_equals_an_event_loop():
     picked_fast = overlapped_time_s(idle_d2h, table)
     for i in picked[:50]:
         assert picked_fast[i] == pytest.approx(_overlapped_by_events(list(idle_d2h[i]), table), rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("exponent", [0.7, 1.0, 1.345, 3.0])
+def test_gemm_time_never_falls_as_the_gemm_grows(exponent):
+    """A sharp knee (k > 1) makes x / eff(x) fall with x below h (k - 1)^(1/k): those GEMMs take the
+    time of that size instead, never less than a smaller GEMM."""
+    tokens = np.geomspace(1, 1e6, 400)
+    time_s = gemm_time_s(1, tokens, 2048, 2048, 2, 312e12, 2e12, 0.8, 13.8e9, exponent)
+    assert np.all(np.diff(time_s) >= 0)
+    raw = 2 * tokens * 2048 * 2048 / (312e12 * gemm_efficiency(2 * tokens * 2048 * 2048, 0.8, 13.8e9, exponent))
+    assert np.allclose(time_s[raw == raw.min()], raw.min())
+    falls_raw = np.any(np.diff(raw) < 0)
+    assert falls_raw == (exponent > 1)  # the curve alone falls exactly when the knee is sharp
+
+
+def test_host_dispatch_floors_a_layer_pass():
+    """A pass of few-FLOP kernels takes the host's time to issue them and its TP collectives; a large
+    one its GPU time."""
+    costs = model_costs(specs_of())
+    cluster = specs_of().cluster
+
+    def with_dispatch(seconds):
+        gpu = dataclasses.replace(cluster.gpu, host_dispatch_s=seconds)
+        return hardware_model(dataclasses.replace(cluster, gpu=gpu), "bf16")
+
+    quiet, host_bound = with_dispatch(0.0), with_dispatch(50e-6)
+    small, large = (np.array([b]) for b in (1, 64))
+    seq, tp = np.array([128]), np.array([2])
+    launches = costs.block("fwd_kernels", 1, 128, 2) + costs.block("tp_collectives_fwd", 1, 128, 2)
+    assert costs.block("tp_collectives_fwd", 1, 128, 2) > 0
+
+    def fwd_pass(hw, b, s):
+        times = layer_times(costs.block, hw, b, s, tp)
+        return times.fwd_compute_s[0] + times.fwd_tp_s[0]
+
+    assert fwd_pass(quiet, small, seq) < launches * 50e-6
+    assert fwd_pass(host_bound, small, seq) == pytest.approx(launches * 50e-6)
+    big = fwd_pass(quiet, large, np.array([2048]))
+    assert big > launches * 50e-6 and fwd_pass(host_bound, large, np.array([2048])) == big
 
 
 # --- stage template features ---------------------------------------------------------------------

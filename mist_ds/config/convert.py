@@ -27,7 +27,7 @@ def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
         gemm_efficiency=cfg.gpu.gemm_efficiency, gemm_half_flops=cfg.gpu.gemm_half_gflop * GIGA,
         gemm_curve_exponent=cfg.gpu.gemm_curve_exponent,
         attention_efficiency=cfg.gpu.attention_efficiency, memory_efficiency=cfg.gpu.memory_efficiency,
-        kernel_overhead_s=cfg.gpu.kernel_overhead_us * 1e-6)
+        kernel_overhead_s=cfg.gpu.kernel_overhead_us * 1e-6, host_dispatch_s=cfg.gpu.host_dispatch_us * 1e-6)
     interference = InterferenceSpec(
         fallback=cfg.interference.fallback,
         factors={k: dict(v) for k, v in cfg.interference.factors.items()})

@@ -45,6 +45,7 @@ class GpuConfig:
     attention_efficiency: float = 0.5  # fraction of dense peak fused attention kernels reach
     memory_efficiency: float = 0.7  # fraction of HBM bandwidth element-wise ops reach
     kernel_overhead_us: float = 4.0  # fixed time per GPU kernel (launch, minimum duration), microseconds
+    host_dispatch_us: float = 0.0  # host time to issue one kernel (framework + launch); 0 = the GPU never waits
 
 
 @dataclass

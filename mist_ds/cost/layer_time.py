@@ -18,15 +18,21 @@ class LayerTimes:
     bwd_tp_s: np.ndarray
 
 
-def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, fused: bool) -> np.ndarray:
+def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, fused: bool, tp_s) -> np.ndarray:
+    """The pass's kernels on the GPU; when the host needs longer to issue them and the pass's TP
+    collectives (tp_s, their GPU time) than the GPU needs to run them, the pass takes the host's
+    time: the excess is counted here, so that compute + TP is the larger of the two."""
     total = np.zeros(np.broadcast(b, s, t).shape)
     for index, gemm in enumerate(cost.gemms):
         if gemm[0] == phase:
             total = total + hw.gemm_time_s(*cost.gemm_shapes(index, b, s, t))
     total = total + hw.attention_time_s(cost(f"{phase}_attention_flops", b, s, t))
     kind = "_fused" if fused else ""
-    total = total + cost(f"{phase}{kind}_kernels", b, s, t) * hw.cluster.gpu.kernel_overhead_s
-    return total + hw.memory_bound_time_s(cost(f"{phase}{kind}_memory_bytes", b, s, t))
+    kernels = cost(f"{phase}{kind}_kernels", b, s, t)
+    total = total + kernels * hw.cluster.gpu.kernel_overhead_s
+    total = total + hw.memory_bound_time_s(cost(f"{phase}{kind}_memory_bytes", b, s, t))
+    launches = kernels + cost(f"tp_collectives_{phase}", b, s, t)
+    return np.maximum(total, launches * hw.cluster.gpu.host_dispatch_s - tp_s)
 
 
 def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.ndarray:
@@ -37,6 +43,7 @@ def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.nd
 
 def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False) -> LayerTimes:
     """fused: price element-wise runs as fused kernels (RuntimeCapabilities.fused_kernels)."""
-    return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t, fused),
-                      bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t, fused),
-                      fwd_tp_s=_pass_tp_s(cost, hw, "fwd", b, s, t), bwd_tp_s=_pass_tp_s(cost, hw, "bwd", b, s, t))
+    fwd_tp, bwd_tp = _pass_tp_s(cost, hw, "fwd", b, s, t), _pass_tp_s(cost, hw, "bwd", b, s, t)
+    return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t, fused, fwd_tp),
+                      bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t, fused, bwd_tp),
+                      fwd_tp_s=fwd_tp, bwd_tp_s=bwd_tp)

@@ -72,6 +72,10 @@ class GpuSpec:
     """Fraction of HBM bandwidth reached by memory-bound ops."""
     kernel_overhead_s: float = 4e-6
     """Fixed time per GPU kernel: launch latency and the shortest kernel's duration."""
+    host_dispatch_s: float = 0.0
+    """Host time to issue one kernel (the framework's dispatch and the launch call): a layer's pass
+    takes at least its kernel count times this, however little work each kernel does (0: never
+    host-bound)."""
 
     def __post_init__(self) -> None:
         require_positive("cluster.gpu.memory_gib", self.memory_bytes / GIB)
@@ -89,6 +93,8 @@ class GpuSpec:
             require(0 < value <= 1, f"cluster.gpu.{name}", value, "an efficiency is a fraction in (0, 1]")
         require(self.kernel_overhead_s >= 0, "cluster.gpu.kernel_overhead_us", self.kernel_overhead_s * 1e6,
                 "must be >= 0")
+        require(self.host_dispatch_s >= 0, "cluster.gpu.host_dispatch_us", self.host_dispatch_s * 1e6,
+                "must be >= 0 (0 = the GPU never waits for the host)")
         require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
                 "must be >= 0 (0 = every GEMM at gemm_efficiency)")
         require(0 < self.gemm_curve_exponent <= 8, "cluster.gpu.gemm_curve_exponent", self.gemm_curve_exponent,
