@@ -86,6 +86,26 @@ def report(rows, predicted, constant) -> None:
               f"{values[:, 3].mean():.1%})")
 
 
+def bias_by_split(rows, predicted) -> None:
+    """Mean signed error (geometric) of the rows sharing one split feature: where the model runs fast
+    or slow beyond noise points at what it leaves out."""
+    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    log_error = np.log(predicted / measured)
+    groups = defaultdict(list)
+    for i, r in enumerate(rows):
+        micro_batches = int(r["global_batch"]) // (int(r["dp"]) * int(r["micro_batch"]))
+        groups[("tp", r["tp"])].append(i)
+        groups[("pp", r["pp"])].append(i)
+        groups[("micro-batch", r["micro_batch"])].append(i)
+        groups[("pp, micro-batches", f"{r['pp']}, {'>= 16' if micro_batches >= 16 else micro_batches}")].append(i)
+    print("\n## Bias by split (all rows)\n")
+    print("| feature | value | rows | mean signed error | spread (sd of log error) |")
+    print("|---|---|---|---|---|")
+    for (feature, value), idx in sorted(groups.items()):
+        e = log_error[np.array(idx)]
+        print(f"| {feature} | {value} | {len(idx)} | {np.expm1(e.mean()):+.1%} | {e.std():.3f} |")
+
+
 def main() -> None:
     rows = reference_rows("vtrain_a100_single_node")
     predicted = np.array([predict_specs(row_specs(r)).iteration_time_s for r in rows])
@@ -99,6 +119,7 @@ def main() -> None:
           f"no flash attention, vocab 51200. Constant-efficiency baseline: e = {efficiency:.3f} "
           "(fitted on the 2- and 4-GPU rows).\n")
     report(rows, predicted, ideal / efficiency)
+    bias_by_split(rows, predicted)
 
 
 if __name__ == "__main__":
