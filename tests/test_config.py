@@ -115,6 +115,7 @@ BAD_INPUTS = [
     (["cluster.nodes=0"], "cluster.nodes"),
     (["cluster.gpu.memory_gib=-24"], "cluster.gpu.memory_gib"),
     (["cluster.gpu.reserve_gib=30"], "cluster.gpu.reserve_gib"),
+    (["cluster.gpu.host_dispatch_us=-1"], "cluster.gpu.host_dispatch_us"),
     (["cluster.pcie_gbps=0"], "cluster.pcie_gbps"),
     (["cluster.nodes=2", "cluster.inter_node_gbps=0"], "cluster.inter_node_gbps"),
     (["cluster.interference.fallback=0.5"], "cluster.interference.fallback"),
