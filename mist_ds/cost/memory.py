@@ -50,6 +50,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mist_ds.specs.runtime import DEEPSPEED_RUNTIMES
+
 FP32_BYTES = 4
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (Kingma & Ba 2015)
 MASTER_BYTES = FP32_BYTES
@@ -77,12 +79,14 @@ class ModelStateBytes:
     buffers: np.ndarray
     host: np.ndarray
     step_only: np.ndarray | float = 0.0
-    """Device bytes that exist only during the optimizer step, when no activation is held; not in
-    `gpu_total` (the stage's peak takes the larger of the two moments)."""
+    """Device bytes that exist only during the optimizer step, when no activation is held: part of the
+    model states' own peak (`gpu_total`); a stage's peak counts them only beyond its activations
+    (cost/stage.py)."""
 
     @property
     def gpu_total(self) -> np.ndarray:
-        return self.weights + self.grads + self.optimizer + self.buffers
+        """The model states' peak on the device: every field at its peak, the step's own bytes too."""
+        return self.weights + self.grads + self.optimizer + self.buffers + self.step_only
 
 
 def _padded(params, dp):
@@ -200,7 +204,7 @@ def model_state_bytes(runtime: str, params, dp, zero, dtype_bytes, mixed_precisi
     (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps, offload staging at 0) and the ZeRO-3
     parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it).
     """
-    if runtime in ("deepspeed", "mist"):
+    if runtime in DEEPSPEED_RUNTIMES:
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
                                       persistent_param_elements, bf16=bf16)

@@ -15,7 +15,7 @@ import numpy as np
 from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec
+from mist_ds.specs import DEEPSPEED_RUNTIMES, ModelSpec, RuntimeCapabilities, TrainSpec
 from mist_ds.symbolic import LayerCost
 
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
@@ -152,7 +152,12 @@ class StageMemory:
 
 
 def stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
-    """Parameters on one GPU of the stage (its TP shard); a tied head shares the embedding at S = 1."""
+    """Parameters on one GPU of the stage (its TP shard); a tied head shares the embedding at S = 1.
+    Derived once per candidates (time and memory both read it)."""
+    return c.derived("params", costs, lambda: _stage_params(costs, c, ev))
+
+
+def _stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
     params = (c.layers * ev(costs.block, "params") + c.first * ev(costs.embedding, "params")
               + c.last * ev(costs.head, "params"))
     if costs.model.tie_embeddings:
@@ -227,7 +232,13 @@ def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
                  fused: bool) -> tuple[np.ndarray, np.ndarray]:
     """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded;
     fused: the blocks keep what fused kernels keep (RuntimeCapabilities.fused_kernels). The ends
-    stay eager: the L4 rows' last stages (vocabulary-parallel loss) match the eager count."""
+    stay eager: the L4 rows' last stages (vocabulary-parallel loss) match the eager count. Derived once
+    per candidates (time and memory both read it)."""
+    return c.derived("saved fused" if fused else "saved", costs, lambda: _stage_saved_bytes(costs, c, ev, fused))
+
+
+def _stage_saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
+                       fused: bool) -> tuple[np.ndarray, np.ndarray]:
     full = ev(costs.block, "saved_bytes_fused" if fused else "saved_bytes")
     ckpt = ev(costs.block, "saved_bytes_ckpt")
     blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
@@ -248,7 +259,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     tp = fwd_tp + bwd_tp
     p2p = _p2p_s(costs, hw, c, ev, caps.p2p_scatter_gather)
 
-    params = c.derived("params", costs, lambda: stage_params(costs, c, ev))
+    params = stage_params(costs, c, ev)
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
     # ZeRO-3 gathers the stage's weights in forward and again in backward, and reduce-scatters
@@ -259,8 +270,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     fwd_g2g = np.where(c.zero == 3, gather, 0.0)
     bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
 
-    saved, saved_offloaded = c.derived("saved fused" if caps.fused_kernels else "saved", costs,
-                                       lambda: _saved_bytes(costs, c, ev, caps.fused_kernels))
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
     fwd_d2h = hw.host_copy_time_s(saved_offloaded)
     bwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes)
@@ -268,7 +278,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     swap = fwd_h2d + fwd_d2h + bwd_h2d + bwd_d2h
 
     # DeepSpeed's ZeRO-3 prefetches and overlaps its collectives with compute (overlap_comm).
-    g2g_overlapped = overlap.prefetch_weights or caps.name in ("deepspeed", "mist")
+    g2g_overlapped = overlap.prefetch_weights or caps.name in DEEPSPEED_RUNTIMES
     if overlap.offload_overlapped:
         fwd_phase = hw.overlapped_time_s(fwd_compute, fwd_g2g, fwd_h2d, fwd_d2h)
         bwd_phase = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, bwd_h2d, bwd_d2h)
@@ -351,16 +361,15 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
     ev = c.shapes
-    params = c.derived("params", costs, lambda: stage_params(costs, c, ev))
+    params = stage_params(costs, c, ev)
     states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16",
                                # only DeepSpeed's engines size buffers by the largest tensor
                                largest_param_elements=largest_tensor(costs.model, c)
-                               if caps.name in ("deepspeed", "mist") else 0.0)
+                               if caps.name in DEEPSPEED_RUNTIMES else 0.0)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
-    saved, saved_offloaded = c.derived("saved fused" if caps.fused_kernels else "saved", costs,
-                                       lambda: _saved_bytes(costs, c, ev, caps.fused_kernels))
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")
     block_bwd_peak = ev(costs.block, "bwd_peak_bytes")

@@ -22,14 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mist_ds.cost.memory import PLANNED_REDUCE_BUCKET_ELEMENTS
-from mist_ds.specs import (ConfigError, ModelSpec, StageStrategy, StrategySpec, TrainSpec, check_runtime,
-                           runtime_capabilities)
+from mist_ds.specs import (DEEPSPEED_RUNTIMES, ConfigError, ModelSpec, StageStrategy, StrategySpec, TrainSpec,
+                           check_runtime, runtime_capabilities)
 
 MIST_BLOCK_VERSION = 1
 """Format of the `"mist"` block; bump it when a key changes meaning so old plans are refused, not misread."""
-
-DEEPSPEED_RUNTIMES: tuple[str, ...] = ("deepspeed", "mist")
-"""Runtimes whose plans execute on DeepSpeed engines; the others (megatron, mist-paper) are priced only."""
 
 OPTIMIZER_TYPES: dict[str, str] = {"adamw": "AdamW"}
 """TrainSpec.optimizer -> DeepSpeed's optimizer `type`."""

@@ -61,17 +61,19 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     order = concurrent.take(np.argsort(sets, kind="stable"))
     sizes = np.bincount(sets, minlength=len(table))
     grouped = {bit: row.take(order) for bit, row in rows.items()}
+    grouped_done = done.take(order)
+    columns = {bit: np.ascontiguousarray(table[:, bit]) for bit in rows}
     grouped_elapsed = np.empty(order.size)
     offset = 0
     for busy_set in np.flatnonzero(sizes):
         end = offset + int(sizes[busy_set])
         bits = [bit for bit in grouped if busy_set >> bit & 1]
-        factors = [(bit, np.ascontiguousarray(table[:, bit])) for bit in bits]
+        factors = [(bit, columns[bit]) for bit in bits]
         for first in range(offset, end, _BLOCK):
             last = min(first + _BLOCK, end)
             # views into the private gathers, which the block consumes
             grouped_elapsed[first:last] = _block_elapsed([grouped[bit][first:last] for bit in bits],
-                                                         factors, int(busy_set))
+                                                         factors, int(busy_set), grouped_done[first:last])
         offset = end
     elapsed[order] = grouped_elapsed
     return elapsed.reshape(shape)
@@ -84,20 +86,19 @@ _FINISHED = 1e300
 """Remaining time of a channel that has finished: it never wins a min, so no masking is needed."""
 
 
-def _block_elapsed(busy: list[np.ndarray], factors: list[tuple[int, np.ndarray]], busy_set: int) -> np.ndarray:
+def _block_elapsed(busy: list[np.ndarray], factors: list[tuple[int, np.ndarray]], busy_set: int,
+                   done: np.ndarray) -> np.ndarray:
     """Elapsed seconds of rows whose channels busy[k] (channel bit factors[k][0], slowdown under
-    each busy set factors[k][1][set]) all start busy (set `busy_set`): segment by segment, until
-    the next channel finishes, under the factors of the set still busy; the last one left finishes
-    alone. Channels are separate 1-D rows (1-D gathers are several times cheaper than a [4, n]
-    one) and every temporary is reused: the loop is bound by memory traffic."""
-    longest = busy[0].copy()
-    for row in busy[1:]:
-        np.maximum(longest, row, out=longest)
-    done = 1e-12 * longest  # relative: a channel this close to finishing has finished
+    each busy set factors[k][1][set]) all start busy (set `busy_set`); a channel whose remaining time
+    falls to the row's `done` has finished. Segment by segment, until the next channel finishes,
+    under the factors of the set still busy; the last one left finishes alone. Channels are separate
+    1-D rows (1-D gathers are several times cheaper than a [4, n] one) and every temporary is
+    reused: the loop is bound by memory traffic."""
     remaining = busy  # the caller's private copies: updated in place
-    mask = np.full(longest.shape, busy_set, dtype=np.intp)
-    elapsed, step, scratch = np.zeros(longest.shape), np.empty(longest.shape), np.empty(longest.shape)
-    finished = np.empty(longest.shape, dtype=bool)
+    shape = done.shape
+    mask = np.full(shape, busy_set, dtype=np.intp)
+    elapsed, step, scratch = np.zeros(shape), np.empty(shape), np.empty(shape)
+    finished = np.empty(shape, dtype=bool)
     for segment in range(len(busy) - 1):
         if segment == 0:  # every row runs the starting set: its slowdowns are scalars
             slowdowns = [float(by_set[busy_set]) for _, by_set in factors]

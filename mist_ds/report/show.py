@@ -31,6 +31,7 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp))
     states = {str(z): float(model_state_bytes(strategy.runtime, heaviest, par.dp, z, train.dtype_bytes,
                                               train.mixed_precision, pipeline=par.pp > 1,
+                                              bf16=train.precision == "bf16",
                                               largest_param_elements=largest).gpu_total)
               for z in ZERO_STAGES}
     tokens_per_step = train.global_batch_size * model.seq_len

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from mist_ds.emit import ds_config, write_files_atomic
-from mist_ds.emit.ds_config import DEEPSPEED_RUNTIMES
 from mist_ds.emit.atomic import json_text
 from mist_ds.plan import Plan
-from mist_ds.specs import Specs, StrategySpec
+from mist_ds.specs import DEEPSPEED_RUNTIMES, Specs, StrategySpec
 from mist_ds.specs.cluster import GIB
 
 

@@ -95,6 +95,9 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
 
 RUNTIMES: Mapping[str, RuntimeCapabilities] = _runtimes()
 
+DEEPSPEED_RUNTIMES: tuple[str, ...] = ("deepspeed", "mist")
+"""Runtimes whose plans execute on DeepSpeed engines; the others (megatron, mist-paper) are priced only."""
+
 
 def runtime_capabilities(name: str, field: str = "strategy.runtime") -> RuntimeCapabilities:
     if name not in RUNTIMES:
