@@ -240,20 +240,21 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
         worst_peak = np.max(memory.peak_bytes, axis=1)
         j = int(np.argmin(worst_peak))
         if closest is None or worst_peak[j] < closest[0]:
-            closest = (float(worst_peak[j]), _uniform_stages(layers, ckpt[j], opts, j), chunks)
+            closest = (float(worst_peak[j]), _strategy(ctx.runtime, point, _uniform_stages(layers, ckpt[j], opts, j),
+                                                       chunks))
         tail = tail_s(hw, specs.train, np.max(times.end_s, axis=1), world)
         total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail, chunks)
         ok = np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
         if ok.any():
             j = int(np.flatnonzero(ok)[np.argmin(total[ok])])
             if best is None or total[j] < best[0]:
-                best = (float(total[j]), _uniform_stages(layers, ckpt[j], opts, j), chunks)
-    least, near = closest[:2] if closest else (math.inf, None)
-    near = _strategy(ctx.runtime, point, near, closest[2]) if near else None
+                best = (float(total[j]), _strategy(ctx.runtime, point, _uniform_stages(layers, ckpt[j], opts, j),
+                                                   chunks))
+    least, near = closest if closest else (math.inf, None)
     if best is None:
         return [PointResult(point, (), bound, None, None, count, least_peak_bytes=least, closest=near)]
-    return [PointResult(point, (), bound, best[0], _strategy(ctx.runtime, point, best[1], best[2]), count,
-                        solver="direct", least_peak_bytes=least, closest=near)]
+    return [PointResult(point, (), bound, best[0], best[1], count, solver="direct", least_peak_bytes=least,
+                        closest=near)]
 
 
 def _partitions_and_chunks(ctx: SearchContext, caps: RuntimeCapabilities, point: GlobalPoint):
