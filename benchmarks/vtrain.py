@@ -106,6 +106,80 @@ def bias_by_split(rows, predicted) -> None:
         print(f"| {feature} | {value} | {len(idx)} | {np.expm1(e.mean()):+.1%} | {e.std():.3f} |")
 
 
+def _micro_batches(row: dict) -> int:
+    return int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"]))
+
+
+def work_inversions(rows) -> tuple[list[tuple[str, int, int, float]], dict[str, int]]:
+    """Pairs of measured rows where strictly more work took less time, (kind, faster row, slower
+    row, slower / faster), and how many pairs of each kind were compared. "hidden": the same split and batch on h = 2048 ran faster than on h = 1024
+    (every GEMM, message and byte larger, the same kernels). "micro-batch": the same split with a
+    larger micro-batch took less time per micro-batch (iteration / micro-batches; the once-per-iteration
+    tail only favours the smaller micro-batch). A cost model that never prices more work faster
+    cannot reproduce either order."""
+    pairs, compared = [], defaultdict(int)
+    by_split = defaultdict(dict)
+    for i, r in enumerate(rows):
+        by_split[tuple(r[k] for k in ("gpus", "global_batch", "micro_batch", "num_layers", "tp", "dp", "pp",
+                                      "seq_len"))][int(r["hidden_size"])] = i
+    for sizes in by_split.values():
+        for small, large in ((a, b) for a in sizes for b in sizes if a < b):
+            compared["hidden"] += 1
+            t_small, t_large = (float(rows[sizes[h]]["iter_ms"]) for h in (small, large))
+            if t_large < t_small:
+                pairs.append(("hidden", sizes[large], sizes[small], t_small / t_large))
+    by_model = defaultdict(dict)
+    for i, r in enumerate(rows):
+        by_model[tuple(r[k] for k in ("gpus", "global_batch", "hidden_size", "num_layers", "tp", "dp", "pp",
+                                      "seq_len"))][int(r["micro_batch"])] = i
+    for sizes in by_model.values():
+        per_micro_batch = {b: float(rows[i]["iter_ms"]) / _micro_batches(rows[i]) for b, i in sizes.items()}
+        for small, large in ((a, b) for a in sizes for b in sizes if a < b):
+            compared["micro-batch"] += 1
+            if per_micro_batch[large] < per_micro_batch[small]:
+                pairs.append(("micro-batch", sizes[large], sizes[small],
+                              per_micro_batch[small] / per_micro_batch[large]))
+    return pairs, compared
+
+
+def report_inversions(rows, predicted) -> None:
+    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    pairs, compared = work_inversions(rows)
+    print("\n## Measurements where more work took less time\n")
+    print("\"hidden\": the same split and global batch ran faster on the larger model (h 2048 against 1024: "
+          "every GEMM, message and byte larger, the same kernels). \"micro-batch\": a larger micro-batch "
+          "took less time per micro-batch than a smaller one on the same split. No cost model that prices "
+          "more work no faster can reproduce these orders; they sit where the ranking fails.\n")
+    print("| kind | GPUs | tp | faster row's micro-batch | pairs | worst (slower / faster) |")
+    print("|---|---|---|---|---|---|")
+    grouped = defaultdict(list)
+    for kind, faster, _, ratio in pairs:
+        r = rows[faster]
+        grouped[(kind, int(r["gpus"]), int(r["tp"]), int(r["micro_batch"]))].append(ratio)
+    for (kind, gpus, tp, micro), ratios in sorted(grouped.items()):
+        print(f"| {kind} | {gpus} | {tp} | {micro} | {len(ratios)} | {max(ratios):.2f} |")
+    by_kind = defaultdict(int)
+    for kind, *_ in pairs:
+        by_kind[kind] += 1
+    inverted = {faster for _, faster, _, _ in pairs} | {slower for _, _, slower, _ in pairs}
+    touched = {True: [], False: []}  # regret > 5%: does the measured- or predicted-best row sit in a pair?
+    for idx in (np.array(v) for v in _workload_index(rows).values()):
+        if len(idx) >= 2:
+            picks = (idx[np.argmin(measured[idx])], idx[np.argmin(predicted[idx])])
+            touched[top1_regret(predicted[idx], measured[idx]) > 0.05].append(any(i in inverted for i in picks))
+    print(f"\nPairs: {by_kind['hidden']} of {compared['hidden']} hidden-size pairs, {by_kind['micro-batch']} of "
+          f"{compared['micro-batch']} micro-batch pairs. Workloads whose top-1 regret exceeds 5%: "
+          f"{len(touched[True])}; in {sum(touched[True])} of them the measured-best or the predicted-best split "
+          f"is a row of such a pair, against {sum(touched[False])} of the {len(touched[False])} other workloads.")
+
+
+def _workload_index(rows) -> dict[tuple, list[int]]:
+    out = defaultdict(list)
+    for i, r in enumerate(rows):
+        out[tuple(r[k] for k in ("hidden_size", "num_layers", "gpus", "global_batch", "seq_len"))].append(i)
+    return out
+
+
 def main() -> None:
     rows = reference_rows("vtrain_a100_single_node")
     predicted = np.array([predict_specs(row_specs(r)).iteration_time_s for r in rows])
@@ -120,6 +194,7 @@ def main() -> None:
           "(fitted on the 2- and 4-GPU rows).\n")
     report(rows, predicted, ideal / efficiency)
     bias_by_split(rows, predicted)
+    report_inversions(rows, predicted)
 
 
 if __name__ == "__main__":
