@@ -21,7 +21,8 @@ from mist_ds.cost.simulate import schedule, simulate, simulate_interleaved
 from mist_ds.cost.stage import norm_sync_s, stage_times
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.compute import gemm_efficiency, gemm_time_s
-from mist_ds.hardware.interference import _BLOCK, factor_table, overlapped_time_s
+from mist_ds.hardware.interference import (COMPILE_FROM_ROWS, elapsed_rows, factor_table, overlapped_channels_s,
+                                          overlapped_time_s)
 from mist_ds.specs import ConfigError, InterferenceSpec, runtime_capabilities
 from tests.conftest import REPO
 
@@ -141,13 +142,12 @@ def _overlapped_by_events(busy: list[float], table: np.ndarray) -> float:
 
 
 def test_interference_kernel_equals_an_event_loop():
-    """The grouped, blocked, vectorized kernel against a plain loop: every starting set of busy
-    channels, one set with more rows than a block, ties, and a channel idle on every row."""
+    """The compiled kernel against a plain event loop: every starting set of busy channels, ties, and
+    a channel idle on every row."""
     rng = np.random.default_rng(7)
     table = factor_table(compose(["cluster=l4-24g"], with_strategy=False).cluster.interference)
     rows = 40_000
     busy = np.round(rng.random((rows, 4)), 2) * (rng.random((rows, 4)) < 0.9)
-    assert np.sum(np.all(busy > 0, axis=1)) > _BLOCK  # all four busy: more than one block of rows
     busy[:, 2] = np.where(np.arange(rows) % 5 == 0, 0.0, busy[:, 2])
     picked = rng.choice(rows, 300, replace=False)
     fast = overlapped_time_s(busy, table)
@@ -158,6 +158,25 @@ def test_interference_kernel_equals_an_event_loop():
     picked_fast = overlapped_time_s(idle_d2h, table)
     for i in picked[:50]:
         assert picked_fast[i] == pytest.approx(_overlapped_by_events(list(idle_d2h[i]), table), rel=1e-12, abs=1e-15)
+
+
+def test_interference_compiled_and_interpreted_loops_agree_bit_for_bit():
+    """Many rows run the loop compiled, few run the same source in Python: one answer either way,
+    including broadcast channels (a scalar, a column) and rows with nothing busy."""
+    rng = np.random.default_rng(11)
+    table = factor_table(compose(["cluster=a100-80g"], with_strategy=False).cluster.interference)
+    rows = 4 * COMPILE_FROM_ROWS
+    compute = rng.random((rows, 1)) * (rng.random((rows, 1)) < 0.8)
+    channels = (compute, np.full((1, 3), 0.25), rng.random((rows, 3)) * (rng.random((rows, 3)) < 0.6), 0.0)
+    compiled = overlapped_channels_s(channels, table)
+    assert compiled.shape == (rows, 3)
+    interpreted = np.empty(rows * 3)
+    flat = [np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), (rows, 3))).reshape(-1)
+            for x in channels]
+    elapsed_rows(*flat, table, interpreted)
+    assert np.array_equal(compiled.reshape(-1), interpreted)
+    small = overlapped_channels_s([x[:2] if np.ndim(x) else x for x in channels], table)  # interpreted
+    assert np.array_equal(small, compiled[:2])
 
 
 @pytest.mark.parametrize("exponent", [0.7, 1.0, 1.345, 3.0])

@@ -8,6 +8,7 @@ Vectorized: each argument is an array over candidates.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -39,86 +40,71 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     array) that broadcast together."""
     arrays = [np.asarray(x, dtype=np.float64) for x in channels_s]
     shape = np.broadcast_shapes(*(a.shape for a in arrays))
-    # A channel idle on every row (often a scalar 0) never joins a busy set.
-    rows = {bit: np.broadcast_to(a, shape).reshape(-1) for bit, a in enumerate(arrays) if a.any()}
-    if len(rows) <= 1:
-        return next(iter(rows.values())).reshape(shape).copy() if rows else np.zeros(shape)
-    longest = np.zeros(math.prod(shape))
-    for row in rows.values():
-        np.maximum(longest, row, out=longest)
-    done = 1e-12 * longest  # relative: a channel this close to finishing has finished
-    start_set = np.zeros(longest.shape, dtype=np.uint8)
-    for bit, row in rows.items():
-        start_set |= (row > done).view(np.uint8) << bit
-    # A row with one busy channel takes its time, the longest; one with none, 0 s = its longest.
-    elapsed = longest
-    concurrent = np.flatnonzero(_POPCOUNT.take(start_set) > 1)
-    if not concurrent.size:
-        return elapsed.reshape(shape)
-    # The rest are grouped by their starting set: each group runs only its own channels, and only
-    # as many segments as it has channels less one.
-    sets = start_set.take(concurrent)
-    order = concurrent.take(np.argsort(sets, kind="stable"))
-    sizes = np.bincount(sets, minlength=len(table))
-    grouped = {bit: row.take(order) for bit, row in rows.items()}
-    grouped_done = done.take(order)
-    columns = {bit: np.ascontiguousarray(table[:, bit]) for bit in rows}
-    grouped_elapsed = np.empty(order.size)
-    offset = 0
-    for busy_set in np.flatnonzero(sizes):
-        end = offset + int(sizes[busy_set])
-        bits = [bit for bit in grouped if busy_set >> bit & 1]
-        factors = [(bit, columns[bit]) for bit in bits]
-        for first in range(offset, end, _BLOCK):
-            last = min(first + _BLOCK, end)
-            # views into the private gathers, which the block consumes
-            grouped_elapsed[first:last] = _block_elapsed([grouped[bit][first:last] for bit in bits],
-                                                         factors, int(busy_set), grouped_done[first:last])
-        offset = end
-    elapsed[order] = grouped_elapsed
+    rows = math.prod(shape)
+    # Each channel as one writable contiguous row: length `rows`, or 1 when it is the same everywhere.
+    flat = [np.require(a.reshape(-1) if a.size == rows else a.reshape(-1)[:1] if a.size == 1
+                       else np.broadcast_to(a, shape).reshape(-1), np.float64, ("C", "W")) for a in arrays]
+    elapsed = np.empty(rows)
+    kernel = compiled_elapsed_rows() if rows >= COMPILE_FROM_ROWS else elapsed_rows
+    kernel(*flat, np.ascontiguousarray(table, dtype=np.float64), elapsed)
     return elapsed.reshape(shape)
 
 
-_POPCOUNT = np.array([bin(m).count("1") for m in range(1 << len(CHANNELS))], dtype=np.uint8)
-_BLOCK = 16384
-"""Rows per block: a block's temporaries stay in cache (the loop is memory-bound otherwise)."""
-_FINISHED = 1e300
-"""Remaining time of a channel that has finished: it never wins a min, so no masking is needed."""
+COMPILE_FROM_ROWS = 256
+"""Calls with this many rows run the loop compiled (numba; about 1 s to load once per process, then
+~50 ns a row); smaller ones, such as one strategy's stages in `predict`, run the same loop in Python."""
 
 
-def _block_elapsed(busy: list[np.ndarray], factors: list[tuple[int, np.ndarray]], busy_set: int,
-                   done: np.ndarray) -> np.ndarray:
-    """Elapsed seconds of rows whose channels busy[k] (channel bit factors[k][0], slowdown under
-    each busy set factors[k][1][set]) all start busy (set `busy_set`); a channel whose remaining time
-    falls to the row's `done` has finished. Segment by segment, until the next channel finishes,
-    under the factors of the set still busy; the last one left finishes alone. Channels are separate
-    1-D rows (1-D gathers are several times cheaper than a [4, n] one) and every temporary is
-    reused: the loop is bound by memory traffic."""
-    remaining = busy  # the caller's private copies: updated in place
-    shape = done.shape
-    mask = np.full(shape, busy_set, dtype=np.intp)
-    elapsed, step, scratch = np.zeros(shape), np.empty(shape), np.empty(shape)
-    finished = np.empty(shape, dtype=bool)
-    for segment in range(len(busy) - 1):
-        if segment == 0:  # every row runs the starting set: its slowdowns are scalars
-            slowdowns = [float(by_set[busy_set]) for _, by_set in factors]
-        else:
-            concurrent = _POPCOUNT.take(mask) > 1
-            if not concurrent.any():
-                break
-            slowdowns = [by_set.take(mask) for _, by_set in factors]
-        np.multiply(remaining[0], slowdowns[0], out=step)
-        for row, slowdown in zip(remaining[1:], slowdowns[1:]):
-            np.minimum(step, np.multiply(row, slowdown, out=scratch), out=step)
-        if segment:
-            step *= concurrent
-        elapsed += step
-        for row, slowdown, (bit, _) in zip(remaining, slowdowns, factors):
-            row -= np.divide(step, slowdown, out=scratch)
-            np.less_equal(row, done, out=finished)
-            np.putmask(row, finished, _FINISHED)
-            mask ^= finished.view(np.uint8) << bit
-    leftover = remaining[0]
-    for row in remaining[1:]:
-        np.minimum(leftover, row, out=leftover)
-    return elapsed + np.where(leftover < _FINISHED, leftover, 0.0)
+def elapsed_rows(compute, g2g, h2d, d2h, table, out) -> None:
+    """out[r] = elapsed seconds of row r whose channels would be busy compute[r], g2g[r], h2d[r],
+    d2h[r] alone (an input of length 1 holds for every row). While a set of channels is busy each runs
+    its factor table[set, channel] times slower; when the first finishes the rest continue under the
+    smaller set's factors; the last one left runs alone. A channel within 1e-12 of the row's longest
+    time of finishing has finished. The rows are independent: a plain loop, compiled for many rows."""
+    remaining = np.empty(4)
+    for r in range(out.shape[0]):
+        remaining[0] = compute[r if compute.shape[0] > 1 else 0]
+        remaining[1] = g2g[r if g2g.shape[0] > 1 else 0]
+        remaining[2] = h2d[r if h2d.shape[0] > 1 else 0]
+        remaining[3] = d2h[r if d2h.shape[0] > 1 else 0]
+        longest = max(max(remaining[0], remaining[1]), max(remaining[2], remaining[3]))
+        done = 1e-12 * longest
+        busy, count = 0, 0
+        for channel in range(4):
+            if remaining[channel] > done:
+                busy |= 1 << channel
+                count += 1
+        if count <= 1:  # one busy channel (or none): its time, the longest
+            out[r] = longest
+            continue
+        elapsed = 0.0
+        while count > 1:
+            step = 1e300
+            for channel in range(4):
+                if busy >> channel & 1:
+                    step = min(step, remaining[channel] * table[busy, channel])
+            elapsed += step
+            still_busy = busy
+            for channel in range(4):
+                if busy >> channel & 1:
+                    remaining[channel] -= step / table[busy, channel]
+                    if remaining[channel] <= done:
+                        still_busy ^= 1 << channel
+                        count -= 1
+            busy = still_busy
+        if count == 1:
+            for channel in range(4):
+                if busy >> channel & 1:
+                    elapsed += remaining[channel]
+        out[r] = elapsed
+
+
+@functools.cache
+def compiled_elapsed_rows():
+    """elapsed_rows compiled by numba (imported here: processes that never need it skip its load);
+    cached on disk beside this file, so a process compiles it once per installation."""
+    import numba
+
+    row = numba.types.Array(numba.float64, 1, "C")
+    return numba.njit(numba.void(row, row, row, row, numba.types.Array(numba.float64, 2, "C"), row),
+                      cache=True, nogil=True)(elapsed_rows)
