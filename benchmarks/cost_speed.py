@@ -71,8 +71,9 @@ def main() -> None:
           f"hence the CPU-time column); gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "
           "derived arrays). Random candidates over every knob; on mist-paper most rows run 3-4 channels at once "
           "(four calls of the interference loop, ~0.05 s each). The loop runs compiled (numba) for calls of "
-          f"{COMPILE_FROM_ROWS} rows or more; loading it costs {load_s:.2f} s once per process (not in the "
-          "repeats), and a single `predict`, whose calls are smaller, never loads it.\n")
+          f"{COMPILE_FROM_ROWS} rows or more, and for every call once loaded; loading it costs {load_s:.2f} s "
+          "once per process (not in the repeats), and a single `predict`, whose calls are smaller, never "
+          "loads it.\n")
     print("| what | median s | min s | max s | median CPU s | target s |")
     print("|---|---|---|---|---|---|")
     for runtime, values in timings.items():

@@ -161,8 +161,8 @@ def test_interference_kernel_equals_an_event_loop():
 
 
 def test_interference_compiled_and_interpreted_loops_agree_bit_for_bit():
-    """Many rows run the loop compiled, few run the same source in Python: one answer either way,
-    including broadcast channels (a scalar, a column) and rows with nothing busy."""
+    """The loop compiled (many rows) and the same source run by Python give one answer, including
+    broadcast channels (a scalar, a column) and rows with nothing busy."""
     rng = np.random.default_rng(11)
     table = factor_table(compose(["cluster=a100-80g"], with_strategy=False).cluster.interference)
     rows = 4 * COMPILE_FROM_ROWS
@@ -175,7 +175,7 @@ def test_interference_compiled_and_interpreted_loops_agree_bit_for_bit():
             for x in channels]
     elapsed_rows(*flat, table, interpreted)
     assert np.array_equal(compiled.reshape(-1), interpreted)
-    small = overlapped_channels_s([x[:2] if np.ndim(x) else x for x in channels], table)  # interpreted
+    small = overlapped_channels_s([x[:2] if np.ndim(x) else x for x in channels], table)  # a small call
     assert np.array_equal(small, compiled[:2])
 
 

@@ -45,14 +45,16 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     flat = [np.require(a.reshape(-1) if a.size == rows else a.reshape(-1)[:1] if a.size == 1
                        else np.broadcast_to(a, shape).reshape(-1), np.float64, ("C", "W")) for a in arrays]
     elapsed = np.empty(rows)
-    kernel = compiled_elapsed_rows() if rows >= COMPILE_FROM_ROWS else elapsed_rows
+    loaded = compiled_elapsed_rows.cache_info().currsize > 0  # the same answer either way: only speed differs
+    kernel = compiled_elapsed_rows() if loaded or rows >= COMPILE_FROM_ROWS else elapsed_rows
     kernel(*flat, np.ascontiguousarray(table, dtype=np.float64), elapsed)
     return elapsed.reshape(shape)
 
 
-COMPILE_FROM_ROWS = 256
-"""Calls with this many rows run the loop compiled (numba; about 1 s to load once per process, then
-~50 ns a row); smaller ones, such as one strategy's stages in `predict`, run the same loop in Python."""
+COMPILE_FROM_ROWS = 128
+"""Calls with this many rows run the loop compiled (numba: about 1 s to load once per process, then
+~50 ns a row), and so does every call once it is loaded; until then smaller calls, such as one
+strategy's stages in `predict`, run the same loop in Python (~25 us a row)."""
 
 
 def elapsed_rows(compute, g2g, h2d, d2h, table, out) -> None:
