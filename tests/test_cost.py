@@ -46,9 +46,60 @@ def specs_of(*overrides):
 @given(stages=st.integers(1, 6), grad_accum=st.integers(1, 16), fwd=st.floats(0.1, 5.0), ratio=st.floats(1.0, 3.0))
 def test_closed_form_equals_simulation_for_uniform_stages(stages, grad_accum, fwd, ratio):
     f, b = [fwd] * stages, [fwd * ratio] * stages
-    simulated, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum, blocking=False)
+    simulated, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum)
     closed = iteration_time_s(np.add(f, b), np.zeros(stages), grad_accum)
     assert simulated == pytest.approx(float(closed), rel=1e-9)
+
+
+def _deepspeed_makespan(fwd: list[float], bwd: list[float], micro_batches: int) -> float:
+    """DeepSpeed's own TrainSchedule instruction stream, replayed with blocking p2p: a send and its
+    matching receive (the k-th on that link and direction) both complete when the later of the two
+    parties reaches it; transfers cost nothing here (the stage times carry them)."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    stages = len(fwd)
+    links = {"SendActivation": 1, "RecvActivation": -1, "SendGrad": -1, "RecvGrad": 1}  # peer offset
+    streams = [[type(cmd).__name__ for step in ds.TrainSchedule(micro_batches, stages, i).steps() for cmd in step
+                if type(cmd).__name__ in (*links, "ForwardPass", "BackwardPass")] for i in range(stages)]
+    position, clock, posted = [0] * stages, [0.0] * stages, {}
+    seen: dict[tuple[int, str], int] = {}
+    while any(p < len(s) for p, s in zip(position, streams)):
+        moved = False
+        for i in range(stages):
+            while position[i] < len(streams[i]):
+                name = streams[i][position[i]]
+                if name in ("ForwardPass", "BackwardPass"):
+                    clock[i] += fwd[i] if name == "ForwardPass" else bwd[i]
+                else:
+                    peer = i + links[name]
+                    sender, kind = (i, name[4:]) if name.startswith("Send") else (peer, name[4:])
+                    key = (sender, kind, seen.get((i, name), 0))
+                    if key not in posted:
+                        posted[key] = i
+                        break  # wait for the peer
+                    if posted[key] == i:
+                        break
+                    clock[i] = clock[peer] = max(clock[i], clock[peer])
+                    del posted[key]
+                    peer_name = streams[peer][position[peer]]
+                    seen[(peer, peer_name)] = seen.get((peer, peer_name), 0) + 1
+                    position[peer] += 1
+                seen[(i, name)] = seen.get((i, name), 0) + 1
+                position[i] += 1
+                moved = True
+        assert moved, "DeepSpeed's stream deadlocked"
+    return max(clock)
+
+
+@settings(derandomize=True, deadline=None, max_examples=25)
+@given(stages=st.integers(1, 6), micro_batches=st.integers(1, 10),
+       times=st.lists(st.tuples(st.floats(0.1, 2.0), st.floats(0.1, 4.0)), min_size=6, max_size=6))
+def test_simulation_equals_deepspeed_train_schedule_with_blocking_sends(stages, micro_batches, times):
+    """The dependency-only 1F1B simulation against DeepSpeed's real instruction order with sends that
+    wait for their receive: uneven stages, any micro-batch count, the same makespan."""
+    fwd, bwd = [t[0] for t in times[:stages]], [t[1] for t in times[:stages]]
+    simulated, _ = simulate(fwd, bwd, [0.0] * stages, [0.0] * stages, micro_batches)
+    assert simulated == pytest.approx(_deepspeed_makespan(fwd, bwd, micro_batches), rel=1e-12)
 
 
 @settings(derandomize=True, deadline=None, max_examples=30)
@@ -63,7 +114,7 @@ def test_interleaved_closed_form_equals_its_simulation_for_uniform_stages(stages
     closed = float(iteration_time_s(np.add(f, b), np.zeros(stages), grad_accum, chunks=chunks))
     assert simulated == pytest.approx(closed, rel=1e-9)
     assert len(spans) == 2 * stages * grad_accum * chunks
-    plain, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum, blocking=False)
+    plain, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum)
     assert simulated < plain
 
 
@@ -76,7 +127,7 @@ def test_closed_form_bounds_simulation_without_extras(data, stages):
     f = data.draw(st.lists(st.floats(0.2, 2.0), min_size=stages, max_size=stages))
     ratio = data.draw(st.lists(st.floats(1.5, 3.0), min_size=stages, max_size=stages))
     b = list(np.multiply(f, ratio))
-    simulated, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum, blocking=False)
+    simulated, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum)
     closed = float(iteration_time_s(np.add(f, b), np.zeros(stages), grad_accum))
     assert simulated <= closed * (1 + 1e-9)
     assert closed <= simulated * 1.25
@@ -90,8 +141,8 @@ def test_extras_on_every_stage_do_not_chain(data, stages, grad_accum):
     makespan grows by at most the largest of each, and never shrinks."""
     draw = lambda lo, hi: np.array(data.draw(st.lists(st.floats(lo, hi), min_size=stages, max_size=stages)))  # noqa: E731
     f, b, first, last = draw(0.2, 1.5), draw(0.4, 3.0), draw(0.0, 3.0), draw(0.0, 3.0)
-    without, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum, blocking=False)
-    simulated, _ = simulate(f, b, first, last, grad_accum, blocking=False)
+    without, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum)
+    simulated, _ = simulate(f, b, first, last, grad_accum)
     assert without - 1e-9 <= simulated <= without + first.max() + last.max() + 1e-9
     # the closed form's imbalance term makes the same claim: one max, not a sum
     closed = float(iteration_time_s(f + b, first + last, grad_accum))
@@ -111,8 +162,8 @@ def test_imbalance_term_matters():
     with_extra = iteration_time_s(stable, np.array([0.5, 0.0, 0.0]), 4)
     without = iteration_time_s(stable, np.zeros(3), 4)
     assert float(with_extra - without) == 0.5
-    simulated_with, _ = simulate([0.4] * 3, [0.6] * 3, [0.5, 0, 0], [0, 0, 0], 4, blocking=False)
-    simulated_without, _ = simulate([0.4] * 3, [0.6] * 3, [0, 0, 0], [0, 0, 0], 4, blocking=False)
+    simulated_with, _ = simulate([0.4] * 3, [0.6] * 3, [0.5, 0, 0], [0, 0, 0], 4)
+    simulated_without, _ = simulate([0.4] * 3, [0.6] * 3, [0, 0, 0], [0, 0, 0], 4)
     assert simulated_with - simulated_without == pytest.approx(0.5)
 
 

@@ -77,7 +77,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
         simulated, _ = simulate_interleaved(times.fwd_s, times.bwd_s, par.grad_accum, chunks, end_s=list(times.end_s))
     else:
         simulated, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
-                                par.grad_accum, end_s=list(times.end_s), blocking=False)
+                                par.grad_accum, end_s=list(times.end_s))
     if tail > 0:
         simulated += tail - float(np.max(times.end_s))  # the norm sync after every stage's end work
     closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))

@@ -1,9 +1,12 @@
 """Discrete-event simulation of a 1F1B pipeline iteration, instruction by instruction.
 
-Each stage runs DeepSpeed's TrainSchedule order: min(S - i - 1, G) warm-up forwards, then one
-forward and one backward per step, then the remaining backwards. F_i(m) needs F_{i-1}(m) done; B_i(m)
-needs B_{i+1}(m) done. Sends block (DeepSpeed's p2p): a stage that produced an activation (gradient)
-waits until its neighbour has reached the matching receive, i.e. finished the instruction before it.
+Each stage runs the 1F1B order: min(S - i - 1, G) warm-up forwards, then one forward and one
+backward per step, then the remaining backwards. F_i(m) needs F_{i-1}(m) done; B_i(m) needs
+B_{i+1}(m) done. The p2p transfers are inside F and B (stage template). DeepSpeed's sends block until
+the neighbour posts the matching receive, in the order of its TrainSchedule (a forward step sends the
+previous gradient, then receives; a backward step receives, then sends the previous activation); that
+rendezvous delays no instruction beyond these dependencies: tests/test_cost.py replays DeepSpeed's own
+instruction stream with blocking sends on random stage tables and gets the same makespan, bit for bit.
 A stage's first-forward extra runs before its first activation arrives (it needs no input: Mist's
 optimizer step), its last-backward extra after the last gradient is sent (the reduction); `end_s`
 runs after a stage's last backward, before the iteration ends. Also returns every instruction's span, to draw timelines.
@@ -37,8 +40,8 @@ def schedule(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int
     return order
 
 
-def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: int, end_s=None,
-             blocking: bool = True) -> tuple[float, list[Span]]:
+def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: int,
+             end_s=None) -> tuple[float, list[Span]]:
     """Makespan (seconds) and spans of one iteration; the per-stage arguments are sequences."""
     stages = len(fwd_s)
     end_s = end_s if end_s is not None else [0.0] * stages
@@ -46,9 +49,7 @@ def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: i
     position = [0] * stages
     free_at = [0.0] * stages  # when the stage may start its next instruction
     done: dict[tuple[int, str, int], float] = {}
-    started_at: dict[tuple[int, str, int], float] = {}
     spans: list[Span] = []
-    ready_before: dict[tuple[int, str, int], float] = {}  # neighbour reached the matching receive
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -56,7 +57,6 @@ def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: i
             if position[i] >= len(orders[i]):
                 continue
             kind, m = orders[i][position[i]]
-            ready_before[(i, kind, m)] = free_at[i]
             source = (i - 1, FORWARD, m) if kind == FORWARD else (i + 1, BACKWARD, m)
             has_source = (kind == FORWARD and i > 0) or (kind == BACKWARD and i < stages - 1)
             if has_source and source not in done:
@@ -68,13 +68,6 @@ def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: i
             start = max(free_at[i] + ahead, done[source] if has_source else 0.0)
             finish = start + (fwd_s[i] if kind == FORWARD else bwd_s[i])
             after = last_bwd_extra_s[i] if (kind == BACKWARD and m == micro_batches - 1) else 0.0
-            target = (i + 1, FORWARD, m) if kind == FORWARD else (i - 1, BACKWARD, m)
-            sends = (kind == FORWARD and i < stages - 1) or (kind == BACKWARD and i > 0)
-            if blocking and sends:
-                if target not in ready_before:
-                    continue  # the receiver has not reached this receive yet: decide later
-                finish = max(finish, ready_before[target])
-            started_at[(i, kind, m)] = start
             done[(i, kind, m)] = finish
             spans.append(Span(i, kind, m, start, finish + after))
             free_at[i] = finish + after
@@ -82,7 +75,7 @@ def simulate(fwd_s, bwd_s, first_fwd_extra_s, last_bwd_extra_s, micro_batches: i
             remaining -= 1
             progressed = True
         if not progressed:
-            raise RuntimeError("pipeline schedule deadlocked: mismatched sends and receives")
+            raise RuntimeError("pipeline schedule stalled: an instruction waits for one that never runs")
     makespan = max(free_at[i] + end_s[i] for i in range(stages))
     return makespan, spans
 
