@@ -173,6 +173,42 @@ def report_inversions(rows, predicted) -> None:
           f"is a row of such a pair, against {sum(touched[False])} of the {len(touched[False])} other workloads.")
 
 
+def period_gap(rows, predicted) -> None:
+    """Where the per-micro-batch time goes wrong: within one split (same GPUs, t, d, S, b, model) the
+    iteration time grows by one period per added micro-batch (the bottleneck stage's forward and
+    backward), so the slope over the global batches is the measured (and predicted) period. Their
+    gap, regressed on the bottleneck stage's layer count L / S, splits into a per-layer part and a
+    fixed part: what the stage's layers and its ends (the last stage: final norm, logits, loss) are
+    missing per micro-batch."""
+    measured = np.array([float(r["iter_ms"]) for r in rows])
+    splits = defaultdict(list)
+    for i, r in enumerate(rows):
+        splits[tuple(r[k] for k in ("gpus", "tp", "dp", "pp", "micro_batch", "hidden_size", "num_layers"))].append(i)
+    gaps = defaultdict(dict)
+    for (gpus, tp, dp, pp, micro, hidden, layers), idx in splits.items():
+        if len(idx) < 2:
+            continue
+        micro_batches = np.array([_micro_batches(rows[i]) for i in idx], dtype=np.float64)
+        design = np.c_[micro_batches, np.ones(len(idx))]
+        slope = lambda y: float(np.linalg.lstsq(design, y, rcond=None)[0][0])  # noqa: E731
+        gap = slope(measured[idx]) - slope(predicted[idx] * 1e3)
+        gaps[(int(tp), int(hidden), int(micro), int(pp))].setdefault(int(layers) / int(pp), []).append(gap)
+    print("\n## Per-micro-batch period: measured minus predicted\n")
+    print("Slope of iteration time over the micro-batch count within each split (ms per micro-batch), "
+          "measured minus predicted, regressed on the layers per stage (L / S over L = 12-24): the gap per "
+          "layer and the fixed gap (at zero layers: the bottleneck stage's ends). Splits that differ only "
+          "in d are pooled.\n")
+    print("| tp | hidden | micro-batch | pp | per layer ms | fixed ms |")
+    print("|---|---|---|---|---|---|")
+    for (tp, hidden, micro, pp), by_layers in sorted(gaps.items()):
+        x = np.array(sorted(by_layers))
+        if len(x) < 3:
+            continue
+        y = np.array([np.mean(by_layers[v]) for v in x])
+        per_layer, fixed = np.linalg.lstsq(np.c_[x, np.ones(len(x))], y, rcond=None)[0]
+        print(f"| {tp} | {hidden} | {micro} | {pp} | {per_layer:+.2f} | {fixed:+.1f} |")
+
+
 def _workload_index(rows) -> dict[tuple, list[int]]:
     out = defaultdict(list)
     for i, r in enumerate(rows):
@@ -195,6 +231,7 @@ def main() -> None:
     report(rows, predicted, ideal / efficiency)
     bias_by_split(rows, predicted)
     report_inversions(rows, predicted)
+    period_gap(rows, predicted)
 
 
 if __name__ == "__main__":
