@@ -47,7 +47,7 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     elapsed = np.empty(rows)
     loaded = compiled_elapsed_rows.cache_info().currsize > 0  # the same answer either way: only speed differs
     kernel = compiled_elapsed_rows() if loaded or rows >= COMPILE_FROM_ROWS else elapsed_rows
-    kernel(*flat, np.ascontiguousarray(table, dtype=np.float64), elapsed)
+    kernel(*flat, np.require(table, np.float64, ("C", "W")), elapsed)
     return elapsed.reshape(shape)
 
 
@@ -103,8 +103,8 @@ def elapsed_rows(compute, g2g, h2d, d2h, table, out) -> None:
 
 @functools.cache
 def compiled_elapsed_rows():
-    """elapsed_rows compiled by numba (imported here: processes that never need it skip its load);
-    cached on disk beside this file, so a process compiles it once per installation."""
+    """elapsed_rows compiled by numba (imported here: processes that never need it skip its load).
+    The machine code is cached on disk beside this file: compiled once per installation, then loaded."""
     import numba
 
     row = numba.types.Array(numba.float64, 1, "C")
