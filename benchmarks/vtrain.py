@@ -38,6 +38,22 @@ def model_flops(row: dict) -> float:
     return 96 * batch * s * l * h * h * (1 + s / (6 * h) + 51200 / (16 * l * h))
 
 
+def _measured_s(rows) -> np.ndarray:
+    return np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+
+
+def _micro_batches(row: dict) -> int:
+    return int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"]))
+
+
+def _model_groups(rows) -> dict[tuple[str, str, str], list[int]]:
+    """Row indices per (hidden, layers, GPUs): one model on one GPU count."""
+    groups = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[(r["hidden_size"], r["num_layers"], r["gpus"])].append(i)
+    return groups
+
+
 def _workloads(rows, idx):
     """Row indices of each workload in `idx`: one model on one GPU count at one global batch and
     sequence length, whose rows differ only in the split (tp, dp, pp, micro-batch) - the choice a
@@ -49,11 +65,9 @@ def _workloads(rows, idx):
 
 
 def report(rows, predicted, constant) -> None:
-    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    measured = _measured_s(rows)
     fit = np.array([int(r["gpus"]) in FIT_GPUS for r in rows])
-    groups = defaultdict(list)
-    for i, r in enumerate(rows):
-        groups[(r["hidden_size"], r["num_layers"], r["gpus"])].append(i)
+    groups = _model_groups(rows)
     print("Ranking is scored within each workload (same model, GPUs, global batch and sequence length: only "
           "the split differs), then summarized per (model, GPU count) group: Spearman averaged over the "
           "group's workloads with 3 or more splits; top-1 regret (how much slower the predicted-best split "
@@ -89,11 +103,10 @@ def report(rows, predicted, constant) -> None:
 def bias_by_split(rows, predicted) -> None:
     """Mean signed error (geometric) of the rows sharing one split feature: where the model runs fast
     or slow beyond noise points at what it leaves out."""
-    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
-    log_error = np.log(predicted / measured)
+    log_error = np.log(predicted / _measured_s(rows))
     groups = defaultdict(list)
     for i, r in enumerate(rows):
-        micro_batches = int(r["global_batch"]) // (int(r["dp"]) * int(r["micro_batch"]))
+        micro_batches = _micro_batches(r)
         groups[("tp", r["tp"])].append(i)
         groups[("pp", r["pp"])].append(i)
         groups[("micro-batch", r["micro_batch"])].append(i)
@@ -106,44 +119,38 @@ def bias_by_split(rows, predicted) -> None:
         print(f"| {feature} | {value} | {len(idx)} | {np.expm1(e.mean()):+.1%} | {e.std():.3f} |")
 
 
-def _micro_batches(row: dict) -> int:
-    return int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"]))
+SPLIT_COLUMNS = ("gpus", "global_batch", "hidden_size", "num_layers", "seq_len", "tp", "dp", "pp", "micro_batch")
+
+
+def _alike_but(rows, column: str) -> list[dict[int, int]]:
+    """Rows equal in every SPLIT_COLUMNS column but `column`: per such set, its value -> row index."""
+    sets = defaultdict(dict)
+    for i, r in enumerate(rows):
+        sets[tuple(r[k] for k in SPLIT_COLUMNS if k != column)][int(r[column])] = i
+    return list(sets.values())
 
 
 def work_inversions(rows) -> tuple[list[tuple[str, int, int, float]], dict[str, int]]:
     """Pairs of measured rows where strictly more work took less time, (kind, faster row, slower
-    row, slower / faster), and how many pairs of each kind were compared. "hidden": the same split and batch on h = 2048 ran faster than on h = 1024
-    (every GEMM, message and byte larger, the same kernels). "micro-batch": the same split with a
-    larger micro-batch took less time per micro-batch (iteration / micro-batches; the once-per-iteration
-    tail only favours the smaller micro-batch). A cost model that never prices more work faster
-    cannot reproduce either order."""
+    row, slower / faster), and how many pairs of each kind were compared. "hidden": the same split
+    and batch ran faster on h = 2048 than on h = 1024 (every GEMM, message and byte larger, the same
+    kernels). "micro-batch": the same split with a larger micro-batch took less time per micro-batch
+    (iteration / micro-batches; the once-per-iteration tail only favours the smaller micro-batch). A
+    cost model that never prices more work faster cannot reproduce either order."""
     pairs, compared = [], defaultdict(int)
-    by_split = defaultdict(dict)
-    for i, r in enumerate(rows):
-        by_split[tuple(r[k] for k in ("gpus", "global_batch", "micro_batch", "num_layers", "tp", "dp", "pp",
-                                      "seq_len"))][int(r["hidden_size"])] = i
-    for sizes in by_split.values():
-        for small, large in ((a, b) for a in sizes for b in sizes if a < b):
-            compared["hidden"] += 1
-            t_small, t_large = (float(rows[sizes[h]]["iter_ms"]) for h in (small, large))
-            if t_large < t_small:
-                pairs.append(("hidden", sizes[large], sizes[small], t_small / t_large))
-    by_model = defaultdict(dict)
-    for i, r in enumerate(rows):
-        by_model[tuple(r[k] for k in ("gpus", "global_batch", "hidden_size", "num_layers", "tp", "dp", "pp",
-                                      "seq_len"))][int(r["micro_batch"])] = i
-    for sizes in by_model.values():
-        per_micro_batch = {b: float(rows[i]["iter_ms"]) / _micro_batches(rows[i]) for b, i in sizes.items()}
-        for small, large in ((a, b) for a in sizes for b in sizes if a < b):
-            compared["micro-batch"] += 1
-            if per_micro_batch[large] < per_micro_batch[small]:
-                pairs.append(("micro-batch", sizes[large], sizes[small],
-                              per_micro_batch[small] / per_micro_batch[large]))
+    for kind, column, per_unit in (("hidden", "hidden_size", lambda r: float(r["iter_ms"])),
+                                   ("micro-batch", "micro_batch", lambda r: float(r["iter_ms"]) / _micro_batches(r))):
+        for by_value in _alike_but(rows, column):
+            for small, large in ((a, b) for a in by_value for b in by_value if a < b):
+                compared[kind] += 1
+                t_small, t_large = per_unit(rows[by_value[small]]), per_unit(rows[by_value[large]])
+                if t_large < t_small:
+                    pairs.append((kind, by_value[large], by_value[small], t_small / t_large))
     return pairs, compared
 
 
 def report_inversions(rows, predicted) -> None:
-    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    measured = _measured_s(rows)
     pairs, compared = work_inversions(rows)
     print("\n## Measurements where more work took less time\n")
     print("\"hidden\": the same split and global batch ran faster on the larger model (h 2048 against 1024: "
@@ -163,7 +170,7 @@ def report_inversions(rows, predicted) -> None:
         by_kind[kind] += 1
     inverted = {faster for _, faster, _, _ in pairs} | {slower for _, _, slower, _ in pairs}
     touched = {True: [], False: []}  # regret > 5%: does the measured- or predicted-best row sit in a pair?
-    for idx in (np.array(v) for v in _workload_index(rows).values()):
+    for idx in (w for group in _model_groups(rows).values() for w in _workloads(rows, group)):
         if len(idx) >= 2:
             picks = (idx[np.argmin(measured[idx])], idx[np.argmin(predicted[idx])])
             touched[top1_regret(predicted[idx], measured[idx]) > 0.05].append(any(i in inverted for i in picks))
@@ -180,7 +187,7 @@ def period_gap(rows, predicted) -> None:
     gap, regressed on the bottleneck stage's layer count L / S, splits into a per-layer part and a
     fixed part: what the stage's layers and its ends (the last stage: final norm, logits, loss) are
     missing per micro-batch."""
-    measured = np.array([float(r["iter_ms"]) for r in rows])
+    measured_ms = _measured_s(rows) * 1e3
     splits = defaultdict(list)
     for i, r in enumerate(rows):
         splits[tuple(r[k] for k in ("gpus", "tp", "dp", "pp", "micro_batch", "hidden_size", "num_layers"))].append(i)
@@ -191,7 +198,7 @@ def period_gap(rows, predicted) -> None:
         micro_batches = np.array([_micro_batches(rows[i]) for i in idx], dtype=np.float64)
         design = np.c_[micro_batches, np.ones(len(idx))]
         slope = lambda y: float(np.linalg.lstsq(design, y, rcond=None)[0][0])  # noqa: E731
-        gap = slope(measured[idx]) - slope(predicted[idx] * 1e3)
+        gap = slope(measured_ms[idx]) - slope(predicted[idx] * 1e3)
         gaps[(int(tp), int(hidden), int(micro), int(pp))].setdefault(int(layers) / int(pp), []).append(gap)
     print("\n## Per-micro-batch period: measured minus predicted\n")
     print("Slope of iteration time over the micro-batch count within each split (ms per micro-batch), "
@@ -209,18 +216,11 @@ def period_gap(rows, predicted) -> None:
         print(f"| {tp} | {hidden} | {micro} | {pp} | {per_layer:+.2f} | {fixed:+.1f} |")
 
 
-def _workload_index(rows) -> dict[tuple, list[int]]:
-    out = defaultdict(list)
-    for i, r in enumerate(rows):
-        out[tuple(r[k] for k in ("hidden_size", "num_layers", "gpus", "global_batch", "seq_len"))].append(i)
-    return out
-
-
 def main() -> None:
     rows = reference_rows("vtrain_a100_single_node")
     predicted = np.array([predict_specs(row_specs(r)).iteration_time_s for r in rows])
     ideal = np.array([model_flops(r) / (int(r["gpus"]) * 312e12) for r in rows])
-    measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
+    measured = _measured_s(rows)
     fit = np.array([int(r["gpus"]) in FIT_GPUS for r in rows])
     efficiency = float(np.exp(np.mean(np.log(ideal[fit] / measured[fit]))))
     print("# vTrain single-node A100: predicted vs measured iteration time\n")

@@ -41,13 +41,14 @@ def overlapped_channels_s(channels_s, table: np.ndarray) -> np.ndarray:
     arrays = [np.asarray(x, dtype=np.float64) for x in channels_s]
     shape = np.broadcast_shapes(*(a.shape for a in arrays))
     rows = math.prod(shape)
-    # Each channel as one writable contiguous row: length `rows`, or 1 when it is the same everywhere.
-    flat = [np.require(a.reshape(-1) if a.size == rows else a.reshape(-1)[:1] if a.size == 1
-                       else np.broadcast_to(a, shape).reshape(-1), np.float64, ("C", "W")) for a in arrays]
+    # Each channel as one contiguous row of length `rows`, or of 1 when it is the same everywhere
+    # (a full-size channel is a view, not a copy).
+    flat = [np.ascontiguousarray(a.reshape(1) if a.size == 1 else np.broadcast_to(a, shape).reshape(-1))
+            for a in arrays]
     elapsed = np.empty(rows)
     loaded = compiled_elapsed_rows.cache_info().currsize > 0  # the same answer either way: only speed differs
     kernel = compiled_elapsed_rows() if loaded or rows >= COMPILE_FROM_ROWS else elapsed_rows
-    kernel(*flat, np.require(table, np.float64, ("C", "W")), elapsed)
+    kernel(*flat, np.ascontiguousarray(table, dtype=np.float64), elapsed)
     return elapsed.reshape(shape)
 
 
@@ -107,6 +108,7 @@ def compiled_elapsed_rows():
     The machine code is cached on disk beside this file: compiled once per installation, then loaded."""
     import numba
 
-    row = numba.types.Array(numba.float64, 1, "C")
-    return numba.njit(numba.void(row, row, row, row, numba.types.Array(numba.float64, 2, "C"), row),
+    channel = numba.types.Array(numba.float64, 1, "C", readonly=True)  # accepts writable arrays too
+    table = numba.types.Array(numba.float64, 2, "C", readonly=True)
+    return numba.njit(numba.void(channel, channel, channel, channel, table, numba.float64[::1]),
                       cache=True, nogil=True)(elapsed_rows)
