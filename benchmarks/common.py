@@ -16,7 +16,7 @@ from scipy.stats import spearmanr
 from mist_ds.config import compose
 from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import Specs
+from mist_ds.specs import RuntimeCapabilities, Specs
 from mist_ds.specs.strategy import resolve_strategy
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
@@ -49,11 +49,12 @@ def specs_for(overrides: tuple[str, ...], *, nodes: int, gpus_per_node: int, glo
 _costs: dict = {}
 
 
-def predict_specs(specs: Specs) -> Prediction:
+def predict_specs(specs: Specs, caps: RuntimeCapabilities | None = None) -> Prediction:
+    """predict of `specs`, on `caps` where given (an ablation), else on the runtime the strategy names."""
     key = (specs.model, specs.train.precision)
     if key not in _costs:
         _costs[key] = model_costs(specs)
-    return predict_strategy(specs, _costs[key], hardware_model(specs.cluster, specs.train.precision))
+    return predict_strategy(specs, _costs[key], hardware_model(specs.cluster, specs.train.precision), caps)
 
 
 def mape(predicted, measured) -> float:

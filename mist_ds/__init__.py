@@ -38,7 +38,7 @@ def predict(overrides: Sequence[str] = ()):
 
 def tune(overrides: Sequence[str] = ()):
     """The best plan for `overrides` -> Plan; raises mist_ds.tuner.NoPlanFits when nothing fits."""
-    from mist_ds.plan import plan_from_result
+    from mist_ds.report.tune import plan_from_result
     from mist_ds.tuner import tune_specs
 
     specs = compose(overrides, with_strategy=False)

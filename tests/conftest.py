@@ -1,4 +1,5 @@
-"""Shared fixtures: Hydra isolation and the guard against JIT builds of DeepSpeed ops."""
+"""Shared fixtures: Hydra isolation, the guard against JIT builds of DeepSpeed ops, and DeepSpeed's
+config parser in a one-rank process group."""
 from __future__ import annotations
 
 import os
@@ -33,3 +34,49 @@ def _no_jit_builds():
     yield
     after = set(os.listdir(ext)) if ext and os.path.isdir(ext) else set()
     assert after == before, f"something was JIT-compiled into TORCH_EXTENSIONS_DIR: {sorted(after - before)}"
+
+
+class DataParallelMpu:
+    """DeepSpeed's duck-typed `mpu` interface (as Megatron's mpu provides it), for a plan's d ranks.
+
+    DeepSpeedConfig takes the batch rule's world size from `get_data_parallel_world_size()` once a
+    process group exists; without one it assumes 1.
+    """
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def parse():
+    """DeepSpeed's config parser in a one-rank gloo group (DeepSpeedConfig only consults `mpu` when a
+    process group exists). Global state restored after: env, the shm-op switch, the process group."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+        import torch.distributed as torch_dist
+
+        import deepspeed.ops as ds_ops
+        # Else init_distributed JIT-builds DeepSpeed's shared-memory comm op on CPU (minutes).
+        patch.setitem(ds_ops.__compatible_ops__, "deepspeed_shm_comm", False)
+        import deepspeed.comm as ds_dist
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        assert not torch_dist.is_initialized(), "another test left a process group behind"
+        torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
+        try:
+            ds_dist.init_distributed(dist_backend="gloo", verbose=False)
+            yield lambda config, dp: DeepSpeedConfig(config, mpu=DataParallelMpu(dp))
+        finally:
+            ds_dist.destroy_process_group()

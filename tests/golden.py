@@ -125,7 +125,7 @@ def tune_record(overrides: list[str]) -> dict:
     the DeepSpeed keys of its ds_config (the `"mist"` block aside); or the no-fit explanation."""
     from mist_ds.config import compose
     from mist_ds.emit import ds_config
-    from mist_ds.specs import DEEPSPEED_RUNTIMES
+    from mist_ds.specs import runtime_capabilities
     from mist_ds.tuner import NoPlanFits, tune_specs
 
     specs = compose(overrides, with_strategy=False)
@@ -142,17 +142,15 @@ def tune_record(overrides: list[str]) -> dict:
                        "speedup": b.speedup, "strategy": b.prediction.strategy if b.prediction else None,
                        "search": search_statistics(b.search)} for b in result.baselines],
     }
-    if strategy.runtime in DEEPSPEED_RUNTIMES:
+    if runtime_capabilities(strategy.runtime).executes_on_deepspeed:
         record["ds_config"] = {k: v for k, v in ds_config(strategy, specs.train, specs.model).items() if k != "mist"}
     return record
 
 
 def strategy_override_strings(strategy) -> list[str]:
-    """The strategy as `strategy.*` overrides (whichever module serializes strategies today)."""
-    try:
-        from mist_ds.specs.strategy import strategy_overrides
-    except ImportError:
-        from mist_ds.plan import strategy_overrides
+    """The strategy as `strategy.*` overrides."""
+    from mist_ds.specs.strategy import strategy_overrides
+
     return strategy_overrides(strategy)
 
 

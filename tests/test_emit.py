@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import pytest
 
 from mist_ds.config import compose
-from mist_ds.cost.memory import PLANNED_REDUCE_BUCKET_ELEMENTS
-from mist_ds.emit import (BucketSizes, bucket_sizes, ds_config, write_atomic, write_files_atomic,
-                          write_json_atomic)
+from mist_ds.emit import BucketSizes, bucket_sizes, ds_config, read_mist_block
 from mist_ds.specs import ConfigError, runtime_capabilities
+from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 
 # tiny (8 blocks, 4 heads) on one node of 8 GPUs, global batch 128 = b x G x d.
 BASE = ["model=tiny", "cluster=a100-40g"]
@@ -39,52 +37,6 @@ CASES = {
 
 def specs_of(*overrides):
     return compose(BASE + list(overrides))
-
-
-class DataParallelMpu:
-    """DeepSpeed's duck-typed `mpu` interface (as Megatron's mpu provides it), for a plan's d ranks.
-
-    DeepSpeedConfig takes the batch rule's world size from `get_data_parallel_world_size()` once a
-    process group exists; without one it assumes 1.
-    """
-
-    def __init__(self, dp: int) -> None:
-        self.dp = dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp
-
-    def get_data_parallel_rank(self) -> int:
-        return 0
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
-
-
-@pytest.fixture(scope="module")
-def parse():
-    """DeepSpeed's config parser in a one-rank gloo group (DeepSpeedConfig only consults `mpu` when a
-    process group exists). Global state restored after: env, the shm-op switch, the process group."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
-        import torch.distributed as torch_dist
-
-        import deepspeed.ops as ds_ops
-        # Else init_distributed JIT-builds DeepSpeed's shared-memory comm op on CPU (minutes).
-        patch.setitem(ds_ops.__compatible_ops__, "deepspeed_shm_comm", False)
-        import deepspeed.comm as ds_dist
-        from deepspeed.runtime.config import DeepSpeedConfig
-
-        assert not torch_dist.is_initialized(), "another test left a process group behind"
-        torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
-        try:
-            ds_dist.init_distributed(dist_backend="gloo", verbose=False)
-            yield lambda config, dp: DeepSpeedConfig(config, mpu=DataParallelMpu(dp))
-        finally:
-            ds_dist.destroy_process_group()
 
 
 # --- DeepSpeed's parser ----------------------------------------------------------------------------
@@ -118,8 +70,7 @@ def test_deepspeed_parses_the_plan(parse, case):
         assert parsed.zero_force_ds_cpu_optimizer is False  # torch's AdamW steps on the host
     param_device = zero.offload_param.device if zero.offload_param else "none"
     assert param_device == ("cpu" if stage.weights_offload == 1 else "none")
-    mist = config["mist"]
-    assert (mist["runtime"], mist["schedule"]) == (strategy.runtime, strategy.schedule)
+    assert read_mist_block(json.loads(json.dumps(config))).strategy == strategy
 
 
 def test_batch_rule_is_checked_for_the_plans_dp(parse):
@@ -183,13 +134,13 @@ def test_mist_block_holds_every_stage():
                      "strategy.ckpt_layers=[3,0]", "strategy.offload.optimizer=[0,1]",
                      "strategy.offload.grads=[0,1]")
     config = ds_config(specs.strategy, specs.train, specs.model)
-    mist = config["mist"]
-    assert (mist["runtime"], mist["schedule"], mist["tp"], mist["pp"], mist["dp"]) == ("deepspeed", "1f1b", 1, 2, 4)
-    assert mist["layers_per_stage"] == [3, 5]
-    assert [s["layer_range"] for s in mist["stages"]] == [[0, 3], [3, 8]]
-    assert [s["ckpt_layers"] for s in mist["stages"]] == [3, 0]
-    assert [s["offload"]["optimizer"] for s in mist["stages"]] == [0.0, 1.0]
-    assert mist["overlap"] == dataclasses.asdict(runtime_capabilities("deepspeed").overlap)
+    mist = read_mist_block(json.loads(json.dumps(config)))
+    assert mist.strategy == specs.strategy
+    assert mist.strategy.to_dict() == config["mist"]["strategy"] == specs.strategy.to_dict()
+    assert mist.stage_layer_ranges == ((0, 3), (3, 8))
+    assert [s.ckpt_layers for s in mist.strategy.stages] == [3, 0]
+    assert [s.optimizer_offload for s in mist.strategy.stages] == [0.0, 1.0]
+    assert mist.overlap == runtime_capabilities("deepspeed").overlap
     # DeepSpeed's keys hold the first stage's local settings; the second stage's offload is in "mist" only.
     assert "offload_optimizer" not in config["zero_optimization"]
     assert config["zero_force_ds_cpu_optimizer"] is False
@@ -217,69 +168,41 @@ def test_unknown_runtime_is_refused_by_name():
         ds_config(dataclasses.replace(specs.strategy, runtime="torchtitan"), specs.train)
 
 
-# --- atomic writes ---------------------------------------------------------------------------------
-def test_write_atomic_replaces_and_leaves_no_temporary(tmp_path):
-    target = tmp_path / "plan.txt"
-    write_atomic(target, "first")
-    write_atomic(target, b"second \xe2\x9c\x93")
-    assert target.read_bytes() == b"second \xe2\x9c\x93"
-    assert os.listdir(tmp_path) == ["plan.txt"]
+# --- the "mist" block read back --------------------------------------------------------------------
+def _mist_config():
+    specs = specs_of("strategy.pp=2", "strategy.zero_stage=1", "strategy.layers_per_stage=[3,5]")
+    return json.loads(json.dumps(ds_config(specs.strategy, specs.train, specs.model)))
 
 
-def test_unserializable_json_leaves_no_file_and_no_temporary(tmp_path):
-    target = tmp_path / "ds_config.json"
-    with pytest.raises(TypeError):
-        write_json_atomic(target, {"bad": object()})
-    with pytest.raises(ValueError):
-        write_json_atomic(target, {"nan": float("nan")})  # not JSON
-    assert os.listdir(tmp_path) == []
-    write_json_atomic(target, {"ok": 1})
-    with pytest.raises(TypeError):
-        write_json_atomic(target, {"bad": object()})
-    assert json.loads(target.read_text()) == {"ok": 1}  # the old file is untouched
+def _set(config, path, value):
+    node = config
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return config
 
 
-def test_failed_write_removes_its_temporary(tmp_path, monkeypatch):
-    target = tmp_path / "plan.json"
-    write_atomic(target, "old")
-
-    def full_disk(fd):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full_disk)
-    with pytest.raises(OSError, match="No space"):
-        write_atomic(target, "new")
-    monkeypatch.undo()
-    assert target.read_text() == "old" and os.listdir(tmp_path) == ["plan.json"]
+_DELETE = object()
 
 
-def test_write_files_atomic_all_or_none(tmp_path):
-    paths = write_files_atomic(tmp_path, {"plan.json": "{}\n", "ds_config.json": b"{}\n"})
-    assert [p.name for p in paths] == ["plan.json", "ds_config.json"]
-    with pytest.raises(TypeError):  # the second content is bad: the first file is not replaced either
-        write_files_atomic(tmp_path, {"plan.json": "new", "ds_config.json": 3})
-    (tmp_path / "report").mkdir()
-    with pytest.raises(IsADirectoryError):
-        write_files_atomic(tmp_path, {"plan.json": "new", "report": "x"})
-    with pytest.raises(ValueError, match="plain file name"):
-        write_files_atomic(tmp_path, {"plan.json": "new", "../escape": "x"})
-    assert (tmp_path / "plan.json").read_text() == "{}\n"
-    assert sorted(os.listdir(tmp_path)) == ["ds_config.json", "plan.json", "report"]
-
-
-def test_write_files_atomic_failure_while_writing_temporaries(tmp_path, monkeypatch):
-    write_files_atomic(tmp_path, {"a.json": "old-a", "b.json": "old-b"})
-    real_fsync, calls = os.fsync, []
-
-    def fail_second(fd):
-        calls.append(fd)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fail_second)
-    with pytest.raises(OSError):
-        write_files_atomic(tmp_path, {"a.json": "new-a", "b.json": "new-b"})
-    monkeypatch.undo()
-    assert (tmp_path / "a.json").read_text() == "old-a" and (tmp_path / "b.json").read_text() == "old-b"
-    assert sorted(os.listdir(tmp_path)) == ["a.json", "b.json"]
+@pytest.mark.parametrize("path, value, field", [
+    (("mist",), _DELETE, "mist"),
+    (("mist", "version"), 1, "mist.version"),
+    (("mist", "extra"), 1, "mist"),
+    (("mist", "strategy", "tp"), "2", "mist.strategy.tp"),
+    (("mist", "strategy", "pp"), 3, "mist.strategy.layers_per_stage"),
+    (("mist", "strategy", "ckpt_layers"), [4, 0], "strategy.ckpt_layers[0]"),
+    (("mist", "strategy", "zero_stage"), [1, 1.5], "mist.strategy.zero_stage"),
+    (("mist", "strategy", "offload", "weights"), [0, 2.0], "strategy.offload.weights[1]"),
+    (("mist", "strategy", "offload"), {"weights": [0, 0]}, "mist.strategy.offload"),
+    (("mist", "strategy", "grad_accum"), _DELETE, "mist.strategy"),
+    (("mist", "stage_layer_ranges"), [[0, 4], [4, 8]], "mist.stage_layer_ranges"),
+    (("mist", "overlap", "prefetch_weights"), "yes", "mist.overlap"),
+])
+def test_mist_block_from_a_file_is_validated(path, value, field):
+    with pytest.raises(ConfigError) as error:
+        read_mist_block(_set(_mist_config(), path, value))
+    assert error.value.field == field, str(error.value)

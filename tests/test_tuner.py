@@ -23,7 +23,6 @@ from mist_ds.specs.runtime import allowed_stage_options
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points, search
 from mist_ds.tuner.space import OPTION_KEYS, fixed_partitions, global_points, layer_counts, stage_option_grid
-from tests.test_emit import parse  # noqa: F401  (DeepSpeed's parser in a one-rank group, a fixture)
 
 # A 7-layer tiny GPT on 3 "GPUs" (processes) of the cpu cluster: S = 3 is possible, and the grids are
 # small enough to enumerate every (partition, option per stage) combination.
@@ -69,7 +68,7 @@ def exhaustive(specs, runtime, point):
 
 def _per_point(overrides, runtime):
     specs = compose(overrides, with_strategy=False)
-    ctx = SearchContext(specs=specs, space=specs.tuner.space, runtime=runtime)
+    ctx = SearchContext(specs=specs, space=specs.tuner.space, caps=runtime_capabilities(runtime))
     for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space):
         tuned = [r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None]
         yield specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None, exhaustive(specs, runtime, point)
@@ -244,13 +243,12 @@ def test_no_fit_explanation_names_host_memory_when_it_binds():
 
 
 def test_emitted_ds_config_is_accepted_by_deepspeed_for_the_plans_dp(parse, tmp_path):
-    from mist_ds.plan import plan_from_result
-    from mist_ds.report.tune import plan_files
+    from mist_ds.report.tune import plan_files, plan_from_result
 
     for overrides in (SMALL, SMALL + ["cluster.gpus_per_node=4", "model.num_heads=4", "train.global_batch_size=16"]):
         specs = compose(overrides + ["tuner.compare_baselines=false"], with_strategy=False)
         result = tune_specs(specs, progress=False)
-        files = plan_files(plan_from_result(result, overrides), specs, result.strategy)
+        files = plan_files(plan_from_result(result, overrides), specs, result.caps)
         parsed = parse(json.loads(files["ds_config.json"]), result.strategy.parallelism.dp)
         assert parsed.train_batch_size == specs.train.global_batch_size
 

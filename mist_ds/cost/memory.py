@@ -50,22 +50,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from mist_ds.specs.runtime import DEEPSPEED_RUNTIMES
+from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS, PLANNED_REDUCE_BUCKET_ELEMENTS
+from mist_ds.specs.runtime import ModelStateAccounting
 
 FP32_BYTES = 4
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (Kingma & Ba 2015)
 MASTER_BYTES = FP32_BYTES
 MASTER_ADAM_BYTES = MASTER_BYTES + ADAM_MOMENT_BYTES
-# DeepSpeed's default reduce_bucket_size (runtime/zero/config.py), elements: what an engine whose
-# config leaves the bucket unset allocates.
-DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
-# The reduce bucket mist_ds plans, prices and emits (emit/ds_config.py BucketSizes), elements.
-# DeepSpeed allocates the whole bucket whatever the model's size (stage_1_and_2.py setup_buckets:
-# torch.empty(reduce_bucket_size); stage3.py keeps it for good), so its default holds 1 GB per GPU in
-# bf16 (2 GB with a pipeline's ZeRO-1) that a small stage never fills. 5e7 (100 MB in bf16) is the
-# smallest value DeepSpeed's own autotuner tries (deepspeed/autotuning/constants.py,
-# DEFAULT_TUNING_SPACE_ZERO_{1,2,3}: reduce_bucket_size [5e7, 5e8, 1e9]).
-PLANNED_REDUCE_BUCKET_ELEMENTS = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -193,22 +184,23 @@ def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimi
     return replace(states, step_only=FP32_BYTES * updated * on_device)
 
 
-def model_state_bytes(runtime: str, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
+def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
                       reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
                       largest_param_elements=0.0, persistent_param_elements=0.0) -> ModelStateBytes:
-    """Model states per GPU on `runtime` (module docstring). The one function show / predict / tune use.
+    """Model states per GPU under a runtime's `accounting` (RuntimeCapabilities.model_states; module
+    docstring). The one function show / predict / tune use.
 
-    DeepSpeed runtimes read three more sizes, elements on one TP rank of the stage: the reduce bucket
+    DeepSpeed's accounting reads three more sizes, elements on one TP rank of the stage: the reduce bucket
     (the planned one by default, as mist_ds/emit writes it), the largest single parameter tensor L
     (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps, offload staging at 0) and the ZeRO-3
     parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it).
     """
-    if runtime in DEEPSPEED_RUNTIMES:
+    if accounting == "deepspeed":
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
                                       persistent_param_elements, bf16=bf16)
-    if runtime == "megatron":
+    if accounting == "megatron":
         return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,
                                  optimizer_offload)

@@ -11,7 +11,8 @@ from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.simulate import simulate, simulate_interleaved
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.hardware import HardwareModel, hardware_model
-from mist_ds.specs import Specs, StrategySpec, check_runtime, runtime_capabilities
+from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec, check_runtime
+from mist_ds.specs.runtime import capabilities_of
 from mist_ds.specs.cluster import GIB
 from mist_ds.symbolic import analyze_model
 
@@ -40,6 +41,7 @@ class Prediction:
     sources: dict[str, str]
     warnings: list[str] = field(default_factory=list)
     strategy: dict[str, Any] = field(default_factory=dict)
+    """StrategySpec.to_dict() of the priced strategy."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,10 +62,12 @@ def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
         oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages)
 
 
-def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Prediction:
+def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
+                     caps: RuntimeCapabilities | None = None) -> Prediction:
+    """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
     strategy = specs.strategy
-    check_runtime(strategy)
-    caps = runtime_capabilities(strategy.runtime)
+    caps = capabilities_of(caps or strategy.runtime)
+    check_runtime(strategy, caps)
     c = stage_candidates(strategy, specs.model.seq_len)
     times = stage_times(costs, hw, caps, specs.train, c)
     memory = stage_memory(costs, hw, caps, specs.train, c)
@@ -108,14 +112,9 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel) -> Pred
         sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},
-        warnings=warnings, strategy={"runtime": strategy.runtime, "schedule": strategy.schedule,
-                                     "virtual_stages": strategy.virtual_stages,
-                                     "tp": par.tp, "pp": par.pp, "dp": par.dp,
-                               "micro_batch_size": par.micro_batch_size, "grad_accum": par.grad_accum,
-                               "layers_per_stage": list(strategy.layers_per_stage),
-                               "ckpt_layers": [st.ckpt_layers for st in strategy.stages],
-                               "zero_stage": [st.zero_stage for st in strategy.stages]})
+        warnings=warnings, strategy=strategy.to_dict())
 
 
-def predict(specs: Specs, cache_dir: Path | None = None) -> Prediction:
-    return predict_strategy(specs, model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision))
+def predict(specs: Specs, cache_dir: Path | None = None, caps: RuntimeCapabilities | None = None) -> Prediction:
+    return predict_strategy(specs, model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision),
+                            caps)

@@ -15,7 +15,7 @@ import numpy as np
 from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import DEEPSPEED_RUNTIMES, ModelSpec, RuntimeCapabilities, TrainSpec
+from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec
 from mist_ds.symbolic import LayerCost
 
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
@@ -277,8 +277,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     bwd_d2h = hw.host_copy_time_s(c.go * weight_bytes)
     swap = fwd_h2d + fwd_d2h + bwd_h2d + bwd_d2h
 
-    # DeepSpeed's ZeRO-3 prefetches and overlaps its collectives with compute (overlap_comm).
-    g2g_overlapped = overlap.prefetch_weights or caps.name in DEEPSPEED_RUNTIMES
+    g2g_overlapped = caps.zero3_overlaps_compute
     if overlap.offload_overlapped:
         fwd_phase = hw.overlapped_time_s(fwd_compute, fwd_g2g, fwd_h2d, fwd_d2h)
         bwd_phase = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, bwd_h2d, bwd_d2h)
@@ -291,7 +290,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     stable = fwd_phase + bwd_phase + tp + p2p
 
     # End of iteration: gradient reduction over data parallel and the optimizer step.
-    grad_bytes = FP32_BYTES if caps.name == "megatron" and train.precision == "bf16" else b_w
+    grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
     grads_all_reduce = data_parallel.all_reduce_time_s(grad_bytes * params)
     reduce = np.select([c.zero <= 1, c.zero == 2], [grads_all_reduce, gather], default=0.0)
     partition = np.where(c.zero >= 1, params / c.d, params)
@@ -362,12 +361,12 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
     ev = c.shapes
     params = stage_params(costs, c, ev)
-    states = model_state_bytes(caps.name, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
+    states = model_state_bytes(caps.model_states, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16",
                                # only DeepSpeed's engines size buffers by the largest tensor
                                largest_param_elements=largest_tensor(costs.model, c)
-                               if caps.name in DEEPSPEED_RUNTIMES else 0.0)
+                               if caps.model_states == "deepspeed" else 0.0)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
     activations = (saved - saved_offloaded) * in_flight

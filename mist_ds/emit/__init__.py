@@ -1,14 +1,9 @@
-"""Emit a plan: the DeepSpeed config (with its `"mist"` block) and atomic writes of the output files.
-
-`ds_config(strategy, train, model)` builds the dict; `write_json_atomic(path, config)` writes it so
-that a reader never sees half a file.
-"""
+"""Emit a plan as DeepSpeed's config, and read its `"mist"` block back (docs/design.md, What DeepSpeed
+does). Imports only specs: no cost model, no DeepSpeed."""
 from __future__ import annotations
 
-from mist_ds.emit.atomic import json_text, write_atomic, write_files_atomic, write_json_atomic
-from mist_ds.emit.ds_config import BucketSizes, bucket_sizes, check_emittable, ds_config, mist_block
+from mist_ds.emit.ds_config import MistBlock, check_emittable, ds_config, mist_block, read_mist_block
+from mist_ds.specs.buckets import BucketSizes, bucket_sizes
 
-__all__ = [
-    "BucketSizes", "bucket_sizes", "check_emittable", "ds_config", "json_text", "mist_block", "write_atomic",
-    "write_files_atomic", "write_json_atomic",
-]
+__all__ = ["BucketSizes", "MistBlock", "bucket_sizes", "check_emittable", "ds_config", "mist_block",
+           "read_mist_block"]

@@ -1,15 +1,15 @@
 """The DeepSpeed config of a plan: one dict every rank loads, with a top-level `"mist"` block.
 
-DeepSpeed reads one config per rank and ignores unknown top-level keys (DESIGN.md, What DeepSpeed can
-run), so mist_ds writes a single `ds_config.json`:
+DeepSpeed reads one config per rank and ignores unknown top-level keys (docs/design.md, What DeepSpeed
+does), so mist_ds writes a single `ds_config.json`:
 - DeepSpeed's own keys hold what all stages share (batch, precision, clipping, optimizer, ZeRO stage,
   buckets). Settings local to a stage (optimizer and weight offload) hold the *first* stage's values
   there, so stock `deepspeed.initialize` on that file runs stage 0 exactly and the others with stage 0's
   offload.
-- `"mist"` holds the whole plan per stage: layer range, checkpointed layers, ZeRO stage and the four
-  offload ratios, plus the runtime, schedule, degrees and the schedule's overlap features.
-  `mist_ds.initialize` reads its rank's stage from it and adjusts the DeepSpeed keys before starting the
-  engine; nothing else in the file changes between ranks.
+- `"mist"` holds the whole strategy in its one serialization (StrategySpec.to_dict()), each stage's
+  block range, and the runtime's overlap features. `read_mist_block` (below, beside its writer) reads
+  it back validated; the runtime takes its rank's stage from it and adjusts the DeepSpeed keys before
+  starting the engine; nothing else in the file changes between ranks.
 
 Bucket sizes are the ones the cost model counts (`BucketSizes`), so the memory the plan predicts is the
 memory the engine allocates. The emitter is pure: it imports no DeepSpeed, and refuses (ConfigError
@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from mist_ds.cost.memory import PLANNED_REDUCE_BUCKET_ELEMENTS
-from mist_ds.specs import (DEEPSPEED_RUNTIMES, ConfigError, ModelSpec, StageStrategy, StrategySpec, TrainSpec,
-                           check_runtime, runtime_capabilities)
+from mist_ds.specs import RUNTIMES, ConfigError, ModelSpec, RuntimeCapabilities, StageStrategy, StrategySpec, TrainSpec
+from mist_ds.specs.buckets import BucketSizes, bucket_sizes
+from mist_ds.specs.runtime import OverlapFeatures, capabilities_of, check_runtime
+from mist_ds.specs.strategy import strategy_from_dict
 
-MIST_BLOCK_VERSION = 1
-"""Format of the `"mist"` block; bump it when a key changes meaning so old plans are refused, not misread."""
+MIST_BLOCK_VERSION = 2
+"""Format of the `"mist"` block; bump it when a key changes meaning so old plans are refused, not misread.
+Version 2: the strategy as StrategySpec.to_dict() (version 1 had per-stage dicts of its own)."""
+MIST_KEY = "mist"
 
 OPTIMIZER_TYPES: dict[str, str] = {"adamw": "AdamW"}
 """TrainSpec.optimizer -> DeepSpeed's optimizer `type`."""
@@ -49,54 +52,16 @@ STEPS_PER_PRINT = 1_000_000_000
 """Never within a run: mist_ds measures and logs its own step times (DeepSpeed's print syncs the host)."""
 
 
-@dataclass(frozen=True)
-class BucketSizes:
-    """Communication buffers the engine allocates, in elements, as the cost model counts them.
-
-    The ZeRO-3 fields set to None are left at DeepSpeed's defaults (nothing emitted).
-    """
-
-    reduce_bucket_elements: int = PLANNED_REDUCE_BUCKET_ELEMENTS
-    """ZeRO 1-3 gradient reduce bucket (`reduce_bucket_size`): DeepSpeed allocates it whole, and
-    memory.py counts b bytes per element (PLANNED_REDUCE_BUCKET_ELEMENTS, not DeepSpeed's 5e8)."""
-    stage3_prefetch_bucket_elements: int | None = None
-    """ZeRO-3: parameters all-gathered ahead of use (`stage3_prefetch_bucket_size`)."""
-    stage3_max_live_elements: int | None = None
-    """ZeRO-3: gathered parameters beyond which prefetching stops (`stage3_max_live_parameters`)."""
-    stage3_max_reuse_distance_elements: int | None = None
-    """ZeRO-3: a layer used again within this many elements stays gathered (`stage3_max_reuse_distance`)."""
-    stage3_persistence_threshold_elements: int = 0
-    """ZeRO-3: parameters this small stay whole on every rank (`stage3_param_persistence_threshold`);
-    0 = none, as memory.py counts (persistent_params = 0)."""
-
-
-def bucket_sizes(model: ModelSpec | None, tp: int) -> BucketSizes:
-    """The buckets the cost model assumes for `model` split over `tp` tensor-parallel ranks.
-
-    cost/stage.py counts two gathered blocks under ZeRO-3 (the running one and the prefetched next), so
-    the prefetch bucket is one block's parameters on a TP rank, the live limit two, and a block reused
-    within one block's worth of parameters stays gathered (DeepSpeed's 1e9-element default could keep
-    several blocks, ~2 GB in bf16, that the plan never counted). Without a model these stay at
-    DeepSpeed's defaults, which the cost model does not count.
-    """
-    if model is None:
-        return BucketSizes()
-    block_elements = model.block_params(tp)
-    return BucketSizes(stage3_prefetch_bucket_elements=block_elements,
-                       stage3_max_live_elements=2 * block_elements,
-                       stage3_max_reuse_distance_elements=block_elements)
-
-
-def check_emittable(strategy: StrategySpec) -> None:
+def check_emittable(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> None:
     """Refuse, with the rule's name, a strategy DeepSpeed engines cannot execute as planned."""
-    name = strategy.runtime
-    if name not in DEEPSPEED_RUNTIMES:
-        runtime_capabilities(name)  # an unknown name is refused as such first
-        rule = f"{name}.not-on-deepspeed"
-        raise ConfigError("strategy.runtime", name,
-                          f"plans for runtime {name} are priced, not run on DeepSpeed; use one of "
-                          f"{', '.join(DEEPSPEED_RUNTIMES)} [rule {rule}]", rule=rule)
-    check_runtime(strategy)
+    caps = capabilities_of(caps or strategy.runtime)  # an unknown name is refused as such first
+    if not caps.executes_on_deepspeed:
+        rule = f"{caps.name}.not-on-deepspeed"
+        on_deepspeed = [name for name, c in RUNTIMES.items() if c.executes_on_deepspeed]
+        raise ConfigError("strategy.runtime", strategy.runtime,
+                          f"plans for runtime {caps.name} are priced, not run on DeepSpeed; use one of "
+                          f"{', '.join(on_deepspeed)} [rule {rule}]", rule=rule)
+    check_runtime(strategy, caps)
 
 
 def precision_block(precision: str) -> dict[str, Any]:
@@ -143,34 +108,62 @@ def zero_block(stage: StageStrategy, pipeline: bool, buckets: BucketSizes) -> di
     return block
 
 
-def stage_block(stage: StageStrategy, layer_range: tuple[int, int]) -> dict[str, Any]:
-    """One stage of the `"mist"` block; offload ratios are fractions in [0, 1]."""
-    return {"layers": stage.layers, "layer_range": list(layer_range), "ckpt_layers": stage.ckpt_layers,
-            "zero_stage": stage.zero_stage,
-            "offload": {"weights": stage.weights_offload, "grads": stage.grads_offload,
-                        "optimizer": stage.optimizer_offload, "activations": stage.activations_offload}}
+@dataclass(frozen=True)
+class MistBlock:
+    """The `"mist"` block read back: what every rank of the plan runs."""
+
+    strategy: StrategySpec
+    stage_layer_ranges: tuple[tuple[int, int], ...]
+    """[start, stop) block indices per stage, in model order (equal to strategy.stage_layer_ranges())."""
+    overlap: OverlapFeatures
 
 
-def mist_block(strategy: StrategySpec) -> dict[str, Any]:
-    """The whole plan, per stage, for `mist_ds.initialize` (DeepSpeed ignores it)."""
-    par = strategy.parallelism
-    overlap = runtime_capabilities(strategy.runtime).overlap
-    return {"version": MIST_BLOCK_VERSION, "runtime": strategy.runtime, "schedule": strategy.schedule,
-            "tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch_size": par.micro_batch_size,
-            "grad_accum": par.grad_accum, "layers_per_stage": list(strategy.layers_per_stage),
-            "stages": [stage_block(s, r) for s, r in zip(strategy.stages, strategy.stage_layer_ranges())],
-            "overlap": dataclasses.asdict(overlap)}
+def mist_block(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> dict[str, Any]:
+    """The whole plan for the runtime (DeepSpeed ignores it): the strategy, each stage's block range, and
+    the overlap features of its runtime (`caps`, default the runtime the strategy names)."""
+    caps = capabilities_of(caps or strategy.runtime)
+    return {"version": MIST_BLOCK_VERSION, "strategy": strategy.to_dict(),
+            "stage_layer_ranges": [list(r) for r in strategy.stage_layer_ranges()],
+            "overlap": dataclasses.asdict(caps.overlap)}
+
+
+def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
+    """The `"mist"` block of a ds_config dict (from a file: untrusted), validated; ConfigError names the
+    bad key as `mist.<key>`."""
+    if not isinstance(config, Mapping) or not isinstance(config.get(MIST_KEY), Mapping):
+        raise ConfigError(MIST_KEY, source, "the DeepSpeed config has no \"mist\" block; give the ds_config.json "
+                                            "that `mist-ds tune` wrote")
+    block = config[MIST_KEY]
+    if block.get("version") != MIST_BLOCK_VERSION:
+        raise ConfigError(f"{MIST_KEY}.version", block.get("version"),
+                          f"this mist_ds reads version {MIST_BLOCK_VERSION}; re-run `mist-ds tune`")
+    unknown = set(block) - {"version", "strategy", "stage_layer_ranges", "overlap"}
+    if unknown:
+        raise ConfigError(MIST_KEY, sorted(unknown), "unknown keys in the \"mist\" block; re-run `mist-ds tune`")
+    strategy = strategy_from_dict(block.get("strategy"), f"{MIST_KEY}.strategy")
+    ranges = block.get("stage_layer_ranges")
+    if ranges != [list(r) for r in strategy.stage_layer_ranges()]:
+        raise ConfigError(f"{MIST_KEY}.stage_layer_ranges", ranges,
+                          f"must be the block ranges of layers_per_stage {list(strategy.layers_per_stage)}")
+    overlap = block.get("overlap")
+    names = [f.name for f in dataclasses.fields(OverlapFeatures)]
+    if not isinstance(overlap, Mapping) or sorted(overlap) != sorted(names) or \
+            not all(isinstance(v, bool) for v in overlap.values()):
+        raise ConfigError(f"{MIST_KEY}.overlap", overlap, f"must map each of {', '.join(names)} to true or false")
+    return MistBlock(strategy=strategy, stage_layer_ranges=tuple(tuple(r) for r in ranges),
+                     overlap=OverlapFeatures(**overlap))
 
 
 def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None = None,
-              buckets: BucketSizes | None = None) -> dict[str, Any]:
+              buckets: BucketSizes | None = None, caps: RuntimeCapabilities | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict of `strategy` (module docstring), JSON-ready.
 
-    `buckets` defaults to `bucket_sizes(model, tp)`. Raises ConfigError naming the rule when the
-    strategy's runtime cannot execute it. train_batch_size = b x G x d (DeepSpeed's batch rule uses the
-    data-parallel size, not the world size).
+    `buckets` defaults to `bucket_sizes(model, tp)`; `caps` to the runtime the strategy names. Raises
+    ConfigError naming the rule when the runtime cannot execute it. train_batch_size = b x G x d
+    (DeepSpeed's batch rule uses the data-parallel size, not the world size).
     """
-    check_emittable(strategy)
+    caps = capabilities_of(caps or strategy.runtime)
+    check_emittable(strategy, caps)
     par = strategy.parallelism
     if buckets is None:
         buckets = bucket_sizes(model, par.tp)
@@ -192,5 +185,5 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         # Offloaded states are stepped by torch's AdamW on the host (torch_adam) instead of DeepSpeed's
         # CPUAdam, which DeepSpeed insists on unless told otherwise (and which needs a JIT build).
         config["zero_force_ds_cpu_optimizer"] = False
-    config["mist"] = mist_block(strategy)
+    config[MIST_KEY] = mist_block(strategy, caps)
     return config

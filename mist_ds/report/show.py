@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from mist_ds.cost.memory import model_state_bytes
-from mist_ds.specs import Specs
+from mist_ds.specs import Specs, runtime_capabilities
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -29,7 +29,7 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     # The largest tensor anywhere (the vocab shard sits on the first / last stage) bounds how far a
     # ZeRO-1/2 gradient partition overshoots its share.
     largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp))
-    states = {str(z): float(model_state_bytes(strategy.runtime, heaviest, par.dp, z, train.dtype_bytes,
+    states = {str(z): float(model_state_bytes(runtime_capabilities(strategy.runtime).model_states, heaviest, par.dp, z, train.dtype_bytes,
                                               train.mixed_precision, pipeline=par.pp > 1,
                                               bf16=train.precision == "bf16",
                                               largest_param_elements=largest).gpu_total)

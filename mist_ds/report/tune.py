@@ -1,22 +1,47 @@
-"""`mist-ds tune`: summary.md (per stage: layers, recompute, ZeRO, offloads, times, memory and its
-margin; the iteration; the baselines) and the files of a plan, written all at once."""
+"""`mist-ds tune`: the Plan of a TuneResult, summary.md (per stage: layers, recompute, ZeRO, offloads,
+times, memory and its margin; the iteration; the baselines) and the files of a plan, written all at once."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Sequence
 
-from mist_ds.emit import ds_config, write_files_atomic
-from mist_ds.emit.atomic import json_text
+from mist_ds.emit import ds_config
+from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan
-from mist_ds.specs import DEEPSPEED_RUNTIMES, Specs, StrategySpec
+from mist_ds.specs import Specs
 from mist_ds.specs.cluster import GIB
+from mist_ds.specs.runtime import RuntimeCapabilities
+from mist_ds.tuner import TuneResult
+from mist_ds.tuner.search import SearchResult
+
+
+def search_summary(result: SearchResult) -> dict[str, Any]:
+    """plan.json's `search`: what the search priced and how close to optimal it proved the plan."""
+    best = result.best
+    return {
+        "space": result.space, "runtime": result.runtime, "seconds": result.seconds,
+        "points_priced": len(result.points), "points_pruned": len(result.pruned),
+        "candidates_evaluated": result.candidates,
+        "objective_s": best.objective_s if best else None,
+        "gap": best.gap if best else None, "solver": best.solver if best else None,
+        "max_gap": max((p.gap for p in result.points if p.objective_s is not None), default=0.0),
+    }
+
+
+def plan_from_result(result: TuneResult, user_overrides: Sequence[str]) -> Plan:
+    baselines = [{"space": b.space, "iteration_time_s": b.prediction.iteration_time_s if b.prediction else None,
+                  "speedup": b.speedup, "strategy": b.prediction.strategy if b.prediction else None,
+                  "search": search_summary(b.search)} for b in result.baselines]
+    return Plan(user_overrides=list(user_overrides), strategy=result.strategy,
+                prediction=result.prediction.to_dict(), search=search_summary(result.search), baselines=baselines)
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def render_summary(plan: Plan, specs: Specs, strategy: StrategySpec) -> str:
-    p, search = plan.prediction, plan.search
+def render_summary(plan: Plan, specs: Specs) -> str:
+    p, search, strategy = plan.prediction, plan.search, plan.strategy
     par = strategy.parallelism
     usable = specs.cluster.gpu.usable_memory_bytes
     lines = [
@@ -54,22 +79,23 @@ def render_summary(plan: Plan, specs: Specs, strategy: StrategySpec) -> str:
             lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | tp {s['tp']} pp {s['pp']} "
                          f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
                          f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
-    lines += ["", "Reproduce the prediction: `mist-ds predict --plan plan.json`."]
+    lines += ["", "Reproduce the prediction: `mist-ds predict plan=plan.json`."]
     return "\n".join(lines) + "\n"
 
 
 def _interleaving(strategy: dict) -> str:
-    chunks = strategy.get("virtual_stages", 1)  # plan.json files from before interleaving lack it
+    chunks = strategy["virtual_stages"]
     return f" interleaved x{chunks}" if chunks > 1 else ""
 
 
-def plan_files(plan: Plan, specs: Specs, strategy: StrategySpec) -> dict[str, str]:
-    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, strategy)}
-    if strategy.runtime in DEEPSPEED_RUNTIMES:
-        files["ds_config.json"] = json_text(ds_config(strategy, specs.train, specs.model))
+def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, str]:
+    """plan.json, summary.md, and ds_config.json where the plan runs on DeepSpeed (`caps`: its runtime)."""
+    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs)}
+    if caps.executes_on_deepspeed:
+        files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps))
     return files
 
 
-def write_plan(directory: Path, plan: Plan, specs: Specs, strategy: StrategySpec) -> list[Path]:
+def write_plan(directory: Path, plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
-    return write_files_atomic(directory, plan_files(plan, specs, strategy))
+    return write_files_atomic(directory, plan_files(plan, specs, caps))

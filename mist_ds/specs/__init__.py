@@ -1,6 +1,7 @@
 """Validated, frozen, SI-unit descriptions of the model, cluster, training and strategy.
 
-Nothing downstream of `mist_ds.config` sees a DictConfig: it sees these.
+Nothing downstream of `mist_ds.config` sees a DictConfig: it sees these. The specs import nothing
+else of mist_ds: they are the vocabulary every layer shares (docs/design.md, Architecture).
 """
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from dataclasses import dataclass
 from mist_ds.specs.cluster import ClusterSpec, GpuSpec, InterferenceSpec
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.model import ModelSpec
-from mist_ds.specs.runtime import (DEEPSPEED_RUNTIMES, RUNTIMES, RuntimeCapabilities, check_runtime,
-                                   runtime_capabilities)
+from mist_ds.specs.runtime import RUNTIMES, RuntimeCapabilities, check_runtime, runtime_capabilities
 from mist_ds.specs.strategy import Parallelism, StageStrategy, StrategySpec
 from mist_ds.specs.train import TrainSpec
 from mist_ds.specs.tuner import TunerSpec
@@ -30,7 +30,7 @@ class Specs:
 
 
 __all__ = [
-    "ClusterSpec", "ConfigError", "DEEPSPEED_RUNTIMES", "GpuSpec", "InterferenceSpec", "ModelSpec", "Parallelism", "RUNTIMES",
+    "ClusterSpec", "ConfigError", "GpuSpec", "InterferenceSpec", "ModelSpec", "Parallelism", "RUNTIMES",
     "RuntimeCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
     "check_runtime", "runtime_capabilities",
 ]

@@ -1,13 +1,17 @@
-"""What each runtime can execute: one capability list, read by the tuner, the emitter and the runtime.
+"""What each runtime can execute and how it executes it: one capability value per runtime, read by the
+cost model, the tuner, the emitter and the runtime.
 
-The same strategy costs differently depending on the runtime that executes it (DESIGN.md, Runtimes),
-and a strategy a runtime cannot run is refused by `check_runtime` with the rule's name, never priced.
+The same strategy costs differently depending on the runtime that executes it (docs/design.md,
+Runtimes and capabilities). Every behaviour that differs by runtime is a field here, never a
+comparison of the runtime's name: an ablation passes a modified value, and a runtime cloned under
+another name prices, tunes and emits exactly alike (tests/test_runtime_caps.py). A strategy a
+runtime cannot run is refused by `check_runtime` with the rule's name, never priced.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Mapping
+from typing import Literal, Mapping
 
 import numpy as np
 
@@ -29,11 +33,28 @@ class OverlapFeatures:
     """D2H swap-outs (weights, activations, grads) overlap compute instead of blocking."""
 
 
+ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
+"""Which allocation model cost/memory.py prices model states with (its module docstring)."""
+
+
 @dataclass(frozen=True)
 class RuntimeCapabilities:
     name: str
+    """Shown in rule names (`<name>.<rule>`) and reports; never branched on."""
     built: bool
     """mist_ds can execute plans on it (False: the cost model can price it, nothing runs it here)."""
+    executes_on_deepspeed: bool
+    """Plans run on DeepSpeed engines: emit writes a ds_config.json for them and the runtime takes it."""
+    model_states: ModelStateAccounting
+    """Model-state allocation model: 'deepspeed' (what DeepSpeed 0.19.8's engines allocate, buffers
+    sized by the largest tensor), 'megatron' (Megatron-LM's DDP buffer and distributed optimizer),
+    'zero-paper' (the ZeRO paper's b + b + 12 bytes per parameter)."""
+    zero3_overlaps_compute: bool
+    """ZeRO-3's all-gathers and reduce-scatters run on the G2G channel concurrently with compute
+    (DeepSpeed's prefetch with overlap_comm; Mist's prefetch); False: they add to the pass."""
+    fp32_grads_with_bf16: bool
+    """In bf16 training, gradients accumulate and are all-reduced in fp32 (Megatron-LM's main_grad
+    with accumulate_allreduce_grads_in_fp32); False: in the model dtype."""
     zero_stages_with_pipeline: tuple[int, ...]
     uniform_zero: bool
     """Every stage must use the same ZeRO stage."""
@@ -49,7 +70,6 @@ class RuntimeCapabilities:
     """'none' | 'whole' (all or nothing, ZeRO >= 1) | 'fraction'."""
     activations_offload: bool
     schedules: tuple[str, ...]
-    blocking_p2p: bool
     overlap: OverlapFeatures
     p2p_scatter_gather: bool = False
     """Inter-node pipeline sends carry 1 / t of the activation per TP rank, re-assembled by an
@@ -61,29 +81,41 @@ class RuntimeCapabilities:
     FlashAttention's modules and jit-fused bias-dropout-add (held-out L4 time MAPE 2.5% fused,
     27.1% eager). False: the model's eager op stream, one kernel per op, as mist_ds's runtimes run it."""
 
+    @property
+    def offloads_fractions(self) -> bool:
+        """Weights, gradients and optimizer states offload in any fraction, and activations at all."""
+        return (self.weights_offload == self.grads_offload == self.optimizer_offload == "fraction"
+                and self.activations_offload)
+
 
 def _deepspeed() -> RuntimeCapabilities:
     return RuntimeCapabilities(
-        name="deepspeed", built=True, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
+        name="deepspeed", built=True, executes_on_deepspeed=True, model_states="deepspeed",
+        zero3_overlaps_compute=True,  # stage3 prefetch with overlap_comm (emit/ds_config.py zero_block)
+        fp32_grads_with_bf16=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
         ckpt_whole_stage_only=True, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
-        blocking_p2p=True, overlap=OverlapFeatures())
+        overlap=OverlapFeatures())
 
 
 def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     deepspeed = _deepspeed()
     mist = replace(deepspeed, name="mist", built=False, schedules=("1f1b", "mist"))
     mist_paper = RuntimeCapabilities(
-        name="mist-paper", built=False, zero_stages_with_pipeline=(0, 1, 2, 3), uniform_zero=False,
+        name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
+        zero3_overlaps_compute=True, fp32_grads_with_bf16=False, zero_stages_with_pipeline=(0, 1, 2, 3),
+        uniform_zero=False,
         uniform_ckpt=False, ckpt_whole_stage_only=False, weights_offload="fraction", grads_offload="fraction",
-        optimizer_offload="fraction", activations_offload=True, schedules=("1f1b", "mist"), blocking_p2p=True,
+        optimizer_offload="fraction", activations_offload=True, schedules=("1f1b", "mist"),
         overlap=OverlapFeatures(prefetch_weights=True, overlap_grad_reduce=True,
                                 optimizer_in_first_forward=True, offload_overlapped=True),
         fused_kernels=True)
     megatron = RuntimeCapabilities(
-        name="megatron", built=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=True,
+        name="megatron", built=False, executes_on_deepspeed=False, model_states="megatron",
+        zero3_overlaps_compute=False, fp32_grads_with_bf16=True, zero_stages_with_pipeline=(0, 1),
+        uniform_zero=True, uniform_ckpt=True,
         ckpt_whole_stage_only=False, weights_offload="none", grads_offload="none", optimizer_offload="fraction",
-        activations_offload=False, schedules=("1f1b", "interleaved"), blocking_p2p=True,
+        activations_offload=False, schedules=("1f1b", "interleaved"),
         # The reference measurements (SC'21, vTrain) ran Megatron-LM without overlapped grad reduce.
         # Megatron fuses three patterns only (bias-GELU, bias-dropout-add, scale-mask-softmax), fewer
         # than fused_kernels assumes: refitted each way (hyperbolic GEMM curve), its measured times
@@ -95,14 +127,16 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
 
 RUNTIMES: Mapping[str, RuntimeCapabilities] = _runtimes()
 
-DEEPSPEED_RUNTIMES: tuple[str, ...] = ("deepspeed", "mist")
-"""Runtimes whose plans execute on DeepSpeed engines; the others (megatron, mist-paper) are priced only."""
-
 
 def runtime_capabilities(name: str, field: str = "strategy.runtime") -> RuntimeCapabilities:
     if name not in RUNTIMES:
         raise ConfigError(field, name, f"use one of {', '.join(RUNTIMES)}")
     return RUNTIMES[name]
+
+
+def capabilities_of(runtime: "str | RuntimeCapabilities", field: str = "strategy.runtime") -> RuntimeCapabilities:
+    """A capability value as given (an ablation's modified copy), or the named runtime's."""
+    return runtime if isinstance(runtime, RuntimeCapabilities) else runtime_capabilities(runtime, field)
 
 
 def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
@@ -111,7 +145,7 @@ def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
 
 def check_runtime(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> None:
     """Raise ConfigError naming the rule when `strategy` is something its runtime cannot execute."""
-    caps = caps or runtime_capabilities(strategy.runtime)
+    caps = capabilities_of(caps or strategy.runtime)
     name = caps.name
     if strategy.schedule not in caps.schedules:
         raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,

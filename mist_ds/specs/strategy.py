@@ -1,12 +1,18 @@
-"""The training strategy: global parallelism plus per-stage memory optimizations (DESIGN.md symbols).
+"""The training strategy: global parallelism plus per-stage memory optimizations (docs/design.md,
+Symbols and units).
 
 t = tp, S = pp, d = dp, b = micro_batch_size, G = grad_accum; per stage l = layers, c = ckpt_layers
 (the last c blocks of the stage recompute), z = zero_stage, offload ratios in [0, 1].
+
+One serialization (docs/design.md, The strategy space): `StrategySpec.to_dict()` has exactly the
+`strategy` config group's keys, per-stage values as lists; `strategy_from_dict` reads it back
+(validated, as data from a file); `strategy_overrides` is the same dict as `strategy.*` Hydra
+overrides. plan.json, `predict --json` and the ds_config `"mist"` block all use it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 from mist_ds.specs.cluster import ClusterSpec
 from mist_ds.specs.errors import ConfigError, require, require_positive
@@ -101,6 +107,15 @@ class StrategySpec:
     def layers_per_stage(self) -> tuple[int, ...]:
         return tuple(s.layers for s in self.stages)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The strategy group's fields (module docstring); JSON-ready, floats exact by repr."""
+        par, stages = self.parallelism, self.stages
+        return {"runtime": self.runtime, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch_size": par.micro_batch_size,
+                "grad_accum": par.grad_accum, "layers_per_stage": [s.layers for s in stages],
+                "ckpt_layers": [s.ckpt_layers for s in stages], "zero_stage": [s.zero_stage for s in stages],
+                "offload": {kind: [getattr(s, f"{kind}_offload") for s in stages] for kind in OFFLOAD_KINDS}}
+
     def stage_layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """[start, stop) block indices of each stage, in model order."""
         ranges, start = [], 0
@@ -108,6 +123,69 @@ class StrategySpec:
             ranges.append((start, start + stage.layers))
             start += stage.layers
         return tuple(ranges)
+
+
+STRATEGY_KEYS: tuple[str, ...] = ("runtime", "schedule", "virtual_stages", "tp", "pp", "dp", "micro_batch_size",
+                                  "grad_accum", "layers_per_stage", "ckpt_layers", "zero_stage", "offload")
+
+
+def _read_int(data: Mapping[str, Any], key: str, field: str) -> int:
+    value = data[key]
+    require(isinstance(value, int) and not isinstance(value, bool), f"{field}.{key}", value, "must be a whole number")
+    return value
+
+
+def _read_list(data: Mapping[str, Any], key: str, field: str, count: int, kind: type) -> list:
+    values = data[key]
+    require(isinstance(values, list) and len(values) == count, f"{field}.{key}", values,
+            f"must be a list with one entry per stage ({count})")
+    for v in values:
+        ok = isinstance(v, (int, float)) if kind is float else isinstance(v, int)
+        require(ok and not isinstance(v, bool), f"{field}.{key}", values, f"entries must be {kind.__name__}s")
+    return [kind(v) for v in values]
+
+
+def strategy_from_dict(data: Any, field: str = "strategy") -> StrategySpec:
+    """Read `StrategySpec.to_dict()` output back, validated as untrusted data: a missing, unknown or
+    mistyped key raises ConfigError naming `<field>.<key>`. Checks what needs no model or cluster
+    (the spec's own rules); `check_runtime` and the world size are the reader's to check."""
+    require(isinstance(data, Mapping), field, type(data).__name__, "must be a mapping of the strategy's fields")
+    missing, unknown = set(STRATEGY_KEYS) - set(data), set(data) - set(STRATEGY_KEYS)
+    require(not missing, field, sorted(missing), "lacks these keys; re-run `mist-ds tune`")
+    require(not unknown, field, sorted(unknown), f"unknown keys; the keys are {', '.join(STRATEGY_KEYS)}")
+    for key in ("runtime", "schedule"):
+        require(isinstance(data[key], str), f"{field}.{key}", data[key], "must be a string")
+    pp = _read_int(data, "pp", field)
+    require(pp >= 1, f"{field}.pp", pp, "must be >= 1")
+    parallelism = Parallelism(**{k: _read_int(data, k, field) for k in ("tp", "dp", "micro_batch_size", "grad_accum")},
+                              pp=pp)
+    layers, ckpt, zero = (_read_list(data, k, field, pp, int) for k in ("layers_per_stage", "ckpt_layers", "zero_stage"))
+    offload = data["offload"]
+    require(isinstance(offload, Mapping) and set(offload) == set(OFFLOAD_KINDS), f"{field}.offload", offload,
+            f"must map each of {', '.join(OFFLOAD_KINDS)} to one ratio per stage")
+    ratios = {kind: _read_list(offload, kind, f"{field}.offload", pp, float) for kind in OFFLOAD_KINDS}
+    stages = tuple(StageStrategy(layers=layers[i], ckpt_layers=ckpt[i], zero_stage=zero[i],
+                                 **{f"{kind}_offload": ratios[kind][i] for kind in OFFLOAD_KINDS}) for i in range(pp))
+    return StrategySpec(runtime=data["runtime"], parallelism=parallelism, stages=stages, schedule=data["schedule"],
+                        virtual_stages=_read_int(data, "virtual_stages", field))
+
+
+def _override_value(value: Any) -> str:
+    """Hydra's grammar for a value of to_dict (floats by repr, so they round-trip)."""
+    if isinstance(value, list):
+        return "[" + ",".join(repr(v) for v in value) + "]"
+    return str(value)
+
+
+def strategy_overrides(strategy: StrategySpec) -> list[str]:
+    """`strategy.*` Hydra overrides that rebuild `strategy` exactly: to_dict() flattened."""
+    out = []
+    for key, value in strategy.to_dict().items():
+        if key == "offload":
+            out.extend(f"strategy.offload.{kind}={_override_value(v)}" for kind, v in value.items())
+        else:
+            out.append(f"strategy.{key}={_override_value(value)}")
+    return out
 
 
 def partition_uniform(num_layers: int, num_stages: int) -> tuple[int, ...]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from mist_ds.files import write_atomic
 
 CACHE_ENV = "MIST_DS_CACHE_DIR"
 # Source files whose change invalidates every cached analysis (they define what is traced and how).
@@ -46,7 +47,4 @@ def load(directory: Path, key: str) -> dict | None:
 def store(directory: Path, key: str, data: dict) -> None:
     """Write atomically: a reader never sees half a file."""
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-        json.dump(data, handle)
-        temporary = handle.name
-    os.replace(temporary, directory / f"{key}.json")
+    write_atomic(directory / f"{key}.json", json.dumps(data))

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import Specs
+from mist_ds.specs import RuntimeCapabilities, Specs
 from mist_ds.specs.cluster import GIB
+from mist_ds.specs.runtime import capabilities_of
 from mist_ds.tuner.search import SearchResult, search
 from mist_ds.tuner.space import tuner_runtime
 
@@ -40,17 +41,19 @@ class TuneResult:
     prediction: Prediction
     search: SearchResult
     baselines: tuple[Baseline, ...]
+    caps: RuntimeCapabilities
+    """The runtime the plan was tuned for (the one its files and predictions are for)."""
 
     @property
     def strategy(self):
         return self.search.best.strategy
 
 
-def _predict(specs: Specs, strategy, costs, hw) -> Prediction:
-    return predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw)
+def _predict(specs: Specs, strategy, costs, hw, caps: RuntimeCapabilities) -> Prediction:
+    return predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw, caps)
 
 
-def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
+def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeCapabilities) -> str:
     """Least memory any plan needs per GPU against what the GPU has, what takes it, what would help."""
     usable = specs.cluster.gpu.usable_memory_bytes
     tried = [p for p in result.points if p.closest is not None]
@@ -60,7 +63,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
                 f"must split over micro-batches x data parallel): change train.global_batch_size or "
                 f"tuner.micro_batch_sizes")
     nearest = min(tried, key=lambda p: (p.least_peak_bytes, p.point))
-    prediction = _predict(specs, nearest.closest, costs, hw)
+    prediction = _predict(specs, nearest.closest, costs, hw, caps)
     stage = max(range(len(prediction.peak_memory_bytes)), key=lambda i: prediction.peak_memory_bytes[i])
     parts = prediction.memory_breakdown[stage]
     binding = max(MEMORY_PARTS, key=lambda k: parts[k])
@@ -81,7 +84,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
     if binding == "activations" or parts["activations"] > states:
         fixes.append("a smaller micro-batch (tuner.micro_batch_sizes=[1]) or a shorter model.seq_len")
     fixes.append(f"more GPUs (cluster.nodes > {specs.cluster.nodes}): ZeRO and pipelines shard the model states")
-    if result.runtime not in ("mist-paper",):
+    if not caps.offloads_fractions:
         fixes.append("a runtime with more offload (tuner.runtime=mist-paper prices what DeepSpeed cannot run)")
     fixes.append(f"a GPU with more than {need / GIB:.1f} GiB (cluster=a100-80g, h100-80g, h200-141g)")
     return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU ({layout}), the GPU has {usable / GIB:.2f} GiB usable "
@@ -91,27 +94,28 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw) -> str:
 
 
 def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | None = None,
-               baselines: bool | None = None) -> TuneResult:
-    """The best plan of specs.tuner.space on its runtime; the megatron, deepspeed and aceso spaces'
-    best with the plan's speedup over each (unless baselines are off). Raises NoPlanFits."""
+               baselines: bool | None = None, caps: RuntimeCapabilities | None = None) -> TuneResult:
+    """The best plan of specs.tuner.space on `caps` (default: the tuner's runtime); the megatron,
+    deepspeed and aceso spaces' best with the plan's speedup over each (unless baselines are off).
+    Raises NoPlanFits."""
     costs = model_costs(specs, cache_dir)
     hw = hardware_model(specs.cluster, specs.train.precision)
     show = (not specs.tuner.quiet) if progress is None else progress
-    runtime = tuner_runtime(specs.tuner)
+    runtime = capabilities_of(caps or tuner_runtime(specs.tuner), "tuner.runtime")
     result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
     if result.best is None:
-        raise NoPlanFits(explain_no_fit(specs, result, costs, hw))
-    prediction = _predict(specs, result.best.strategy, costs, hw)
+        raise NoPlanFits(explain_no_fit(specs, result, costs, hw, runtime))
+    prediction = _predict(specs, result.best.strategy, costs, hw, runtime)
     compare = specs.tuner.compare_baselines if baselines is None else baselines
     found = []
     for space in (BASELINE_SPACES if compare else ()):
         if space == result.space:
             continue
         other = search(specs, space=space, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
-        other_prediction = _predict(specs, other.best.strategy, costs, hw) if other.best else None
+        other_prediction = _predict(specs, other.best.strategy, costs, hw, runtime) if other.best else None
         speedup = other_prediction.iteration_time_s / prediction.iteration_time_s if other_prediction else None
         found.append(Baseline(space, other_prediction, other, speedup))
-    return TuneResult(specs=specs, prediction=prediction, search=result, baselines=tuple(found))
+    return TuneResult(specs=specs, prediction=prediction, search=result, baselines=tuple(found), caps=runtime)
 
 
 __all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "TuneResult", "explain_no_fit", "tune_specs"]

@@ -23,8 +23,8 @@ from mist_ds.cost.predict import model_costs
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.cost.iteration import iteration_time_s
 from mist_ds.hardware import HardwareModel, hardware_model
-from mist_ds.specs import Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec, runtime_capabilities
-from mist_ds.specs.runtime import allowed_stage_options
+from mist_ds.specs import Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec
+from mist_ds.specs.runtime import allowed_stage_options, capabilities_of
 from mist_ds.specs.strategy import partition_uniform
 from mist_ds.tuner.intra import position_memory, price_options, stage_fronts
 from mist_ds.tuner.partition import solve_partition
@@ -41,8 +41,12 @@ class SearchContext:
 
     specs: Specs
     space: str
-    runtime: str
+    caps: RuntimeCapabilities
     cache_dir: Path | None = None
+
+    @property
+    def runtime(self) -> str:
+        return self.caps.name
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint, fuse
 
 # --- one point -------------------------------------------------------------------------------------------
 
-def _variants(caps: RuntimeCapabilities, space: str, grid_zero: np.ndarray, point: GlobalPoint,
+def _variants(caps: RuntimeCapabilities, grid_zero: np.ndarray, point: GlobalPoint,
               min_layers: int) -> list[tuple[tuple[str, int], ...]]:
     """Choices a runtime forces to be equal on every stage, enumerated outside the partition solver."""
     zeros = sorted({int(z) for z in grid_zero}) if caps.uniform_zero and point.pp > 1 else [None]
@@ -172,7 +176,7 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
     closest = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(uniform), nearest))
     world = point.tp * point.pp * point.dp
     results = []
-    for variant in _variants(caps, ctx.space, priced.options["zero"], point, min(counts)):
+    for variant in _variants(caps, priced.options["zero"], point, min(counts)):
         allowed = np.ones(priced.layers.size, dtype=bool)
         for name, value in variant:
             allowed &= priced.options[name] == value
@@ -284,7 +288,7 @@ def _state(ctx: SearchContext) -> tuple:
     """(costs, hardware, capabilities): the analysis loads from the disk cache in milliseconds."""
     costs = model_costs(ctx.specs, ctx.cache_dir)
     hw = hardware_model(ctx.specs.cluster, ctx.specs.train.precision)
-    return costs, hw, runtime_capabilities(ctx.runtime, "tuner.runtime")
+    return costs, hw, ctx.caps
 
 
 def price_points(ctx: SearchContext, chunk: list[tuple[GlobalPoint, float]], state: tuple | None = None
@@ -302,13 +306,14 @@ def _best(results) -> PointResult | None:
     return min(feasible, key=lambda r: (r.objective_s, r.point, r.variant)) if feasible else None
 
 
-def search(specs: Specs, space: str | None = None, runtime: str | None = None, cache_dir: Path | None = None,
-           progress: bool | None = None) -> SearchResult:
-    """Best strategy of `space` (default specs.tuner.space) on `runtime` (default: the tuner's)."""
+def search(specs: Specs, space: str | None = None, runtime: str | RuntimeCapabilities | None = None,
+           cache_dir: Path | None = None, progress: bool | None = None) -> SearchResult:
+    """Best strategy of `space` (default specs.tuner.space) on `runtime`, a name or a capability value
+    (default: the tuner's)."""
     start = time.perf_counter()
     space = space or specs.tuner.space
-    runtime = runtime or tuner_runtime(specs.tuner)
-    ctx = SearchContext(specs=specs, space=space, runtime=runtime, cache_dir=cache_dir)
+    caps = capabilities_of(runtime or tuner_runtime(specs.tuner), "tuner.runtime")
+    ctx = SearchContext(specs=specs, space=space, caps=caps, cache_dir=cache_dir)
     state = _state(ctx)
     costs, hw, caps = state
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space)
@@ -342,7 +347,7 @@ def search(specs: Specs, space: str | None = None, runtime: str | None = None, c
             pool.shutdown()
         if bar is not None:
             bar.close()
-    return SearchResult(space=space, runtime=runtime, best=_best(results), points=tuple(results),
+    return SearchResult(space=space, runtime=caps.name, best=_best(results), points=tuple(results),
                         pruned=tuple(pruned), seconds=time.perf_counter() - start)
 
 

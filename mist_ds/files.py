@@ -1,5 +1,8 @@
 """Atomic file writes: a reader sees the old file or the whole new one, never a half-written one.
 
+The one writer of mist_ds's output files (plan files, reports) and cache entries; it imports nothing
+of mist_ds, so every layer may use it.
+
 Each write goes to a temporary file in the target's own folder (so the final `os.replace` is a rename
 within one file system, which POSIX makes atomic), is flushed and fsync'ed, then renamed over the target;
 the folder is fsync'ed after the rename so the new name survives a crash too. On any exception the
