@@ -3,9 +3,10 @@
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions \\
         .venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md
 
-Runs every launch of tests/test_model_states.py (ZeRO 0-3, fp32 and bf16, pipelines, optimizer
-offload, small reduce buckets) and prints, per case and rank, the bytes the engine holds by field
-(the census of tests/deepspeed_harness.py, peak over the counted moments) beside memory.py's
+Runs every launch of mist_ds/testing/model_states.py, the cases tests/test_model_states.py checks
+(ZeRO 0-3, fp32 and bf16, pipelines, optimizer offload, small reduce buckets), and prints, per case
+and rank, the bytes the engine holds by field (the census of mist_ds/testing/census.py, peak over
+the counted moments) beside memory.py's
 prediction for the same P, d, ZeRO stage and dtype, and DeepSpeed's own estimate for the matching
 option (estimate_zero{2,3}_model_states_mem_needs, the numbers its `_all_cold` tables print).
 """
@@ -18,9 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.deepspeed_harness import LAYERS, launch  # noqa: E402
-from tests.test_model_states import (FIELDS, LAUNCHES, WORKER, device_peak_bytes, estimator_option,  # noqa: E402
-                                     facts, measured_bytes, predicted_bytes, residual_bytes)
+from mist_ds.testing.model_states import (FIELDS, LAUNCHES, LAYERS, WORKER, device_peak_bytes,  # noqa: E402
+                                          estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes)
+from mist_ds.testing.ranks import launch  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions "
            ".venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md")

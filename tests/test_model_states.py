@@ -1,6 +1,6 @@
 """Model-state bytes per rank: mist_ds/cost/memory.py against what a real DeepSpeed 0.19.8 engine holds.
 
-Each launch (tests/deepspeed_harness.py) builds real engines on CPU ranks, trains two steps and, in
+Each launch (mist_ds/testing/model_states.py) builds real engines on CPU ranks, trains two steps and, in
 the second, counts every tensor the engine holds, deduplicated by storage, by role, at the end of
 backward (before the reduce buffers are released), inside ZeRO-1/2's step while both gradient
 partitions live, at the torch optimizer's step and after it. A field's measured bytes are its peak
@@ -12,86 +12,33 @@ over those moments (buffers summed within a moment first). Per rank:
    bound (ZeRO-1/2 gradients, from P and L alone) the residual is never positive.
 DeepSpeed's estimators (estimate_zero{2,3}_model_states_mem_needs) are checked as lower bounds.
 
-Symbols (memory.py, DESIGN.md): b bytes of the model dtype, P parameters on the rank, d data
+Symbols (cost/memory.py, mist_ds/testing/model_states.py): b bytes of the model dtype, P parameters on the rank, d data
 parallel, Pa = P padded to a multiple of 2d, ps = Pa / d, n_i the parameter sizes in flattening
 order, L = max n_i, touch = sum of the n_i of the parameters overlapping the rank's partition
 [r ps, (r + 1) ps), p3 = sum ceil(n_i / d) (ZeRO-3 pads each parameter to d), R reduce bucket
 elements, T the ZeRO-3 persistence threshold. On the CPU accelerator every tensor is in CPU memory:
-`host` is what the offloading optimizer allocates on 'cpu' by construction (tests/deepspeed_harness.py).
+`host` is what the offloading optimizer allocates on 'cpu' by construction (mist_ds/testing/census.py).
 U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)) is memory.py's bound of touch (a rank's whole
 parameters): `partition_touch_elements`.
 Scalars (one-element storages: Adam's step counters, norms, flags) are counted apart, not compared.
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mist_ds.cost.memory import (DEFAULT_REDUCE_BUCKET_ELEMENTS, FP32_BYTES, deepspeed_model_states,
-                                  partition_touch_elements)
-from tests.deepspeed_harness import LAYERS, MICRO_BATCH, REPO, SEED, LaunchTimeout, launch
+from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
+from mist_ds.testing.model_states import (ADAM_WITH_MASTER_BYTES, BF16_BYTES, FIELDS, LAUNCHES, LAYERS, MICRO_BATCH,
+                                          OFFLOADED_BYTES, SEED, SLOW_LAUNCHES, WORKER, Facts, device_peak_bytes,
+                                          estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes,
+                                          states_upper_bound)
+from mist_ds.testing.ranks import SOURCE_ROOT, LaunchTimeout, launch
 
-WORKER = "tests.deepspeed_harness:model_states_worker"
-FIELDS = ("weights", "grads", "optimizer", "buffers", "host")
-# Census roles summed into memory.py's fields. Buffers sum within one moment, then the larger moment.
-FIELD_ROLES = {
-    "weights": ("weights",),
-    "grads": ("grads",),
-    "optimizer": ("master", "adam"),
-    "buffers": ("bucket", "step_grads", "persistent", "device_staging"),
-    "host": ("host_master", "host_adam", "host_step_grads", "host_staging"),
-    "gathered": ("gathered",),  # ZeRO-3 layers gathered while they run; memory.py has no term for them
-}
-BF16_BYTES = 2
-ADAM_WITH_MASTER_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per element
-OFFLOADED_BYTES = 16  # the same plus the fp32 gradient partition, on the host
-DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (runtime/zero/config.py)
-
-# One launch per process-group layout: (ranks, pipeline stages, cases). A case: ZeRO stage, dtype,
-# optimizer offload, and DeepSpeed knobs left at their defaults unless named.
-LAUNCHES = {
-    "dp2": (2, 1, [
-        {"name": "zero0-bf16", "zero": 0, "bf16": True, "gc_check": True},
-        {"name": "zero0-fp32", "zero": 0, "bf16": False},
-        {"name": "zero1-bf16", "zero": 1, "bf16": True},
-        {"name": "zero2-bf16", "zero": 2, "bf16": True, "gc_check": True},
-        {"name": "zero1-bf16-offload", "zero": 1, "bf16": True, "offload": True},
-        {"name": "zero2-bf16-offload", "zero": 2, "bf16": True, "offload": True},
-        {"name": "zero3-bf16", "zero": 3, "bf16": True, "persistence_threshold": 100, "gc_check": True},
-        {"name": "zero3-bf16-offload", "zero": 3, "bf16": True, "offload": True, "persistence_threshold": 100},
-    ]),
-    "pp2": (2, 2, [
-        {"name": "pipe-zero0-bf16", "zero": 0, "bf16": True, "micro_batches": 2},
-        {"name": "pipe-zero1-bf16", "zero": 1, "bf16": True, "micro_batches": 2, "gc_check": True},
-    ]),
-    "dp2-slow": (2, 1, [
-        {"name": "zero1-fp32", "zero": 1, "bf16": False, "gc_check": True},
-        {"name": "zero2-fp32", "zero": 2, "bf16": False, "gc_check": True},
-        {"name": "zero3-fp32", "zero": 3, "bf16": False, "persistence_threshold": 100, "gc_check": True},
-        {"name": "zero1-bf16-bucket1000", "zero": 1, "bf16": True, "reduce_bucket_elements": 1000, "gc_check": True},
-        {"name": "zero2-bf16-bucket1000", "zero": 2, "bf16": True, "reduce_bucket_elements": 1000, "gc_check": True},
-        {"name": "zero2-bf16-offload-bucket1000", "zero": 2, "bf16": True, "offload": True,
-         "reduce_bucket_elements": 1000, "gc_check": True},
-        {"name": "zero3-bf16-bucket1000-nopersist", "zero": 3, "bf16": True, "reduce_bucket_elements": 1000,
-         "persistence_threshold": 0, "gc_check": True},
-        {"name": "zero3-bf16-offload-bucket1000", "zero": 3, "bf16": True, "offload": True,
-         "reduce_bucket_elements": 1000, "gc_check": True},
-    ]),
-    "pp2-dp2-slow": (4, 2, [
-        {"name": "pipe-dp2-zero0-bf16", "zero": 0, "bf16": True, "micro_batches": 2, "gc_check": True},
-        {"name": "pipe-dp2-zero1-bf16", "zero": 1, "bf16": True, "micro_batches": 2, "gc_check": True},
-        {"name": "pipe-dp2-zero0-fp32", "zero": 0, "bf16": False, "micro_batches": 2, "gc_check": True},
-        {"name": "pipe-dp2-zero1-fp32", "zero": 1, "bf16": False, "micro_batches": 2, "gc_check": True},
-    ]),
-}
-SLOW_LAUNCHES = {"dp2-slow", "pp2-dp2-slow"}
 HANG_TIMEOUT_S = 4.0  # long enough for the ranks to start, short for the fast lane
 REAP_WAIT_S = 5.0  # killed children are reparented and reaped by init, not instantly
 LAYOUTS = 2000  # random parameter layouts the bound of touch is checked on
@@ -100,71 +47,6 @@ LAYOUTS = 2000  # random parameter layouts the bound of touch is checked on
 # ---------------------------------------------------------------------------------------------
 # What one rank holds, from the parameter sizes alone.
 # ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Facts:
-    """One rank of one case: the inputs of both formulas (element counts unless a name says bytes)."""
-
-    zero: int
-    bf16: bool
-    offload: bool
-    pipeline: bool
-    d: int
-    rank: int  # in the data-parallel group
-    sizes: tuple[int, ...]  # n_i, in the order DeepSpeed flattens them
-    bucket: int  # R
-    threshold: int  # T
-
-    @property
-    def b(self) -> int:
-        return BF16_BYTES if self.bf16 else FP32_BYTES
-
-    @property
-    def P(self) -> int:
-        return sum(self.sizes)
-
-    @property
-    def Pa(self) -> int:
-        return math.ceil(self.P / (2 * self.d)) * 2 * self.d
-
-    @property
-    def ps(self) -> int:
-        return self.Pa // self.d
-
-    @property
-    def L(self) -> int:
-        return max(self.sizes)
-
-    @property
-    def touch(self) -> int:
-        """Sizes of the parameters overlapping this rank's partition, and the padding inside it:
-        ZeRO-1/2 copy whole parameters into the gradient partition (the padding as a zero tensor)."""
-        lo, hi = self.rank * self.ps, (self.rank + 1) * self.ps
-        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        whole = sum(n for o, n in zip(offsets, self.sizes) if o < hi and o + n > lo)
-        return whole + max(0, hi - max(lo, self.P))
-
-    @property
-    def p3(self) -> int:
-        return sum(math.ceil(n / self.d) for n in self.sizes)
-
-    @property
-    def persistent(self) -> int:
-        """ZeRO-3 parameters kept whole (n <= T), as memory.py counts them."""
-        return sum(n for n in self.sizes if n <= self.threshold) if self.zero == 3 else 0
-
-    @property
-    def persistent_padded(self) -> int:
-        """The same as allocated: each gathered into d partitions of ceil(n / d)."""
-        return sum(math.ceil(n / self.d) * self.d for n in self.sizes if n <= self.threshold) if self.zero == 3 else 0
-
-    @property
-    def first_layer_gathered(self) -> int:
-        """ZeRO-3 elements still gathered at the end of backward: the first Linear's non-persistent
-        parameters (backward visits it last). A bound for other moments is the largest layer."""
-        fan_in, fan_out, bias = LAYERS[0]
-        return sum(n for n in (fan_in * fan_out, fan_out if bias else 0) if n > self.threshold)
-
 
 def held_bytes(f: Facts) -> dict[str, int]:
     """Per-rank model-state bytes of a DeepSpeed 0.19.8 engine at its peak, as the census finds them.
@@ -206,49 +88,13 @@ def held_bytes(f: Facts) -> dict[str, int]:
                 buffers=bucket + max(FP32_BYTES * p3, persistent), host=0, gathered=gathered)
 
 
-def predicted_bytes(f: Facts) -> dict[str, float]:
-    """memory.py's per-rank model states for the same P, d, ZeRO stage, dtype, pipeline and offload."""
-    states = deepspeed_model_states(f.P, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0, 0.0,
-                                    reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
-                                    persistent_param_elements=f.persistent, bf16=f.bf16)
-    return {field: float(getattr(states, field)) for field in FIELDS}
-
-
-def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
-    """Held minus memory.py where memory.py is right up to a named term: (bytes, formula)."""
-    touch_bound = int(partition_touch_elements(f.P, f.d, f.L))  # U
-    if f.zero == 1 and field == "grads":
-        return f.b * (max(f.P, f.touch) - max(f.P, touch_bound)), "b (max(P, touch) - max(P, U)) <= 0: U bounds touch"
-    if f.zero == 2 and field == "grads" and not f.offload:
-        return f.b * (f.touch - touch_bound), "b (touch - U) <= 0: U bounds touch"
-    if f.zero == 3:
-        pad = f.p3 - math.ceil(f.P / f.d)
-        per_element = {"weights": f.b, "grads": 0 if f.offload else f.b,
-                       "optimizer": 0 if f.offload else ADAM_WITH_MASTER_BYTES,
-                       "host": OFFLOADED_BYTES + f.b if f.offload else 0}
-        if field in per_element:
-            return per_element[field] * pad, "(p3 - ceil(P/d)) per element: each parameter padded to d"
-        if field == "buffers" and f.offload:
-            return f.b * (f.persistent_padded - f.persistent), "b (padded - plain) persistent parameters"
-        if field == "buffers":
-            return (max(FP32_BYTES * f.p3, f.b * f.persistent_padded)
-                    - max(FP32_BYTES * math.ceil(f.P / f.d), f.b * f.persistent),
-                    "max(4 p3, b padded persistent) - max(4 ceil(P/d), b persistent): per-parameter padding")
-    return 0, "exact"
-
-
-def states_upper_bound(f: Facts, field: str) -> bool:
-    """Whether memory.py states this field as an upper bound over the ranks (from P and L alone)."""
-    return field == "grads" and (f.zero == 1 or (f.zero == 2 and not f.offload))
-
-
 # ---------------------------------------------------------------------------------------------
 # Launches (one per layout, shared by the tests of a module run) and what they measured.
 # ---------------------------------------------------------------------------------------------
 
 def extensions_dir() -> Path:
     """Where a JIT build of a DeepSpeed op would land (launch/test.sh sets it; the harness defaults it)."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR", REPO / ".torch_extensions"))
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR", SOURCE_ROOT / ".torch_extensions"))
 
 
 def _listing(path: Path) -> set[str]:
@@ -289,36 +135,6 @@ CASE_RANKS = list(_params())
 
 def _result(launched, launch_name: str, case: dict, rank: int) -> dict:
     return next(r for r in launched(launch_name)[rank] if r["case"] == case["name"])
-
-
-def facts(result: dict, case: dict, stages: int) -> Facts:
-    return Facts(zero=case["zero"], bf16=case["bf16"], offload=bool(case.get("offload")), pipeline=stages > 1,
-                 d=result["dp"], rank=result["dp_rank"], sizes=tuple(result["param_sizes"]),
-                 bucket=case.get("reduce_bucket_elements") or DEFAULT_REDUCE_BUCKET_ELEMENTS,
-                 threshold=case.get("persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD))
-
-
-def measured_bytes(result: dict) -> dict[str, int]:
-    """Peak bytes per field over the counted moments (buffers summed within a moment first)."""
-    return {field: max(sum(moment.get(role, 0) for role in roles) for moment in result["moments"].values())
-            for field, roles in FIELD_ROLES.items()}
-
-
-DEVICE_ROLES = ("weights", "persistent", "gathered", "grads", "master", "adam", "step_grads", "bucket",
-                "device_staging")
-
-
-def device_peak_bytes(result: dict) -> int:
-    """The largest device total at one counted moment (every role but host, scalars, activations)."""
-    return max(sum(moment.get(role, 0) for role in DEVICE_ROLES) for moment in result["moments"].values())
-
-
-def estimator_option(case: dict) -> str:
-    """DeepSpeed's estimator row matching a case (ZeRO 0/1 have none: the ZeRO-2 row bounds them too)."""
-    offload = int(bool(case.get("offload")))
-    if case["zero"] == 3:
-        return f"zero3 offload_param=0 offload_optimizer={offload} zero_init=1"
-    return f"zero2 offload_optimizer={offload}"
 
 
 def _is_received_activation(entry) -> bool:
@@ -406,7 +222,7 @@ def test_memory_py_broadcasts_over_candidates():
 def test_launch_timeout_kills_its_process_group():
     """A hanging launch ends at its hard timeout with the launcher and every rank killed."""
     with pytest.raises(LaunchTimeout) as raised:
-        launch("tests.deepspeed_harness:hang_worker", 2, {}, timeout_s=HANG_TIMEOUT_S)
+        launch("mist_ds.testing.ranks:hang_worker", 2, {}, timeout_s=HANG_TIMEOUT_S)
     deadline = time.monotonic() + REAP_WAIT_S
     while _group_alive(raised.value.pgid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -153,14 +153,6 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-@dataclass(frozen=True)
-class SymbolicDims:
-    """Symbols the layer is built with, and the hint (example value) each takes while tracing."""
-
-    symbols: dict[str, sympy.Symbol]
-    hints: dict[str, int]
-
-
 def make_symint(env: ShapeEnv, name: str, hint: int, rename: dict) -> torch.SymInt:
     symbol = env.create_symbol(hint, source=ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
     rename[symbol] = name
