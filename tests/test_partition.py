@@ -18,7 +18,7 @@ MILP_REL_TOL = 1e-6  # CBC works to feasibility tolerances, on costs scaled to a
 
 def brute_force_partition(options: list[StageOptions], S: int, L: int, G: int, imbalance: bool = True):
     """(objective_s, layers, option) of the best split by enumeration, with the objective written the
-    way DESIGN.md states it (prefix sums), not through the DP's recurrence; None when nothing fits."""
+    way docs/design.md (Tuner) states it (prefix sums), not through the DP's recurrence; None when nothing fits."""
     table = {(o.position, o.layers): o for o in options if o.stable_s.size}
     best = None
     for layers in itertools.product(range(1, L + 1), repeat=S):

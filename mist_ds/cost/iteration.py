@@ -1,4 +1,4 @@
-"""Iteration time of a pipeline from its stages' stable and delta times (DESIGN.md):
+"""Iteration time of a pipeline from its stages' stable and delta times (docs/design.md, The stage template):
 
     T = sum_i stable_i + (G - 1) * max_i stable_i + max(0, max_i (delta_i - sum_{j<i} stable_j)) + tail
 

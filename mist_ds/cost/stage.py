@@ -1,5 +1,5 @@
 """The stage template: per-stage stable time, first/last micro-batch extra (delta), end-of-iteration
-work, and peak memory, for arrays of candidate strategies on a given runtime (DESIGN.md).
+work, and peak memory, for arrays of candidate strategies on a given runtime (docs/design.md, The stage template).
 
 Symbols: b micro-batch, s sequence, t TP, d data parallel, S stages (pp), G micro-batches, i stage
 index, l layers, c checkpointed layers, z ZeRO stage, wo / go / oo / ao offload fractions.
@@ -358,7 +358,7 @@ def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:
 
 def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageMemory:
-    """Peak bytes on one GPU of the stage (DESIGN.md, memory of stage i)."""
+    """Peak bytes on one GPU of the stage (docs/design.md, Memory of a stage)."""
     ev = c.shapes
     params = stage_params(costs, c, ev)
     states = model_state_bytes(caps.model_states, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,

@@ -182,8 +182,10 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         "wall_clock_breakdown": False,
     }
     if any(s.optimizer_offload > 0 for s in strategy.stages):
-        # Offloaded states are stepped by torch's AdamW on the host (torch_adam) instead of DeepSpeed's
-        # CPUAdam, which DeepSpeed insists on unless told otherwise (and which needs a JIT build).
+        # Offloaded states are stepped by torch's AdamW on the host (torch_adam: the config's optimizer
+        # resolves to it before any CPUAdam, deepspeed/runtime/engine.py:2378). DeepSpeed refuses a
+        # *client* optimizer under offload unless this is false (engine.py:2341-2346): a user who
+        # passes their own optimizer to the runtime is not refused.
         config["zero_force_ds_cpu_optimizer"] = False
     config[MIST_KEY] = mist_block(strategy, caps)
     return config

@@ -1,4 +1,4 @@
-"""Concurrent channels slow each other down (DESIGN.md, stage template).
+"""Concurrent channels slow each other down (docs/design.md, The stage template).
 
 Given how long each channel (C, G2G, H2D, D2H) would be busy alone, the elapsed time when they run
 together: while a set of k channels is busy each runs f times slower (its factor for exactly that

@@ -1,4 +1,4 @@
-"""The four channels the overlap model runs concurrently (DESIGN.md, stage template).
+"""The four channels the overlap model runs concurrently (docs/design.md, The stage template).
 
 C: compute; G2G: GPU-GPU collectives (NCCL); H2D: host-to-device copies; D2H: device-to-host copies.
 """

@@ -21,7 +21,7 @@ from mist_ds.specs.strategy import StrategySpec
 
 @dataclass(frozen=True)
 class OverlapFeatures:
-    """Overlap-centric schedule features (DESIGN.md stage template); each can be on or off."""
+    """Overlap-centric schedule features (docs/design.md, The stage template); each can be on or off."""
 
     prefetch_weights: bool = False
     """Next layer's H2D swap-in and ZeRO-3 all-gather run while the current layer computes."""

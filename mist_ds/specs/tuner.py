@@ -12,7 +12,7 @@ SPACES: tuple[str, ...] = ("mist", "megatron", "deepspeed", "aceso", "uniform")
 @dataclass(frozen=True)
 class TunerSpec:
     space: str = "mist"
-    """Which strategy space to search (DESIGN.md, baseline spaces)."""
+    """Which strategy space to search (docs/design.md, Tuner)."""
     runtime: str | None = None
     """Runtime the plan must run on; None = the best runtime mist_ds can execute."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)

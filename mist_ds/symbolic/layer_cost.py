@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 GEMM_FIELDS = ("batch", "m", "n", "k")
-PUBLIC_SYMBOL_NAMES = ("b", "s", "t")  # micro-batch, sequence length, TP degree (DESIGN.md)
+PUBLIC_SYMBOL_NAMES = ("b", "s", "t")  # micro-batch, sequence length, TP degree (docs/design.md, Symbols and units)
 # The public per-layer quantities (`mist-ds analyze --json`), then the ones the cost model also uses.
 PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_ckpt", "fwd_peak_bytes",
                "bwd_peak_bytes", "output_bytes", "tp_comm_bytes_fwd", "tp_comm_bytes_bwd")

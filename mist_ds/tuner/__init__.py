@@ -2,7 +2,7 @@
 
     tune_specs(specs) -> TuneResult     # or raises NoPlanFits with the explanation
 
-Hierarchical (DESIGN.md): global points (space.py) in lower-bound order (search.py), per point the
+Hierarchical (docs/design.md, Tuner): global points (space.py) in lower-bound order (search.py), per point the
 intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py).
 """
 from __future__ import annotations

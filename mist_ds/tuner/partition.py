@@ -3,7 +3,7 @@
 Stage i (position 0 = first stage) with l layers offers a Pareto set of options k, each with three costs
 in seconds: stable T (one steady-state micro-batch), delta D (extra cost of the first/last micro-batch
 that is not hidden behind the stages before it) and end E (end-of-iteration tail, e.g. an optimizer step).
-For G micro-batches the iteration time is (DESIGN.md, "Tuner (hierarchical)")
+For G micro-batches the iteration time is (docs/design.md, Tuner)
 
     sum_i T_i + (G - 1) max_i T_i + max(0, max_i (D_i - P_i)) + max_i E_i,   P_i = sum_{j<i} T_j.
 
@@ -405,7 +405,7 @@ def _terms(stages, y, i: int, field: str, scale: float) -> list[tuple[float, mip
 
 
 def _build_milp(stages: list[list[_Choice]], L: int, G: int, imbalance: bool, scale: float):
-    """CBC model of DESIGN.md's inter-stage problem; costs divided by `scale`."""
+    """CBC model of the inter-stage problem (docs/design.md, Tuner); costs divided by `scale`."""
     model = _new_model()
     y = _add_layer_flow(model, stages, L)
     picked_t, picked_d, picked_e = ([_terms(stages, y, i, field, scale) for i in range(len(stages))]
@@ -426,7 +426,7 @@ def _build_milp(stages: list[list[_Choice]], L: int, G: int, imbalance: bool, sc
 def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bool = True,
                          time_limit_s: float = 60.0,
                          layer_bounds: Sequence[tuple[int, int]] | None = None) -> Partition | None:
-    """MILP of DESIGN.md on CBC (one thread, fixed seed). None when proven infeasible.
+    """MILP of docs/design.md (Tuner) on CBC (one thread, fixed seed). None when proven infeasible.
 
     Raises TimeoutError when the limit passes before any feasible split is found.
     """

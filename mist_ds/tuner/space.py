@@ -1,4 +1,4 @@
-"""The search space (DESIGN.md): global points (t, S, d, b, G) and, per stage, option grids
+"""The search space (docs/design.md, The strategy space): global points (t, S, d, b, G) and, per stage, option grids
 (c, z, wo, go, oo, ao) that the runtime can execute and the space allows.
 
 Spaces:
