@@ -3,9 +3,6 @@ feature off inside the test), the closed form agrees with the simulator, predict
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,7 +21,6 @@ from mist_ds.hardware.compute import gemm_efficiency, gemm_time_s
 from mist_ds.hardware.interference import (COMPILE_FROM_ROWS, elapsed_rows, factor_table, overlapped_channels_s,
                                           overlapped_time_s)
 from mist_ds.specs import ConfigError, InterferenceSpec, runtime_capabilities
-from tests.conftest import REPO
 
 BASE = ["model=gpt3-1.3b", "cluster=a100-40g", "train.global_batch_size=64"]
 
@@ -386,20 +382,6 @@ def test_megatron_recomputes_one_count_on_every_stage():
     with pytest.raises(ConfigError) as caught:
         predict(specs_of(*uneven, "strategy.ckpt_layers=[2,3]"))
     assert caught.value.rule == "megatron.uniform-recompute"
-
-
-def test_predict_json_interface():
-    result = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "predict", *BASE, "strategy.zero_stage=1",
-                             "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
-    for key in ("iteration_time_s", "throughput_samples_per_s", "tokens_per_s", "mfu", "hfu", "stage_stable_s",
-                "stage_delta_s", "bubble_s", "optimizer_s", "tail_s", "peak_memory_bytes", "memory_breakdown",
-                "fits", "host_memory_bytes", "sources", "warnings"):
-        assert key in data, key
-    assert set(data["memory_breakdown"][0]) == {"weights", "grads", "optimizer", "activations", "transient",
-                                                "buffers", "reserve"}
-    assert 0 < data["mfu"] <= data["hfu"] < 1
 
 
 def test_vectorized_path_matches_single_strategy(costs_13b):

@@ -1,12 +1,11 @@
 """Tuner: agreement with exhaustive search over the same space and cost model, determinism, the
-plan round trip (tune -> plan.json -> predict), emitted DeepSpeed configs, no-fit explanations."""
+emitted DeepSpeed configs, no-fit explanations (the CLI's plan round trip, tune -> plan.json -> predict:
+tests/test_cli.py)."""
 from __future__ import annotations
 
 import itertools
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -167,30 +166,6 @@ def test_same_inputs_same_plan_whatever_the_worker_count(tmp_path):
     assert first.strategy == again.strategy == spawned.strategy
     assert first.prediction == again.prediction == spawned.prediction
     assert [(p.point, p.objective_s) for p in first.search.points] == [(p.point, p.objective_s) for p in spawned.search.points]
-
-
-def test_cli_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
-    out = tmp_path / "plan"
-    run = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "tune", *SMALL, "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["ds_config.json", "plan.json", "summary.md"]
-    plan = json.loads((out / "plan.json").read_text())
-    assert {b["space"] for b in plan["baselines"]} == {"megatron", "deepspeed", "aceso"}
-    again = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "predict", "--plan", str(out / "plan.json"), "--json"],
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout) == plan["prediction"]
-    assert "| stage | layers |" in (out / "summary.md").read_text()
-
-
-def test_cli_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "tune", "model=gpt3-175b", "cluster=l4-24g",
-                          "tuner.compare_baselines=false", "--out", str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 3, run.stderr
-    assert "no plan fits" in run.stderr and "GiB" in run.stderr and "Traceback" not in run.stderr
-    assert not (tmp_path / "x").exists()
 
 
 def test_megatron_space_interleaves_when_it_pays_and_prices_it_like_predict():

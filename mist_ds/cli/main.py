@@ -1,121 +1,394 @@
-"""`mist-ds <command> [hydra overrides] [--json]`: parse, compose, dispatch, report.
+"""`mist-ds <command> [Hydra's command line]`: each command is a Hydra application.
 
-Exit codes: 0 done; 2 bad input (a one-line message naming the field, no traceback);
-3 no strategy fits (tune).
+    mist-ds tune model=llama2-7b cluster=a100-80g cluster.nodes=2   # plan files in outputs/<date>/<time>
+    mist-ds tune -m model=gpt3-1.3b,gpt3-2.7b                        # one job, and plan, per model
+    mist-ds predict plan=outputs/2025-01-01/12-00-00/plan.json json=true
+    mist-ds show model=tiny --cfg job                                # Hydra's flags work as usual
+
+A tiny pre-parser pops the command word (tune, predict, show, analyze); everything after it is Hydra's
+command line, handled by Hydra's own machinery, the parser and runner hydra.main uses, on the primary
+config `config` in `pkg://mist_ds.conf`: overrides, -m/--multirun, --cfg job|hydra|all, --info, -cn,
+-cp, -cd, hydra.run.dir=..., hydra.sweep.dir=..., hydra/launcher=..., --shell-completion, --help.
+
+Before Hydra sees them, the pre-parser maps the old spellings (`rewrite_options`):
+    --json     -> json=true          (machine-readable output on stdout)
+    --plan P   -> plan=P             (predict: price the strategy of P, a plan.json from tune)
+    --out D    -> hydra.run.dir=D    (tune: write the plan files into D)
+and makes a relative -cp DIR absolute (Hydra would take it relative to this file).
+
+Exit codes: 0 done; 2 bad input: one stderr line naming the field and the fix, no traceback, also for
+what Hydra refuses while composing (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
+fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status.
+
+Files: tune writes plan.json, ds_config.json and summary.md into Hydra's output dir (hydra.run.dir;
+in a multirun each job's dir under hydra.sweep.dir), next to Hydra's .hydra/. show, predict and
+analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go
+to stderr (conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
+import os
+import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+from omegaconf import DictConfig, OmegaConf
 
 from mist_ds.specs import ConfigError
+from mist_ds.specs.errors import NO_VALUE
 
+EXIT_OK = 0
 EXIT_CONFIG_ERROR = 2
 EXIT_NO_PLAN_FITS = 3
+PROG = "mist-ds"
+CLI_KEYS = ("json", "plan")
+"""Top-level keys that steer a command's output, not the planned job: kept out of plan.json's overrides."""
+FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
+COMPLETION_FLAGS = ("-sc", "--shell-completion")
+NO_FILES = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra.sweep.subdir=.")
+"""Hydra settings of the commands that write nothing: the run dir is the cwd (exists: run_job's
+mkdir creates nothing), no .hydra/ copy of the config, a sweep's jobs share hydra.sweep.dir."""
 
 
-def _show(args: argparse.Namespace) -> int:
-    from mist_ds.config import compose
+def _emit(cfg: DictConfig, data: Any, render: Callable[[], str]) -> None:
+    """Print a command's result: JSON when the config says json=true, else the text report."""
+    if OmegaConf.select(cfg, "json", default=False):
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(render())
+
+
+def task_overrides() -> list[str]:
+    """The running job's overrides (Hydra's hydra.overrides.task: a sweep job's own values) without
+    the CLI keys: the model, cluster, train and tuner choices that a plan records."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = list(HydraConfig.get().overrides.task)
+    parsed = OverridesParser.create().parse_overrides(lines)
+    return [line for line, override in zip(lines, parsed) if override.key_or_group not in CLI_KEYS]
+
+
+def _with_plan(cfg: DictConfig) -> DictConfig:
+    """The job's config; given plan=P, the config of P's overrides with the job's own after them.
+
+    The CLI's one second compose: which plan, and so which overrides go under the user's, is known
+    only once Hydra has composed the job (plan= may come from a sweep, -m plan=a.json,b.json, or a
+    config file), and the user's overrides must win over the plan's (later overrides win).
+    """
+    path = OmegaConf.select(cfg, "plan")
+    if path is None:
+        return cfg
+    from hydra.utils import to_absolute_path
+
+    from mist_ds.config import recompose_in_app
+    from mist_ds.plan import load_plan
+
+    plan = load_plan(to_absolute_path(path))  # relative to where mist-ds ran, even with hydra.job.chdir
+    return recompose_in_app(plan.overrides(task_overrides()))
+
+
+def _show(cfg: DictConfig) -> int:
+    from mist_ds.config import specs_from_config
     from mist_ds.report.show import render_show, show_facts
 
-    facts = show_facts(compose(args.overrides))
-    print(json.dumps(facts, indent=2, default=str) if args.json else render_show(facts))
-    return 0
+    facts = show_facts(specs_from_config(cfg))
+    _emit(cfg, facts, lambda: render_show(facts))
+    return EXIT_OK
 
 
-def _analyze(args: argparse.Namespace) -> int:
-    from mist_ds.config import compose
+def _analyze(cfg: DictConfig) -> int:
+    from mist_ds.config import specs_from_config
     from mist_ds.report.analyze import analyze_facts, render_analyze
 
-    facts = analyze_facts(compose(args.overrides, with_strategy=False))
-    print(json.dumps(facts, indent=2) if args.json else render_analyze(facts))
-    return 0
+    facts = analyze_facts(specs_from_config(cfg, with_strategy=False))
+    _emit(cfg, facts, lambda: render_analyze(facts))
+    return EXIT_OK
 
 
-def _predict(args: argparse.Namespace) -> int:
-    from mist_ds.config import compose
+def _predict(cfg: DictConfig) -> int:
+    from mist_ds.config import specs_from_config
     from mist_ds.cost.predict import predict
     from mist_ds.report.predict import render_prediction
 
-    overrides = args.overrides
-    if args.plan:
-        from mist_ds.plan import load_plan
-
-        overrides = load_plan(args.plan).overrides(args.overrides)
-    prediction = predict(compose(overrides))
-    print(json.dumps(prediction.to_dict(), indent=2) if args.json else render_prediction(prediction))
-    return 0
+    prediction = predict(specs_from_config(_with_plan(cfg)))
+    _emit(cfg, prediction.to_dict(), lambda: render_prediction(prediction))
+    return EXIT_OK
 
 
-def default_output_dir(now: datetime.datetime | None = None) -> Path:
-    """Hydra's default run dir layout: outputs/<date>/<time>, under the working directory."""
-    now = now or datetime.datetime.now()
-    return Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+def _tune(cfg: DictConfig) -> int:
+    from hydra.core.hydra_config import HydraConfig
 
-
-def _tune(args: argparse.Namespace) -> int:
-    from mist_ds.config import compose
-    from mist_ds.plan import plan_from_result
-    from mist_ds.report.tune import render_summary, write_plan
+    from mist_ds.config import specs_from_config
+    from mist_ds.report.tune import plan_from_result, render_summary, write_plan
     from mist_ds.tuner import NoPlanFits, tune_specs
 
-    specs = compose(args.overrides, with_strategy=False)
+    specs = specs_from_config(cfg, with_strategy=False)
     try:
         result = tune_specs(specs)
-    except NoPlanFits as reason:
-        print(f"mist-ds tune: {reason}", file=sys.stderr)
+    except NoPlanFits as reason:  # a status, not an exception: a sweep's other jobs still run
+        print(f"{PROG} tune: {reason}", file=sys.stderr)
         return EXIT_NO_PLAN_FITS
-    plan = plan_from_result(result, args.overrides)
-    out = Path(args.out) if args.out else default_output_dir()
-    written = write_plan(out, plan, specs, result.strategy)
-    if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
-    else:
-        print(render_summary(plan, specs, result.strategy))
-        print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+    plan = plan_from_result(result, task_overrides())
+    written = write_plan(Path(HydraConfig.get().runtime.output_dir), plan, specs, result.caps)
+    _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs) + "\nwrote " + ", ".join(map(str, written)))
+    return EXIT_OK
 
 
-COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
-    "tune": (_tune, "find the fastest plan that fits and write plan.json, ds_config.json and summary.md"),
-    "show": (_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
-    "predict": (_predict, "predict time and memory of the strategy in the `strategy` group"),
-    "analyze": (_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
+@dataclass(frozen=True)
+class Command:
+    """A `mist-ds` command: its job, its line in the usage, and how Hydra is set up for it."""
+
+    run: Callable[[DictConfig], int]
+    """The job: the composed config in, the exit status out (ConfigError for bad input)."""
+    help: str
+    writes_files: bool = False
+    reads_plan: bool = False
+
+
+COMMANDS: dict[str, Command] = {
+    "tune": Command(_tune, "find the fastest plan that fits; write plan.json, ds_config.json and summary.md",
+                    writes_files=True),
+    "predict": Command(_predict, "predict time and memory of the `strategy` group's strategy, or of plan=PLAN_JSON",
+                       reads_plan=True),
+    "show": Command(_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
+    "analyze": Command(_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
 }
 
+USAGE = f"""usage: {PROG} <command> [Hydra's arguments]
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mist-ds", description="Plan DeepSpeed training: parallelism and memory optimizations together.",
-        epilog="Overrides use Hydra's grammar, e.g. model=llama2-7b cluster=a100-80g cluster.nodes=4 "
-               "train.global_batch_size=512. Fields: see README.md.")
-    sub = parser.add_subparsers(dest="command", metavar="command")
-    for name, (_, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        command.add_argument("overrides", nargs="*", help="Hydra overrides (key=value, group=option)")
-        command.add_argument("--json", action="store_true", help="machine-readable output")
-        if name == "predict":
-            command.add_argument("--plan", metavar="PLAN_JSON", help="predict the strategy of a plan.json from tune")
-        if name == "tune":
-            command.add_argument("--out", metavar="DIR", help="where to write the plan (default outputs/<date>/<time>)")
-    return parser
+Plan DeepSpeed training: parallelism and memory optimizations together.
+
+commands:
+{chr(10).join(f"  {name:<9} {command.help}" for name, command in COMMANDS.items())}
+
+Everything after the command is Hydra's command line ({PROG} <command> --help, --hydra-help):
+  key=value group=option   overrides, e.g. model=llama2-7b cluster=a100-80g cluster.nodes=4
+  json=true                machine-readable output on stdout
+  plan=PLAN_JSON           (predict) price the strategy of a plan.json from `{PROG} tune`
+  hydra.run.dir=DIR        (tune) write the plan files into DIR (default outputs/<date>/<time>)
+  -m, --multirun           one job per swept value (model=gpt3-1.3b,gpt3-2.7b), under hydra.sweep.dir
+  --cfg job|hydra|all      print the composed config instead of running
+  -cd DIR                  add a config directory of your own (model/*.yaml, cluster/*.yaml beside the zoo)
+Older spellings: --json = json=true, --plan P = plan=P, --out D = hydra.run.dir=D.
+
+exit codes: 0 done; 2 bad input (one line naming the field and the fix); 3 no plan fits (tune).
+A multirun exits 0 when every job succeeded, else with the largest job status."""
+
+
+def _quoted(value: str) -> str:
+    """`value` as a quoted string of Hydra's override grammar, so it stays a string whatever it holds
+    (',' would sweep, `null` would be None). In a quoted value (hydra/grammar/OverrideLexer.g4, Hydra
+    1.3) backslashes are literal except a run of them before a quote or the end, which is halved."""
+    escaped = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
+    return f"'{escaped}'"
+
+
+def _config_path(value: str) -> str:
+    """-cp DIR relative to the cwd: Hydra takes a relative one relative to the file declaring
+    @hydra.main (hydra/_internal/utils.py, compute_search_path_dir), here mist_ds/cli."""
+    return value if "://" in value or os.path.isabs(value) else os.path.abspath(value)
+
+
+FLAG_OPTIONS = {"--json": "json=true"}
+VALUE_OPTIONS: dict[str, tuple[str, Callable[[str, str], list[str]]]] = {
+    "--plan": ("PLAN_JSON", lambda _, value: [f"plan={_quoted(value)}"]),
+    "--out": ("DIR", lambda _, value: [f"hydra.run.dir={_quoted(value)}"]),
+    "-cp": ("DIR", lambda name, value: [name, _config_path(value)]),
+    "--config-path": ("DIR", lambda name, value: [name, _config_path(value)]),
+}
+"""Option -> (its value's name, the arguments it becomes)."""
+
+
+def rewrite_options(args: Sequence[str]) -> list[str]:
+    """Hydra's command line from the user's: old spellings mapped (FLAG_OPTIONS, VALUE_OPTIONS)."""
+    rewritten, rest = [], iter(args)
+    for arg in rest:
+        name, has_value, value = arg.partition("=")
+        if arg in FLAG_OPTIONS:
+            rewritten.append(FLAG_OPTIONS[arg])
+        elif name in VALUE_OPTIONS:
+            metavar, rewrite = VALUE_OPTIONS[name]
+            value = value if has_value else next(rest, None)
+            if value is None:
+                raise ConfigError(name, NO_VALUE, f"give a value: {name} {metavar}")
+            rewritten += rewrite(name, value)
+        else:
+            rewritten.append(arg)
+    return rewritten
+
+
+def hydra_settings(command: str) -> list[str]:
+    """Overrides put before the user's, so that theirs (later) still win."""
+    settings = [f"hydra.job.name={command}", f"hydra.help.app_name={_quoted(f'{PROG} {command}')}"]
+    return settings if COMMANDS[command].writes_files else [*settings, *NO_FILES]
+
+
+def parse_hydra_args(command: str, args: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Hydra's parser and its reading of the user's arguments, hydra_settings before their overrides.
+
+    The parser is the one hydra.main builds (hydra/_internal/utils.py, get_args_parser, Hydra 1.3);
+    what it refuses becomes a ConfigError (argparse would print its usage and exit itself).
+    """
+    from hydra._internal.utils import get_args_parser
+
+    def refuse(message: str) -> None:
+        raise ConfigError("command line", NO_VALUE, f"{message}; see `{PROG} {command} --hydra-help`")
+
+    parser = get_args_parser()
+    parser.error = refuse  # type: ignore[method-assign]
+    parsed = parser.parse_args(rewrite_options(args))
+    if parsed.experimental_rerun is not None:
+        raise ConfigError("--experimental-rerun", parsed.experimental_rerun,
+                          f"not supported by {PROG}; rerun with the overrides in the job's .hydra/overrides.yaml")
+    parsed.overrides = [*hydra_settings(command), *parsed.overrides]
+    return parser, parsed
+
+
+def report(command: str, error: ConfigError) -> None:
+    """Bad input on one stderr line: the field, the value, the fix."""
+    message = " ".join(str(error).split())
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+
+
+@dataclass
+class Jobs:
+    """The Hydra task function of one command and what its jobs reported (one job, or a sweep's)."""
+
+    command: str
+    full_error: bool
+    """The user set HYDRA_FULL_ERROR=1: tracebacks instead of one-line errors."""
+    statuses: list[int] = field(default_factory=list)
+    crashed: list[BaseException] = field(default_factory=list)
+    """Exceptions the command raised (bugs): re-raised with their traceback, never read as bad input."""
+
+    def run(self, cfg: DictConfig) -> int:
+        """One job: the command on the job's composed config; returns (and records) its exit status."""
+        command = COMMANDS[self.command]
+        try:
+            if not command.reads_plan and OmegaConf.select(cfg, "plan") is not None:
+                raise ConfigError("plan", cfg.plan, f"only `{PROG} predict` reads a plan; drop plan=")
+            status = command.run(cfg)
+        except ConfigError as error:
+            if self.full_error:
+                raise
+            report(self.command, error)
+            status = EXIT_CONFIG_ERROR
+        except Exception as error:
+            self.crashed.append(error)
+            raise
+        self.statuses.append(status)
+        return status
+
+    def status(self) -> int:
+        """0 when every job succeeded, else the largest job status. The basic launcher runs the jobs
+        in this process (hydra/_internal/core_plugins/basic_launcher.py); a launcher running them
+        elsewhere leaves no statuses here, and exceptions are its only failures."""
+        return max(self.statuses, default=EXIT_OK)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """os.environ[name] = value while the block runs, then as it was."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def _input_error(error: Exception) -> ConfigError | None:
+    """The ConfigError of what Hydra or the pre-parser refused in the user's input (composition, flags,
+    search path); None for anything else, a bug to re-raise."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mist_ds.config.errors import as_config_error
+
+    if isinstance(error, (ConfigError, HydraException, OmegaConfBaseException)):
+        return as_config_error(error)
+    if isinstance(error, ValueError):  # Hydra's rules on its flags (one of --run, --multirun, --cfg, ...)
+        return ConfigError("command line", NO_VALUE, str(error).splitlines()[0])
+    return None
+
+
+def _run_hydra_app(jobs: Jobs, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """jobs.run as a Hydra app on mist_ds's primary config: what hydra.main's decorated function does
+    (hydra/main.py, Hydra 1.3: version.setbase, get_args_parser().parse_args(), _run_hydra), given the
+    parsed `args`. hydra.main itself would parse sys.argv, where the settings cannot go before the
+    user's overrides: argparse reads them as one run of positionals, so `-m` would end it.
+
+    HYDRA_FULL_ERROR=1 makes Hydra's run_and_report re-raise instead of printing its own report and
+    exiting 1 (hydra/_internal/utils.py), so errors reach run_command.
+    """
+    from hydra import version
+    from hydra._internal.utils import _run_hydra
+
+    from mist_ds.config import CONFIG_MODULE, PRIMARY_CONFIG, register_configs
+
+    register_configs()
+    version.setbase("1.3")
+    with _environ(FULL_ERROR_ENV, "1"):
+        _run_hydra(args=args, args_parser=parser, task_function=jobs.run, config_path=f"pkg://{CONFIG_MODULE}",
+                   config_name=PRIMARY_CONFIG)
+
+
+def run_command(command: str, args: Sequence[str]) -> int:
+    """`mist-ds <command> <args>`: the exit status (module docstring)."""
+    jobs = Jobs(command, full_error=os.environ.get(FULL_ERROR_ENV) == "1")
+    try:
+        _run_hydra_app(jobs, *parse_hydra_args(command, args))
+    except Exception as error:
+        bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error)
+        if bad_input is None:
+            raise
+        report(command, bad_input)
+        return EXIT_CONFIG_ERROR
+    return jobs.status()
+
+
+def _complete(args: Sequence[str]) -> int:
+    """`mist-ds -sc ...` with no command: what Hydra's bash completion runs (`mist-ds -sc query=bash`,
+    the whole line in COMP_LINE: hydra/_internal/core_plugins/bash_completion.py), or install=bash."""
+    line = os.environ.get("COMP_LINE")
+    if line is None:  # install / uninstall: every command's app prints the same script
+        return run_command("show", args)
+    words = line.split()
+    if len(words) < 2 or (len(words) == 2 and not line[-1].isspace()):  # still typing the command
+        typed = words[1] if len(words) == 2 else ""
+        print(" ".join(name for name in COMMANDS if name.startswith(typed)))
+        return EXIT_OK
+    if words[1] not in COMMANDS:
+        return EXIT_OK
+    with _environ("COMP_LINE", re.sub(r"^(\s*\S+)\s+\S+", r"\1", line, count=1)):  # Hydra sees no command
+        return run_command(words[1], args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_CONFIG_ERROR
-    try:
-        return COMMANDS[args.command][0](args)
-    except ConfigError as error:
-        print(f"mist-ds {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    """The `mist-ds` entry point: the exit status (module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return EXIT_OK
+    if args and args[0] in COMMANDS:
+        return run_command(args[0], args[1:])
+    if any(arg in COMPLETION_FLAGS for arg in args):
+        return _complete(args)
+    if not args:
+        print(USAGE, file=sys.stderr)
+    else:
+        print(f"{PROG}: error: command={args[0]!r}: not a command; start with one of {', '.join(COMMANDS)} "
+              f"({PROG} --help)", file=sys.stderr)
+    return EXIT_CONFIG_ERROR
 
 
 if __name__ == "__main__":

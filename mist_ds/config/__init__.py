@@ -1,13 +1,14 @@
 """Hydra config: schemas in the ConfigStore, values in `conf/` (the package `mist_ds.conf`).
 
-`register_configs()` stores the schemas; nothing is registered on import, so tests can reset
-GlobalHydra cleanly. `compose(overrides)` is the Python entry point: the same override strings as
-the CLI, returning validated, frozen `Specs`.
+`register_configs()` stores the schemas (and mist_ds's logging choices for Hydra); nothing is
+registered on import, so tests can reset GlobalHydra cleanly. `compose(overrides)` is the Python entry
+point: the same override strings as the CLI, returning validated, frozen `Specs`. Inside a running
+Hydra app (the `mist-ds` commands) the config comes from Hydra: `specs_from_config(cfg)`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
@@ -21,15 +22,34 @@ from mist_ds.specs import ConfigError, Specs, check_runtime
 
 CONFIG_MODULE = "mist_ds.conf"
 PRIMARY_CONFIG = "config"
+LOGGING_OPTION = "mist_ds"
+"""The option of `hydra/job_logging` and `hydra/hydra_logging` that conf/config.yaml selects."""
+
+
+def _stderr_logging(line_format: str, logger: str) -> dict[str, Any]:
+    """Hydra's default logging (hydra/conf/hydra/*_logging/default.yaml) with the console on stderr and
+    no log file: stdout carries the command's result (`json=true` must stay parseable) and the
+    commands that write nothing must not leave a log file behind. INFO from `logger` only; other
+    libraries' INFO chatter (mip's banner) stays out, their warnings do not."""
+    return {"version": 1, "formatters": {"simple": {"format": line_format}},
+            "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "simple",
+                                     "stream": "ext://sys.stderr"}},
+            "root": {"level": "WARNING", "handlers": ["console"]}, "loggers": {logger: {"level": "INFO"}},
+            "disable_existing_loggers": False}
 
 
 def register_configs() -> None:
-    """Store the schemas the YAML files extend (`base_model`, `base_cluster`, ...). Idempotent."""
+    """Store the schemas the YAML files extend (`base_model`, `base_cluster`, ...) and the logging
+    options conf/config.yaml selects. Idempotent."""
     store = ConfigStore.instance()
     store.store(name="mist_ds_schema", node=MistDsConfig)
     for group, node in (("model", ModelConfig), ("cluster", ClusterConfig), ("train", TrainConfig),
                         ("strategy", StrategyConfig), ("tuner", TunerConfig)):
         store.store(group=group, name=f"base_{group}", node=node)
+    store.store(group="hydra/job_logging", name=LOGGING_OPTION, provider="mist_ds",
+                node=_stderr_logging("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s", "mist_ds"))
+    store.store(group="hydra/hydra_logging", name=LOGGING_OPTION, provider="mist_ds",
+                node=_stderr_logging("[%(asctime)s][HYDRA] %(message)s", "hydra"))
 
 
 @contextlib.contextmanager
@@ -49,16 +69,38 @@ def _hydra_context() -> Iterator[None]:
             global_hydra.initialize(saved)
 
 
+def _translated(compose_fn: Callable[[], DictConfig]) -> DictConfig:
+    """compose_fn(), with Hydra / OmegaConf errors translated: never a traceback for a typo."""
+    try:
+        return compose_fn()
+    except Exception as error:
+        raise as_config_error(error) from error
+
+
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """The composed DictConfig for `overrides` (Hydra override grammar); ConfigError on bad input."""
     from hydra import compose as hydra_compose
 
     register_configs()
-    try:
+
+    def composed() -> DictConfig:
         with _hydra_context():
             return hydra_compose(config_name=PRIMARY_CONFIG, overrides=list(overrides))
-    except Exception as error:  # Hydra / OmegaConf errors: translated, never a traceback for a typo
-        raise as_config_error(error) from error
+
+    return _translated(composed)
+
+
+def recompose_in_app(overrides: Sequence[str]) -> DictConfig:
+    """Compose again inside a running Hydra app (a `mist-ds` command's job) with other overrides.
+
+    Hydra's compose API on the app's own GlobalHydra: the same search path (a user's -cd / -cp
+    directories) and the same primary config (-cn) as the job's config; ConfigError on bad input.
+    """
+    from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
+
+    config_name = HydraConfig.get().job.config_name
+    return _translated(lambda: hydra_compose(config_name=config_name, overrides=list(overrides)))
 
 
 def specs_from_config(cfg: DictConfig, with_strategy: bool = True) -> Specs:
@@ -81,4 +123,5 @@ def compose(overrides: Sequence[str] = (), with_strategy: bool = True) -> Specs:
     return specs_from_config(compose_config(overrides), with_strategy=with_strategy)
 
 
-__all__ = ["ConfigError", "compose", "compose_config", "register_configs", "specs_from_config"]
+__all__ = ["ConfigError", "compose", "compose_config", "recompose_in_app", "register_configs",
+           "specs_from_config"]

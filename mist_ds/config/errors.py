@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import difflib
 
-from hydra.errors import MissingConfigException, OverrideParseException
+from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from mist_ds.specs import ConfigError
@@ -38,6 +38,12 @@ def as_config_error(error: BaseException) -> ConfigError:
         group, option = error.missing_cfg_file.rsplit("/", 1)
         options = [o for o in error.options or () if not o.startswith(HIDDEN_OPTION_PREFIX)]
         return ConfigError(group, option, f"no such {group}; choose one of {', '.join(options)}")
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file:  # the primary config (-cn)
+        return ConfigError("--config-name", error.missing_cfg_file,
+                           "no such primary config in the search path; drop -cn (mist_ds's is `config`) or "
+                           "give a directory holding it with -cd DIR")
+    if isinstance(error, SearchPathException):  # -cd DIR that is not a directory
+        return ConfigError("--config-dir", NO_VALUE, f"{str(error).splitlines()[0]}; give an existing directory")
     if isinstance(error, OverrideParseException):
         first_line = str(error).split("\n")[0]
         return ConfigError("overrides", NO_VALUE, f"{first_line}; write key=value or group=option")

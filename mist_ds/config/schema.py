@@ -128,3 +128,5 @@ class MistDsConfig:
     train: TrainConfig = MISSING
     strategy: StrategyConfig = MISSING
     tuner: TunerConfig = MISSING
+    json: bool = False  # machine-readable output: the result as JSON on stdout instead of text
+    plan: Optional[str] = None  # a plan.json from `mist-ds tune` whose strategy predict prices; null = `strategy`

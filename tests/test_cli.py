@@ -1,0 +1,216 @@
+"""`mist-ds <command> [Hydra's command line]`, run as a subprocess in an empty directory: Hydra's flags
+(-m, --cfg, -cd, -cp, hydra.run.dir, hydra.sweep.dir, -sc), the old spellings (--json, --plan, --out),
+where files go (tune: Hydra's output dir; show / predict / analyze: nowhere), and the exit codes (0 done,
+2 bad input on one stderr line, 3 no plan fits; a multirun's largest job status)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import sympy
+from omegaconf import OmegaConf
+
+from mist_ds.config import compose
+from mist_ds.symbolic.layer_cost import PUBLIC_KEYS
+from tests.test_cost import BASE
+from tests.test_tuner import SMALL
+
+FAST_TUNE = ["tuner.compare_baselines=false", "tuner.quiet=true"]
+b_, s_, t_ = sympy.symbols("b s t", positive=True, integer=True)  # as analyze declares them
+PLAN_FILES = {"plan.json", "ds_config.json", "summary.md"}
+
+
+def mist_ds(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`mist-ds args` in `cwd` (this interpreter, the installed package), with `env` added."""
+    return subprocess.run([sys.executable, "-m", "mist_ds.cli.main", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, env={**os.environ, **(env or {})})
+
+
+def _names(directory) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def test_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
+    out = tmp_path / "plan"
+    run = mist_ds("tune", *SMALL, f"hydra.run.dir={out}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert _names(out) == PLAN_FILES | {".hydra"}  # Hydra's copy of the config and overrides beside the plan
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["user_overrides"] == SMALL
+    assert {b["space"] for b in plan["baselines"]} == {"megatron", "deepspeed", "aceso"}
+    for spelling in ([f"plan={out / 'plan.json'}", "json=true"], ["--plan", str(out / "plan.json"), "--json"]):
+        again = mist_ds("predict", *spelling, cwd=tmp_path)
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout) == plan["prediction"]
+    assert "| stage | layers |" in (out / "summary.md").read_text()
+    slower = mist_ds("predict", "plan=plan/plan.json", "cluster.intra_node_gbps=0.001", "json=true", cwd=tmp_path)
+    assert slower.returncode == 0, slower.stderr  # the user's overrides come after the plan's: they win
+    assert json.loads(slower.stdout)["iteration_time_s"] > plan["prediction"]["iteration_time_s"]
+    assert _names(tmp_path) == {"plan"}  # predict wrote nothing
+
+
+def test_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
+    run = mist_ds("tune", "model=gpt3-175b", "cluster=l4-24g", "tuner.compare_baselines=false",
+                  "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert run.returncode == 3, run.stderr
+    assert "no plan fits" in run.stderr and "GiB" in run.stderr and "Traceback" not in run.stderr
+    assert not PLAN_FILES & _names(tmp_path / "x")  # Hydra made the run dir (and .hydra/) before the job ran
+
+
+def test_multirun_tunes_each_job_into_its_own_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    run = mist_ds("tune", "-m", "model=gpt3-1.3b,gpt3-2.7b", "cluster=a100-40g", *FAST_TUNE,
+                  f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    for job, model in ((0, "gpt3-1.3b"), (1, "gpt3-2.7b")):
+        assert PLAN_FILES <= _names(sweep / str(job))
+        plan = json.loads((sweep / str(job) / "plan.json").read_text())
+        assert f"model={model}" in plan["user_overrides"]
+    assert "Launching 2 jobs" in run.stderr and "Launching" not in run.stdout  # Hydra's log: stderr only
+    assert _names(tmp_path) == {"sweep"}
+
+
+def test_multirun_exits_with_the_largest_job_status_and_runs_every_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    run = mist_ds("tune", "-m", "model=gpt3-1.3b,tiny", "cluster=cpu", *FAST_TUNE, f"hydra.sweep.dir={sweep}",
+                  cwd=tmp_path)
+    assert run.returncode == 3, run.stderr
+    assert "no plan fits" in run.stderr and "Traceback" not in run.stderr
+    assert not (sweep / "0" / "plan.json").exists()  # gpt3-1.3b does not fit two 4 GiB "GPUs"
+    assert PLAN_FILES <= _names(sweep / "1")  # the job after it still ran
+
+
+def test_cfg_job_prints_the_composed_config_and_creates_nothing(tmp_path):
+    run = mist_ds("tune", "model=tiny", "--cfg", "job", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    cfg = OmegaConf.create(run.stdout)
+    assert cfg.model.name == "tiny" and cfg.cluster.name == "l4-24g"
+    assert cfg.json is False and cfg.plan is None
+    assert _names(tmp_path) == set()
+
+
+def test_a_users_config_dir_composes_with_the_zoo(tmp_path):
+    """-cd DIR adds DIR to the search path; -cp DIR (relative to the cwd) makes it the primary config
+    path, and the search-path plugin still brings the zoo and the primary config `config`."""
+    (tmp_path / "mine" / "model").mkdir(parents=True)
+    (tmp_path / "mine" / "model" / "mymodel.yaml").write_text(
+        "defaults:\n  - base_gpt\n  - _self_\nname: mymodel\nhidden_size: 128\nnum_layers: 4\nnum_heads: 4\n"
+        "vocab_size: 4096\nseq_len: 128\n")
+    (tmp_path / "mine" / "cluster").mkdir()
+    (tmp_path / "mine" / "cluster" / "mycpu.yaml").write_text(
+        "defaults:\n  - cpu\n  - _self_\nname: mycpu\ngpus_per_node: 4\n")
+    expected = compose(["model=tiny", "model.num_layers=4"], with_strategy=False).model.total_params()
+    for flag, cluster, gpus in (("-cd", "a100-80g", 8), ("-cd", "mycpu", 4), ("-cp", "mycpu", 4)):
+        run = mist_ds("show", flag, "mine", "model=mymodel", f"cluster={cluster}", "train.global_batch_size=16",
+                      "json=true", cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        facts = json.loads(run.stdout)
+        assert facts["model"]["name"] == "mymodel" and facts["params_total"] == expected
+        assert facts["cluster"]["name"] == cluster and facts["gpus"] == gpus
+    assert _names(tmp_path) == {"mine"}
+
+
+BAD_INPUTS = [
+    (["show", "model.hidden_size=-1"], "model.hidden_size"),
+    (["show", "model=nope"], "model"),
+    (["show", "model.foo=1"], "model.foo"),
+    (["show", "model.hidden_size=abc"], "model.hidden_size"),
+    (["show", "model.hidden_size=[1"], "overrides"),
+    (["predict", "strategy.pp=2", "strategy.zero_stage=3"], "deepspeed.pipeline-zero"),
+    (["predict", "plan=missing.json"], "plan"),
+    (["tune", "-m", "model=tiny,nope"], "model"),
+    (["show", "--cfg", "everything"], "--cfg"),
+    (["show", "-cd", "missing"], "--config-dir"),
+    (["predict", "--plan"], "--plan"),
+    (["explain"], "command"),
+]
+
+
+@pytest.mark.parametrize("args,field", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, args, field):
+    result = mist_ds(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert field in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_hydra_full_error_set_by_the_user_gives_the_traceback(tmp_path):
+    result = mist_ds("show", "model=nope", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_a_bug_in_a_command_raises_with_its_traceback(tmp_path):
+    """A job's own exception (not bad input) is never turned into exit 2, even a ValueError."""
+    script = ("import sys\n"
+              "from mist_ds.cli import main as cli\n"
+              "def bug(cfg):\n"
+              "    raise ValueError('a bug, not the input')\n"
+              "cli.COMMANDS['show'] = cli.Command(bug, 'raises')\n"
+              "sys.exit(cli.main(['show', 'model=tiny']))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "ValueError: a bug, not the input" in result.stderr
+    assert _names(tmp_path) == set()
+
+
+def test_usage_names_the_commands(tmp_path):
+    bare = mist_ds(cwd=tmp_path)
+    assert bare.returncode == 2 and "tune" in bare.stderr
+    usage = mist_ds("--help", cwd=tmp_path)
+    assert usage.returncode == 0
+    assert all(word in usage.stdout for word in ("tune", "predict", "show", "analyze", "Hydra", "--out"))
+
+
+def test_shell_completion_completes_after_the_command(tmp_path):
+    run = mist_ds("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "mist-ds tune model=gpt3-1"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["model=gpt3-1.3b", "model=gpt3-13b", "model=gpt3-175b"]
+    commands = mist_ds("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "mist-ds pr"})
+    assert commands.stdout.split() == ["predict"]
+
+
+def test_cli_show_json_keys(tmp_path):
+    result = mist_ds("show", "model=llama2-7b", "cluster=a100-80g", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["params_total"] == compose(["model=llama2-7b"], with_strategy=False).model.total_params()
+    assert set(facts["model_state_bytes_per_gpu"]) == {"0", "1", "2", "3"}
+    states = facts["model_state_bytes_per_gpu"]
+    # ZeRO-1 keeps the full gradient until the reduction after backward; ZeRO-2 only its partition.
+    assert states["0"] > states["1"] > states["2"] > states["3"] > 0
+    assert facts["flops_per_token"] > 6 * facts["params_total"]
+    assert _names(tmp_path) == set()
+
+
+def test_predict_json_interface(tmp_path):
+    result = mist_ds("predict", *BASE, "strategy.zero_stage=1", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for key in ("iteration_time_s", "throughput_samples_per_s", "tokens_per_s", "mfu", "hfu", "stage_stable_s",
+                "stage_delta_s", "bubble_s", "optimizer_s", "tail_s", "peak_memory_bytes", "memory_breakdown",
+                "fits", "host_memory_bytes", "sources", "warnings"):
+        assert key in data, key
+    assert set(data["memory_breakdown"][0]) == {"weights", "grads", "optimizer", "activations", "transient",
+                                                "buffers", "reserve"}
+    assert 0 < data["mfu"] <= data["hfu"] < 1
+    assert _names(tmp_path) == set()
+
+
+def test_analyze_json_is_public_interface(tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = mist_ds("analyze", "model=tiny", "--json", cwd=cwd, env={"MIST_DS_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["symbols"] == ["b", "s", "t"]
+    assert set(data["layers"]) == {"embedding", "block", "head"}
+    for layer in data["layers"].values():
+        assert set(layer) == set(PUBLIC_KEYS)
+        for text in layer.values():
+            parsed = sympy.sympify(text, locals={"b": b_, "s": s_, "t": t_})
+            assert parsed.free_symbols <= {b_, s_, t_}
+    assert _names(cwd) == set()
