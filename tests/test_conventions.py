@@ -74,9 +74,9 @@ def test_no_required_field_defaults_to_none():
                     typing.get_type_hints(cls)[field.name]), f"{cls.__name__}.{field.name}: None default, not Optional"
 
 
-def test_readme_field_table_is_the_schema_docs():
-    """README's table is `python -m mist_ds.config.fields`, word for word (regenerate it on change)."""
+def test_config_doc_field_table_is_the_schema_docs():
+    """docs/config.md's table is `python -m mist_ds.config.fields`, word for word (regenerate it on change)."""
     from mist_ds.config.fields import markdown_table
     from tests.conftest import REPO
 
-    assert markdown_table() in (REPO / "README.md").read_text()
+    assert markdown_table() in (REPO / "docs" / "config.md").read_text()

@@ -1,4 +1,5 @@
-"""The README's config-field table, generated from the schema's doc comments (so they never drift).
+"""The config-field table of docs/config.md, generated from the schema's doc comments (so they never
+drift; tests/test_conventions.py compares them).
 
     python -m mist_ds.config.fields      # prints the markdown table
 """
@@ -26,13 +27,16 @@ def _doc_lines(cls: type) -> dict[str, tuple[str, str]]:
     return found
 
 
-def field_rows(prefix: str, cls: type) -> list[tuple[str, str, str]]:
-    """(dotted name, default, doc) for every leaf field; nested schemas expand in place."""
+def field_rows(prefix: str, cls: type, skip: frozenset[str] = frozenset()) -> list[tuple[str, str, str]]:
+    """(dotted name, default, doc) for every leaf field but `skip`; nested schemas expand in place."""
     docs, hints, rows = _doc_lines(cls), typing.get_type_hints(cls), []
     for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
         hint = hints[field.name]
+        name = f"{prefix}.{field.name}" if prefix else field.name
         if dataclasses.is_dataclass(hint):
-            rows += field_rows(f"{prefix}.{field.name}", hint)
+            rows += field_rows(name, hint)
             continue
         default, doc = docs[field.name]
         if default.startswith("field(default_factory=lambda: "):
@@ -40,7 +44,7 @@ def field_rows(prefix: str, cls: type) -> list[tuple[str, str, str]]:
         elif default.startswith("field(default_factory=dict)"):
             default = "{}"
         default = {"None": "null", "True": "true", "False": "false"}.get(default, default.strip('"'))
-        rows.append((f"{prefix}.{field.name}", default, doc.replace("|", "\\|")))
+        rows.append((name, default, doc.replace("|", "\\|")))
     return rows
 
 
@@ -48,6 +52,8 @@ def markdown_table() -> str:
     lines = ["| field | default | meaning |", "|---|---|---|"]
     for group, cls in GROUPS:
         lines += [f"| `{name}` | `{default}` | {doc} |" for name, default, doc in field_rows(group, cls)]
+    own = field_rows("", schema.MistDsConfig, skip=frozenset(group for group, _ in GROUPS))
+    lines += [f"| `{name}` | `{default}` | {doc} |" for name, default, doc in own]
     return "\n".join(lines)
 
 
