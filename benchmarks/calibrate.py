@@ -36,9 +36,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import predict_specs, reference_rows  # noqa: E402
-from megatron_sc21 import row_specs as sc21_specs  # noqa: E402
-from vtrain import FIT_GPUS, row_specs  # noqa: E402
+from common import VTRAIN_FIT_GPUS, predict_specs, reference_rows, sc21_row_specs, vtrain_row_specs  # noqa: E402
 
 SC21_FIT_PP = 1  # SC'21 rows with pp == 1 join the fit
 
@@ -71,8 +69,8 @@ def _with(specs, gpu: dict, latency: float):
 def residuals(values, rows, measured, sc21_rows, sc21_measured, sc21_weight=1.0):
     gpu = {SPEC_NAMES.get(name, name): v * scale for (name, scale, *_), v in zip(PARAMETERS, values)}
     latency = COLLECTIVE_LATENCY_US * 1e-6
-    vtrain = [predict_specs(_with(row_specs(r), gpu, latency)).iteration_time_s for r in rows]
-    sc21 = [predict_specs(_with(sc21_specs(r), gpu, latency)).iteration_time_s for r in sc21_rows]
+    vtrain = [predict_specs(_with(vtrain_row_specs(r), gpu, latency)).iteration_time_s for r in rows]
+    sc21 = [predict_specs(_with(sc21_row_specs(r), gpu, latency)).iteration_time_s for r in sc21_rows]
     weight = np.sqrt(sc21_weight * len(rows) / len(sc21_rows))  # squared: the source counts sc21_weight x
     return np.concatenate([np.log(vtrain) - np.log(measured), weight * (np.log(sc21) - np.log(sc21_measured))])
 
@@ -84,7 +82,7 @@ def main() -> None:
     parser.add_argument("--sc21-weight", type=float, default=1.0,
                         help="weight of the SC'21 source relative to vTrain's (1 = the sources count equally)")
     sc21_weight = parser.parse_args().sc21_weight
-    rows = [r for r in reference_rows("vtrain_a100_single_node") if int(r["gpus"]) in FIT_GPUS][::STRIDE]
+    rows = [r for r in reference_rows("vtrain_a100_single_node") if int(r["gpus"]) in VTRAIN_FIT_GPUS][::STRIDE]
     measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
     sc21_rows = [r for r in reference_rows("megatron_sc21_table1") if int(r["pp"]) == SC21_FIT_PP]
     sc21_measured = np.array([float(r["implied_iter_s"]) for r in sc21_rows])

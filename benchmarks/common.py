@@ -1,4 +1,5 @@
-"""Shared helpers of the accuracy benchmarks: reference rows, fast specs building, error metrics.
+"""Shared helpers of the benchmarks: reference rows, fast specs building, error metrics, the specs of
+the SC'21 and vTrain reference rows, and the text of tuner reports (plans, machine, source commit).
 
 Rows are priced without Hydra per row: one `compose` per model shape, then specs are derived with
 dataclasses.replace and `resolve_strategy` (the same validation the CLI runs).
@@ -7,8 +8,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import os
+import platform
+import subprocess
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy.stats import spearmanr
@@ -18,6 +23,9 @@ from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
 from mist_ds.specs.strategy import resolve_strategy
+
+if TYPE_CHECKING:
+    from mist_ds.tuner.search import PointResult
 
 REFERENCE = Path(__file__).resolve().parent / "reference"
 
@@ -72,3 +80,102 @@ def top1_regret(predicted, measured) -> float:
     """How much slower the predicted-best configuration really was than the measured best."""
     predicted, measured = np.asarray(predicted), np.asarray(measured)
     return float(measured[np.argmin(predicted)] / measured.min() - 1.0)
+
+
+# --- the reference rows' specs -----------------------------------------------------------------------------
+
+# Layers per model chunk (--num-layers-per-virtual-pipeline-stage) of the rows the paper's script
+# (Megatron-LM examples/sc21/run_table_1.sh) runs interleaved; every other row, 1T included, runs 1F1B.
+SC21_LAYERS_PER_CHUNK = {"76.1B": 5, "145.6B": 5, "310.1B": 3, "529.6B": 1}
+
+
+def sc21_virtual_stages(row: dict) -> int:
+    """Chunks per stage the paper ran (1: plain 1F1B)."""
+    if row["model"] not in SC21_LAYERS_PER_CHUNK:
+        return 1
+    return int(row["num_layers"]) // int(row["pp"]) // SC21_LAYERS_PER_CHUNK[row["model"]]
+
+
+def sc21_row_specs(row: dict, interleaved: bool = True) -> Specs:
+    """Specs of a row of benchmarks/reference/megatron_sc21_table1.csv: the published layout on runtime
+    megatron, full recompute, ZeRO 0, the paper's interleaving (`interleaved`) or plain 1F1B."""
+    overrides = ("model=gpt3-1.3b", f"model.name=gpt-{row['model']}", f"model.hidden_size={row['hidden_size']}",
+                 f"model.num_layers={row['num_layers']}", f"model.num_heads={row['num_heads']}",
+                 "model.vocab_size=51200", "model.seq_len=2048", "model.flash_attention=false",
+                 "model.dropout=0.1",  # Megatron-LM defaults: attention and hidden dropout 0.1
+                 "cluster=a100-80g", "train.precision=fp16")
+    gpus = int(row["gpus"])
+    return specs_for(overrides, nodes=gpus // 8, gpus_per_node=8, global_batch=int(row["global_batch"]),
+                     runtime="megatron", tp=int(row["tp"]), pp=int(row["pp"]), micro_batch_size=int(row["micro_batch"]),
+                     ckpt_layers="full", zero_stage=0, **_sc21_schedule(row, interleaved))
+
+
+def _sc21_schedule(row: dict, interleaved: bool) -> dict:
+    chunks = sc21_virtual_stages(row) if interleaved else 1
+    return {"schedule": "interleaved", "virtual_stages": chunks} if chunks > 1 else {}
+
+
+VTRAIN_FIT_GPUS = {2, 4}  # the calibration subset of cluster/a100-80g.yaml; 8-GPU rows are held out
+
+
+def vtrain_row_specs(row: dict, **gpu_changes) -> Specs:
+    """Specs of a row of benchmarks/reference/vtrain_a100_single_node.csv (runtime megatron, one node, full
+    recompute, ZeRO 0); `gpu_changes` replace fields of the cluster's GPU."""
+    overrides = ("model=gpt3-1.3b", f"model.name=vtrain-h{row['hidden_size']}-l{row['num_layers']}",
+                 f"model.hidden_size={row['hidden_size']}", f"model.num_layers={row['num_layers']}",
+                 f"model.num_heads={row['num_heads']}", "model.vocab_size=51200", f"model.seq_len={row['seq_len']}",
+                 "model.flash_attention=false", "cluster=a100-80g", "train.precision=fp16",
+                 "model.dropout=0.1")  # Megatron-DeepSpeed defaults: attention and hidden dropout 0.1
+    return specs_for(overrides, nodes=1, gpus_per_node=int(row["gpus"]), global_batch=int(row["global_batch"]),
+                     gpu_changes=gpu_changes or None, runtime="megatron", tp=int(row["tp"]), pp=int(row["pp"]),
+                     micro_batch_size=int(row["micro_batch"]), ckpt_layers="full", zero_stage=0)
+
+
+# --- tuner reports -----------------------------------------------------------------------------------------
+
+def run_length_text(values) -> str:
+    """Run-length text of a per-stage list: [13, 12, 12, 12, 11] -> '13, 12 (x3), 11'."""
+    out, i = [], 0
+    values = list(values)
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        out.append(f"{values[i]:g}" + (f" (x{j - i + 1})" if j > i else ""))
+        i = j + 1
+    return ", ".join(out)
+
+
+def plan_text(best: PointResult) -> str:
+    """One line of a tuned plan: its (t, S, d, b, G) and per stage its layers, recomputed layers, ZeRO stage
+    and the offload fractions that are not all zero."""
+    p, stages = best.point, best.strategy.stages
+    offloads = []
+    for name, key in (("wo", "weights_offload"), ("go", "grads_offload"), ("oo", "optimizer_offload"),
+                      ("ao", "activations_offload")):
+        values = [getattr(s, key) for s in stages]
+        if any(values):
+            offloads.append(f"{name} [{run_length_text(values)}]")
+    return (f"t {p.tp}, S {p.pp}, d {p.dp}, b {p.micro_batch_size}, G {p.grad_accum}; "
+            f"layers [{run_length_text(s.layers for s in stages)}]; "
+            f"ckpt [{run_length_text(s.ckpt_layers for s in stages)}]; "
+            f"zero [{run_length_text(s.zero_stage for s in stages)}]; offload " + ("; ".join(offloads) or "none"))
+
+
+def source_tree(paths: tuple[str, ...] = ("mist_ds", "benchmarks")) -> str:
+    """The commit the numbers come from, and which of `paths` had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    dirty = sorted({line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--", *paths).splitlines()
+                    if not line.startswith("??")})
+    return f"commit {git('rev-parse', '--short', 'HEAD')}" + (
+        f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+
+
+def machine_description() -> str:
+    """The machine the timings come from: cores, CPU model, load average at start, Python and numpy."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{os.cpu_count()}-core VM ({cpu}), shared with another job (load average at start {load}), "
+            f"Python {platform.python_version()}, numpy {np.__version__}, single process (tuner.workers=1)")

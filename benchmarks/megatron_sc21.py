@@ -16,44 +16,16 @@ import sys
 import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import mape, predict_specs, reference_rows, specs_for  # noqa: E402
-
-# Layers per model chunk (--num-layers-per-virtual-pipeline-stage) of the rows the paper's script
-# (Megatron-LM examples/sc21/run_table_1.sh) runs interleaved; every other row, 1T included, runs 1F1B.
-LAYERS_PER_CHUNK = {"76.1B": 5, "145.6B": 5, "310.1B": 3, "529.6B": 1}
-
-
-def virtual_stages(row: dict) -> int:
-    """Chunks per stage the paper ran (1: plain 1F1B)."""
-    if row["model"] not in LAYERS_PER_CHUNK:
-        return 1
-    return int(row["num_layers"]) // int(row["pp"]) // LAYERS_PER_CHUNK[row["model"]]
-
-
-def row_specs(row: dict, interleaved: bool = True):
-    overrides = ("model=gpt3-1.3b", f"model.name=gpt-{row['model']}", f"model.hidden_size={row['hidden_size']}",
-                 f"model.num_layers={row['num_layers']}", f"model.num_heads={row['num_heads']}",
-                 "model.vocab_size=51200", "model.seq_len=2048", "model.flash_attention=false",
-                 "model.dropout=0.1",  # Megatron-LM defaults: attention and hidden dropout 0.1
-                 "cluster=a100-80g", "train.precision=fp16")
-    gpus = int(row["gpus"])
-    return specs_for(overrides, nodes=gpus // 8, gpus_per_node=8, global_batch=int(row["global_batch"]),
-                     runtime="megatron", tp=int(row["tp"]), pp=int(row["pp"]), micro_batch_size=int(row["micro_batch"]),
-                     ckpt_layers="full", zero_stage=0, **_schedule(row, interleaved))
-
-
-def _schedule(row: dict, interleaved: bool) -> dict:
-    chunks = virtual_stages(row) if interleaved else 1
-    return {"schedule": "interleaved", "virtual_stages": chunks} if chunks > 1 else {}
+from common import mape, predict_specs, reference_rows, sc21_row_specs, sc21_virtual_stages  # noqa: E402
 
 
 def main() -> None:
     rows = reference_rows("megatron_sc21_table1")
     results, plain_1f1b = [], {}
     for row in rows:
-        specs = row_specs(row)
+        specs = sc21_row_specs(row)
         prediction = predict_specs(specs)
-        plain_1f1b[row["model"]] = predict_specs(row_specs(row, interleaved=False)).iteration_time_s
+        plain_1f1b[row["model"]] = predict_specs(sc21_row_specs(row, interleaved=False)).iteration_time_s
         flops = 96 * specs.train.global_batch_size * 2048 * specs.model.num_layers * specs.model.hidden_size**2 * (
             1 + 2048 / (6 * specs.model.hidden_size) + 51200 / (16 * specs.model.num_layers * specs.model.hidden_size))
         results.append((row, prediction, flops))
@@ -72,7 +44,7 @@ def main() -> None:
     for (row, p, _), c in zip(results, constant):
         m = float(row["implied_iter_s"])
         plain_s = plain_1f1b[row["model"]]
-        chunks = virtual_stages(row)
+        chunks = sc21_virtual_stages(row)
         print(f"| {row['model']} | {row['tp']} | {row['pp']} | {row['dp']} | {row['micro_batch']} | {chunks} | "
               f"{m:.2f} | {p.iteration_time_s:.2f} | {(p.iteration_time_s - m) / m:+.1%} | {plain_s:.2f} | "
               f"{(plain_s - m) / m:+.1%} | {c:.2f} | {(c - m) / m:+.1%} |")

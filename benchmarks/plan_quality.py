@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs  # noqa: E402
-from tune_speed import machine, plan_text, source_tree  # noqa: E402
+from common import base_specs, machine_description, plan_text, source_tree  # noqa: E402
 
 from mist_ds.specs import Specs  # noqa: E402
 from mist_ds.specs.model import default_ffn_hidden_size  # noqa: E402
@@ -313,7 +312,7 @@ def main() -> None:
     only = sys.argv[1:]  # case names (gpt3-1.3b, llama-22B, ...) for development; all when empty
     print("# Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the baselines\n")
     print("Command: `nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md`  ")
-    print(f"Machine: {machine()}.  ")
+    print(f"Machine: {machine_description()}.  ")
     print(f"Source: {source_tree()}.\n")
     print(f"Cases: GPT-3 and Llama shapes at 1.3B on 2 GPUs, 2.7B/4, 7B/8, 13B/16, 22B/32; global batch "
           f"{SAMPLES_PER_GPU} x GPUs; `l4-24g` at sequence {CLUSTERS[0][1]}, `a100-40g` at sequence "

@@ -27,9 +27,8 @@ from unittest import mock
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import predict_specs, reference_rows  # noqa: E402
-from megatron_sc21 import row_specs, virtual_stages  # noqa: E402
-from tune_speed import runs, source_tree  # noqa: E402
+from common import (predict_specs, reference_rows, run_length_text, sc21_row_specs, sc21_virtual_stages,  # noqa: E402
+                    source_tree)
 
 from mist_ds.cost.predict import Prediction  # noqa: E402
 from mist_ds.tuner.search import PointResult, SearchResult, search  # noqa: E402
@@ -88,7 +87,7 @@ def plan_text(best: PointResult | None) -> str:
     if best is None:
         return "no plan fits"
     stages = best.strategy.stages
-    uneven = "" if len({s.layers for s in stages}) == 1 else f", layers [{runs(s.layers for s in stages)}]"
+    uneven = "" if len({s.layers for s in stages}) == 1 else f", layers [{run_length_text(s.layers for s in stages)}]"
     oo = stages[0].optimizer_offload
     return (f"({best.point.tp}, {best.point.pp}, {best.point.micro_batch_size}) ckpt {ckpt_text(best)}"
             + uneven + (f", oo {oo:g}" if oo else "")
@@ -159,7 +158,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     table = []
     for row in rows:
-        specs = row_specs(row)
+        specs = sc21_row_specs(row)
         published = predict_specs(specs)
         published_s = published.iteration_time_s
         key = (int(row["tp"]), int(row["pp"]), int(row["micro_batch"]))
@@ -168,7 +167,7 @@ def main() -> None:
         search_s = time.perf_counter() - start
         restricted = [tuned(specs, v, key, published_s) for v in VARIANTS[1:]]
         table.append((row, key, max(published.peak_memory_bytes) / GIB, space, restricted))
-        chunks = virtual_stages(row)
+        chunks = sc21_virtual_stages(row)
         note = f"published: interleaved, {chunks} chunks per stage" if chunks > 1 else ""
         print(f"| {row['model']} | {row['gpus']} | {row['global_batch']} | {key} | {published_s:.2f} | "
               f"{plan_text(space.result.best)} | {number(space.predicted_s)} | {'yes' if space.recovers else 'no'} | "

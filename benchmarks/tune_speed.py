@@ -14,24 +14,19 @@ Each runs on runtimes deepspeed and mist-paper. A search past CASE_LIMIT_S is st
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs, reference_rows  # noqa: E402
+from common import base_specs, machine_description, plan_text, reference_rows, source_tree  # noqa: E402
 
 from mist_ds.cost.predict import model_costs, predict_strategy  # noqa: E402
 from mist_ds.hardware import hardware_model  # noqa: E402
-from mist_ds.tuner.search import PointResult, SearchResult, search  # noqa: E402
+from mist_ds.tuner.search import SearchResult, search  # noqa: E402
 
 RUNTIMES = ("deepspeed", "mist-paper")
 CASE_LIMIT_S = 600
@@ -63,32 +58,6 @@ CASES = (
 
 
 # --- formatting ------------------------------------------------------------------------------------------
-
-def runs(values) -> str:
-    """Run-length text of a per-stage list: [13, 12, 12, 12, 11] -> '13, 12 (x3), 11'."""
-    out, i = [], 0
-    values = list(values)
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[i]:
-            j += 1
-        out.append(f"{values[i]:g}" + (f" (x{j - i + 1})" if j > i else ""))
-        i = j + 1
-    return ", ".join(out)
-
-
-def plan_text(best: PointResult) -> str:
-    p, stages = best.point, best.strategy.stages
-    offloads = []
-    for name, key in (("wo", "weights_offload"), ("go", "grads_offload"), ("oo", "optimizer_offload"),
-                      ("ao", "activations_offload")):
-        values = [getattr(s, key) for s in stages]
-        if any(values):
-            offloads.append(f"{name} [{runs(values)}]")
-    return (f"t {p.tp}, S {p.pp}, d {p.dp}, b {p.micro_batch_size}, G {p.grad_accum}; "
-            f"layers [{runs(s.layers for s in stages)}]; ckpt [{runs(s.ckpt_layers for s in stages)}]; "
-            f"zero [{runs(s.zero_stage for s in stages)}]; offload " + ("; ".join(offloads) or "none"))
-
 
 def per_point(result: SearchResult) -> list[tuple]:
     """(point, best objective or None, max gap, candidates, solver) per global point; variants merged."""
@@ -179,31 +148,13 @@ def report(case: Case, runtime: str, result: SearchResult, cpu_s: float, simulat
             f"{target}: {'yes' if ok else 'NO'} |")
 
 
-def source_tree(paths: tuple[str, ...] = ("mist_ds", "benchmarks")) -> str:
-    """The commit the numbers come from, and which of `paths` had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    dirty = sorted({line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--", *paths).splitlines()
-                    if not line.startswith("??")})
-    return f"commit {git('rev-parse', '--short', 'HEAD')}" + (
-        f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()}-core VM ({cpu}), shared with another job (load average at start {load}), "
-            f"Python {platform.python_version()}, numpy {np.__version__}, single process (tuner.workers=1)")
-
-
 def main() -> None:
     chosen = [c for c in CASES if len(sys.argv) < 2 or c.name in sys.argv[1:]]
     specs = base_specs(CASES[0].overrides)
     tuner = specs.tuner
     print("# Tuner speed: `search` (space mist, baselines off) on the development machine\n")
     print("Command: `nice -n 5 .venv/bin/python benchmarks/tune_speed.py > benchmarks/results/tune_speed.md`  ")
-    print(f"Machine: {machine()}.  ")
+    print(f"Machine: {machine_description()}.  ")
     print(f"Source: {source_tree()}.  ")
     print(f"Tuner grids (defaults): micro-batch sizes {list(tuner.micro_batch_sizes)}, max_tp {tuner.max_tp}, "
           f"layer_slack {tuner.layer_slack}, weights/grads/optimizer/activations offload ratios "

@@ -17,20 +17,8 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import mape, predict_specs, reference_rows, spearman, specs_for, top1_regret  # noqa: E402
-
-FIT_GPUS = {2, 4}  # the calibration subset of cluster/a100-80g.yaml; 8-GPU rows are held out
-
-
-def row_specs(row: dict, **gpu_changes):
-    overrides = ("model=gpt3-1.3b", f"model.name=vtrain-h{row['hidden_size']}-l{row['num_layers']}",
-                 f"model.hidden_size={row['hidden_size']}", f"model.num_layers={row['num_layers']}",
-                 f"model.num_heads={row['num_heads']}", "model.vocab_size=51200", f"model.seq_len={row['seq_len']}",
-                 "model.flash_attention=false", "cluster=a100-80g", "train.precision=fp16",
-                 "model.dropout=0.1")  # Megatron-DeepSpeed defaults: attention and hidden dropout 0.1
-    return specs_for(overrides, nodes=1, gpus_per_node=int(row["gpus"]), global_batch=int(row["global_batch"]),
-                     gpu_changes=gpu_changes or None, runtime="megatron", tp=int(row["tp"]), pp=int(row["pp"]),
-                     micro_batch_size=int(row["micro_batch"]), ckpt_layers="full", zero_stage=0)
+from common import (VTRAIN_FIT_GPUS, mape, predict_specs, reference_rows, spearman, top1_regret,  # noqa: E402
+                    vtrain_row_specs)
 
 
 def model_flops(row: dict) -> float:
@@ -66,7 +54,7 @@ def _workloads(rows, idx):
 
 def report(rows, predicted, constant) -> None:
     measured = _measured_s(rows)
-    fit = np.array([int(r["gpus"]) in FIT_GPUS for r in rows])
+    fit = np.array([int(r["gpus"]) in VTRAIN_FIT_GPUS for r in rows])
     groups = _model_groups(rows)
     print("Ranking is scored within each workload (same model, GPUs, global batch and sequence length: only "
           "the split differs), then summarized per (model, GPU count) group: Spearman averaged over the "
@@ -84,7 +72,7 @@ def report(rows, predicted, constant) -> None:
         rhos = [spearman(predicted[w], measured[w]) for w in work if len(w) >= 3]
         regrets = [top1_regret(predicted[w], measured[w]) for w in work if len(w) >= 2]
         random_pick = [float(np.mean(measured[w]) / measured[w].min() - 1.0) for w in work if len(w) >= 2]
-        part = "fit" if int(g) in FIT_GPUS else "held-out"
+        part = "fit" if int(g) in VTRAIN_FIT_GPUS else "held-out"
         summary[part].append((np.mean(rhos), np.mean(regrets), max(regrets), np.mean(random_pick)))
         print(f"| {h} | {l} | {g} | {len(idx)} | {len(work)} | {mape(predicted[idx], measured[idx]):.1%} | "
               f"{np.mean(rhos):.3f} | {np.mean(regrets):.1%} | {max(regrets):.1%} | "
@@ -218,10 +206,10 @@ def period_gap(rows, predicted) -> None:
 
 def main() -> None:
     rows = reference_rows("vtrain_a100_single_node")
-    predicted = np.array([predict_specs(row_specs(r)).iteration_time_s for r in rows])
+    predicted = np.array([predict_specs(vtrain_row_specs(r)).iteration_time_s for r in rows])
     ideal = np.array([model_flops(r) / (int(r["gpus"]) * 312e12) for r in rows])
     measured = _measured_s(rows)
-    fit = np.array([int(r["gpus"]) in FIT_GPUS for r in rows])
+    fit = np.array([int(r["gpus"]) in VTRAIN_FIT_GPUS for r in rows])
     efficiency = float(np.exp(np.mean(np.log(ideal[fit] / measured[fit]))))
     print("# vTrain single-node A100: predicted vs measured iteration time\n")
     print("Command: `.venv/bin/python benchmarks/vtrain.py`  ")
