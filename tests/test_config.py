@@ -122,6 +122,10 @@ BAD_INPUTS = [
     (["cluster.interference.fallback=0.5"], "cluster.interference.fallback"),
     (["tuner.space=alpa"], "tuner.space"),
     (["tuner.runtime=jax"], "tuner.runtime"),
+    (["tuner.pp=[0]"], "tuner.pp"),
+    (["tuner.tp=[]"], "tuner.tp"),
+    (["model=llama3-8b", "cluster=a100-80g", "strategy.tp=16", "strategy.allow_cross_node_tp=true",
+      "cluster.nodes=2"], "strategy.tp"),
 ]
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mist_ds.config import compose
-from mist_ds.emit import BucketSizes, bucket_sizes, ds_config, read_mist_block
+from mist_ds.emit import BucketSizes, bucket_sizes, ds_config, read_mist_block, stage_ds_config
 from mist_ds.specs import ConfigError, runtime_capabilities
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 
@@ -71,6 +71,8 @@ def test_deepspeed_parses_the_plan(parse, case):
     param_device = zero.offload_param.device if zero.offload_param else "none"
     assert param_device == ("cpu" if stage.weights_offload == 1 else "none")
     assert read_mist_block(json.loads(json.dumps(config))).strategy == strategy
+    for i, own in enumerate(strategy.stages):  # every stage's own config parses, with its own ZeRO stage
+        assert parse(stage_ds_config(config, i), par.dp).zero_optimization_stage == own.zero_stage
 
 
 def test_batch_rule_is_checked_for_the_plans_dp(parse):
@@ -143,6 +145,11 @@ def test_mist_block_holds_every_stage():
     assert mist.overlap == runtime_capabilities("deepspeed").overlap
     # DeepSpeed's keys hold the first stage's local settings; the second stage's offload is in "mist" only.
     assert "offload_optimizer" not in config["zero_optimization"]
+    assert stage_ds_config(config, 0)["zero_optimization"] == config["zero_optimization"]
+    second = stage_ds_config(config, 1)
+    assert second["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert {k: v for k, v in second.items() if k != "zero_optimization"} == \
+           {k: v for k, v in config.items() if k != "zero_optimization"}
     assert config["zero_force_ds_cpu_optimizer"] is False
     assert config["zero_optimization"]["overlap_comm"] is False  # pipelines need it off
 
@@ -201,6 +208,8 @@ _DELETE = object()
     (("mist", "strategy", "grad_accum"), _DELETE, "mist.strategy"),
     (("mist", "stage_layer_ranges"), [[0, 4], [4, 8]], "mist.stage_layer_ranges"),
     (("mist", "overlap", "prefetch_weights"), "yes", "mist.overlap"),
+    (("mist", "buckets", "reduce_bucket_elements"), -1, "mist.buckets"),
+    (("mist", "buckets"), _DELETE, "mist.buckets"),
 ])
 def test_mist_block_from_a_file_is_validated(path, value, field):
     with pytest.raises(ConfigError) as error:

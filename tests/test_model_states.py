@@ -17,7 +17,7 @@ parallel, Pa = P padded to a multiple of 2d, ps = Pa / d, n_i the parameter size
 order, L = max n_i, touch = sum of the n_i of the parameters overlapping the rank's partition
 [r ps, (r + 1) ps), p3 = sum ceil(n_i / d) (ZeRO-3 pads each parameter to d), R reduce bucket
 elements, T the ZeRO-3 persistence threshold. On the CPU accelerator every tensor is in CPU memory:
-`host` is what the offloading optimizer allocates on 'cpu' by construction (mist_ds/testing/census.py).
+`host` is what the offloading optimizer allocates on 'cpu' by construction (mist_ds/runtime/census.py).
 U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)) is memory.py's bound of touch (a rank's whole
 parameters): `partition_touch_elements`.
 Scalars (one-element storages: Adam's step counters, norms, flags) are counted apart, not compared.

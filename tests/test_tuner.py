@@ -68,7 +68,7 @@ def exhaustive(specs, runtime, point):
 def _per_point(overrides, runtime):
     specs = compose(overrides, with_strategy=False)
     ctx = SearchContext(specs=specs, space=specs.tuner.space, caps=runtime_capabilities(runtime))
-    for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space):
+    for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space, ctx.caps):
         tuned = [r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None]
         yield specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None, exhaustive(specs, runtime, point)
 

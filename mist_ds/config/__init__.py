@@ -114,7 +114,7 @@ def specs_from_config(cfg: DictConfig, with_strategy: bool = True) -> Specs:
         raise as_config_error(error) from error
     specs = to_specs(schema, with_strategy=with_strategy)
     if specs.strategy is not None:
-        check_runtime(specs.strategy)
+        check_runtime(specs.strategy, model=specs.model)
     return specs
 
 

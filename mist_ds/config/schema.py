@@ -110,6 +110,8 @@ class TunerConfig:
     runtime: Optional[str] = None  # runtime the plan must run on; null = the best runtime mist_ds can execute
     micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])  # candidate b
     max_tp: int = 8  # largest tensor-parallel degree tried
+    tp: Optional[List[int]] = None  # allowed tensor-parallel degrees, e.g. [1, 2]; null = any up to max_tp
+    pp: Optional[List[int]] = None  # allowed pipeline degrees S, e.g. [2]; null = any
     workers: int = 1  # worker processes for the outer loop; the plan does not depend on it
     compare_baselines: bool = True  # also tune the megatron, deepspeed and aceso spaces and compare
     milp_time_limit_s: float = 60.0  # CBC time limit per MILP, seconds; the gap is reported if it binds

@@ -67,7 +67,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
     """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
     strategy = specs.strategy
     caps = capabilities_of(caps or strategy.runtime)
-    check_runtime(strategy, caps)
+    check_runtime(strategy, caps, specs.model)
     c = stage_candidates(strategy, specs.model.seq_len)
     times = stage_times(costs, hw, caps, specs.train, c)
     memory = stage_memory(costs, hw, caps, specs.train, c)

@@ -7,9 +7,9 @@ does), so mist_ds writes a single `ds_config.json`:
   there, so stock `deepspeed.initialize` on that file runs stage 0 exactly and the others with stage 0's
   offload.
 - `"mist"` holds the whole strategy in its one serialization (StrategySpec.to_dict()), each stage's
-  block range, and the runtime's overlap features. `read_mist_block` (below, beside its writer) reads
-  it back validated; the runtime takes its rank's stage from it and adjusts the DeepSpeed keys before
-  starting the engine; nothing else in the file changes between ranks.
+  block range, the planned buckets and the runtime's overlap features. `read_mist_block` (below,
+  beside its writer) reads it back validated, and `stage_ds_config` gives the DeepSpeed config of
+  one stage (its own ZeRO stage and offload); nothing else differs between ranks.
 
 Bucket sizes are the ones the cost model counts (`BucketSizes`), so the memory the plan predicts is the
 memory the engine allocates. The emitter is pure: it imports no DeepSpeed, and refuses (ConfigError
@@ -115,16 +115,29 @@ class MistBlock:
     strategy: StrategySpec
     stage_layer_ranges: tuple[tuple[int, int], ...]
     """[start, stop) block indices per stage, in model order (equal to strategy.stage_layer_ranges())."""
+    buckets: BucketSizes
     overlap: OverlapFeatures
 
 
-def mist_block(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> dict[str, Any]:
-    """The whole plan for the runtime (DeepSpeed ignores it): the strategy, each stage's block range, and
-    the overlap features of its runtime (`caps`, default the runtime the strategy names)."""
+def mist_block(strategy: StrategySpec, buckets: BucketSizes, caps: RuntimeCapabilities | None = None
+               ) -> dict[str, Any]:
+    """The whole plan for the runtime (DeepSpeed ignores it): the strategy, each stage's block range, the
+    buckets every stage's ZeRO block uses, and the overlap features of its runtime (`caps`, default the
+    runtime the strategy names)."""
     caps = capabilities_of(caps or strategy.runtime)
     return {"version": MIST_BLOCK_VERSION, "strategy": strategy.to_dict(),
             "stage_layer_ranges": [list(r) for r in strategy.stage_layer_ranges()],
-            "overlap": dataclasses.asdict(caps.overlap)}
+            "buckets": dataclasses.asdict(buckets), "overlap": dataclasses.asdict(caps.overlap)}
+
+
+def _read_buckets(value: Any) -> BucketSizes:
+    names = [f.name for f in dataclasses.fields(BucketSizes)]
+    ok = isinstance(value, Mapping) and sorted(value) == sorted(names) and all(
+        v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) for v in value.values())
+    if not ok:
+        raise ConfigError(f"{MIST_KEY}.buckets", value, f"must map each of {', '.join(names)} to a count of "
+                                                        "elements (or null)")
+    return BucketSizes(**value)
 
 
 def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
@@ -137,7 +150,7 @@ def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
     if block.get("version") != MIST_BLOCK_VERSION:
         raise ConfigError(f"{MIST_KEY}.version", block.get("version"),
                           f"this mist_ds reads version {MIST_BLOCK_VERSION}; re-run `mist-ds tune`")
-    unknown = set(block) - {"version", "strategy", "stage_layer_ranges", "overlap"}
+    unknown = set(block) - {"version", "strategy", "stage_layer_ranges", "buckets", "overlap"}
     if unknown:
         raise ConfigError(MIST_KEY, sorted(unknown), "unknown keys in the \"mist\" block; re-run `mist-ds tune`")
     strategy = strategy_from_dict(block.get("strategy"), f"{MIST_KEY}.strategy")
@@ -151,7 +164,21 @@ def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
             not all(isinstance(v, bool) for v in overlap.values()):
         raise ConfigError(f"{MIST_KEY}.overlap", overlap, f"must map each of {', '.join(names)} to true or false")
     return MistBlock(strategy=strategy, stage_layer_ranges=tuple(tuple(r) for r in ranges),
-                     overlap=OverlapFeatures(**overlap))
+                     buckets=_read_buckets(block.get("buckets")), overlap=OverlapFeatures(**overlap))
+
+
+def stage_ds_config(config: Mapping[str, Any], stage: int, source: str = "ds_config") -> dict[str, Any]:
+    """The DeepSpeed config the ranks of pipeline stage `stage` pass to deepspeed.initialize: the shared
+    keys, with that stage's own ZeRO stage, offload and buckets (DeepSpeed reads one config per rank;
+    settings local to a stage may differ, docs/design.md, What DeepSpeed does)."""
+    plan = read_mist_block(config, source)
+    stages = plan.strategy.stages
+    if not 0 <= stage < len(stages):
+        raise ConfigError("stage", stage, f"the plan has stages 0..{len(stages) - 1}")
+    own = stages[stage]
+    out = {k: v for k, v in config.items()}
+    out["zero_optimization"] = zero_block(own, plan.strategy.parallelism.pp > 1, plan.buckets)
+    return out
 
 
 def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None = None,
@@ -187,5 +214,5 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         # *client* optimizer under offload unless this is false (engine.py:2341-2346): a user who
         # passes their own optimizer to the runtime is not refused.
         config["zero_force_ds_cpu_optimizer"] = False
-    config[MIST_KEY] = mist_block(strategy, caps)
+    config[MIST_KEY] = mist_block(strategy, buckets, caps)
     return config

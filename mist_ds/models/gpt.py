@@ -36,7 +36,8 @@ class GptAttention(nn.Module):
         s = cfg.sizes
         self.heads, self.head_dim = s.heads, s.head_dim
         self.dropout_p, self.fused = cfg.dropout, cfg.fused_attention
-        self.qkv = ColumnParallelLinear(s.hidden, 3 * s.heads * s.head_dim, True, cfg.tp, cfg.dtype)
+        self.qkv = ColumnParallelLinear(s.hidden, 3 * s.heads * s.head_dim, True, cfg.tp, cfg.dtype,
+                                        segments=(s.heads * s.head_dim,) * 3)
         self.proj = RowParallelLinear(s.heads * s.head_dim, s.hidden, True, cfg.tp, dtype=cfg.dtype)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

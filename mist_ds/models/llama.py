@@ -40,7 +40,8 @@ class GroupedQueryAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
         self.dropout_p, self.fused = cfg.dropout, cfg.fused_attention
         qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
-        self.qkv = ColumnParallelLinear(s.hidden, qkv_width, False, cfg.tp, cfg.dtype, copy_input=copy_input)
+        self.qkv = ColumnParallelLinear(s.hidden, qkv_width, False, cfg.tp, cfg.dtype, copy_input=copy_input,
+                                        segments=(s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim))
         self.proj = RowParallelLinear(s.heads * s.head_dim, s.hidden, False, cfg.tp, reduce_output=reduce_output,
                                       dtype=cfg.dtype)
 
@@ -69,7 +70,7 @@ class LlamaBlock(nn.Module):
         self.norm_attn = nn.RMSNorm(s.hidden, eps=RMS_NORM_EPS, dtype=cfg.dtype)
         self.attention = GroupedQueryAttention(cfg)
         self.norm_mlp = nn.RMSNorm(s.hidden, eps=RMS_NORM_EPS, dtype=cfg.dtype)
-        self.gate_up = ColumnParallelLinear(s.hidden, 2 * s.ffn, False, cfg.tp, cfg.dtype)
+        self.gate_up = ColumnParallelLinear(s.hidden, 2 * s.ffn, False, cfg.tp, cfg.dtype, segments=(s.ffn, s.ffn))
         self.down = RowParallelLinear(s.ffn, s.hidden, False, cfg.tp, dtype=cfg.dtype)
 
     def reset_parameters(self) -> None:

@@ -102,14 +102,17 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split over TP ranks; input gradient all-reduced.
 
     copy_input=False when the caller already applied `copy_to_tp` to an input it shares with
-    another column-parallel linear (one backward all-reduce instead of two).
+    another column-parallel linear (one backward all-reduce instead of two). `segments`: the
+    per-rank widths of the parts a fused projection stacks (q, k, v; gate, up), each split over the
+    ranks on its own, so that rank r holds rows r of every part (default: one part).
     """
 
     def __init__(self, in_features: int, out_features_per_rank: Any, bias: bool, tp: TensorParallel,
-                 dtype: torch.dtype | None = None, copy_input: bool = True) -> None:
+                 dtype: torch.dtype | None = None, copy_input: bool = True, segments: tuple | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.copy_input = copy_input
+        self.segments = tuple(segments) if segments is not None else (out_features_per_rank,)
         self.weight = new_weight(out_features_per_rank, in_features, dtype)
         self.bias = nn.Parameter(torch.empty(out_features_per_rank, dtype=dtype)) if bias else None
 

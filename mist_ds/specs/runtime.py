@@ -16,6 +16,7 @@ from typing import Literal, Mapping
 import numpy as np
 
 from mist_ds.specs.errors import ConfigError
+from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.strategy import StrategySpec
 
 
@@ -55,6 +56,9 @@ class RuntimeCapabilities:
     fp32_grads_with_bf16: bool
     """In bf16 training, gradients accumulate and are all-reduced in fp32 (Megatron-LM's main_grad
     with accumulate_allreduce_grads_in_fp32); False: in the model dtype."""
+    replicates_kv_heads: bool
+    """A TP degree above the KV heads replicates them (Megatron-LM, Mist); False: t must divide the KV
+    heads (mist_ds.runtime splits them and keeps no replicas in step)."""
     zero_stages_with_pipeline: tuple[int, ...]
     uniform_zero: bool
     """Every stage must use the same ZeRO stage."""
@@ -92,7 +96,7 @@ def _deepspeed() -> RuntimeCapabilities:
     return RuntimeCapabilities(
         name="deepspeed", built=True, executes_on_deepspeed=True, model_states="deepspeed",
         zero3_overlaps_compute=True,  # stage3 prefetch with overlap_comm (emit/ds_config.py zero_block)
-        fp32_grads_with_bf16=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
+        fp32_grads_with_bf16=False, replicates_kv_heads=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
         ckpt_whole_stage_only=True, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
         overlap=OverlapFeatures())
@@ -103,7 +107,8 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     mist = replace(deepspeed, name="mist", built=False, schedules=("1f1b", "mist"))
     mist_paper = RuntimeCapabilities(
         name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
-        zero3_overlaps_compute=True, fp32_grads_with_bf16=False, zero_stages_with_pipeline=(0, 1, 2, 3),
+        zero3_overlaps_compute=True, fp32_grads_with_bf16=False, replicates_kv_heads=True,
+        zero_stages_with_pipeline=(0, 1, 2, 3),
         uniform_zero=False,
         uniform_ckpt=False, ckpt_whole_stage_only=False, weights_offload="fraction", grads_offload="fraction",
         optimizer_offload="fraction", activations_offload=True, schedules=("1f1b", "mist"),
@@ -112,7 +117,8 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
         fused_kernels=True)
     megatron = RuntimeCapabilities(
         name="megatron", built=False, executes_on_deepspeed=False, model_states="megatron",
-        zero3_overlaps_compute=False, fp32_grads_with_bf16=True, zero_stages_with_pipeline=(0, 1),
+        zero3_overlaps_compute=False, fp32_grads_with_bf16=True, replicates_kv_heads=True,
+        zero_stages_with_pipeline=(0, 1),
         uniform_zero=True, uniform_ckpt=True,
         ckpt_whole_stage_only=False, weights_offload="none", grads_offload="none", optimizer_offload="fraction",
         activations_offload=False, schedules=("1f1b", "interleaved"),
@@ -143,10 +149,16 @@ def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
     return ConfigError(field, value, f"{fix} [rule {rule}]", rule=rule)
 
 
-def check_runtime(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> None:
-    """Raise ConfigError naming the rule when `strategy` is something its runtime cannot execute."""
+def check_runtime(strategy: StrategySpec, caps: RuntimeCapabilities | None = None,
+                  model: ModelSpec | None = None) -> None:
+    """Raise ConfigError naming the rule when `strategy` (of `model`, for the rules that need it) is
+    something its runtime cannot execute."""
     caps = capabilities_of(caps or strategy.runtime)
     name = caps.name
+    if model is not None and not caps.replicates_kv_heads and model.num_kv_heads % strategy.parallelism.tp:
+        raise _refuse(f"{name}.kv-heads-split", "strategy.tp", strategy.parallelism.tp,
+                      f"runtime {name} splits KV heads over TP ranks and does not replicate them: tp must "
+                      f"divide model.num_kv_heads={model.num_kv_heads}")
     if strategy.schedule not in caps.schedules:
         raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,
                       f"runtime {name} runs {', '.join(caps.schedules)}")

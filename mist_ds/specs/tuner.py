@@ -17,6 +17,10 @@ class TunerSpec:
     """Runtime the plan must run on; None = the best runtime mist_ds can execute."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
     max_tp: int = 8
+    tp: tuple[int, ...] | None = None
+    """Allowed tensor-parallel degrees; None = every degree up to max_tp that fits a node."""
+    pp: tuple[int, ...] | None = None
+    """Allowed pipeline degrees S; None = every one."""
     workers: int = 1
     """Worker processes for the outer loop (spawned); results do not depend on it."""
     compare_baselines: bool = True
@@ -34,6 +38,11 @@ class TunerSpec:
         require(len(self.micro_batch_sizes) > 0 and all(b > 0 for b in self.micro_batch_sizes),
                 "tuner.micro_batch_sizes", list(self.micro_batch_sizes), "give one or more positive sizes")
         require_positive("tuner.max_tp", self.max_tp)
+        for name in ("tp", "pp"):
+            degrees = getattr(self, name)
+            require(degrees is None or (len(degrees) > 0 and all(isinstance(k, int) and k > 0 for k in degrees)),
+                    f"tuner.{name}", None if degrees is None else list(degrees),
+                    "give a list of positive degrees, or null for any")
         require_positive("tuner.workers", self.workers)
         require_positive("tuner.milp_time_limit_s", self.milp_time_limit_s)
         require(self.layer_slack >= 0, "tuner.layer_slack", self.layer_slack, "must be >= 0")

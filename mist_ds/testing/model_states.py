@@ -1,5 +1,5 @@
 """Model-state bytes of real DeepSpeed 0.19.8 engines against cost/memory.py: the cases, the rank-side
-worker that trains them and counts their tensors (mist_ds.testing.census), and the formulas that
+worker that trains them and counts their tensors (mist_ds.runtime.census), and the formulas that
 compare the two (used by tests/test_model_states.py and benchmarks/model_states.py).
 
 Symbols (cost/memory.py): b bytes of the model dtype, P parameters on the rank, d data parallel,
@@ -19,20 +19,13 @@ import torch
 
 from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
 from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS
-from mist_ds.testing.census import MOMENT_HOOKS, MomentRecorder, storage_keys, wrap_before
+from mist_ds.runtime.census import storage_keys
+from mist_ds.runtime.moments import MOMENT_HOOKS, MomentRecorder, field_peaks, wrap_before
 from mist_ds.testing.ranks import close_cpu_distributed, init_cpu_distributed
 
 WORKER = "mist_ds.testing.model_states:model_states_worker"
 FIELDS = ("weights", "grads", "optimizer", "buffers", "host")
 # Census roles summed into memory.py's fields. Buffers sum within one moment, then the larger moment.
-FIELD_ROLES = {
-    "weights": ("weights",),
-    "grads": ("grads",),
-    "optimizer": ("master", "adam"),
-    "buffers": ("bucket", "step_grads", "persistent", "device_staging"),
-    "host": ("host_master", "host_adam", "host_step_grads", "host_staging"),
-    "gathered": ("gathered",),  # ZeRO-3 layers gathered while they run; memory.py has no term for them
-}
 BF16_BYTES = 2
 ADAM_WITH_MASTER_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per element
 OFFLOADED_BYTES = 16  # the same plus the fp32 gradient partition, on the host
@@ -335,8 +328,7 @@ def facts(result: dict, case: dict, stages: int) -> Facts:
 
 def measured_bytes(result: dict) -> dict[str, int]:
     """Peak bytes per field over the counted moments (buffers summed within a moment first)."""
-    return {field: max(sum(moment.get(role, 0) for role in roles) for moment in result["moments"].values())
-            for field, roles in FIELD_ROLES.items()}
+    return field_peaks(result["moments"])
 
 
 DEVICE_ROLES = ("weights", "persistent", "gathered", "grads", "master", "adam", "step_grads", "bucket",

@@ -316,7 +316,7 @@ def search(specs: Specs, space: str | None = None, runtime: str | RuntimeCapabil
     ctx = SearchContext(specs=specs, space=space, caps=caps, cache_dir=cache_dir)
     state = _state(ctx)
     costs, hw, caps = state
-    points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space)
+    points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space, caps)
     chunks = [specs.model.num_layers // p.pp if _interleaves(caps, space, p) else 1 for p in points]
     bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels, chunks)
     ordered = sorted(((p, float(b)) for p, b in zip(points, bounds)), key=lambda pb: (pb[1], pb[0]))

@@ -50,15 +50,18 @@ def _tp_ok(model: ModelSpec, t: int) -> bool:
 
 
 def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
-                  space: str) -> list[GlobalPoint]:
-    """Every (t, S, d, b, G) the space allows, in a fixed order. TP stays inside a node."""
+                  space: str, caps: RuntimeCapabilities) -> list[GlobalPoint]:
+    """Every (t, S, d, b, G) the space, the runtime and the tuner's degree limits allow, in a fixed
+    order. TP stays inside a node."""
     gpus = cluster.num_gpus
     points = []
     for t in divisors(cluster.gpus_per_node):
         if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:
             continue
+        if (tuner.tp is not None and t not in tuner.tp) or (not caps.replicates_kv_heads and model.num_kv_heads % t):
+            continue
         for S in divisors(gpus // t):
-            if S > model.num_layers:
+            if S > model.num_layers or (tuner.pp is not None and S not in tuner.pp):
                 continue
             if space == "deepspeed" and (t > 1 or S > 1):
                 continue

@@ -1,0 +1,14 @@
+"""Execute a plan on DeepSpeed exactly as it was priced (docs/design.md, Runtimes and capabilities).
+
+    planned = mist_ds.runtime.initialize("ds_config.json", model_spec)   # this rank's engine
+    loss = planned.train_batch(micro_batches)                            # one optimizer step
+    planned.what_ran()                                                   # read from the live engine
+
+Imports no part of the planner (no cost model, tuner or symbolic analysis; no sympy, numba or mip):
+a training job reads the plan's ds_config.json and the zoo model's spec, nothing else.
+"""
+from __future__ import annotations
+
+from mist_ds.runtime.engine import PlannedEngine, initialize
+
+__all__ = ["PlannedEngine", "initialize"]

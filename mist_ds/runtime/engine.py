@@ -1,0 +1,202 @@
+"""`initialize(config, model)`: the DeepSpeed engine of this rank for a plan, exactly as it was priced.
+
+Applied in one order (docs/design.md, Runtimes and capabilities): refuse what the runtime cannot run;
+lay the ranks out as the cost model does (pipe slowest, then data, then tensor: stage i holds ranks
+[i t d, (i + 1) t d), TP inside a node); build this stage's layers with the plan's exact boundaries,
+layout-independent weights and the last c_i blocks recomputed; hand DeepSpeed this stage's own
+config (ZeRO stage, offload); tie the embeddings across the first and last stage.
+
+pp = 1 plans run on DeepSpeed's engine (ZeRO 0-3, parameter and optimizer offload); pp > 1 plans on
+its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+
+from mist_ds.emit import MistBlock, read_mist_block, stage_ds_config
+from mist_ds.models.tp import TensorParallel
+from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
+from mist_ds.runtime.versions import check_deepspeed_version
+from mist_ds.specs import ConfigError, ModelSpec, check_runtime, runtime_capabilities
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    """The 16-bit type the config enables, else fp32 (DeepSpeed's default)."""
+    for key, dtype in DTYPES.items():
+        if config.get(key, {}).get("enabled"):
+            return dtype
+    return torch.float32
+
+
+class PlannedModel(nn.Module):
+    """pp = 1: the whole model as one module (embedding, blocks, head) for DeepSpeed's engine."""
+
+    def __init__(self, layers: list[PlannedLayer], tie_embeddings: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        if tie_embeddings:  # one parameter at pp = 1, as the cost model counts it
+            layers[-1].layer.lm_head.weight = layers[0].layer.tokens.weight
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x = tokens_BS
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclass
+class PlannedEngine:
+    """This rank's engine and what it was built from. `train_batch` runs one optimizer step."""
+
+    engine: Any
+    plan: MistBlock
+    stage: int
+    tp_rank: int
+    layers: list[PlannedLayer]
+    loss_fn: Any = field(repr=False)
+    last_block_passes: dict[int, int] = field(default_factory=dict)
+    """Forward passes each block (by model index) ran in the last step, recompute included."""
+    recorder: Any = field(default=None, repr=False)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.plan.strategy.parallelism.pp > 1
+
+    def train_batch(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step over G micro-batches of (tokens [b, s], labels [b, s]); the mean loss
+        (every rank gets it: the pipeline broadcasts it from the last stage)."""
+        for layer in self.layers:
+            layer.forward_passes = 0
+        loss = self._train_batch(micro_batches)
+        self.last_block_passes = {layer.index: layer.forward_passes for layer in self.layers if layer.kind == BLOCK}
+        return loss
+
+    def watch_model_states(self) -> None:
+        """Count what the engine holds at the moments model states peak, in every later step
+        (mist_ds/runtime/moments.py); `what_ran` then reports the peaks."""
+        from mist_ds.runtime.moments import MOMENT_HOOKS, MomentRecorder, wrap_before
+
+        optimizer = self.engine.optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        offloaded = any(s.optimizer_offload > 0 for s in self.plan.strategy.stages[self.stage:self.stage + 1])
+        self.recorder = MomentRecorder(self.engine, inner, offloaded, gc_check=False)
+        self.recorder.measuring = True
+        for owner, name in MOMENT_HOOKS:
+            wrap_before(self.engine if owner == "engine" else optimizer, name, self.recorder)
+        inner.register_step_pre_hook(lambda *_: self.recorder("step"))
+
+    def what_ran(self) -> dict[str, Any]:
+        """What this rank's engine did (mist_ds/runtime/report.py); model-state bytes once watched."""
+        from mist_ds.runtime.moments import field_peaks
+        from mist_ds.runtime.report import what_ran
+
+        if self.recorder is not None:
+            self.recorder("after")
+        return what_ran(self, field_peaks(self.recorder.moments) if self.recorder is not None else None)
+
+    def _train_batch(self, micro_batches) -> float:
+        if self.pipelined:
+            return float(self.engine.train_batch(data_iter=micro_batches))
+        total = None
+        for _ in range(self.plan.strategy.parallelism.grad_accum):
+            tokens, labels = next(micro_batches)
+            device = self.engine.device
+            loss = self.loss_fn(self.engine(tokens.to(device)), labels.to(device))
+            self.engine.backward(loss)
+            self.engine.step()
+            total = loss.detach() if total is None else total + loss.detach()
+        # The same aggregation as the pipeline's (sum, then / G; pipe/engine.py _aggregate_total_loss).
+        return float(total / self.plan.strategy.parallelism.grad_accum)
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+def load_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ConfigError("ds_config", str(path), "no such file; give the ds_config.json `mist-ds tune` wrote") from error
+    except json.JSONDecodeError as error:
+        raise ConfigError("ds_config", str(path), f"not valid JSON ({error})") from error
+
+
+def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None:
+    """Refuse, naming the rule, what this runtime cannot run, before DeepSpeed sees it."""
+    strategy, par = plan.strategy, plan.strategy.parallelism
+    caps = runtime_capabilities(strategy.runtime)
+    if not (caps.built and caps.executes_on_deepspeed):
+        raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
+                          f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
+    check_runtime(strategy, caps, model)
+    if par.num_gpus != world_size:
+        raise ConfigError("strategy", f"tp {par.tp} x pp {par.pp} x dp {par.dp}",
+                          f"the plan needs {par.num_gpus} ranks and this job has {world_size}: launch it on "
+                          f"{par.num_gpus} processes, or re-tune for {world_size}")
+    if sum(strategy.layers_per_stage) != model.num_layers:
+        raise ConfigError("model.num_layers", model.num_layers,
+                          f"the plan's stages hold {sum(strategy.layers_per_stage)} blocks: give the model it was "
+                          "tuned for")
+    model.check_tensor_parallel(par.tp)
+
+
+def _topology(plan: MistBlock):
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    par = plan.strategy.parallelism
+    return PipeModelDataParallelTopology(num_pp=par.pp, num_mp=par.tp, num_dp=par.dp)
+
+
+def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed: int = 0) -> PlannedEngine:
+    """This rank's engine for the plan in `config` (a ds_config dict or file from `mist-ds tune`, with its
+    "mist" block) and the zoo `model` it was tuned for. Joins the process group if none exists."""
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    check_deepspeed_version(deepspeed.__version__)
+    config = load_config(config)
+    plan = read_mist_block(config)
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    check_executable(plan, model, dist.get_world_size())
+    strategy, par = plan.strategy, plan.strategy.parallelism
+    topology = _topology(plan)
+    coord = topology.get_coord(dist.get_rank())
+    grid = PipelineParallelGrid(topology=topology)  # as DeepSpeed's mpu; its slice group runs the TP collectives
+    tp = TensorParallel(grid.get_slice_parallel_group().group_name, coord.model) if par.tp > 1 else TensorParallel()
+    dtype = model_dtype(config)
+    recipes = [layer_recipes(model, plan.stage_layer_ranges[i], strategy.stages[i].ckpt_layers, i == 0,
+                             i == par.pp - 1, par.tp, tp, dtype, seed) for i in range(par.pp)]
+    loss_fn = language_model_loss(tp)
+    stage_config = stage_ds_config(config, coord.pipe)
+    torch.manual_seed(seed)
+    if par.pp > 1:
+        from deepspeed.pipe import LayerSpec
+
+        from mist_ds.runtime.pipeline import PlannedPipelineModule
+
+        module = PlannedPipelineModule([LayerSpec(PlannedLayer, r) for stage in recipes for r in stage],
+                                       strategy.layers_per_stage, tie_embeddings=model.tie_embeddings,
+                                       topology=topology, loss_fn=loss_fn, activation_checkpoint_interval=0)
+        layers = module.local_layers()
+        mpu = None  # the pipeline module brings its own grid
+    else:
+        layers = [PlannedLayer(r) for r in recipes[0]]
+        module = PlannedModel(layers, model.tie_embeddings)
+        mpu = grid if par.tp > 1 else None
+    engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
+                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
+    return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, layers=layers,
+                         loss_fn=loss_fn)

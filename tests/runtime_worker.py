@@ -1,0 +1,57 @@
+"""Rank side of the runtime tests: run each case's plan with mist_ds.runtime for a few steps and return
+its losses and what the engine did (read from the live engine)."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import torch
+
+from mist_ds.specs import ModelSpec
+from mist_ds.testing.ranks import close_cpu_distributed, init_cpu_distributed
+
+DATA_SEED = 1234
+
+
+def synthetic_batches(model: ModelSpec, micro_batch: int, count: int, seed: int):
+    """`count` micro-batches of (tokens, labels), the same on every rank of a data-parallel group."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq_len), generator=generator)
+        yield tokens, torch.roll(tokens, -1, dims=1)
+
+
+def run_case(case: dict) -> dict:
+    from mist_ds.runtime import initialize
+
+    model = ModelSpec(**case["model"])
+    planned = initialize(case["config"], model, seed=case.get("seed", 0))
+    if case.get("watch_model_states", True):
+        planned.watch_model_states()
+    par = planned.plan.strategy.parallelism
+    dp_rank = planned.engine.grid.get_data_parallel_rank() if planned.pipelined else int(
+        torch.distributed.get_rank(group=planned.engine.data_parallel_group))
+    losses = []
+    for step in range(case.get("steps", 3)):
+        # Each data-parallel rank reads its own shard of the step's samples.
+        batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + dp_rank)
+        losses.append(planned.train_batch(batches))
+    result = {"case": case["name"], "losses": losses, "what_ran": planned.what_ran(), "dp_rank": dp_rank,
+              "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                              for p in planned.engine.module.parameters()]}
+    planned.close()
+    del planned
+    gc.collect()
+    return result
+
+
+def runtime_worker(rank: int, world_size: int, payload: dict) -> list[dict]:
+    init_cpu_distributed()
+    try:
+        return [run_case(case) for case in payload["cases"]]
+    finally:
+        close_cpu_distributed()
+
+
+def model_dict(model: ModelSpec) -> dict:
+    return dataclasses.asdict(model)
