@@ -1,9 +1,9 @@
 """The documents name only repository paths that exist, and the README stays an entry point.
 
-A path is a backticked or linked token with a '/' whose first component is a top-level entry of the
-repository (so `mist_ds/cost/stage.py`, `benchmarks/results/`, `conf/` are checked; DeepSpeed's own
-`deepspeed/runtime/...`, a user's `my_conf/model/x.yaml` or `outputs/<date>` are not), with any
-`:line` or `#anchor` suffix removed.
+A path is a backticked or linked token with a '/' whose first component is a top-level entry the
+repository ships (so `mist_ds/cost/stage.py`, `benchmarks/results/`, `conf/` are checked; DeepSpeed's
+own `deepspeed/runtime/...`, a user's `my_conf/model/x.yaml`, Hydra's `outputs/...` or a token with a
+<placeholder> are not), with any `:line` or `#anchor` suffix removed.
 """
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "
 README_MAX_LINES = 200
 _CODE = re.compile(r"`([^`\s]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
-TOP_LEVEL = {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
+RUN_OUTPUTS = {"outputs", "multirun"}  # what Hydra runs write at the top of a checkout (.gitignore)
+TOP_LEVEL = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - RUN_OUTPUTS
 
 
 def named_paths(text: str) -> set[str]:
     found = set()
     for token in _CODE.findall(text) + _LINK.findall(text):
         token = re.split(r"[:#]", token, maxsplit=1)[0].rstrip(".,;")
-        if "/" in token and not token.startswith(("http", "pkg://", "/")) and token.split("/")[0] in TOP_LEVEL:
+        if "/" in token and "<" not in token and not token.startswith(("http", "pkg://", "/")) \
+                and token.split("/")[0] in TOP_LEVEL:
             found.add(token)
     return found
 

@@ -39,6 +39,10 @@ class Prediction:
     fits: bool
     host_memory_bytes: float
     sources: dict[str, str]
+    model_state_bytes: list[dict[str, float]] = field(default_factory=list)
+    """Per stage, one GPU's model states by part (cost/memory.py): weights, grads, optimizer, their own
+    buffers (buckets, step gradients, staging) and what is offloaded to the host. What a runtime's
+    engine census is compared with."""
     warnings: list[str] = field(default_factory=list)
     strategy: dict[str, Any] = field(default_factory=dict)
     """StrategySpec.to_dict() of the priced strategy."""
@@ -90,6 +94,9 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
     recompute_flops = float(np.sum(c.ckpt * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)) * par.grad_accum * par.dp
     peak = hw.peak_flops_per_s
     usable = specs.cluster.gpu.usable_memory_bytes
+    states = [{"weights": float(memory.weights[i]), "grads": float(memory.grads[i]),
+               "optimizer": float(memory.optimizer[i]), "buffers": float(memory.state_buffers[i]),
+               "host": float(memory.state_host[i])} for i in range(par.pp)]
     breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
         "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
     stage_gpus_per_node = min(specs.cluster.gpus_per_node, par.tp * par.dp)
@@ -112,7 +119,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
         sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},
-        warnings=warnings, strategy=strategy.to_dict())
+        warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states)
 
 
 def predict(specs: Specs, cache_dir: Path | None = None, caps: RuntimeCapabilities | None = None) -> Prediction:

@@ -149,6 +149,12 @@ class StageMemory:
     in_flight: np.ndarray
     """Micro-batches in flight at the peak: `activations` and `host_activations` are per micro-batch x this."""
     host_activations: np.ndarray
+    state_buffers: np.ndarray
+    """The model states' own buffers (reduce buckets, step gradients, staging): `buffers` without the
+    p2p buffers, the gathered ZeRO-3 layers and the step's excess."""
+    state_host: np.ndarray
+    """Model-state bytes on the host (offloaded optimizer, gradients, weights): `host_bytes` without
+    the offloaded activations."""
 
 
 def stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
@@ -393,4 +399,6 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, transient=transient, buffers=buffers,
                        host_bytes=states.host + saved_offloaded * in_flight, in_flight=in_flight,
-                       host_activations=saved_offloaded * in_flight)
+                       host_activations=saved_offloaded * in_flight,
+                       state_buffers=np.broadcast_to(states.buffers, peak.shape),
+                       state_host=np.broadcast_to(states.host, peak.shape))

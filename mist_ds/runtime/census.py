@@ -98,14 +98,22 @@ def identity_sets(engine, inner) -> dict[str, set[int]]:
     }
 
 
-def classify(scalar: bool, attrs: set[str], key: int, ids: dict[str, set[int]], offloaded: bool) -> str:
-    """Role of one storage; first rule that matches wins (a ZeRO-1 .grad is a view of the bucket)."""
-    host = offloaded  # with optimizer offload, DeepSpeed allocates the optimizer's tensors on 'cpu'
+def classify(scalar: bool, attrs: set[str], key: int, ids: dict[str, set[int]], offloaded: bool,
+             params_offloaded: bool = False) -> str:
+    """Role of one storage; first rule that matches wins (a ZeRO-1 .grad is a view of the bucket).
+
+    `offloaded` (optimizer offload) and `params_offloaded` (ZeRO-3 offload_param) say which tensors
+    DeepSpeed allocates on 'cpu': the optimizer's, and the parameter partitions. On a GPU the device
+    says the same; on the CPU accelerator, where every tensor is on 'cpu', it is known by construction.
+    """
+    host = offloaded
     if scalar and not attrs & GRAD_ATTRS:  # a one-element piece of a gradient partition is its padding
         return "scalars"
     if attrs & ACTIVATION_ATTRS:
         return "activations"
-    for role in ("weights", "persistent", "gathered"):
+    if key in ids["weights"]:
+        return "host_weights" if params_offloaded else "weights"
+    for role in ("persistent", "gathered"):
         if key in ids[role]:
             return role
     if attrs & BUCKET_ATTRS:  # before .grad: ZeRO-1/2 turn a parameter's .grad into a view of the bucket
@@ -129,13 +137,13 @@ def classify(scalar: bool, attrs: set[str], key: int, ids: dict[str, set[int]], 
     return "unclassified"
 
 
-def census(engine, inner, offloaded: bool) -> tuple[dict[str, int], list[str]]:
+def census(engine, inner, offloaded: bool, params_offloaded: bool = False) -> tuple[dict[str, int], list[str]]:
     """Bytes per role of everything `engine` holds now, and the paths of unclassified storages."""
     ids = identity_sets(engine, inner)
     totals: dict[str, int] = {}
     unclassified = []
     for key, (nbytes, attrs, path, scalar) in reachable_storages(engine).items():
-        role = classify(scalar, attrs, key, ids, offloaded)
+        role = classify(scalar, attrs, key, ids, offloaded, params_offloaded)
         totals[role] = totals.get(role, 0) + nbytes
         if role == "unclassified":
             unclassified.append(f"{path} ({nbytes} B)")

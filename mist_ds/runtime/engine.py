@@ -86,8 +86,9 @@ class PlannedEngine:
 
         optimizer = self.engine.optimizer
         inner = getattr(optimizer, "optimizer", optimizer)
-        offloaded = any(s.optimizer_offload > 0 for s in self.plan.strategy.stages[self.stage:self.stage + 1])
-        self.recorder = MomentRecorder(self.engine, inner, offloaded, gc_check=False)
+        own = self.plan.strategy.stages[self.stage]
+        self.recorder = MomentRecorder(self.engine, inner, own.optimizer_offload > 0, gc_check=False,
+                                       params_offloaded=own.weights_offload > 0)
         self.recorder.measuring = True
         for owner, name in MOMENT_HOOKS:
             wrap_before(self.engine if owner == "engine" else optimizer, name, self.recorder)
@@ -113,8 +114,15 @@ class PlannedEngine:
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
-        # The same aggregation as the pipeline's (sum, then / G; pipe/engine.py _aggregate_total_loss).
-        return float(total / self.plan.strategy.parallelism.grad_accum)
+        # The same aggregation as the pipeline's (pipe/engine.py _aggregate_total_loss): sum, / G, then
+        # the mean over the data-parallel ranks.
+        loss = total / self.plan.strategy.parallelism.grad_accum
+        if self.engine.dp_world_size > 1:
+            from deepspeed import comm as dist
+
+            dist.all_reduce(loss, group=self.engine.data_parallel_group)
+            loss /= self.engine.dp_world_size
+        return float(loss)
 
     def close(self) -> None:
         self.engine.destroy()
@@ -195,7 +203,9 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     else:
         layers = [PlannedLayer(r) for r in recipes[0]]
         module = PlannedModel(layers, model.tie_embeddings)
-        mpu = grid if par.tp > 1 else None
+        # Always an mpu: DeepSpeed keeps the last engine's in a global (deepspeed/utils/groups.py `mpu`,
+        # set at runtime/engine.py:2122 and never cleared by destroy()), which would else be read here.
+        mpu = grid
     engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, layers=layers,

@@ -13,7 +13,7 @@ FIELD_ROLES = {
     "grads": ("grads",),
     "optimizer": ("master", "adam"),
     "buffers": ("bucket", "step_grads", "persistent", "device_staging"),
-    "host": ("host_master", "host_adam", "host_step_grads", "host_staging"),
+    "host": ("host_master", "host_adam", "host_step_grads", "host_staging", "host_weights"),
     "gathered": ("gathered",),  # ZeRO-3 layers gathered while they run; memory.py has no term for them
 }
 
@@ -57,8 +57,9 @@ class MomentRecorder:
     batch: set[int]  # the current step's inputs, targets and loss: not the engine's
     measuring: bool  # only the last step is counted
 
-    def __init__(self, engine, inner, offloaded: bool, gc_check: bool):
+    def __init__(self, engine, inner, offloaded: bool, gc_check: bool, params_offloaded: bool = False):
         self.engine, self.inner, self.offloaded, self.gc_check = engine, inner, offloaded, gc_check
+        self.params_offloaded = params_offloaded
         self.moments, self.unclassified, self.unreached, self.batch, self.measuring = {}, set(), {}, set(), False
         gc.collect()
         self.before = live_storages() if gc_check else set()
@@ -66,7 +67,7 @@ class MomentRecorder:
     def __call__(self, moment: str) -> None:
         if not self.measuring:
             return
-        totals, missed = census(self.engine, self.inner, self.offloaded)
+        totals, missed = census(self.engine, self.inner, self.offloaded, self.params_offloaded)
         name = moment if moment not in self.moments else f"{moment}#{len(self.moments)}"
         self.moments[name] = totals
         self.unclassified.update(missed)

@@ -97,7 +97,8 @@ def _deepspeed() -> RuntimeCapabilities:
         name="deepspeed", built=True, executes_on_deepspeed=True, model_states="deepspeed",
         zero3_overlaps_compute=True,  # stage3 prefetch with overlap_comm (emit/ds_config.py zero_block)
         fp32_grads_with_bf16=False, replicates_kv_heads=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
-        ckpt_whole_stage_only=True, weights_offload="zero3-all", grads_offload="with-optimizer",
+        # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
+        ckpt_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
         overlap=OverlapFeatures())
 

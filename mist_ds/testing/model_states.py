@@ -231,6 +231,7 @@ class Facts:
     sizes: tuple[int, ...]  # n_i, in the order DeepSpeed flattens them
     bucket: int  # R
     threshold: int  # T
+    params_offload: bool = False  # ZeRO-3 offload_param: the parameter partitions live on the host
 
     @property
     def b(self) -> int:
@@ -285,7 +286,8 @@ class Facts:
 
 def predicted_bytes(f: Facts) -> dict[str, float]:
     """memory.py's per-rank model states for the same P, d, ZeRO stage, dtype, pipeline and offload."""
-    states = deepspeed_model_states(f.P, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0, 0.0,
+    states = deepspeed_model_states(f.P, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0,
+                                    1.0 if f.params_offload else 0.0,
                                     reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
                                     persistent_param_elements=f.persistent, bf16=f.bf16)
     return {field: float(getattr(states, field)) for field in FIELDS}
@@ -300,9 +302,9 @@ def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
         return f.b * (f.touch - touch_bound), "b (touch - U) <= 0: U bounds touch"
     if f.zero == 3:
         pad = f.p3 - math.ceil(f.P / f.d)
-        per_element = {"weights": f.b, "grads": 0 if f.offload else f.b,
+        per_element = {"weights": 0 if f.params_offload else f.b, "grads": 0 if f.offload else f.b,
                        "optimizer": 0 if f.offload else ADAM_WITH_MASTER_BYTES,
-                       "host": OFFLOADED_BYTES + f.b if f.offload else 0}
+                       "host": (OFFLOADED_BYTES + f.b if f.offload else 0) + (f.b if f.params_offload else 0)}
         if field in per_element:
             return per_element[field] * pad, "(p3 - ceil(P/d)) per element: each parameter padded to d"
         if field == "buffers" and f.offload:
