@@ -31,12 +31,15 @@ def run_case(case: dict) -> dict:
     par = planned.plan.strategy.parallelism
     dp_rank = planned.engine.grid.get_data_parallel_rank() if planned.pipelined else int(
         torch.distributed.get_rank(group=planned.engine.data_parallel_group))
-    losses = []
+    losses, norms = [], []
     for step in range(case.get("steps", 3)):
         # Each data-parallel rank reads its own shard of the step's samples.
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + dp_rank)
         losses.append(planned.train_batch(batches))
-    result = {"case": case["name"], "losses": losses, "what_ran": planned.what_ran(), "dp_rank": dp_rank,
+        norm = planned.engine.get_global_grad_norm()  # what clipping used (None when clipping is off)
+        norms.append(None if norm is None else float(norm))
+    result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": planned.what_ran(),
+              "dp_rank": dp_rank,
               "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                               for p in planned.engine.module.parameters()]}
     planned.close()

@@ -9,11 +9,21 @@ the counted moments) against predict's `model_state_bytes`, up to the residuals 
 in mist_ds/testing/model_states.py (ZeRO-3's per-parameter padding, the ZeRO-1/2 gradient bound).
 
 Numerics (fp32, 5 steps, dropout 0): a pipeline-only plan's losses are bitwise equal to a single-process
-run of the same layers (same seed: the weights do not depend on the layout), with the embeddings untied:
-tied, the two stages' gradients of the shared weight are summed once per step, (B1 + B2) + (A1 + A2),
-where one process accumulates ((A1 + B1) + A2) + B2, a different rounding. A tp = 2 plan splits each
-row-parallel product into two partial sums added by an all-reduce: fp32 rounding of those sums
-(relative 2^-24 per addition) changes the losses by far less than RTOL_TP below over 5 Adam steps.
+run of the same layers (same seed: the weights do not depend on the layout), with the embeddings untied
+and clipping off: tied, the two stages' gradients of the shared weight are summed once per step,
+(B1 + B2) + (A1 + A2), where one process accumulates ((A1 + B1) + A2) + B2, a different rounding; and
+the clipping norm adds per-stage partial sums. With tied embeddings and a clip that always binds
+(CLIP below the norm) the pipeline and the tp = 2 plan agree with the single-process run (which clips
+with torch.nn.utils.clip_grad_norm_) within RTOL: the only differences are fp32 roundings of split
+sums (relative 2^-24 per addition), far below RTOL over 5 Adam steps, whereas counting a replicated
+or tied parameter twice in the norm would move the clip coefficient, and so the losses, by percent.
+
+Heterogeneous stages (bf16, tied embeddings, a clip that binds): optimizer offload on one stage only
+and different recompute per stage run, and every stage clips with the same global norm. A ZeRO-0
+stage beside a ZeRO-1 stage does not: BF16_Optimizer and DeepSpeedZeroOptimizer issue different
+collectives around the step (gloo: "Received data size doesn't match expected size", 4 vs 1 bytes),
+so the `deepspeed` runtime keeps one ZeRO stage per pipeline (`uniform_zero`, rule
+deepspeed.uniform-zero; tested below).
 """
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config, read_mist_block
 from mist_ds.models.tp import TensorParallel
+from mist_ds.specs import ConfigError
 from mist_ds.runtime.engine import PlannedModel
 from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.testing.model_states import Facts, predicted_bytes, residual_bytes
@@ -36,10 +47,12 @@ from tests.runtime_worker import DATA_SEED, synthetic_batches
 WORKER = "tests.runtime_worker:runtime_worker"
 STATE_FIELDS = ("weights", "grads", "optimizer", "buffers", "host")
 NUMERIC_STEPS = 5
-RTOL_TP = 1e-5
+RTOL = 1e-5
+CLIP = 0.05  # below every measured norm of these runs (checked): clipping always binds
 LAUNCH_TIMEOUT_S = 420.0
 TUNE = ["cluster=cpu", "cluster.gpu.reserve_gib=0", "tuner.compare_baselines=false", "tuner.quiet=true"]
 FP32 = ["train.precision=fp32", "train.grad_clip=0"]
+FP32_CLIPPED = ["train.precision=fp32", f"train.grad_clip={CLIP}"]
 
 # name -> (ranks, overrides): each tuned on the cpu cluster with as many "GPUs" as ranks.
 CASES = {
@@ -52,11 +65,20 @@ CASES = {
     "tp2": (2, ["model=tiny", "train.global_batch_size=8", "tuner.tp=[2]", "tuner.pp=[1]"]),
     "pp2-fp32": (2, ["model=tiny", "model.tie_embeddings=false", "train.global_batch_size=16", "tuner.pp=[2]",
                      "tuner.micro_batch_sizes=[4]", *FP32]),
-    "tp2-fp32": (2, ["model=tiny", "train.global_batch_size=8", "tuner.tp=[2]", "tuner.pp=[1]", *FP32]),
+    "pp2-fp32-clipped": (2, ["model=tiny", "train.global_batch_size=16", "tuner.pp=[2]",
+                             "tuner.micro_batch_sizes=[4]", *FP32_CLIPPED]),
+    "tp2-fp32-clipped": (2, ["model=tiny", "train.global_batch_size=8", "tuner.tp=[2]", "tuner.pp=[1]",
+                             *FP32_CLIPPED]),
     "pp2-tp2": (4, ["model=tiny", "train.global_batch_size=8", "tuner.pp=[2]", "tuner.tp=[2]"]),
     "tp2-dp2": (4, ["model=tiny", "train.global_batch_size=8", "tuner.pp=[1]", "tuner.tp=[2]"]),
 }
-NUMERIC_CASES = ("pp2-fp32", "tp2-fp32")
+NUMERIC_CASES = ("pp2-fp32", "pp2-fp32-clipped", "tp2-fp32-clipped")
+# name -> (ranks, overrides): a strategy given outright (heterogeneous stages the tuner's grids would not pick)
+EXPLICIT = {
+    "offload-one-stage": (2, ["model=tiny", "train.global_batch_size=8", f"train.grad_clip={CLIP}", "strategy.pp=2",
+                              "strategy.zero_stage=1", "strategy.offload.optimizer=[1,0]",
+                              "strategy.offload.grads=[1,0]", "strategy.ckpt_layers=[0,3]"]),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,17 +96,26 @@ def tuned(name: str) -> Tuned:
     return Tuned(dataclasses.replace(specs, strategy=result.strategy), config, result.prediction.to_dict())
 
 
+def given(name: str) -> Tuned:
+    ranks, overrides = EXPLICIT[name]
+    specs = compose(["cluster=cpu", f"cluster.gpus_per_node={ranks}", *overrides])
+    return Tuned(specs, ds_config(specs.strategy, specs.train, specs.model), predict(specs).to_dict())
+
+
+ALL = {**CASES, **EXPLICIT}
+
+
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Tuned]:
-    return {name: tuned(name) for name in CASES}
+    return {name: tuned(name) for name in CASES} | {name: given(name) for name in EXPLICIT}
 
 
 @pytest.fixture(scope="module")
 def ran(plans) -> dict[str, list[dict]]:
     """Every case run; results by case name, then rank (one launch per world size)."""
     results: dict[str, list[dict]] = {}
-    for ranks in sorted({r for r, _ in CASES.values()}):
-        names = [n for n, (r, _) in CASES.items() if r == ranks]
+    for ranks in sorted({r for r, _ in ALL.values()}):
+        names = [n for n, (r, _) in ALL.items() if r == ranks]
         cases = [{"name": n, "config": plans[n].config, "model": dataclasses.asdict(plans[n].specs.model),
                   "steps": NUMERIC_STEPS if n in NUMERIC_CASES else 3} for n in names]
         by_rank = launch(WORKER, ranks, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
@@ -116,12 +147,16 @@ def _expected_optimizer(zero: int, precision: str, pipeline: bool) -> str:
     return "BF16_Optimizer" if pipeline and precision == "bf16" else "FP16_UnfusedOptimizer"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ALL))
 def test_the_engine_ran_the_plan(plans, ran, name):
-    plan = plans[name]
+    assert_ran_the_plan(plans[name], ran[name])
+
+
+def assert_ran_the_plan(plan: Tuned, results: list[dict]) -> None:
+    """Blocks, recompute, ZeRO stage, data-parallel size and optimizer of every rank, as planned."""
     strategy = plan.specs.strategy
     ranges = strategy.stage_layer_ranges()
-    for result in ran[name]:
+    for result in results:
         did = result["what_ran"]
         own = strategy.stages[did["stage"]]
         start, stop = ranges[did["stage"]]
@@ -144,12 +179,15 @@ def _facts(plan: Tuned, result: dict) -> Facts:
                  params_offload=own.weights_offload > 0)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ALL))
 def test_model_state_bytes_are_the_prediction(plans, ran, name):
     """The engine's model states per field equal predict's, up to the residual formulas of
     mist_ds/testing/model_states.py; the engine's own parameter count gives the same prediction."""
-    plan = plans[name]
-    for result in ran[name]:
+    assert_model_states_are_predicted(plans[name], ran[name], name)
+
+
+def assert_model_states_are_predicted(plan: Tuned, results: list[dict], name: str) -> None:
+    for result in results:
         measured = result["what_ran"]["model_state_bytes"]
         predicted = plan.prediction["model_state_bytes"][result["what_ran"]["stage"]]
         facts = _facts(plan, result)
@@ -162,9 +200,9 @@ def test_model_state_bytes_are_the_prediction(plans, ran, name):
         assert predicted_bytes(facts) == {field: predicted[field] for field in STATE_FIELDS}
 
 
-def _reference_losses(plan: Tuned, steps: int) -> list[float]:
-    """The same layers in one process, plain torch: loss / G backward per micro-batch, AdamW with the
-    plan's settings, no clipping (train.grad_clip=0)."""
+def _reference_losses(plan: Tuned, steps: int, norms: list | None = None) -> list[float]:
+    """The same layers in one process, plain torch: loss / G backward per micro-batch, clipping to the
+    plan's train.grad_clip (0: none), AdamW with the plan's settings."""
     model, par = plan.specs.model, plan.specs.strategy.parallelism
     assert par.dp == 1, "the reference reads one data-parallel rank's samples"
     recipes = layer_recipes(model, (0, model.num_layers), 0, True, True, 1, TensorParallel(), torch.float32, seed=0)
@@ -179,6 +217,10 @@ def _reference_losses(plan: Tuned, steps: int) -> list[float]:
             loss = loss_fn(module(tokens), labels)
             (loss / par.grad_accum).backward()
             total = loss.detach() if total is None else total + loss.detach()
+        if plan.specs.train.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), plan.specs.train.grad_clip)
+            if norms is not None:
+                norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(total / par.grad_accum))
@@ -193,12 +235,28 @@ def test_pipeline_only_plan_is_bitwise_the_single_process_run(plans, ran):
         assert result["losses"] == reference
 
 
-def test_tensor_parallel_plan_matches_the_single_process_run(plans, ran):
-    plan = plans["tp2-fp32"]
-    assert plan.specs.strategy.parallelism.dp == 1
-    reference = _reference_losses(plan, NUMERIC_STEPS)
-    for result in ran["tp2-fp32"]:
-        assert result["losses"] == pytest.approx(reference, rel=RTOL_TP)
+@pytest.mark.parametrize("name", ["pp2-fp32-clipped", "tp2-fp32-clipped"])
+def test_clipped_plans_match_the_single_process_run(plans, ran, name):
+    """Tied embeddings across stages, TP-split and replicated parameters: the global norm counts each
+    parameter once (the losses would move by percent otherwise: the clip binds every step)."""
+    plan, norms = plans[name], []
+    reference = _reference_losses(plan, NUMERIC_STEPS, norms)
+    assert min(norms) > CLIP  # the clip binds at every step (DeepSpeed's fp32 path does not report its norm)
+    for result in ran[name]:
+        assert result["losses"] == pytest.approx(reference, rel=RTOL)
+
+
+@pytest.mark.parametrize("name", ["pp2-recompute", "offload-one-stage", "pp2-tp2"])
+def test_every_stage_clips_with_the_same_global_norm(ran, name):
+    """bf16 / ZeRO engines report the norm they clipped with: equal on every rank of every stage."""
+    norms = [r["grad_norms"] for r in ran[name]]
+    assert all(n == norms[0] for n in norms) and min(norms[0]) > CLIP, norms
+
+
+def test_mixed_zero_stages_in_a_pipeline_are_refused():
+    with pytest.raises(ConfigError) as error:
+        compose(["model=tiny", "cluster=cpu", "strategy.pp=2", "strategy.zero_stage=[0,1]"])
+    assert error.value.rule == "deepspeed.uniform-zero"
 
 
 def test_losses_are_the_same_on_every_rank(ran):
@@ -210,3 +268,87 @@ def test_the_prediction_is_of_the_plan_that_ran(plans):
     """predict of the executed strategy gives the tuner's prediction (the plan is self-consistent)."""
     plan = plans["pp2-recompute"]
     assert predict(plan.specs).to_dict()["model_state_bytes"] == plan.prediction["model_state_bytes"]
+
+
+@pytest.mark.parametrize("version, ok", [("0.19.8", True), ("0.19.9+cpu", True), ("0.19.7", False),
+                                         ("0.20.0", False), ("1.0.0", False)])
+def test_deepspeed_outside_the_checked_range_is_refused(version, ok):
+    from mist_ds.runtime.versions import check_deepspeed_version
+
+    if ok:
+        check_deepspeed_version(version)
+    else:
+        with pytest.raises(ConfigError, match="deepspeed"):
+            check_deepspeed_version(version)
+
+
+def test_a_plan_for_another_world_or_model_is_refused_before_deepspeed():
+    from mist_ds.runtime.engine import check_executable
+
+    specs = compose(["model=tiny", "cluster=cpu", "strategy.pp=2"])
+    plan = read_mist_block(ds_config(specs.strategy, specs.train, specs.model))
+    check_executable(plan, specs.model, 2)
+    with pytest.raises(ConfigError, match="ranks"):
+        check_executable(plan, specs.model, 4)
+    with pytest.raises(ConfigError, match="model.num_layers"):
+        check_executable(plan, dataclasses.replace(specs.model, num_layers=6), 2)
+    paper = compose(["model=tiny", "cluster=cpu", "strategy.runtime=mist-paper"])
+    paper_plan = dataclasses.replace(plan, strategy=paper.strategy)
+    with pytest.raises(ConfigError) as error:
+        check_executable(paper_plan, specs.model, 2)
+    assert error.value.rule == "mist-paper.not-built"
+
+
+# --- slow lane: plans the tuner draws for random settings ---------------------------------------------
+RANDOM_PLANS = 8
+RANDOM_SEED = 7
+
+
+def random_settings(rng) -> tuple[int, list[str]]:
+    """(ranks, overrides) of one tiny-model setting: GPUs, layers, batch, precision, memory cap, grids."""
+    ranks = rng.choice([2, 2, 4])
+    layers = rng.choice([4, 6, 8])
+    overrides = [f"model.num_layers={layers}", f"train.global_batch_size={rng.choice([4, 8, 16])}",
+                 f"train.precision={rng.choice(['bf16', 'bf16', 'fp32'])}",
+                 f"cluster.gpu.memory_gib={rng.choice([0.03, 0.04, 0.06, 0.12, 1.0])}",
+                 f"tuner.micro_batch_sizes=[{rng.choice(['1', '2', '1,2,4'])}]"]
+    if rng.random() < 0.5:
+        overrides.append(f"tuner.pp=[{rng.choice([1, 2])}]")
+    if rng.random() < 0.3:  # a wider model, where ZeRO and offload pay
+        overrides += ["model.hidden_size=384", "model.num_layers=4"]
+    return ranks, ["model=tiny", *overrides]
+
+
+def random_plans() -> dict[str, tuple[int, Tuned]]:
+    import random
+
+    from mist_ds.tuner import NoPlanFits
+
+    rng, plans = random.Random(RANDOM_SEED), {}
+    while len(plans) < RANDOM_PLANS:
+        ranks, overrides = random_settings(rng)
+        specs = compose(TUNE + [f"cluster.gpus_per_node={ranks}", *overrides], with_strategy=False)
+        try:
+            result = tune_specs(specs, progress=False)
+        except NoPlanFits:
+            continue
+        config = ds_config(result.strategy, specs.train, specs.model, caps=result.caps)
+        plans[f"random-{len(plans)}"] = (ranks, Tuned(dataclasses.replace(specs, strategy=result.strategy), config,
+                                                      result.prediction.to_dict()))
+    return plans
+
+
+@pytest.mark.slow
+def test_random_tuned_plans_run_as_planned():
+    """Plans drawn from the tuner over random settings each run a step: none refused, none hangs (the
+    launch's hard timeout), each matches its plan and its predicted model states."""
+    drawn = random_plans()
+    for ranks in sorted({r for r, _ in drawn.values()}):
+        names = [n for n, (r, _) in drawn.items() if r == ranks]
+        cases = [{"name": n, "config": drawn[n][1].config, "model": dataclasses.asdict(drawn[n][1].specs.model),
+                  "steps": 2} for n in names]
+        by_rank = launch(WORKER, ranks, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
+        for i, n in enumerate(names):
+            results = [rank_results[i] for rank_results in by_rank]
+            assert_ran_the_plan(drawn[n][1], results)
+            assert_model_states_are_predicted(drawn[n][1], results, n)

@@ -245,3 +245,26 @@ def test_tune_gives_a_plan_predict_agrees_with_or_explains_why_none_fits(layers,
         return
     assert mist_ds.predict(plan.overrides()).to_dict() == plan.prediction
     assert plan.prediction["fits"]
+
+
+@pytest.mark.parametrize("limits, check", [
+    (["tuner.pp=[2]"], lambda p: p.pp == 2),
+    (["tuner.tp=[1]", "tuner.pp=[1]"], lambda p: (p.tp, p.pp) == (1, 1)),
+])
+def test_tuner_degree_limits_shape_the_plan(limits, check):
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4", "train.global_batch_size=16",
+                     "tuner.compare_baselines=false"] + limits, with_strategy=False)
+    result = tune_specs(specs, progress=False)
+    assert check(result.strategy.parallelism)
+    assert all(check(p.point) for p in result.search.points)
+
+
+def test_deepspeed_runtime_never_tunes_replicated_kv_heads():
+    """t above the KV heads replicates them, which mist_ds.runtime does not run: never a point."""
+    specs = compose(["model=tiny", "model.num_kv_heads=2", "cluster=cpu", "cluster.gpus_per_node=4",
+                     "train.global_batch_size=16", "tuner.compare_baselines=false"], with_strategy=False)
+    assert {p.point.tp for p in tune_specs(specs, progress=False).search.points} <= {1, 2}
+    paper = compose(["model=tiny", "model.num_kv_heads=2", "cluster=cpu", "cluster.gpus_per_node=4",
+                     "train.global_batch_size=16", "tuner.compare_baselines=false", "tuner.runtime=mist-paper"],
+                    with_strategy=False)
+    assert 4 in {p.point.tp for p in tune_specs(paper, progress=False).search.points}

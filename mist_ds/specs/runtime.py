@@ -96,7 +96,10 @@ def _deepspeed() -> RuntimeCapabilities:
     return RuntimeCapabilities(
         name="deepspeed", built=True, executes_on_deepspeed=True, model_states="deepspeed",
         zero3_overlaps_compute=True,  # stage3 prefetch with overlap_comm (emit/ds_config.py zero_block)
-        fp32_grads_with_bf16=False, replicates_kv_heads=False, zero_stages_with_pipeline=(0, 1), uniform_zero=True, uniform_ckpt=False,
+        fp32_grads_with_bf16=False, replicates_kv_heads=False, zero_stages_with_pipeline=(0, 1),
+        # A ZeRO-0 stage beside a ZeRO-1 one runs mismatched collectives around the step
+        # (BF16_Optimizer vs DeepSpeedZeroOptimizer; gloo: received 4 bytes where 1 was expected).
+        uniform_zero=True, uniform_ckpt=False,
         # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
         ckpt_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
