@@ -297,22 +297,28 @@ def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
     """Held minus memory.py where memory.py is right up to a named term: (bytes, formula)."""
     touch_bound = int(partition_touch_elements(f.P, f.d, f.L))  # U
     if f.zero == 1 and field == "grads":
-        return f.b * (max(f.P, f.touch) - max(f.P, touch_bound)), "b (max(P, touch) - max(P, U)) <= 0: U bounds touch"
+        return f.b * (max(f.P, f.touch) - max(f.P, touch_bound)), (
+            "b (max(P, touch) - max(P, U)) <= 0: U bounds touch, the whole parameters DeepSpeed copies into a "
+            "partition (deepspeed/runtime/zero/stage_1_and_2.py:2142 copy_grads_in_partition)")
     if f.zero == 2 and field == "grads" and not f.offload:
-        return f.b * (f.touch - touch_bound), "b (touch - U) <= 0: U bounds touch"
+        return f.b * (f.touch - touch_bound), (
+            "b (touch - U) <= 0: U bounds touch (deepspeed/runtime/zero/stage_1_and_2.py:2142 copy_grads_in_partition)")
     if f.zero == 3:
         pad = f.p3 - math.ceil(f.P / f.d)
         per_element = {"weights": 0 if f.params_offload else f.b, "grads": 0 if f.offload else f.b,
                        "optimizer": 0 if f.offload else ADAM_WITH_MASTER_BYTES,
                        "host": (OFFLOADED_BYTES + f.b if f.offload else 0) + (f.b if f.params_offload else 0)}
         if field in per_element:
-            return per_element[field] * pad, "(p3 - ceil(P/d)) per element: each parameter padded to d"
+            return per_element[field] * pad, ("(p3 - ceil(P/d)) per element: each parameter padded to d "
+                                              "(deepspeed/runtime/zero/partition_parameters.py:1816-1817 _aligned_size)")
         if field == "buffers" and f.offload:
-            return f.b * (f.persistent_padded - f.persistent), "b (padded - plain) persistent parameters"
+            return f.b * (f.persistent_padded - f.persistent), (
+                "b (padded - plain) persistent parameters (partition_parameters.py:1816 _aligned_size)")
         if field == "buffers":
             return (max(FP32_BYTES * f.p3, f.b * f.persistent_padded)
                     - max(FP32_BYTES * math.ceil(f.P / f.d), f.b * f.persistent),
-                    "max(4 p3, b padded persistent) - max(4 ceil(P/d), b persistent): per-parameter padding")
+                    "max(4 p3, b padded persistent) - max(4 ceil(P/d), b persistent): per-parameter padding "
+                    "(partition_parameters.py:1816)")
     return 0, "exact"
 
 
