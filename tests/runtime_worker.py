@@ -29,8 +29,7 @@ def run_case(case: dict) -> dict:
     if case.get("watch_model_states", True):
         planned.watch_model_states()
     par = planned.plan.strategy.parallelism
-    dp_rank = planned.engine.grid.get_data_parallel_rank() if planned.pipelined else int(
-        torch.distributed.get_rank(group=planned.engine.data_parallel_group))
+    dp_rank = planned.dp_rank
     losses, norms = [], []
     for step in range(case.get("steps", 3)):
         # Each data-parallel rank reads its own shard of the step's samples.

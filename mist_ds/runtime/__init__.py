@@ -9,6 +9,6 @@ a training job reads the plan's ds_config.json and the zoo model's spec, nothing
 """
 from __future__ import annotations
 
-from mist_ds.runtime.engine import PlannedEngine, initialize
+from mist_ds.runtime.engine import PlannedEngine, initialize, join_process_group
 
-__all__ = ["PlannedEngine", "initialize"]
+__all__ = ["PlannedEngine", "initialize", "join_process_group"]

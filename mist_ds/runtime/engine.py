@@ -60,6 +60,7 @@ class PlannedEngine:
     plan: MistBlock
     stage: int
     tp_rank: int
+    dp_rank: int
     layers: list[PlannedLayer]
     loss_fn: Any = field(repr=False)
     last_block_passes: dict[int, int] = field(default_factory=dict)
@@ -70,11 +71,16 @@ class PlannedEngine:
     def pipelined(self) -> bool:
         return self.plan.strategy.parallelism.pp > 1
 
-    def train_batch(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def train_batch(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+                    count_model_states: bool = True) -> float:
         """One optimizer step over G micro-batches of (tokens [b, s], labels [b, s]); the mean loss
-        (every rank gets it: the pipeline broadcasts it from the last stage)."""
+        (every rank gets it: the pipeline broadcasts it from the last stage). With watch_model_states
+        on, `count_model_states` says whether this step is counted (counting costs time: a timed step
+        should not be a counted one)."""
         for layer in self.layers:
             layer.forward_passes = 0
+        if self.recorder is not None:
+            self.recorder.measuring = count_model_states
         loss = self._train_batch(micro_batches)
         self.last_block_passes = {layer.index: layer.forward_passes for layer in self.layers if layer.kind == BLOCK}
         return loss
@@ -89,7 +95,6 @@ class PlannedEngine:
         own = self.plan.strategy.stages[self.stage]
         self.recorder = MomentRecorder(self.engine, inner, own.optimizer_offload > 0, gc_check=False,
                                        params_offloaded=own.weights_offload > 0)
-        self.recorder.measuring = True
         for owner, name in MOMENT_HOOKS:
             wrap_before(self.engine if owner == "engine" else optimizer, name, self.recorder)
         inner.register_step_pre_hook(lambda *_: self.recorder("step"))
@@ -100,6 +105,7 @@ class PlannedEngine:
         from mist_ds.runtime.report import what_ran
 
         if self.recorder is not None:
+            self.recorder.measuring = True
             self.recorder("after")
         return what_ran(self, field_peaks(self.recorder.moments) if self.recorder is not None else None)
 
@@ -123,6 +129,28 @@ class PlannedEngine:
             dist.all_reduce(loss, group=self.engine.data_parallel_group)
             loss /= self.engine.dp_world_size
         return float(loss)
+
+    def save(self, directory: str | Path, step: int) -> None:
+        """A DeepSpeed checkpoint of this step (every rank calls it; tag `step<N>`, marked latest)."""
+        self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step})
+
+    def load(self, directory: str | Path) -> int:
+        """Resume from the latest checkpoint in `directory`; the number of steps it had done.
+
+        BF16_Optimizer (bf16 pipelines at ZeRO-0) saves its fp32 partitions and Adam states in
+        ZeRO-style files, but DeepSpeed 0.19.8 loads them through the non-ZeRO path, which hands it one
+        dict where it reads a list per rank (deepspeed/runtime/engine.py:4693-4696 against
+        bf16_optimizer.py:670: KeyError 0). Its states are loaded as ZeRO's are instead
+        (`_load_zero_checkpoint`, engine.py:4733), which restores the fp32 master exactly."""
+        bf16_optimizer = bool(getattr(self.engine, "using_bf16_optimizer", False))
+        path, client_state = self.engine.load_checkpoint(str(directory), load_optimizer_states=not bf16_optimizer)
+        if path is None:
+            raise ConfigError("run.resume", str(directory), "holds no DeepSpeed checkpoint (no `latest` file)")
+        if bf16_optimizer:
+            tag = (Path(directory) / "latest").read_text().strip()
+            if not self.engine._load_zero_checkpoint(str(directory), tag, load_optimizer_states=True):
+                raise ConfigError("run.resume", str(directory), f"checkpoint {tag} lacks the optimizer's states")
+        return int(client_state["step"])
 
     def close(self) -> None:
         self.engine.destroy()
@@ -159,6 +187,21 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
     model.check_tensor_parallel(par.tp)
 
 
+def join_process_group() -> None:
+    """deepspeed.init_distributed, on a CPU accelerator with gloo and without DeepSpeed's shared-memory
+    all-reduce op (it would be JIT-built, 25-130 s of C++; it must be off before the backend exists)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        import deepspeed.ops as dsops
+
+        dsops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    else:
+        deepspeed.init_distributed()
+
+
 def _topology(plan: MistBlock):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -177,7 +220,7 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     config = load_config(config)
     plan = read_mist_block(config)
     if not dist.is_initialized():
-        deepspeed.init_distributed()
+        join_process_group()
     check_executable(plan, model, dist.get_world_size())
     strategy, par = plan.strategy, plan.strategy.parallelism
     topology = _topology(plan)
@@ -208,5 +251,6 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         mpu = grid
     engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
-    return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, layers=layers,
+    return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
+                         layers=layers,
                          loss_fn=loss_fn)

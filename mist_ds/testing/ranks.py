@@ -92,10 +92,10 @@ def init_cpu_distributed():
     the communication backend is created.
     """
     import deepspeed
-    import deepspeed.ops as dsops
 
-    dsops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    from mist_ds.runtime import join_process_group
+
+    join_process_group()
     return deepspeed
 
 

@@ -1,0 +1,205 @@
+"""Train a model with a mist_ds plan on DeepSpeed: a Hydra app, one process per rank.
+
+    # tune for the resources, then train with the plan (the launcher plans in its own process):
+    mist-deepspeed --autotune-mist run --num_gpus 2 launch/train.py model=tiny cluster=cpu run.steps=20
+    # the stock launcher, planning inside the job (rank 0 plans in a subprocess and broadcasts):
+    deepspeed --num_gpus 2 --no_local_rank launch/train.py --autotune-mist model=tiny cluster=cpu hydra.run.dir=D
+    # run an existing plan without re-tuning:
+    deepspeed --num_gpus 2 --no_local_rank launch/train.py mist.plan=outputs/.../plan.json hydra.run.dir=D
+    # one process, the `strategy` group as given (no plan):
+    python launch/train.py model=tiny cluster=cpu cluster.gpus_per_node=1 run.steps=5
+
+On a CPU-only machine set DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 first. Data: `run.data=synthetic` (a learnable
+task) or `run.data=tokens run.tokens_file=F` (a flat file of uint16/uint32 token ids). Checkpoints:
+`run.save_every=N` saves into <run dir>/checkpoints, `run.resume=DIR` resumes (the same losses as an
+uninterrupted run). Output, in the run dir (pin it with hydra.run.dir=D when several ranks share it):
+run.json (rank 0: what every rank's engine did, the plan and its prediction, loss and time per step),
+ds_config.json, logs/rank<N>.log; with --autotune-mist also plan/ (the plan files).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from mist_ds.config import recompose_in_app, register_configs, specs_from_config
+from mist_ds.config.schema import MistDsConfig
+from mist_ds.specs import ConfigError
+
+log = logging.getLogger("mist_ds.train")
+APP_KEYS = ("mist", "run", "json", "plan")
+"""Top-level keys of this app, not of the planned job: kept out of what the planner is given."""
+
+
+@dataclass
+class RunConfig:
+    steps: int = 10  # optimizer steps in all (a resumed run continues to this count)
+    data: str = "synthetic"  # synthetic (a learnable next-token task) | tokens (run.tokens_file)
+    tokens_file: Optional[str] = None  # flat file of token ids for run.data=tokens
+    tokens_dtype: str = "uint16"  # uint16 | uint32: the ids' type in run.tokens_file
+    seed: int = 0  # weights and data seed (the weights do not depend on the layout)
+    save_every: int = 0  # save a DeepSpeed checkpoint every N steps into <run dir>/checkpoints; 0 = never
+    resume: Optional[str] = None  # a checkpoint folder to resume from; null = start fresh
+    count_model_states: bool = True  # census of the engine's tensors at the moments model states peak (run.json)
+
+
+@dataclass
+class MistConfig:
+    plan: Optional[str] = None  # plan.json to train with; null = plan (mist.autotune) or the strategy group
+    autotune: bool = False  # plan for this job's world in a subprocess on rank 0 (--autotune-mist)
+
+
+@dataclass
+class TrainAppConfig(MistDsConfig):
+    mist: MistConfig = field(default_factory=MistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def preparse(argv: list[str], rank: int, world_size: int, master_port: str) -> list[str]:
+    """What DeepSpeed's launcher and the in-script form add, made Hydra's: `--local_rank=N` (when the
+    launcher ran without --no_local_rank) is dropped (LOCAL_RANK carries it), `--autotune-mist` becomes
+    mist.autotune=true; ranks other than 0 leave Hydra's .hydra/ copy to rank 0. Several ranks need one
+    run dir: without hydra.run.dir it is outputs/<date>/port<MASTER_PORT>, the same on every rank."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.startswith("--local_rank"):
+            skip = arg == "--local_rank"
+        elif arg == "--autotune-mist":
+            out.append("mist.autotune=true")
+        else:
+            out.append(arg)
+    if world_size > 1 and not any(a.startswith("hydra.run.dir=") for a in out):
+        out.append(f"hydra.run.dir=outputs/${{now:%Y-%m-%d}}/port{master_port}")
+    return out + (["hydra.output_subdir=null"] if rank else [])
+
+
+def planner_overrides() -> list[str]:
+    """The job's own overrides (model, cluster, train, tuner), without this app's keys."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = list(HydraConfig.get().overrides.task)
+    parsed = OverridesParser.create().parse_overrides(lines)
+    return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in APP_KEYS]
+
+
+def tune_in_subprocess(run_dir: Path, world_size: int, nodes: int) -> Path:
+    """`mist-ds tune` for this job's world, in its own process (this one never loads the planner)."""
+    plan_dir = run_dir / "plan"
+    command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *planner_overrides(), f"cluster.nodes={nodes}",
+               f"cluster.gpus_per_node={world_size // nodes}", "tuner.quiet=true", f"hydra.run.dir={plan_dir}"]
+    log.info("planning: %s", " ".join(command))
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError("mist.autotune", True, f"planning failed (exit {done.returncode}): "
+                                                 f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+    return plan_dir / "plan.json"
+
+
+def resolve_plan(cfg: DictConfig, run_dir: Path, rank: int, world_size: int):
+    """(specs, plan or None): the plan given, the plan rank 0 makes and broadcasts, or the strategy group."""
+    from deepspeed import comm as dist
+
+    from mist_ds.plan import load_plan
+
+    path = cfg.mist.plan
+    if cfg.mist.autotune and path is None:
+        # DeepSpeed's launch.py sets LOCAL_SIZE (ranks on this node, the same on every node).
+        nodes = world_size // int(os.environ.get("LOCAL_SIZE", world_size))
+        box = [str(tune_in_subprocess(run_dir, world_size, nodes)) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # every rank trains the plan rank 0 made
+        path = box[0]
+    if path is None:
+        return specs_from_config(cfg), None
+    plan = load_plan(hydra.utils.to_absolute_path(path))
+    specs = specs_from_config(recompose_in_app(plan.overrides(planner_overrides())), with_strategy=False)
+    return specs, plan
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][rank %(rank)s][%(levelname)s] %(message)s"))
+    handler.addFilter(lambda record: setattr(record, "rank", rank) or True)
+    logging.getLogger("mist_ds").addHandler(handler)
+    logging.getLogger("mist_ds").setLevel(logging.INFO)
+    if rank:  # one rank on the console is enough: the others are in their files
+        logging.getLogger("mist_ds").propagate = False
+
+
+def train_job(cfg: DictConfig) -> int:
+    from deepspeed import comm as dist
+
+    from mist_ds.emit import ds_config
+    from mist_ds.files import write_json_atomic
+    from mist_ds.runtime import initialize, join_process_group
+    from mist_ds.runtime.data import DataSpec
+    from mist_ds.runtime.training import run_record, train
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    setup_logging(run_dir, rank)
+    join_process_group()
+    planned = None
+    try:
+        specs, plan = resolve_plan(cfg, run_dir, rank, world_size)
+        strategy = plan.strategy if plan else specs.strategy
+        config = ds_config(strategy, specs.train, specs.model)
+        if rank == 0:
+            write_json_atomic(run_dir / "ds_config.json", config)
+        planned = initialize(config, specs.model, seed=cfg.run.seed)
+        if cfg.run.count_model_states:
+            planned.watch_model_states()
+        start = planned.load(hydra.utils.to_absolute_path(cfg.run.resume)) if cfg.run.resume else 0
+        data = DataSpec(cfg.run.data, specs.model.vocab_size, specs.model.seq_len, cfg.run.seed, cfg.run.tokens_file,
+                        cfg.run.tokens_dtype)
+        records = train(planned, data, cfg.run.steps, start, run_dir / "checkpoints", cfg.run.save_every)
+        ranks = [None] * world_size
+        dist.all_gather_object(ranks, planned.what_ran())
+        if rank == 0:
+            write_json_atomic(run_dir / "run.json", run_record(ranks, records, plan.to_dict() if plan else None,
+                                                               str(run_dir / "ds_config.json")))
+            log.info("wrote %s", run_dir / "run.json")
+    finally:
+        if planned is not None:
+            planned.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        train_job(cfg)
+    except ConfigError as error:  # a user's mistake: one line, exit 2
+        print(f"train.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def single_process_environment() -> None:
+    """Run without a launcher as rank 0 of 1 (torch.distributed's env:// reads these)."""
+    if "RANK" not in os.environ:
+        from mist_ds.testing.ranks import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+
+
+if __name__ == "__main__":
+    single_process_environment()
+    register_configs()
+    ConfigStore.instance().store(name="train_app_schema", node=TrainAppConfig)
+    sys.argv = [sys.argv[0], *preparse(sys.argv[1:], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                       os.environ["MASTER_PORT"])]
+    main()

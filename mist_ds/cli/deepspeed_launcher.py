@@ -1,0 +1,165 @@
+"""`mist-deepspeed`: DeepSpeed's launcher with `--autotune-mist {tune,run}`, the way `deepspeed --autotuning`
+works for DeepSpeed's own autotuner.
+
+    mist-deepspeed --autotune-mist run --num_gpus 2 launch/train.py model=tiny cluster=cpu
+    mist-deepspeed --autotune-mist tune --num_nodes 4 --hostfile hosts launch/train.py model=gpt3-13b
+    mist-deepspeed --autotune-mist run --plan outputs/.../plan.json --num_gpus 8 launch/train.py
+    mist-deepspeed --num_gpus 2 launch/train.py ...     # no --autotune-mist: DeepSpeed's launcher as is
+
+Every other argument is DeepSpeed's launcher's (parsed by deepspeed.launcher.runner.parse_args itself).
+With --autotune-mist it:
+1. takes the resources the launcher would use (hostfile, --include/--exclude, --num_nodes, --num_gpus;
+   DeepSpeed's own functions) as cluster.nodes and cluster.gpus_per_node;
+2. plans in its own process (`mist-ds tune`, before any process group exists) with the script's Hydra
+   overrides (its `key=value` arguments) and those two, writing the plan files into <run dir>/plan;
+   --plan P uses an existing plan instead;
+3. hands the plan to the script as it accepts it: a Hydra script gets `mist.plan=<plan.json>`, a pinned
+   `hydra.run.dir=<run dir>` and the launcher's --no_local_rank; a script that takes
+   `--deepspeed_config` / `--deepspeed` gets the plan's ds_config.json as that value;
+4. prints the exact command, writes it to <run dir>/cmd.txt, and runs DeepSpeed's launcher (`run`) or
+   stops there (`tune`).
+The run dir is the script's `hydra.run.dir=D` when given, else outputs/mist-deepspeed/<date>/<time>.
+A plan is fixed for a run: changing the layout between runs (resharding a checkpoint) is not supported.
+
+Exit codes: those of `mist-ds tune` when planning fails (2 bad input, 3 no plan fits); else DeepSpeed's.
+"""
+from __future__ import annotations
+
+import datetime
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from mist_ds.files import write_atomic
+
+MODES = ("tune", "run")
+RUN_DIR_KEY = "hydra.run.dir="
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
+EXIT_BAD_INPUT = 2
+
+
+class LauncherUsageError(ValueError):
+    """A mistake in mist-deepspeed's own arguments."""
+
+
+def split_mist_args(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
+    """(--autotune-mist mode, --plan path, the rest) from the arguments before the user script."""
+    mode = plan = None
+    rest: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        name, _, value = arg.partition("=")
+        if name in ("--autotune-mist", "--plan"):
+            if not value:
+                if i + 1 >= len(items):
+                    raise LauncherUsageError(f"{name} needs a value")
+                i, value = i + 1, items[i + 1]
+            if name == "--plan":
+                plan = value
+            elif value not in MODES:
+                raise LauncherUsageError(f"--autotune-mist={value}: use one of {', '.join(MODES)}")
+            else:
+                mode = value
+        else:
+            rest.append(arg)
+        i += 1
+    return mode, plan, rest
+
+
+def resources(args) -> tuple[int, int]:
+    """(nodes, GPUs per node) DeepSpeed's launcher would use, from its own functions (runner.main)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.launcher import runner
+
+    pool = runner.fetch_hostfile(args.hostfile) or {"localhost": get_accelerator().device_count()}
+    active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
+    active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
+    slots = {len(s) for s in active.values()}
+    if len(slots) != 1:
+        raise LauncherUsageError(f"hosts with different GPU counts {sorted(slots)}: mist_ds plans equal nodes")
+    return len(active), slots.pop()
+
+
+def run_dir_of(user_args: Sequence[str], now: datetime.datetime | None = None) -> Path:
+    for arg in user_args:
+        if arg.startswith(RUN_DIR_KEY):
+            return Path(arg[len(RUN_DIR_KEY):])
+    now = now or datetime.datetime.now()
+    return Path("outputs") / "mist-deepspeed" / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+
+
+def hydra_overrides(user_args: Sequence[str]) -> list[str]:
+    """The script's Hydra overrides the planner understands: key=value arguments, not its own keys."""
+    return [a for a in user_args if "=" in a and not a.startswith("-")
+            and a.split("=")[0].lstrip("+~").split(".")[0] not in ("mist", "run", "hydra")]
+
+
+def plan_for(user_args: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
+    """`mist-ds tune` in its own process; its exit code."""
+    command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *hydra_overrides(user_args),
+               f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}", "tuner.quiet=true",
+               f"{RUN_DIR_KEY}{plan_dir}"]
+    print("mist-deepspeed: planning: " + shlex.join(command), file=sys.stderr)
+    return subprocess.run(command).returncode
+
+
+def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, run_dir: Path
+              ) -> tuple[list[str], list[str]]:
+    """(launcher args, user args) that give the script the plan (module docstring, step 3)."""
+    for i, arg in enumerate(user_args):
+        for flag in CONFIG_FLAGS:
+            if arg == flag and i + 1 < len(user_args):
+                return launcher_args, [*user_args[:i + 1], str(plan_json.parent / "ds_config.json"), *user_args[i + 2:]]
+            if arg.startswith(flag + "="):
+                return launcher_args, [*user_args[:i], f"{flag}={plan_json.parent / 'ds_config.json'}",
+                                       *user_args[i + 1:]]
+    launcher = launcher_args if "--no_local_rank" in launcher_args else [*launcher_args, "--no_local_rank"]
+    pinned = [a for a in user_args if not a.startswith(RUN_DIR_KEY) and not a.startswith("mist.plan=")]
+    return launcher, [*pinned, f"mist.plan={plan_json}", f"{RUN_DIR_KEY}{run_dir}"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from deepspeed.launcher import runner
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        # Where the user script starts, from DeepSpeed's own parser; only arguments before it are ours.
+        script = runner.parse_args(split_mist_args(argv)[2]).user_script
+        at = argv.index(script)
+        mode, plan, launcher_args = split_mist_args(argv[:at])
+        user_args = argv[at + 1:]
+        if mode is None:
+            if plan is not None:
+                raise LauncherUsageError("--plan needs --autotune-mist run (or tune)")
+            return runner.main(argv) or 0
+        args = runner.parse_args([*launcher_args, script, *user_args])
+        run_dir = run_dir_of(user_args).resolve()
+        if plan is None:
+            nodes, gpus = resources(args)
+            code = plan_for(user_args, nodes, gpus, run_dir / "plan")
+            if code != 0:
+                return code
+            plan_json = run_dir / "plan" / "plan.json"
+        else:
+            plan_json = Path(plan).resolve()
+            if not plan_json.is_file():
+                raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
+    except LauncherUsageError as error:
+        print(f"mist-deepspeed: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    launcher_args, user_args = hand_over(launcher_args, user_args, plan_json, run_dir)
+    command = [*launcher_args, args.user_script, *user_args]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "cmd.txt", shlex.join(["deepspeed", *command]) + "\n")
+    print("mist-deepspeed: " + shlex.join(["deepspeed", *command]), file=sys.stderr)
+    if mode == "tune":
+        return 0
+    return runner.main(command) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Training data for the runtime: micro-batches of (tokens [b, s], labels [b, s]) that depend only on
+(step, data-parallel rank, micro-batch index) and a seed, never on the layout or on what ran before.
+So a resumed run reads exactly the batches the uninterrupted run would have read.
+
+- `synthetic`: a learnable task. Each sequence starts at a random token and follows
+  x_{k+1} = (A x_k + C) mod V, so the next token is a fixed function of the current one and the loss
+  falls from ln V towards 0 as the model learns it.
+- `tokens`: windows of s + 1 consecutive ids from a token file (a flat numpy memmap of uint16 or
+  uint32 ids, e.g. written by `numpy.ndarray.tofile`), at random offsets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from mist_ds.specs import ConfigError
+
+SYNTHETIC_MULTIPLIER = 5  # A: odd, so the map is a permutation of the vocabulary for even V
+SYNTHETIC_INCREMENT = 3  # C
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    kind: str
+    """synthetic | tokens"""
+    vocab_size: int
+    seq_len: int
+    seed: int = 0
+    tokens_file: str | None = None
+    tokens_dtype: str = "uint16"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("synthetic", "tokens"):
+            raise ConfigError("run.data", self.kind, "use synthetic or tokens")
+        if self.kind == "tokens" and not self.tokens_file:
+            raise ConfigError("run.tokens_file", self.tokens_file, "give the token file that run.data=tokens reads")
+        if self.tokens_dtype not in TOKEN_DTYPES:
+            raise ConfigError("run.tokens_dtype", self.tokens_dtype, f"use one of {', '.join(TOKEN_DTYPES)}")
+
+
+def _generator(spec: DataSpec, step: int, dp_rank: int, dp: int, index: int, micro_batches: int) -> torch.Generator:
+    """One stream per (step, dp rank, micro-batch): the sample's place in the global batch."""
+    return torch.Generator().manual_seed(spec.seed * 1_000_003 + (step * dp + dp_rank) * micro_batches + index)
+
+
+def _synthetic(spec: DataSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
+    start = torch.randint(0, spec.vocab_size, (batch, 1), generator=generator)
+    sequence = [start]
+    for _ in range(spec.seq_len):
+        sequence.append((sequence[-1] * SYNTHETIC_MULTIPLIER + SYNTHETIC_INCREMENT) % spec.vocab_size)
+    return torch.cat(sequence, dim=1)  # [b, s + 1]
+
+
+class TokenFile:
+    """A flat file of token ids, read as a memmap (nothing is loaded whole)."""
+
+    def __init__(self, spec: DataSpec) -> None:
+        path = Path(spec.tokens_file)
+        if not path.is_file():
+            raise ConfigError("run.tokens_file", str(path), "no such file; give a flat file of token ids")
+        self.ids = np.memmap(path, dtype=TOKEN_DTYPES[spec.tokens_dtype], mode="r")
+        if len(self.ids) < spec.seq_len + 1:
+            raise ConfigError("run.tokens_file", str(path), f"holds {len(self.ids)} ids: fewer than one sequence "
+                                                            f"of model.seq_len + 1 = {spec.seq_len + 1}")
+        largest = int(self.ids.max())
+        if largest >= spec.vocab_size:
+            raise ConfigError("run.tokens_file", str(path), f"holds id {largest}, outside model.vocab_size="
+                                                            f"{spec.vocab_size}; check run.tokens_dtype")
+
+    def windows(self, spec: DataSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, len(self.ids) - spec.seq_len, (batch,), generator=generator).tolist()
+        rows = [np.asarray(self.ids[i:i + spec.seq_len + 1], dtype=np.int64) for i in starts]
+        return torch.from_numpy(np.stack(rows))
+
+
+def micro_batches(spec: DataSpec, step: int, dp_rank: int, dp: int, micro_batch_size: int, count: int,
+                  token_file: TokenFile | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The `count` micro-batches data-parallel rank `dp_rank` trains on at `step` (inputs, next tokens)."""
+    for index in range(count):
+        generator = _generator(spec, step, dp_rank, dp, index, count)
+        sequences = (_synthetic(spec, micro_batch_size, generator) if spec.kind == "synthetic"
+                     else token_file.windows(spec, micro_batch_size, generator))
+        yield sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()

@@ -1,0 +1,201 @@
+"""Training with a plan: launch/train.py under DeepSpeed's real launcher (CPU, gloo), `mist-deepspeed
+--autotune-mist`, the in-script `--autotune-mist`, the PATH shim launch/deepspeed, checkpoint and resume."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mist_ds.cli import deepspeed_launcher as launcher
+from mist_ds.testing.ranks import free_port
+from tests.conftest import REPO
+
+TRAIN = REPO / "launch" / "train.py"
+SHIM = REPO / "launch" / "deepspeed"
+LAUNCH_TIMEOUT_S = 420.0
+CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+# tiny on 2 CPU ranks, a pipeline of 2 and a memory cap under which recomputing part of a stage pays
+PLANNED = ["model=tiny", "cluster=cpu", "tuner.pp=[2]", "tuner.micro_batch_sizes=[4]", "cluster.gpu.reserve_gib=0",
+           "cluster.gpu.memory_gib=0.038", "tuner.compare_baselines=false"]
+
+
+def run(command: list[str], cwd: Path, timeout_s: float = LAUNCH_TIMEOUT_S, path_first: Path | None = None):
+    """Run a launcher command in its own session; on timeout kill its whole process group."""
+    env = {**os.environ, **CPU_ENV}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    env["PATH"] = os.pathsep.join(filter(None, [str(path_first) if path_first else None,
+                                                str(Path(sys.executable).parent), env.get("PATH")]))
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{command[:3]} ran past {timeout_s} s; killed.\n{out[-4000:]}") from None
+    return proc.returncode, out
+
+
+def mist_deepspeed(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher", *args]
+
+
+def assert_trained_the_plan(run_dir: Path, steps: int) -> dict:
+    """run.json: the loss fell, and every rank's engine ran the plan that was tuned into the run dir
+    (what ran is read from the live engines)."""
+    record = json.loads((run_dir / "run.json").read_text())
+    plan = json.loads((run_dir / "plan" / "plan.json").read_text())
+    assert record["plan"] == plan
+    losses = [s["loss"] for s in record["steps"]]
+    assert len(losses) == steps and losses[-1] < losses[0], losses
+    strategy = plan["strategy"]
+    starts = [sum(strategy["layers_per_stage"][:i]) for i in range(strategy["pp"])]
+    for did in record["ranks"]:
+        i = did["stage"]
+        stop = starts[i] + strategy["layers_per_stage"][i]
+        assert did["blocks"] == [starts[i], stop]
+        assert did["recomputed_blocks"] == list(range(stop - strategy["ckpt_layers"][i], stop))
+        assert did["zero_stage"] == strategy["zero_stage"][i]
+    assert len(record["ranks"]) == strategy["tp"] * strategy["pp"] * strategy["dp"]
+    return record
+
+
+def test_mist_deepspeed_tunes_then_trains_the_plan(tmp_path):
+    """The CI launch: `mist-deepspeed --autotune-mist run --num_gpus 2 launch/train.py ...` plans in its own
+    process, starts DeepSpeed's launcher, and the job trains the plan that was tuned."""
+    run_dir = tmp_path / "run"
+    code, out = run(mist_deepspeed("--autotune-mist", "run", "--num_gpus", "2", "--master_port", str(free_port()),
+                                   str(TRAIN), *PLANNED, "run.steps=3", f"hydra.run.dir={run_dir}"), tmp_path)
+    assert code == 0, out[-6000:]
+    record = assert_trained_the_plan(run_dir, 3)
+    plan = record["plan"]["strategy"]
+    assert plan["pp"] == 2 and any(c > 0 for c in plan["ckpt_layers"])  # the memory cap made recompute pay
+    command = (run_dir / "cmd.txt").read_text()
+    assert f"mist.plan={run_dir / 'plan' / 'plan.json'}" in command and "--no_local_rank" in command
+    assert {"ds_config.json", "plan.json", "summary.md"} <= {p.name for p in (run_dir / "plan").iterdir()}
+    assert sum("loss" in line for line in out.splitlines() if "step" in line) >= 3
+
+
+def test_tune_mode_writes_the_plan_and_the_command_without_launching(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = run(mist_deepspeed("--autotune-mist", "tune", "--num_gpus", "2", str(TRAIN), *PLANNED,
+                                   f"hydra.run.dir={run_dir}"), tmp_path, timeout_s=120)
+    assert code == 0, out[-4000:]
+    assert (run_dir / "plan" / "plan.json").is_file() and not (run_dir / "run.json").exists()
+    assert "cluster.gpus_per_node=2" in json.loads((run_dir / "plan" / "plan.json").read_text())["user_overrides"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--autotune-mist", "sometimes", "--num_gpus", "2", "train.py"], "--autotune-mist=sometimes"),
+    (["--plan", "p.json", "--num_gpus", "2", "train.py"], "--plan needs --autotune-mist"),
+    (["--autotune-mist", "run", "--plan", "missing.json", "--num_gpus", "2", "train.py"], "no such file"),
+])
+def test_bad_launcher_arguments_exit_2_with_one_line(tmp_path, args, message):
+    code, out = run(mist_deepspeed(*args), tmp_path, timeout_s=60)
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+
+
+def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
+    plan = tmp_path / "plan" / "plan.json"
+    hydra_launcher, hydra_args = launcher.hand_over(["--num_gpus", "2"], ["model=tiny", "hydra.run.dir=old"], plan, tmp_path)
+    assert hydra_launcher == ["--num_gpus", "2", "--no_local_rank"]
+    assert hydra_args == ["model=tiny", f"mist.plan={plan}", f"hydra.run.dir={tmp_path}"]
+    for flag_args in (["--deepspeed_config", "mine.json", "--lr", "1"], ["--deepspeed_config=mine.json", "--lr", "1"]):
+        same, args = launcher.hand_over(["--num_gpus", "2"], flag_args, plan, tmp_path)
+        assert same == ["--num_gpus", "2"] and str(plan.parent / "ds_config.json") in " ".join(args)
+        assert "mine.json" not in " ".join(args) and args[-2:] == ["--lr", "1"]
+
+
+def test_only_arguments_before_the_script_are_the_launchers():
+    mode, plan, rest = launcher.split_mist_args(["--autotune-mist=run", "--num_gpus", "2", "--plan", "p.json"])
+    assert (mode, plan, rest) == ("run", "p.json", ["--num_gpus", "2"])
+    assert launcher.hydra_overrides(["model=tiny", "run.steps=3", "--flag", "mist.plan=x", "hydra.run.dir=d",
+                                     "+tuner.tp=[1]"]) == ["model=tiny", "+tuner.tp=[1]"]
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("mist_ds_train_script", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def test_train_script_takes_what_deepspeed_s_launcher_adds():
+    preparse = _train_module().preparse
+    assert preparse(["--local_rank=1", "model=tiny", "--autotune-mist"], 1, 2, "29500") == [
+        "model=tiny", "mist.autotune=true", "hydra.run.dir=outputs/${now:%Y-%m-%d}/port29500", "hydra.output_subdir=null"]
+    assert preparse(["--local_rank", "0", "hydra.run.dir=d"], 0, 2, "1") == ["hydra.run.dir=d"]
+    assert preparse(["model=tiny"], 0, 1, "1") == ["model=tiny"]
+
+
+def test_the_shim_leaves_plain_deepspeed_commands_to_deepspeed(tmp_path):
+    """A command without --autotune-mist behaves through launch/deepspeed as without it."""
+    direct = run([str(Path(sys.executable).parent / "deepspeed"), "--help"], tmp_path, timeout_s=60)
+    shimmed = run(["deepspeed", "--help"], tmp_path, timeout_s=60, path_first=SHIM.parent)
+    assert shimmed[0] == direct[0] == 0
+    strip = lambda text: [line for line in text.splitlines() if "[WARNING]" not in line and "[INFO]" not in line]  # noqa: E731
+    assert strip(shimmed[1]) == strip(direct[1])
+
+
+# --- slow lane -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_in_script_autotune_with_the_stock_launcher(tmp_path):
+    """`deepspeed train.py --autotune-mist`: rank 0 plans in a subprocess for the world it sees and
+    broadcasts; no --no_local_rank needed (the script drops --local_rank)."""
+    run_dir = tmp_path / "run"
+    code, out = run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
+                     str(free_port()), str(TRAIN), "--autotune-mist", *PLANNED, "run.steps=3",
+                     f"hydra.run.dir={run_dir}"], tmp_path)
+    assert code == 0, out[-6000:]
+    assert_trained_the_plan(run_dir, 3)
+
+
+@pytest.mark.slow
+def test_the_literal_deepspeed_autotune_mist_through_the_shim(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = run(["deepspeed", "--autotune-mist", "run", "--num_gpus", "2", "--master_port", str(free_port()),
+                     str(TRAIN), *PLANNED, "run.steps=3", f"hydra.run.dir={run_dir}"], tmp_path, path_first=SHIM.parent)
+    assert code == 0, out[-6000:]
+    assert_trained_the_plan(run_dir, 3)
+
+
+@pytest.mark.slow
+def test_four_ranks_pipeline_by_tensor_parallel(tmp_path):
+    run_dir = tmp_path / "run"
+    code, out = run(mist_deepspeed("--autotune-mist", "run", "--num_gpus", "4", "--master_port", str(free_port()),
+                                   str(TRAIN), "model=tiny", "cluster=cpu", "tuner.pp=[2]", "tuner.tp=[2]",
+                                   "tuner.compare_baselines=false", "run.steps=3", f"hydra.run.dir={run_dir}"),
+                    tmp_path)
+    assert code == 0, out[-6000:]
+    record = assert_trained_the_plan(run_dir, 3)
+    assert (record["plan"]["strategy"]["pp"], record["plan"]["strategy"]["tp"]) == (2, 2)
+
+
+@pytest.mark.slow
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
+    """Save at step 3 of 5, resume from it: steps 4 and 5 equal the uninterrupted run's (bf16 pipeline,
+    BF16_Optimizer: its states load as ZeRO's, mist_ds/runtime/engine.py PlannedEngine.load)."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    code, out = run(mist_deepspeed("--autotune-mist", "run", "--num_gpus", "2", "--master_port", str(free_port()),
+                                   str(TRAIN), *PLANNED, "run.steps=5", "run.save_every=3", f"hydra.run.dir={first}"),
+                    tmp_path)
+    assert code == 0, out[-6000:]
+    code, out = run(mist_deepspeed("--autotune-mist", "run", "--plan", str(first / "plan" / "plan.json"), "--num_gpus",
+                                   "2", "--master_port", str(free_port()), str(TRAIN), "run.steps=5",
+                                   f"run.resume={first / 'checkpoints'}", f"hydra.run.dir={resumed}"), tmp_path)
+    assert code == 0, out[-6000:]
+    whole = json.loads((first / "run.json").read_text())["steps"]
+    rest = json.loads((resumed / "run.json").read_text())["steps"]  # the plan given: no plan/ in this run dir
+    assert [s["step"] for s in rest] == [4, 5]
+    assert [s["loss"] for s in rest] == [s["loss"] for s in whole[3:]]
