@@ -352,3 +352,16 @@ def test_random_tuned_plans_run_as_planned():
             results = [rank_results[i] for rank_results in by_rank]
             assert_ran_the_plan(drawn[n][1], results)
             assert_model_states_are_predicted(drawn[n][1], results, n)
+
+
+def test_a_precision_the_accelerator_lacks_is_refused_by_name():
+    """DeepSpeed's CPU accelerator has no fp16: a clear error naming train.precision, not DeepSpeed's."""
+    from deepspeed.accelerator import get_accelerator
+
+    from mist_ds.runtime.engine import check_precision
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("the CPU accelerator's rule")
+    check_precision(torch.bfloat16)
+    with pytest.raises(ConfigError, match="train.precision"):
+        check_precision(torch.float16)

@@ -202,6 +202,18 @@ def join_process_group() -> None:
         deepspeed.init_distributed()
 
 
+def check_precision(dtype: torch.dtype) -> None:
+    """DeepSpeed's accelerator must run the plan's 16-bit type (its CPU accelerator has no fp16)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {torch.float16: accelerator.is_fp16_supported, torch.bfloat16: accelerator.is_bf16_supported}
+    if dtype in supported and not supported[dtype]():
+        name = "fp16" if dtype == torch.float16 else "bf16"
+        raise ConfigError("train.precision", name, f"DeepSpeed's {accelerator.device_name()} accelerator does not "
+                                                   "run it; train in bf16 or fp32 here")
+
+
 def _topology(plan: MistBlock):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -228,6 +240,7 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     grid = PipelineParallelGrid(topology=topology)  # as DeepSpeed's mpu; its slice group runs the TP collectives
     tp = TensorParallel(grid.get_slice_parallel_group().group_name, coord.model) if par.tp > 1 else TensorParallel()
     dtype = model_dtype(config)
+    check_precision(dtype)
     recipes = [layer_recipes(model, plan.stage_layer_ranges[i], strategy.stages[i].ckpt_layers, i == 0,
                              i == par.pp - 1, par.tp, tp, dtype, seed) for i in range(par.pp)]
     loss_fn = language_model_loss(tp)
