@@ -16,7 +16,7 @@ from mist_ds.models import TensorParallel, build_layers, vocab_parallel_cross_en
 from mist_ds.symbolic import analyze_layers, analyze_model
 from mist_ds.models.attention import causal_attention
 from mist_ds.symbolic.aggregate import fused_memory_traffic, fused_saved_bytes, fusion_groups, saved_bytes
-from mist_ds.symbolic.rules import flop_counter_mapping
+from mist_ds.models.attention import flop_counter_mapping
 from mist_ds.symbolic.trace import run_trace
 from tests.conftest import zoo
 from tests.memory_probe import saved_activation_bytes, training_step_peaks

@@ -6,8 +6,8 @@ TP rank, N a multiple of M).
 Fused path: the op `mist_ds::flash_attention` saves exactly what FlashAttention-2 saves on a GPU
 (q, k, v, the output and the fp32 logsumexp, plus its RNG state when dropout is on) and keeps KV
 heads unexpanded (GQA in the kernel), on every device. So a CPU trace of the model sees the same
-saved set as a CUDA run, and one op stands for the whole attention (its FLOPs rule lives in
-`mist_ds.symbolic`). Explicit path: matmul, scale, causal bias, softmax, dropout, matmul: the
+saved set as a CUDA run, and one op stands for the whole attention: `attention_flop_rule` gives its
+FLOPs (torch's counter has none for it), for the symbolic analysis and the runtime's step census. Explicit path: matmul, scale, causal bias, softmax, dropout, matmul: the
 tensors Korthikanti et al. (2022) count.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 ROTARY_BASE = 10000.0  # RoPE frequency base (Su et al. 2021; Llama 2)
 
@@ -132,3 +133,26 @@ def apply_rotary(x_BHSK: Tensor, cos_SK: Tensor, sin_SK: Tensor) -> Tensor:
     half = x_BHSK.shape[-1] // 2
     x1, x2 = x_BHSK[..., :half], x_BHSK[..., half:]
     return torch.cat((x1 * cos_SK - x2 * sin_SK, x1 * sin_SK + x2 * cos_SK), dim=-1)
+
+
+def _expanded(kv_shape: tuple, query_shape: tuple) -> tuple:
+    """The KV shape the kernel computes with: KV heads broadcast to the query heads."""
+    b, _, s, k = kv_shape
+    return (b, query_shape[1], s, k)
+
+
+def attention_flop_rule(forward: bool):
+    """FLOP rule of mist_ds's fused attention ops, in FlopCounterMode's shape-argument form."""
+    def forward_rule(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q_shape, _expanded(k_shape, q_shape), _expanded(v_shape, q_shape))
+
+    def backward_rule(grad_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad_shape, q_shape, _expanded(k_shape, q_shape), _expanded(v_shape, q_shape))
+
+    return forward_rule if forward else backward_rule
+
+
+def flop_counter_mapping() -> dict:
+    """`custom_mapping` for torch's FlopCounterMode so that it counts mist_ds's fused attention."""
+    return {torch.ops.mist_ds.flash_attention: attention_flop_rule(True),
+            torch.ops.mist_ds.flash_attention_backward: attention_flop_rule(False)}

@@ -63,6 +63,10 @@ class PlannedEngine:
     dp_rank: int
     layers: list[PlannedLayer]
     loss_fn: Any = field(repr=False)
+    grid: Any = field(default=None, repr=False)
+    """The runtime's PipelineParallelGrid: the plan's process groups."""
+    tied_ranks: tuple[int, ...] = ()
+    """Global ranks of this rank's tied-embedding group (first and last stage), if any."""
     last_block_passes: dict[int, int] = field(default_factory=dict)
     """Forward passes each block (by model index) ran in the last step, recompute included."""
     recorder: Any = field(default=None, repr=False)
@@ -84,6 +88,15 @@ class PlannedEngine:
         loss = self._train_batch(micro_batches)
         self.last_block_passes = {layer.index: layer.forward_passes for layer in self.layers if layer.kind == BLOCK}
         return loss
+
+    def count_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
+        """One step under the step census (mist_ds/runtime/counting.py): (loss, FLOPs and payload bytes by
+        "kind/group"). Counting slows the step: never time a counted step."""
+        from mist_ds.runtime.counting import StepCounter, group_names
+
+        with StepCounter(group_names(self.grid, self.tied_ranks)) as counter:
+            loss = self.train_batch(micro_batches, count_model_states=False)
+        return loss, counter.counts.to_dict()
 
     def watch_model_states(self) -> None:
         """Count what the engine holds at the moments model states peak, in every later step
@@ -264,6 +277,8 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         mpu = grid
     engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
+    ties = module.planned_ties if par.pp > 1 else []
+    tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
-                         layers=layers,
+                         grid=grid, tied_ranks=tied, layers=layers,
                          loss_fn=loss_fn)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sympy
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
+
+from mist_ds.models.attention import attention_flop_rule
 
 
 
@@ -28,29 +30,6 @@ WAIT_OPS = {"_c10d_functional.wait_tensor.default"}
 
 def _shape(tensor: torch.Tensor) -> tuple:
     return tuple(tensor.shape)
-
-
-def _expanded(kv_shape: tuple, query_shape: tuple) -> tuple:
-    """The KV shape the kernel computes with: KV heads broadcast to the query heads."""
-    b, _, s, k = kv_shape
-    return (b, query_shape[1], s, k)
-
-
-def attention_flop_rule(forward: bool):
-    """FLOP rule of mist_ds's fused attention ops, in FlopCounterMode's shape-argument form."""
-    def forward_rule(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
-        return sdpa_flop_count(q_shape, _expanded(k_shape, q_shape), _expanded(v_shape, q_shape))
-
-    def backward_rule(grad_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
-        return sdpa_backward_flop_count(grad_shape, q_shape, _expanded(k_shape, q_shape), _expanded(v_shape, q_shape))
-
-    return forward_rule if forward else backward_rule
-
-
-def flop_counter_mapping() -> dict:
-    """`custom_mapping` for torch's FlopCounterMode so that it counts mist_ds's fused attention."""
-    return {torch.ops.mist_ds.flash_attention: attention_flop_rule(True),
-            torch.ops.mist_ds.flash_attention_backward: attention_flop_rule(False)}
 
 
 def op_flops(name: str, args: tuple, kwargs: dict, out) -> sympy.Expr:

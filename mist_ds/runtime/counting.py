@@ -1,0 +1,147 @@
+"""The step census: FLOPs and collective payload bytes a rank really executes, counted at the dispatcher.
+
+One TorchDispatchMode sees every aten op (FLOPs by torch's own FlopCounterMode registry, plus the rule of
+mist_ds's fused attention op, whose CPU kernel the registry does not know), every c10d op that
+torch.distributed issues (DeepSpeed's deepspeed.comm calls, its coalesced gathers, pipeline p2p) and
+every functional collective (`_c10d_functional.*`: the models' own TP all-reduces). Wrapping
+torch.distributed or deepspeed.comm instead would miss some of these. Recompute is counted as it
+runs (the checkpointed forward replays through the dispatcher).
+
+Payload bytes of one call are the bytes this rank contributes: the tensor all-reduced or broadcast,
+the local shard an all-gather gathers, the whole input a reduce-scatter splits, the tensor sent or
+received. Calls are keyed "kind/group", group named from the plan's grid (`GroupNames`): data,
+tensor, pipe (the stage's whole pipeline), model (DeepSpeed's pipe x tensor group of its norms),
+world, tied (first and last stage), self (a group of one); p2p "send/next", "recv/prev", etc.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from mist_ds.models.attention import flop_counter_mapping
+
+C10D_KINDS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_coalesced_": "all_gather", "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast", "reduce_": "reduce",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv", "gather_": "gather", "scatter_": "scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "barrier": "barrier", "monitored_barrier_": "barrier",
+}
+FUNCTIONAL_KINDS = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "all_to_all_single": "all_to_all",
+}
+PAYLOAD_ARGUMENTS = ("input_tensors", "input_tensor", "inputs", "input_list", "input", "tensors")
+"""Schema argument names that hold what a rank contributes, first match wins (barrier: none)."""
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@dataclass
+class GroupNames:
+    """Names of the plan's process groups by their global ranks, and this rank's stage neighbours."""
+
+    by_ranks: dict[frozenset[int], str]
+    peers: dict[int, str]
+    """Global rank -> "next" | "prev" (the neighbouring stages of this rank's pipeline)."""
+
+    def name(self, ranks) -> str:
+        ranks = frozenset(ranks)
+        if len(ranks) == 1:
+            return "self"
+        return self.by_ranks.get(ranks, f"ranks{sorted(ranks)}")
+
+
+def group_names(grid, tied_ranks=()) -> GroupNames:
+    """From DeepSpeed's PipelineParallelGrid (the runtime's topology): every group this rank is in."""
+    import torch.distributed as dist
+
+    names = {frozenset(grid.dp_group): "data", frozenset(grid.pp_group): "pipe",
+             frozenset(range(dist.get_world_size())): "world"}
+    if grid.get_slice_parallel_world_size() > 1:
+        names[frozenset(grid.slice_group)] = "tensor"
+    model = frozenset(dist.get_process_group_ranks(grid.get_model_parallel_group()))
+    names.setdefault(model, "model")
+    if tied_ranks:
+        names.setdefault(frozenset(tied_ranks), "tied")
+    stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
+    coord = grid._topo.get_coord(grid.global_rank)
+    peers = {}
+    for offset, label in ((1, "next"), (-1, "prev")):
+        if 0 <= stage + offset < stages:
+            peers[grid._topo.get_rank(pipe=stage + offset, data=coord.data, model=coord.model)] = label
+    return GroupNames(names, peers)
+
+
+@dataclass
+class StepCounts:
+    flops: int = 0
+    comm_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    comm_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flops": self.flops, "comm_bytes": dict(sorted(self.comm_bytes.items())),
+                "comm_calls": dict(sorted(self.comm_calls.items()))}
+
+
+class StepCounter(TorchDispatchMode):
+    """Count FLOPs and collective payload bytes while active (module docstring)."""
+
+    def __init__(self, names: GroupNames) -> None:
+        super().__init__()
+        self.names = names
+        self.counts = StepCounts()
+        self.custom = flop_counter_mapping()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        namespace = packet._qualified_op_name.split("::")[0]
+        if namespace in ("c10d", "_c10d_functional"):
+            self._collective(func, namespace, args, kwargs)
+        elif packet in self.custom:
+            self.counts.flops += int(self.custom[packet](*(tuple(a.shape) if isinstance(a, torch.Tensor) else a
+                                                             for a in args), **kwargs))
+        elif packet in flop_registry:
+            self.counts.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        return out
+
+    def _collective(self, func, namespace: str, args, kwargs) -> None:
+        import torch.distributed as dist
+
+        name = func.overloadpacket._qualified_op_name.split("::")[1]
+        kind = (C10D_KINDS if namespace == "c10d" else FUNCTIONAL_KINDS).get(name)
+        if kind is None:
+            return  # wait_tensor and other bookkeeping ops move nothing
+        bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        payload = next((_nbytes(bound[a]) for a in PAYLOAD_ARGUMENTS if a in bound), 0)
+        if namespace == "c10d":
+            from torch._C._distributed_c10d import ProcessGroup
+
+            ranks = dist.get_process_group_ranks(ProcessGroup.unbox(bound["process_group"]))
+        else:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            ranks = dist.get_process_group_ranks(_resolve_process_group(bound["group_name"]))
+        if kind in ("send", "recv"):
+            peer = ranks[bound["dst" if kind == "send" else "src"]]
+            group = self.names.peers.get(peer, f"rank{peer}")
+        else:
+            group = self.names.name(ranks)
+        key = f"{kind}/{group}"
+        self.counts.comm_bytes[key] += payload
+        self.counts.comm_calls[key] += 1
