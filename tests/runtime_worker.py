@@ -37,7 +37,11 @@ def run_case(case: dict) -> dict:
         losses.append(planned.train_batch(batches))
         norm = planned.engine.get_global_grad_norm()  # what clipping used (None when clipping is off)
         norms.append(None if norm is None else float(norm))
-    result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": planned.what_ran(),
+    what_ran = planned.what_ran()
+    # One more step under the step census (never a timed or a model-state-counted step).
+    census_batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - dp_rank)
+    _, census = planned.count_step(census_batches)
+    result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": what_ran, "census": census,
               "dp_rank": dp_rank,
               "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                               for p in planned.engine.module.parameters()]}
@@ -54,6 +58,3 @@ def runtime_worker(rank: int, world_size: int, payload: dict) -> list[dict]:
     finally:
         close_cpu_distributed()
 
-
-def model_dict(model: ModelSpec) -> dict:
-    return dataclasses.asdict(model)

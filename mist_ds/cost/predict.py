@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.simulate import simulate, simulate_interleaved
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
@@ -39,6 +40,12 @@ class Prediction:
     fits: bool
     host_memory_bytes: float
     sources: dict[str, str]
+    flops_per_rank: list[float] = field(default_factory=list)
+    """Per stage, the FLOPs one of its ranks executes in an iteration, recompute included
+    (cost/accounting.py)."""
+    comm_bytes_per_rank: list[dict[str, float]] | None = None
+    """Per stage, "kind/group" -> collective payload bytes one of its ranks moves in an iteration, as
+    DeepSpeed runs it (cost/accounting.py); None for runtimes that do not run on DeepSpeed."""
     model_state_bytes: list[dict[str, float]] = field(default_factory=list)
     """Per stage, one GPU's model states by part (cost/memory.py): weights, grads, optimizer, their own
     buffers (buckets, step gradients, staging) and what is offloaded to the host. What a runtime's
@@ -119,7 +126,9 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
         sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},
-        warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states)
+        warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
+        flops_per_rank=[float(x) for x in stage_flops(costs, c)],
+        comm_bytes_per_rank=comm_bytes(costs, strategy, specs.train, caps, c, hw.dtype_bytes))
 
 
 def predict(specs: Specs, cache_dir: Path | None = None, caps: RuntimeCapabilities | None = None) -> Prediction:

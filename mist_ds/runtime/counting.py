@@ -9,9 +9,9 @@ runs (the checkpointed forward replays through the dispatcher).
 
 Payload bytes of one call are the bytes this rank contributes: the tensor all-reduced or broadcast,
 the local shard an all-gather gathers, the whole input a reduce-scatter splits, the tensor sent or
-received. Calls are keyed "kind/group", group named from the plan's grid (`GroupNames`): data,
-tensor, pipe (the stage's whole pipeline), model (DeepSpeed's pipe x tensor group of its norms),
-world, tied (first and last stage), self (a group of one); p2p "send/next", "recv/prev", etc.
+received. Calls are keyed "kind/group", the group named as mist_ds/specs/groups.py names it for the
+plan's layout (tensor, data, pipe, tied, model, world, self), p2p by peer stage: "send/next",
+"recv/prev", ...; the cost model's accounting uses the same names.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from mist_ds.models.attention import flop_counter_mapping
+from mist_ds.specs.groups import group_roles, names_by_ranks
+from mist_ds.specs.strategy import Parallelism
 
 C10D_KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
@@ -65,25 +67,14 @@ class GroupNames:
         return self.by_ranks.get(ranks, f"ranks{sorted(ranks)}")
 
 
-def group_names(grid, tied_ranks=()) -> GroupNames:
-    """From DeepSpeed's PipelineParallelGrid (the runtime's topology): every group this rank is in."""
-    import torch.distributed as dist
-
-    names = {frozenset(grid.dp_group): "data", frozenset(grid.pp_group): "pipe",
-             frozenset(range(dist.get_world_size())): "world"}
-    if grid.get_slice_parallel_world_size() > 1:
-        names[frozenset(grid.slice_group)] = "tensor"
-    model = frozenset(dist.get_process_group_ranks(grid.get_model_parallel_group()))
-    names.setdefault(model, "model")
-    if tied_ranks:
-        names.setdefault(frozenset(tied_ranks), "tied")
-    stage, stages = grid.get_stage_id(), grid.get_pipe_parallel_world_size()
-    coord = grid._topo.get_coord(grid.global_rank)
-    peers = {}
-    for offset, label in ((1, "next"), (-1, "prev")):
-        if 0 <= stage + offset < stages:
-            peers[grid._topo.get_rank(pipe=stage + offset, data=coord.data, model=coord.model)] = label
-    return GroupNames(names, peers)
+def group_names(par: Parallelism, rank: int, tied: bool) -> GroupNames:
+    """The names mist_ds/specs/groups.py gives the groups of `rank` under the plan's layout."""
+    roles = group_roles(par, rank, tied)
+    width = par.dp * par.tp
+    peers = {rank + width: "next"} if rank + width < par.num_gpus else {}
+    if rank - width >= 0:
+        peers[rank - width] = "prev"
+    return GroupNames(names_by_ranks(roles), peers)
 
 
 @dataclass

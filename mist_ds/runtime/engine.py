@@ -94,7 +94,9 @@ class PlannedEngine:
         "kind/group"). Counting slows the step: never time a counted step."""
         from mist_ds.runtime.counting import StepCounter, group_names
 
-        with StepCounter(group_names(self.grid, self.tied_ranks)) as counter:
+        par = self.plan.strategy.parallelism
+        names = group_names(par, int(self.engine.global_rank), bool(self.tied_ranks))
+        with StepCounter(names) as counter:
             loss = self.train_batch(micro_batches, count_model_states=False)
         return loss, counter.counts.to_dict()
 

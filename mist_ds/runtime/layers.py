@@ -122,8 +122,12 @@ class PlannedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            # Non-reentrant: saves the block's input only and replays it (RNG state included) in backward.
-            return checkpoint(self.layer, x, use_reentrant=False)
+            # Reentrant: saves the block's input only and replays its whole forward (RNG state included)
+            # in backward, as the cost model prices recompute (one block forward). torch's non-reentrant
+            # form stops replaying once the tensors backward needs exist, skipping the block's last
+            # GEMMs (the step census measured fc_out's forward missing on a GPT block); forced to replay
+            # all of it, it breaks under ZeRO-3, whose partitioned weights it then reads empty.
+            return checkpoint(self.layer, x, use_reentrant=True)
         return self.layer(x)
 
 

@@ -1,0 +1,129 @@
+"""Per-rank accounting of one iteration from the terms the cost model prices: FLOPs executed (recompute
+included) and collective payload bytes by "kind/group", what the runtime's step census counts in the
+engine (mist_ds/runtime/counting.py) and `measure` compares. Per stage: every rank of a stage does the
+same. Groups are named as mist_ds/specs/groups.py names them; payload is what a rank contributes (the
+tensor all-reduced, its shard of an all-gather, the whole input of a reduce-scatter, what it sends or
+receives).
+
+Communication is accounted for the runtimes that execute on DeepSpeed (RuntimeCapabilities
+.executes_on_deepspeed), as DeepSpeed 0.19.8 moves it (each rule cites its source; docs/design.md,
+What DeepSpeed does):
+- TP: the layers' all-reduces (traced), again for each recomputed block's forward.
+- Data parallel, by optimizer: ZeRO-0 all-reduces the gradients once per step (engine.py
+  allreduce_gradients; BF16_Optimizer in a bf16 pipeline too, bf16_optimizer.py) and BF16_Optimizer
+  then all-gathers its updated partition (bf16_optimizer.py:593-603); ZeRO-1 all-reduces each bucket
+  once per step (stage_1_and_2.py average_tensor with use_multi_rank_bucket_allreduce, :1695-1711)
+  and all-gathers the updated partition (:3155-3159); ZeRO-2 the same reduction every micro-batch;
+  ZeRO-3 all-gathers every parameter in each forward and backward (a weight two modules share, the
+  tied embedding at pp = 1, once more per micro-batch) and reduce-scatters the gradients every
+  micro-batch. The gathers are an upper bound: DeepSpeed's coordinator keeps a parameter used again
+  within stage3_max_reuse_distance gathered (zero/partitioned_param_coordinator.py:658), which the
+  step census shows skipping some re-gathers around the forward-backward turn (not modeled). With d = 1 the reductions still run, on a group of one (`self`); the gathers do not.
+- Pipelines: one activation sent forward and one gradient back per micro-batch and boundary; with
+  t > 1 split over the TP ranks (pipe_partitioned / grad_partitioned, pipe/engine.py:708-748): 1 / t
+  of it plus PARTITION_META_BYTES per message, and an all-gather over the TP group to rebuild each
+  received tensor and, before its backward, a non-last stage's own sent output (:812-834); the tied
+  embedding's gradient all-reduced between first and last stage (pipe/engine.py:281); the loss
+  broadcast over the pipeline (LOSS_BROADCAST_BYTES, pipe/engine.py _aggregate_total_loss).
+Not accounted: DeepSpeed's scalar control messages (the gradient norm, an fp32 scalar over the model
+group, deepspeed/runtime/utils.py:958; overflow flags, one byte), at most CONTROL_BYTES per key and step.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_params
+from mist_ds.specs import RuntimeCapabilities, StrategySpec, TrainSpec
+from mist_ds.specs.groups import group_name, group_roles
+
+PARTITION_META_BYTES = 72  # PartitionedTensor.to_meta: nine int64 (deepspeed/runtime/utils.py PartitionedTensor)
+LOSS_BROADCAST_BYTES = 8  # two fp32 losses, broadcast from the last stage (pipe/engine.py _aggregate_total_loss)
+CONTROL_BYTES = 16  # the norm and overflow scalars a step may add to one key (module docstring)
+
+
+def _layer(costs_layer, key: str, c: StageCandidates) -> np.ndarray:
+    return c.shapes(costs_layer, key)
+
+
+def stage_flops(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
+    """FLOPs one rank of each stage executes in an iteration: G micro-batches' forward and backward of
+    its layers, plus one more forward of each recomputed block."""
+    f = lambda layer: _layer(layer, "fwd_flops", c) + _layer(layer, "bwd_flops", c)  # noqa: E731
+    per_micro = (c.layers * f(costs.block) + c.first * f(costs.embedding) + c.last * f(costs.head)
+                 + c.ckpt * _layer(costs.block, "fwd_flops", c))
+    return c.G * per_micro
+
+
+def _tp_bytes(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
+    both = lambda layer: _layer(layer, "tp_comm_bytes_fwd", c) + _layer(layer, "tp_comm_bytes_bwd", c)  # noqa: E731
+    per_micro = (c.layers * both(costs.block) + c.first * both(costs.embedding) + c.last * both(costs.head)
+                 + c.ckpt * _layer(costs.block, "tp_comm_bytes_fwd", c))
+    return c.G * per_micro
+
+
+def _data_parallel(z: int, pipeline: bool, bf16: bool, dtype_bytes: float, params: float, d: int, G: int,
+                   tied_vocab: float) -> dict[tuple[str, str], float]:
+    """(kind, role) -> bytes of one rank's gradient reduction and weight gathers (module docstring)."""
+    padded = np.ceil(params / (2 * d)) * (2 * d)
+    gather = {("all_gather", "data"): dtype_bytes * padded / d} if d > 1 else {}
+    if z == 0:
+        bf16_optimizer = pipeline and bf16
+        return {("all_reduce", "data"): dtype_bytes * params, **(gather if bf16_optimizer else {})}
+    if z == 1:
+        return {("all_reduce", "data"): dtype_bytes * params, **gather}
+    if z == 2:
+        return {("all_reduce", "data"): G * dtype_bytes * params, **gather}
+    shard = dtype_bytes * params / d
+    return {("all_gather", "data"): G * (2 * shard + dtype_bytes * tied_vocab / d),
+            ("reduce_scatter", "data"): G * dtype_bytes * params}
+
+
+def _pipeline(c: StageCandidates, i: int, activation: float, t: int, G: int) -> dict[tuple[str, str], float]:
+    first, last = i == 0, i == int(c.pp[i]) - 1
+    unit = activation / t + (PARTITION_META_BYTES if t > 1 else 0)
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    if not last:
+        out[("send", "next")] += G * unit
+        out[("recv", "next")] += G * unit
+    if not first:
+        out[("recv", "prev")] += G * unit
+        out[("send", "prev")] += G * unit
+    if t > 1:  # rebuilt received activations; a non-last stage's own output and its received gradients
+        out[("all_gather", "tensor")] += G * activation / t * ((not first) + 2 * (not last))
+    out[("broadcast", "pipe")] += LOSS_BROADCAST_BYTES
+    return dict(out)
+
+
+def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps: RuntimeCapabilities,
+               c: StageCandidates, dtype_bytes: float) -> list[dict[str, float]] | None:
+    """Per stage: "kind/group" -> payload bytes one rank moves in an iteration (module docstring);
+    None for runtimes that do not execute on DeepSpeed."""
+    if not caps.executes_on_deepspeed:
+        return None
+    par, model = strategy.parallelism, costs.model
+    params = stage_params(costs, c, c.shapes)
+    tp, activation = _tp_bytes(costs, c), _layer(costs.block, "output_bytes", c)
+    tied_across = model.tie_embeddings and par.pp > 1
+    out = []
+    for i, stage in enumerate(strategy.stages):
+        roles = group_roles(par, i * par.dp * par.tp, tied_across)
+        terms: dict[tuple[str, str], float] = defaultdict(float)
+        if par.tp > 1:
+            terms[("all_reduce", "tensor")] += float(tp[i])
+        tied_vocab = model.vocab_size * model.hidden_size / par.tp if model.tie_embeddings and par.pp == 1 else 0.0
+        for key, value in _data_parallel(stage.zero_stage, par.pp > 1, train.precision == "bf16", dtype_bytes,
+                                         float(params[i]), par.dp, par.grad_accum, tied_vocab).items():
+            terms[key] += value
+        if par.pp > 1:
+            for key, value in _pipeline(c, i, float(activation[i]), par.tp, par.grad_accum).items():
+                terms[key] += value
+            if tied_across and i in (0, par.pp - 1):
+                terms[("all_reduce", "tied")] += dtype_bytes * model.vocab_size * model.hidden_size / par.tp
+        named: dict[str, float] = defaultdict(float)
+        for (kind, role), value in terms.items():
+            group = role if role in ("next", "prev") else group_name(roles, role)
+            named[f"{kind}/{group}"] += value
+        out.append(dict(sorted(named.items())))
+    return out
