@@ -6,13 +6,14 @@
     deepspeed --num_gpus 2 --no_local_rank launch/train.py --autotune-mist model=tiny cluster=cpu hydra.run.dir=D
     # run an existing plan without re-tuning:
     deepspeed --num_gpus 2 --no_local_rank launch/train.py mist.plan=outputs/.../plan.json hydra.run.dir=D
-    # one process, the `strategy` group as given (no plan):
+    # one process, the `strategy` group as given (no plan; with a plan the job is the plan's model, cluster
+    # and train settings, composed on mist_ds's config as the planner composed them):
     python launch/train.py model=tiny cluster=cpu cluster.gpus_per_node=1 run.steps=5
 
 On a CPU-only machine set DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 first. Data: `run.data=synthetic` (a learnable
 task) or `run.data=tokens run.tokens_file=F` (a flat file of uint16/uint32 token ids). Checkpoints:
 `run.save_every=N` saves into <run dir>/checkpoints, `run.resume=DIR` resumes (the same losses as an
-uninterrupted run). Output, in the run dir (pin it with hydra.run.dir=D when several ranks share it):
+uninterrupted run). Output, in the run dir (hydra.run.dir=D, required when there are several ranks):
 run.json (rank 0: what every rank's engine did, the plan and its prediction, loss and time per step),
 ds_config.json, logs/rank<N>.log; with --autotune-mist also plan/ (the plan files).
 """
@@ -31,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mist_ds.config import recompose_in_app, register_configs, specs_from_config
+from mist_ds.config import compose, job_overrides, register_configs, specs_from_config
 from mist_ds.config.schema import MistDsConfig
 from mist_ds.specs import ConfigError
 
@@ -64,11 +65,11 @@ class TrainAppConfig(MistDsConfig):
     run: RunConfig = field(default_factory=RunConfig)
 
 
-def preparse(argv: list[str], rank: int, world_size: int, master_port: str) -> list[str]:
+def preparse(argv: list[str], rank: int, world_size: int) -> list[str]:
     """What DeepSpeed's launcher and the in-script form add, made Hydra's: `--local_rank=N` (when the
     launcher ran without --no_local_rank) is dropped (LOCAL_RANK carries it), `--autotune-mist` becomes
     mist.autotune=true; ranks other than 0 leave Hydra's .hydra/ copy to rank 0. Several ranks need one
-    run dir: without hydra.run.dir it is outputs/<date>/port<MASTER_PORT>, the same on every rank."""
+    run dir, and only the user can name one that no other run shares: hydra.run.dir is required then."""
     out, skip = [], False
     for i, arg in enumerate(argv):
         if skip:
@@ -80,17 +81,14 @@ def preparse(argv: list[str], rank: int, world_size: int, master_port: str) -> l
         else:
             out.append(arg)
     if world_size > 1 and not any(a.startswith("hydra.run.dir=") for a in out):
-        out.append(f"hydra.run.dir=outputs/${{now:%Y-%m-%d}}/port{master_port}")
+        raise ConfigError("hydra.run.dir", None, f"{world_size} ranks share one run dir: give hydra.run.dir=D "
+                                                 "(mist-deepspeed does)")
     return out + (["hydra.output_subdir=null"] if rank else [])
 
 
 def planner_overrides() -> list[str]:
     """The job's own overrides (model, cluster, train, tuner), without this app's keys."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    lines = list(HydraConfig.get().overrides.task)
-    parsed = OverridesParser.create().parse_overrides(lines)
-    return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in APP_KEYS]
+    return job_overrides(APP_KEYS)
 
 
 def tune_in_subprocess(run_dir: Path, world_size: int, nodes: int) -> Path:
@@ -107,23 +105,25 @@ def tune_in_subprocess(run_dir: Path, world_size: int, nodes: int) -> Path:
 
 
 def resolve_plan(cfg: DictConfig, run_dir: Path, rank: int, world_size: int):
-    """(specs, plan or None): the plan given, the plan rank 0 makes and broadcasts, or the strategy group."""
+    """(specs, plan or None): the plan given, the plan rank 0 makes and broadcasts, or the strategy group.
+    With a plan, the job is the plan's: its overrides composed on mist_ds's own config, as the planner
+    composed them (the job's overrides after them)."""
     from deepspeed import comm as dist
 
-    from mist_ds.plan import load_plan
+    from mist_ds.plan import load_plan, plan_from_dict
 
-    path = cfg.mist.plan
-    if cfg.mist.autotune and path is None:
-        # DeepSpeed's launch.py sets LOCAL_SIZE (ranks on this node, the same on every node).
-        nodes = world_size // int(os.environ.get("LOCAL_SIZE", world_size))
-        box = [str(tune_in_subprocess(run_dir, world_size, nodes)) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)  # every rank trains the plan rank 0 made
-        path = box[0]
-    if path is None:
+    if cfg.mist.plan is not None:
+        plan = load_plan(hydra.utils.to_absolute_path(cfg.mist.plan))
+    elif cfg.mist.autotune:
+        # Ranks on this node: DeepSpeed's launch.py sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE.
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        box = [load_plan(tune_in_subprocess(run_dir, world_size, world_size // local)).to_dict() if rank == 0
+               else None]
+        dist.broadcast_object_list(box, src=0)  # the plan itself: other nodes need not see rank 0's files
+        plan = plan_from_dict(box[0], "the plan rank 0 made")
+    else:
         return specs_from_config(cfg), None
-    plan = load_plan(hydra.utils.to_absolute_path(path))
-    specs = specs_from_config(recompose_in_app(plan.overrides(planner_overrides())), with_strategy=False)
-    return specs, plan
+    return compose(plan.overrides(planner_overrides()), with_strategy=False), plan
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -146,7 +146,7 @@ def train_job(cfg: DictConfig) -> int:
     from mist_ds.runtime.data import DataSpec
     from mist_ds.runtime.training import run_record, train
 
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     setup_logging(run_dir, rank)
     join_process_group()
@@ -190,7 +190,7 @@ def main(cfg: DictConfig) -> None:
 def single_process_environment() -> None:
     """Run without a launcher as rank 0 of 1 (torch.distributed's env:// reads these)."""
     if "RANK" not in os.environ:
-        from mist_ds.testing.ranks import free_port
+        from mist_ds.runtime import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
@@ -200,6 +200,9 @@ if __name__ == "__main__":
     single_process_environment()
     register_configs()
     ConfigStore.instance().store(name="train_app_schema", node=TrainAppConfig)
-    sys.argv = [sys.argv[0], *preparse(sys.argv[1:], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                                       os.environ["MASTER_PORT"])]
+    try:
+        sys.argv = [sys.argv[0], *preparse(sys.argv[1:], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))]
+    except ConfigError as error:
+        print(f"train.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
     main()

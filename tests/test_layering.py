@@ -91,3 +91,18 @@ def test_reading_a_plan_loads_none_of_the_planner():
     assert set(present) <= set(loaded)
     leaked = sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in PLANNER))
     assert not leaked, f"importing {present} loads {leaked}"
+
+
+def test_the_training_script_loads_no_planner_and_no_test_tools():
+    """launch/train.py plans, when it must, in a subprocess: it imports none of the planner's layers."""
+    script = REPO / "launch" / "train.py"
+    wrong = imported_layers(script.read_text(), "launch.train") & {"cost", "tuner", "symbolic", "testing", "report"}
+    assert not wrong, f"launch/train.py imports {sorted(wrong)}"
+
+
+def test_importing_the_package_loads_neither_torch_nor_deepspeed():
+    run = subprocess.run([sys.executable, "-c", "import json, sys, mist_ds; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0, run.stderr
+    loaded = set(json.loads(run.stdout))
+    assert not loaded & {"torch", "deepspeed", "sympy", "hydra"}, sorted(loaded & {"torch", "deepspeed", "sympy", "hydra"})

@@ -5,41 +5,31 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from mist_ds.cli import deepspeed_launcher as launcher
-from mist_ds.testing.ranks import free_port
+from mist_ds.specs import ConfigError
+from mist_ds.testing.ranks import CPU_ENV, free_port, run_in_session
 from tests.conftest import REPO
 
 TRAIN = REPO / "launch" / "train.py"
 SHIM = REPO / "launch" / "deepspeed"
 LAUNCH_TIMEOUT_S = 420.0
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 # tiny on 2 CPU ranks, a pipeline of 2 and a memory cap under which recomputing part of a stage pays
 PLANNED = ["model=tiny", "cluster=cpu", "tuner.pp=[2]", "tuner.micro_batch_sizes=[4]", "cluster.gpu.reserve_gib=0",
            "cluster.gpu.memory_gib=0.038", "tuner.compare_baselines=false"]
 
 
 def run(command: list[str], cwd: Path, timeout_s: float = LAUNCH_TIMEOUT_S, path_first: Path | None = None):
-    """Run a launcher command in its own session; on timeout kill its whole process group."""
+    """A launcher command run in its own session (killed with its ranks past the timeout)."""
     env = {**os.environ, **CPU_ENV}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
     env["PATH"] = os.pathsep.join(filter(None, [str(path_first) if path_first else None,
                                                 str(Path(sys.executable).parent), env.get("PATH")]))
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{command[:3]} ran past {timeout_s} s; killed.\n{out[-4000:]}") from None
-    return proc.returncode, out
+    return run_in_session(command, cwd, env, timeout_s, " ".join(command[:4]))
 
 
 def mist_deepspeed(*args: str) -> list[str]:
@@ -107,10 +97,15 @@ def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
     hydra_launcher, hydra_args = launcher.hand_over(["--num_gpus", "2"], ["model=tiny", "hydra.run.dir=old"], plan, tmp_path)
     assert hydra_launcher == ["--num_gpus", "2", "--no_local_rank"]
     assert hydra_args == ["model=tiny", f"mist.plan={plan}", f"hydra.run.dir={tmp_path}"]
-    for flag_args in (["--deepspeed_config", "mine.json", "--lr", "1"], ["--deepspeed_config=mine.json", "--lr", "1"]):
+    config = str(plan.parent / "ds_config.json")
+    for flag_args in (["--deepspeed", "--deepspeed_config", "mine.json", "--lr", "1"],
+                      ["--deepspeed", "--deepspeed_config=mine.json", "--lr", "1"]):
         same, args = launcher.hand_over(["--num_gpus", "2"], flag_args, plan, tmp_path)
-        assert same == ["--num_gpus", "2"] and str(plan.parent / "ds_config.json") in " ".join(args)
+        assert same == ["--num_gpus", "2"] and args[0] == "--deepspeed" and config in " ".join(args)
         assert "mine.json" not in " ".join(args) and args[-2:] == ["--lr", "1"]
+    # DeepSpeed's --deepspeed is an on/off switch: the config path goes after --deepspeed_config
+    assert launcher.hand_over([], ["--deepspeed", "--lr", "1"], plan, tmp_path)[1] == [
+        "--deepspeed", "--lr", "1", "--deepspeed_config", config]
 
 
 def test_only_arguments_before_the_script_are_the_launchers():
@@ -133,10 +128,51 @@ def _train_module():
 
 def test_train_script_takes_what_deepspeed_s_launcher_adds():
     preparse = _train_module().preparse
-    assert preparse(["--local_rank=1", "model=tiny", "--autotune-mist"], 1, 2, "29500") == [
-        "model=tiny", "mist.autotune=true", "hydra.run.dir=outputs/${now:%Y-%m-%d}/port29500", "hydra.output_subdir=null"]
-    assert preparse(["--local_rank", "0", "hydra.run.dir=d"], 0, 2, "1") == ["hydra.run.dir=d"]
-    assert preparse(["model=tiny"], 0, 1, "1") == ["model=tiny"]
+    assert preparse(["--local_rank=1", "model=tiny", "--autotune-mist", "hydra.run.dir=d"], 1, 2) == [
+        "model=tiny", "mist.autotune=true", "hydra.run.dir=d", "hydra.output_subdir=null"]
+    assert preparse(["--local_rank", "0", "hydra.run.dir=d"], 0, 2) == ["hydra.run.dir=d"]
+    assert preparse(["model=tiny"], 0, 1) == ["model=tiny"]
+    with pytest.raises(ConfigError, match="hydra.run.dir"):  # several ranks, no run dir of their own
+        preparse(["model=tiny"], 0, 2)
+
+
+def test_the_in_script_flag_through_mist_deepspeed_is_the_script_s():
+    """`deepspeed train.py --autotune-mist ...` reaches mist-deepspeed through the shim: the flag after
+    the script is left to the script."""
+    argv = ["--num_gpus", "2", "train.py", "--autotune-mist", "model=tiny"]
+    assert launcher.split_mist_args(argv, strict=False) == (None, None, argv)
+    assert launcher.split_mist_args(["--num_gpus", "2", "train.py", "--autotune-mist"], strict=False)[2][-1] == \
+        "--autotune-mist"
+
+
+def test_training_data_are_a_function_of_step_rank_and_index(tmp_path):
+    import numpy as np
+    import torch
+
+    from mist_ds.runtime.data import DataSpec, micro_batches
+
+    spec = DataSpec("synthetic", vocab_size=64, seq_len=16, seed=3)
+    first = list(micro_batches(spec, step=5, dp_rank=1, micro_batch_size=2, count=3))
+    again = list(micro_batches(spec, step=5, dp_rank=1, micro_batch_size=2, count=3))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+    other = list(micro_batches(spec, step=5, dp_rank=0, micro_batch_size=2, count=3))
+    assert not torch.equal(first[0][0], other[0][0])
+    tokens, labels = first[0]
+    assert torch.equal(labels[:, :-1], tokens[:, 1:])  # the next token, and learnable: a fixed map of this one
+    assert torch.equal(labels, (tokens * 5 + 3) % 64)
+    path = tmp_path / "ids.bin"
+    np.arange(100, dtype=np.uint16).tofile(path)
+    files = DataSpec("tokens", vocab_size=128, seq_len=16, tokens_file=str(path))
+    from mist_ds.runtime.data import TokenFile
+
+    window, next_ids = next(micro_batches(files, 0, 0, 1, 1, TokenFile(files)))
+    assert torch.equal(next_ids[0], window[0] + 1)
+    for content, dtype, field in ((b"", "uint16", "run.tokens_file"), (b"abc", "uint16", "run.tokens_file"),
+                                  (np.arange(100, dtype=np.uint16).tobytes(), "uint32", "run.tokens_file")):
+        path.write_bytes(content)
+        with pytest.raises(ConfigError, match=field):
+            spec = DataSpec("tokens", vocab_size=64, seq_len=16, tokens_file=str(path), tokens_dtype=dtype)
+            list(micro_batches(spec, 0, 0, 1, 1, TokenFile(spec)))
 
 
 def test_the_shim_leaves_plain_deepspeed_commands_to_deepspeed(tmp_path):

@@ -14,8 +14,9 @@ With --autotune-mist it:
    overrides (its `key=value` arguments) and those two, writing the plan files into <run dir>/plan;
    --plan P uses an existing plan instead;
 3. hands the plan to the script as it accepts it: a Hydra script gets `mist.plan=<plan.json>`, a pinned
-   `hydra.run.dir=<run dir>` and the launcher's --no_local_rank; a script that takes
-   `--deepspeed_config` / `--deepspeed` gets the plan's ds_config.json as that value;
+   `hydra.run.dir=<run dir>` and the launcher's --no_local_rank; a script of deepspeed's argparse
+   arguments (`--deepspeed --deepspeed_config P`) gets the plan's ds_config.json as P. The ranks read
+   these paths: across nodes the run dir must be on a shared file system;
 4. prints the exact command, writes it to <run dir>/cmd.txt, and runs DeepSpeed's launcher (`run`) or
    stops there (`tune`).
 The run dir is the script's `hydra.run.dir=D` when given, else outputs/mist-deepspeed/<date>/<time>.
@@ -36,7 +37,8 @@ from mist_ds.files import write_atomic
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
-CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
+CONFIG_FLAG = "--deepspeed_config"
+"""The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch)."""
 EXIT_BAD_INPUT = 2
 
 
@@ -44,8 +46,12 @@ class LauncherUsageError(ValueError):
     """A mistake in mist-deepspeed's own arguments."""
 
 
-def split_mist_args(argv: Sequence[str]) -> tuple[str | None, str | None, list[str]]:
-    """(--autotune-mist mode, --plan path, the rest) from the arguments before the user script."""
+def split_mist_args(argv: Sequence[str], strict: bool = True) -> tuple[str | None, str | None, list[str]]:
+    """(--autotune-mist mode, --plan path, the rest) from the arguments before the user script.
+
+    strict=False (a first look at the whole command line, to find the script) leaves in place a flag
+    whose value looks like a script argument (a Hydra override `k=v` or an option), as a script's own
+    `--autotune-mist` after it is, and a flag that ends the line."""
     mode = plan = None
     rest: list[str] = []
     items = list(argv)
@@ -55,9 +61,16 @@ def split_mist_args(argv: Sequence[str]) -> tuple[str | None, str | None, list[s
         name, _, value = arg.partition("=")
         if name in ("--autotune-mist", "--plan"):
             if not value:
+                if i + 1 >= len(items) and not strict:
+                    rest.append(arg)
+                    break
                 if i + 1 >= len(items):
                     raise LauncherUsageError(f"{name} needs a value")
                 i, value = i + 1, items[i + 1]
+            if not strict and name == "--autotune-mist" and ("=" in value or value.startswith("-")):
+                rest.append(arg) if "=" in arg else rest.extend([arg, value])
+                i += 1
+                continue
             if name == "--plan":
                 plan = value
             elif value not in MODES:
@@ -110,13 +123,14 @@ def plan_for(user_args: Sequence[str], nodes: int, gpus_per_node: int, plan_dir:
 def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, run_dir: Path
               ) -> tuple[list[str], list[str]]:
     """(launcher args, user args) that give the script the plan (module docstring, step 3)."""
+    config = str(plan_json.parent / "ds_config.json")
     for i, arg in enumerate(user_args):
-        for flag in CONFIG_FLAGS:
-            if arg == flag and i + 1 < len(user_args):
-                return launcher_args, [*user_args[:i + 1], str(plan_json.parent / "ds_config.json"), *user_args[i + 2:]]
-            if arg.startswith(flag + "="):
-                return launcher_args, [*user_args[:i], f"{flag}={plan_json.parent / 'ds_config.json'}",
-                                       *user_args[i + 1:]]
+        if arg == CONFIG_FLAG and i + 1 < len(user_args):
+            return launcher_args, [*user_args[:i + 1], config, *user_args[i + 2:]]
+        if arg.startswith(CONFIG_FLAG + "="):
+            return launcher_args, [*user_args[:i], f"{CONFIG_FLAG}={config}", *user_args[i + 1:]]
+    if "--deepspeed" in user_args:  # the switch alone: the script reads its config from --deepspeed_config
+        return launcher_args, [*user_args, CONFIG_FLAG, config]
     launcher = launcher_args if "--no_local_rank" in launcher_args else [*launcher_args, "--no_local_rank"]
     pinned = [a for a in user_args if not a.startswith(RUN_DIR_KEY) and not a.startswith("mist.plan=")]
     return launcher, [*pinned, f"mist.plan={plan_json}", f"{RUN_DIR_KEY}{run_dir}"]
@@ -128,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # Where the user script starts, from DeepSpeed's own parser; only arguments before it are ours.
-        script = runner.parse_args(split_mist_args(argv)[2]).user_script
+        script = runner.parse_args(split_mist_args(argv, strict=False)[2]).user_script
         at = argv.index(script)
         mode, plan, launcher_args = split_mist_args(argv[:at])
         user_args = argv[at + 1:]
@@ -148,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan_json = Path(plan).resolve()
             if not plan_json.is_file():
                 raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
+            if not (plan_json.parent / "ds_config.json").is_file():
+                raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
+                                         "`mist-ds tune` wrote for a DeepSpeed runtime")
     except LauncherUsageError as error:
         print(f"mist-deepspeed: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

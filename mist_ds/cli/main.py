@@ -64,14 +64,10 @@ def _emit(cfg: DictConfig, data: Any, render: Callable[[], str]) -> None:
 
 
 def task_overrides() -> list[str]:
-    """The running job's overrides (Hydra's hydra.overrides.task: a sweep job's own values) without
-    the CLI keys: the model, cluster, train and tuner choices that a plan records."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """The job's overrides without the CLI keys: the model, cluster, train and tuner choices a plan records."""
+    from mist_ds.config import job_overrides
 
-    lines = list(HydraConfig.get().overrides.task)
-    parsed = OverridesParser.create().parse_overrides(lines)
-    return [line for line, override in zip(lines, parsed) if override.key_or_group not in CLI_KEYS]
+    return job_overrides(CLI_KEYS)
 
 
 def _with_plan(cfg: DictConfig) -> DictConfig:
@@ -151,6 +147,44 @@ class Command:
     reads_plan: bool = False
 
 
+def _measure(cfg: DictConfig) -> int:
+    """Run the strategy (or plan=P) on this machine's devices with mist_ds.runtime and measure it."""
+    import dataclasses
+
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    from mist_ds.config import specs_from_config
+    from mist_ds.cost.predict import predict
+    from mist_ds.emit import ds_config
+    from mist_ds.files import write_json_atomic
+    from mist_ds.report.measure import append_to_table, measure_record, render_measure
+    from mist_ds.testing.ranks import CPU_ENV, launch
+
+    specs = specs_from_config(_with_plan(cfg))
+    if specs.cluster.nodes != 1:
+        raise ConfigError("cluster.nodes", specs.cluster.nodes, "measure runs on this machine: use cluster.nodes=1")
+    settings = cfg.measure
+    if settings.num_warmup_steps < 0 or settings.num_steps < 1:
+        raise ConfigError("measure.num_steps", settings.num_steps,
+                          "time at least 1 step, after measure.num_warmup_steps >= 0 steps")
+    prediction = predict(specs)
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    payload = {"config": config, "model": dataclasses.asdict(specs.model), "warmup": settings.num_warmup_steps,
+               "steps": settings.num_steps}
+    env = {} if torch.cuda.is_available() else CPU_ENV
+    results = launch("mist_ds.runtime.measure:measure_worker", specs.strategy.parallelism.num_gpus, payload, env=env)
+    record = measure_record(specs, prediction, results, settings.num_warmup_steps, settings.num_steps)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    write_json_atomic(out / "measure.json", record)
+    if settings.table:
+        from hydra.utils import to_absolute_path
+
+        append_to_table(Path(to_absolute_path(settings.table)), record)
+    _emit(cfg, record, lambda: render_measure(record))
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Command] = {
     "tune": Command(_tune, "find the fastest plan that fits; write plan.json, ds_config.json and summary.md",
                     writes_files=True),
@@ -158,6 +192,8 @@ COMMANDS: dict[str, Command] = {
                        reads_plan=True),
     "show": Command(_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
     "analyze": Command(_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
+    "measure": Command(_measure, "run the strategy (or plan=PLAN_JSON) on this machine and measure it beside "
+                                 "its prediction", writes_files=True, reads_plan=True),
 }
 
 USAGE = f"""usage: {PROG} <command> [Hydra's arguments]

@@ -103,6 +103,17 @@ def recompose_in_app(overrides: Sequence[str]) -> DictConfig:
     return _translated(lambda: hydra_compose(config_name=config_name, overrides=list(overrides)))
 
 
+def job_overrides(exclude_keys: Sequence[str]) -> list[str]:
+    """The running Hydra job's own overrides (hydra.overrides.task: a sweep job's values) whose top-level
+    key is not in `exclude_keys` (an app's keys that do not describe the planned job)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = list(HydraConfig.get().overrides.task)
+    parsed = OverridesParser.create().parse_overrides(lines)
+    return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in exclude_keys]
+
+
 def specs_from_config(cfg: DictConfig, with_strategy: bool = True) -> Specs:
     """Validate a composed config into frozen SI specs (ConfigError names the first bad field).
 
@@ -123,5 +134,5 @@ def compose(overrides: Sequence[str] = (), with_strategy: bool = True) -> Specs:
     return specs_from_config(compose_config(overrides), with_strategy=with_strategy)
 
 
-__all__ = ["ConfigError", "compose", "compose_config", "recompose_in_app", "register_configs",
+__all__ = ["ConfigError", "compose", "job_overrides", "compose_config", "recompose_in_app", "register_configs",
            "specs_from_config"]

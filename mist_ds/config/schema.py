@@ -124,6 +124,13 @@ class TunerConfig:
 
 
 @dataclass
+class MeasureConfig:
+    num_warmup_steps: int = 2  # steps run before the timed ones (mist-ds measure)
+    num_steps: int = 3  # timed steps; the iteration time is their median
+    table: Optional[str] = None  # a JSON-lines accuracy table the measurement is appended to (and its .md); null = none
+
+
+@dataclass
 class MistDsConfig:
     model: ModelConfig = MISSING
     cluster: ClusterConfig = MISSING
@@ -132,3 +139,4 @@ class MistDsConfig:
     tuner: TunerConfig = MISSING
     json: bool = False  # machine-readable output: the result as JSON on stdout instead of text
     plan: Optional[str] = None  # a plan.json from `mist-ds tune` whose strategy predict prices; null = `strategy`
+    measure: MeasureConfig = field(default_factory=MeasureConfig)

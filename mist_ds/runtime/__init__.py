@@ -1,4 +1,4 @@
-"""Execute a plan on DeepSpeed exactly as it was priced (docs/design.md, Runtimes and capabilities).
+"""Execute a plan on DeepSpeed exactly as it was priced (docs/design.md, The runtime).
 
     planned = mist_ds.runtime.initialize("ds_config.json", model_spec)   # this rank's engine
     loss = planned.train_batch(micro_batches)                            # one optimizer step
@@ -9,6 +9,6 @@ a training job reads the plan's ds_config.json and the zoo model's spec, nothing
 """
 from __future__ import annotations
 
-from mist_ds.runtime.engine import PlannedEngine, initialize, join_process_group
+from mist_ds.runtime.engine import PlannedEngine, free_port, initialize, join_process_group
 
-__all__ = ["PlannedEngine", "initialize", "join_process_group"]
+__all__ = ["PlannedEngine", "free_port", "initialize", "join_process_group"]

@@ -1,6 +1,7 @@
 """Training data for the runtime: micro-batches of (tokens [b, s], labels [b, s]) that depend only on
-(step, data-parallel rank, micro-batch index) and a seed, never on the layout or on what ran before.
-So a resumed run reads exactly the batches the uninterrupted run would have read.
+the seed and (step, data-parallel rank, micro-batch index), never on what ran before: a resumed run
+reads exactly the batches the uninterrupted run would have read. (A layout with another d or b reads
+other samples.)
 
 - `synthetic`: a learnable task. Each sequence starts at a random token and follows
   x_{k+1} = (A x_k + C) mod V, so the next token is a fixed function of the current one and the loss
@@ -43,9 +44,11 @@ class DataSpec:
             raise ConfigError("run.tokens_dtype", self.tokens_dtype, f"use one of {', '.join(TOKEN_DTYPES)}")
 
 
-def _generator(spec: DataSpec, step: int, dp_rank: int, dp: int, index: int, micro_batches: int) -> torch.Generator:
-    """One stream per (step, dp rank, micro-batch): the sample's place in the global batch."""
-    return torch.Generator().manual_seed(spec.seed * 1_000_003 + (step * dp + dp_rank) * micro_batches + index)
+def _generator(spec: DataSpec, step: int, dp_rank: int, index: int) -> torch.Generator:
+    """One independent stream per (seed, step, dp rank, micro-batch) (numpy's SeedSequence hashes them:
+    no two tuples share a stream)."""
+    state = np.random.SeedSequence([spec.seed, step, dp_rank, index]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
 def _synthetic(spec: DataSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -63,26 +66,31 @@ class TokenFile:
         path = Path(spec.tokens_file)
         if not path.is_file():
             raise ConfigError("run.tokens_file", str(path), "no such file; give a flat file of token ids")
-        self.ids = np.memmap(path, dtype=TOKEN_DTYPES[spec.tokens_dtype], mode="r")
+        dtype = np.dtype(TOKEN_DTYPES[spec.tokens_dtype])
+        size = path.stat().st_size
+        if size == 0 or size % dtype.itemsize:
+            raise ConfigError("run.tokens_file", str(path), f"holds {size} bytes: not a whole number of "
+                                                            f"{spec.tokens_dtype} ids (run.tokens_dtype)")
+        self.ids = np.memmap(path, dtype=dtype, mode="r")
         if len(self.ids) < spec.seq_len + 1:
             raise ConfigError("run.tokens_file", str(path), f"holds {len(self.ids)} ids: fewer than one sequence "
                                                             f"of model.seq_len + 1 = {spec.seq_len + 1}")
-        largest = int(self.ids.max())
-        if largest >= spec.vocab_size:
-            raise ConfigError("run.tokens_file", str(path), f"holds id {largest}, outside model.vocab_size="
-                                                            f"{spec.vocab_size}; check run.tokens_dtype")
+        self.path, self.vocab_size = path, spec.vocab_size
 
     def windows(self, spec: DataSpec, batch: int, generator: torch.Generator) -> torch.Tensor:
         starts = torch.randint(0, len(self.ids) - spec.seq_len, (batch,), generator=generator).tolist()
-        rows = [np.asarray(self.ids[i:i + spec.seq_len + 1], dtype=np.int64) for i in starts]
-        return torch.from_numpy(np.stack(rows))
+        rows = np.stack([np.asarray(self.ids[i:i + spec.seq_len + 1], dtype=np.int64) for i in starts])
+        if rows.max() >= self.vocab_size:  # checked where read: a full scan would read the whole file per rank
+            raise ConfigError("run.tokens_file", str(self.path),
+                              f"holds id {rows.max()}, outside model.vocab_size={self.vocab_size}; check run.tokens_dtype")
+        return torch.from_numpy(rows)
 
 
-def micro_batches(spec: DataSpec, step: int, dp_rank: int, dp: int, micro_batch_size: int, count: int,
+def micro_batches(spec: DataSpec, step: int, dp_rank: int, micro_batch_size: int, count: int,
                   token_file: TokenFile | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The `count` micro-batches data-parallel rank `dp_rank` trains on at `step` (inputs, next tokens)."""
     for index in range(count):
-        generator = _generator(spec, step, dp_rank, dp, index, count)
+        generator = _generator(spec, step, dp_rank, index)
         sequences = (_synthetic(spec, micro_batch_size, generator) if spec.kind == "synthetic"
                      else token_file.windows(spec, micro_batch_size, generator))
         yield sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()

@@ -1,6 +1,6 @@
 """`initialize(config, model)`: the DeepSpeed engine of this rank for a plan, exactly as it was priced.
 
-Applied in one order (docs/design.md, Runtimes and capabilities): refuse what the runtime cannot run;
+Applied in one order (docs/design.md, The runtime): refuse what the runtime cannot run;
 lay the ranks out as the cost model does (pipe slowest, then data, then tensor: stage i holds ranks
 [i t d, (i + 1) t d), TP inside a node); build this stage's layers with the plan's exact boundaries,
 layout-independent weights and the last c_i blocks recomputed; hand DeepSpeed this stage's own
@@ -12,6 +12,8 @@ its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1.
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -105,6 +107,8 @@ class PlannedEngine:
         (mist_ds/runtime/moments.py); `what_ran` then reports the peaks."""
         from mist_ds.runtime.moments import MOMENT_HOOKS, MomentRecorder, wrap_before
 
+        if self.recorder is not None:
+            return  # already watching: hooks installed once
         optimizer = self.engine.optimizer
         inner = getattr(optimizer, "optimizer", optimizer)
         own = self.plan.strategy.stages[self.stage]
@@ -202,6 +206,13 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
     model.check_tensor_parallel(par.tp)
 
 
+def free_port() -> int:
+    """A TCP port free right now on localhost (the OS picks it; it is released before the ranks bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def join_process_group() -> None:
     """deepspeed.init_distributed, on a CPU accelerator with gloo and without DeepSpeed's shared-memory
     all-reduce op (it would be JIT-built, 25-130 s of C++; it must be off before the backend exists)."""
@@ -214,6 +225,7 @@ def join_process_group() -> None:
         dsops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     else:
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one device per local rank
         deepspeed.init_distributed()
 
 

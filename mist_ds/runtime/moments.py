@@ -55,7 +55,7 @@ class MomentRecorder:
     unreached: dict[str, list]  # moment -> live tensors the walk missed (only with gc_check)
     before: set[int]  # storages alive before the engine was built (e.g. an engine DeepSpeed still keeps)
     batch: set[int]  # the current step's inputs, targets and loss: not the engine's
-    measuring: bool  # only the last step is counted
+    measuring: bool  # whether the census runs at the moments of the current step
 
     def __init__(self, engine, inner, offloaded: bool, gc_check: bool, params_offloaded: bool = False):
         self.engine, self.inner, self.offloaded, self.gc_check = engine, inner, offloaded, gc_check

@@ -4,6 +4,7 @@ and tokens/s per step, DeepSpeed checkpoints, and the record `run.json` is writt
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,7 +51,7 @@ def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 
     records = []
     counted_step = min(start_step + 1, steps - 1)
     for step in range(start_step, steps):
-        batches = micro_batches(data, step, planned.dp_rank, par.dp, par.micro_batch_size, par.grad_accum, token_file)
+        batches = micro_batches(data, step, planned.dp_rank, par.micro_batch_size, par.grad_accum, token_file)
         _synchronize(device)
         start = time.perf_counter()
         loss = planned.train_batch(batches, count_model_states=step == counted_step)
@@ -70,5 +71,11 @@ def run_record(what_ran: list[dict[str, Any]], records: list[StepRecord], plan: 
     """run.json (a public interface): what each rank's engine did, the plan and its prediction, and the
     steps. Keys: `ranks` (what_ran per rank), `plan` (plan.json's content, or null when the strategy
     was given directly), `prediction`, `ds_config`, `steps` (step, loss, time_s, tokens_per_s)."""
+    steps = [{k: _finite(v) for k, v in asdict(r).items()} for r in records]
     return {"ranks": what_ran, "plan": plan, "prediction": plan["prediction"] if plan else None,
-            "ds_config": ds_config_path, "steps": [asdict(r) for r in records]}
+            "ds_config": ds_config_path, "steps": steps}
+
+
+def _finite(value):
+    """JSON has no NaN or infinity: a diverged loss (or a step too short to time) is written as null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -13,25 +13,19 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from mist_ds.runtime import free_port
+
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 """The folder holding the mist_ds package (the repository in a source checkout): on the ranks' path,
 and where JIT builds would land unless TORCH_EXTENSIONS_DIR says otherwise."""
 LAUNCH_TIMEOUT_S = 180.0  # one launch runs well under a minute on 2 cores; a hang is killed at this bound
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    """A TCP port free right now on localhost (the OS picks it; it is released before the ranks bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LaunchTimeout(TimeoutError):
@@ -42,30 +36,44 @@ class LaunchTimeout(TimeoutError):
         self.pgid = pgid
 
 
-def launch(worker: str, world_size: int, payload, timeout_s: float = LAUNCH_TIMEOUT_S) -> list:
-    """Run `worker(rank, world_size, payload)` on `world_size` CPU ranks; its return values by rank.
+def launch(worker: str, world_size: int, payload, timeout_s: float = LAUNCH_TIMEOUT_S,
+           env: dict | None = None) -> list:
+    """Run `worker(rank, world_size, payload)` on `world_size` local ranks; its return values by rank.
 
-    The child runs in a new session: on timeout the whole process group (the child and every rank)
-    is killed, so a mis-paired send/recv cannot hang the test run.
+    `env`: what the ranks' environment adds (default CPU_ENV, CPU ranks). The child runs in a new
+    session: on timeout the whole process group (the child and every rank) is killed, so a
+    mis-paired send/recv cannot hang the run.
     """
-    env = {**os.environ, **CPU_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**os.environ, **(CPU_ENV if env is None else env), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(SOURCE_ROOT / ".torch_extensions"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="mist_ds_launch_") as tmp:
         Path(tmp, "payload.json").write_text(json.dumps(payload))
         cmd = [sys.executable, "-m", "mist_ds.testing.ranks", worker, str(world_size), tmp]
-        proc = subprocess.Popen(cmd, cwd=SOURCE_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is the group id
-            log, _ = proc.communicate()
-            raise LaunchTimeout(f"{worker} on {world_size} ranks ran past {timeout_s} s; its process group "
-                                f"was killed.\n{log[-4000:]}", pgid=proc.pid) from None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{worker} on {world_size} ranks exited {proc.returncode}:\n{log[-6000:]}")
+        code, log = run_in_session(cmd, SOURCE_ROOT, env, timeout_s, f"{worker} on {world_size} ranks")
+        if code != 0:
+            raise RuntimeError(f"{worker} on {world_size} ranks exited {code}:\n{log[-6000:]}")
         return [json.loads(Path(tmp, f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def run_in_session(cmd: list[str], cwd, env: dict, timeout_s: float, what: str) -> tuple[int, str]:
+    """(exit code, output) of `cmd` run in a new session; its whole process group is killed if it runs
+    past `timeout_s` (LaunchTimeout) or the caller is interrupted, so no rank outlives the call."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is the group id
+        log, _ = proc.communicate()
+        raise LaunchTimeout(f"{what} ran past {timeout_s} s; its process group was killed.\n{log[-4000:]}",
+                            pgid=proc.pid) from None
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc.returncode, log
 
 
 def hang_worker(rank: int, world_size: int, payload) -> None:

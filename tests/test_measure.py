@@ -1,0 +1,30 @@
+"""`mist-ds measure`: a plan run on this machine's ranks (CPU here) and measured in the prediction's terms."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from mist_ds.testing.ranks import CPU_ENV, run_in_session
+from tests.conftest import REPO
+
+KEYS = ("iteration_time_s", "model_state_bytes", "peak_memory_bytes", "flops", "comm_bytes")
+
+
+def test_measure_reports_predicted_beside_measured_per_rank(tmp_path):
+    table = tmp_path / "accuracy.jsonl"
+    env = {**os.environ, **CPU_ENV}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    code, out = run_in_session([sys.executable, "-m", "mist_ds.cli.main", "measure", "model=tiny", "cluster=cpu",
+                                "cluster.gpus_per_node=2", "strategy.pp=2", "train.global_batch_size=8", "json=true",
+                                "measure.num_warmup_steps=1", "measure.num_steps=2", f"measure.table={table}",
+                                f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env, 420, "mist-ds measure")
+    assert code == 0, out[-6000:]
+    record = json.loads(out[out.index("{\n"):])  # the JSON document json=true prints (logs go before it)
+    for key in KEYS:
+        assert len(record[f"predicted_{key}"]) == len(record[f"measured_{key}"]) == 2, key
+    assert record["measured_flops"] == record["predicted_flops"]  # the step census, counted in the engine
+    assert all(set(m) >= set(p) for m, p in zip(record["measured_comm_bytes"], record["predicted_comm_bytes"]))
+    assert all(t > 0 for t in record["measured_iteration_time_s"]) and all(p > 0 for p in record["measured_peak_memory_bytes"])
+    assert json.loads((tmp_path / "run" / "measure.json").read_text()) == record
+    assert json.loads(table.read_text().splitlines()[-1]) == record and "| tiny | 2 |" in table.with_suffix(".md").read_text()
