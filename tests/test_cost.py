@@ -398,3 +398,97 @@ def test_vectorized_path_matches_single_strategy(costs_13b):
     stable = stage_times(costs_13b, hw, caps, specs.train, many).stable_s
     assert stable[0] == pytest.approx(float(single[0])) and stable[2] == pytest.approx(float(single[0]))
     assert stable[1] > stable[0]
+
+
+# --- DeepSpeed's own collectives and copies (RuntimeCapabilities.collectives = "deepspeed") ----------------
+def _both(specs, costs):
+    """Stage times, the hardware and the stage's parameters per GPU on the deepspeed runtime, and the
+    times of the same runtime with each gradient byte crossing the group once ('ideal')."""
+    from mist_ds.cost.stage import stage_params
+
+    hw = hardware_model(specs.cluster, specs.train.precision)
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    caps = runtime_capabilities("deepspeed")
+    deepspeed = stage_times(costs, hw, caps, specs.train, c)
+    ideal = stage_times(costs, hw, dataclasses.replace(caps, collectives="ideal"), specs.train, c)
+    return deepspeed, ideal, hw, stage_params(costs, c, c.shapes)
+
+
+def test_deepspeed_zero1_all_reduces_then_gathers_the_updated_weights(costs_13b):
+    specs = specs_of("strategy.zero_stage=1", "strategy.dp=8")
+    deepspeed, ideal, hw, params = _both(specs, costs_13b)
+    weights = hw.dtype_bytes * float(params[0])
+    all_reduce, gather = float(hw.all_reduce_time_s(weights, 8, 1)), float(hw.all_gather_time_s(weights, 8, 1))
+    assert float(deepspeed.grad_reduce_s[0]) == pytest.approx(all_reduce + gather)
+    assert float(ideal.grad_reduce_s[0]) == pytest.approx(all_reduce)
+
+
+def test_deepspeed_zero2_all_reduces_its_buckets_every_micro_batch(costs_13b):
+    specs = specs_of("strategy.zero_stage=2", "strategy.dp=8")
+    deepspeed, ideal, hw, params = _both(specs, costs_13b)
+    weights = hw.dtype_bytes * float(params[0])
+    assert float(deepspeed.dp_comm_s[0]) == pytest.approx(float(hw.all_reduce_time_s(weights, 8, 1)))
+    assert float(ideal.dp_comm_s[0]) == pytest.approx(float(hw.reduce_scatter_time_s(weights, 8, 1)))
+    assert float(deepspeed.grad_reduce_s[0]) == pytest.approx(float(hw.all_gather_time_s(weights, 8, 1)))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_bf16_optimizer_steps_its_partition_and_gathers_it(costs_13b, precision):
+    """A bf16 pipeline runs BF16_Optimizer on ZeRO-0: all-reduce, a step over 1 / d of the parameters,
+    an all-gather of the updated weights. In fp32 the plain optimizer steps everything, no gather."""
+    specs = specs_of("strategy.pp=2", "strategy.dp=4", f"train.precision={precision}")
+    deepspeed, _, hw, params = _both(specs, costs_13b)
+    weights = hw.dtype_bytes * params
+    all_reduce, gather = hw.all_reduce_time_s(weights, 4, 1), hw.all_gather_time_s(weights, 4, 1)
+    stepped = params / 4 if precision == "bf16" else params
+    from mist_ds.cost.stage import TORCH_ADAMW_STEP_BYTES_PER_PARAM
+
+    step = hw.memory_bound_time_s((TORCH_ADAMW_STEP_BYTES_PER_PARAM + hw.dtype_bytes) * stepped)
+    assert deepspeed.grad_reduce_s == pytest.approx(all_reduce + (gather if precision == "bf16" else 0.0))
+    assert deepspeed.optimizer_s == pytest.approx(step)
+
+
+def test_deepspeed_steps_with_torch_adamw_passes(costs_13b):
+    from mist_ds.cost.stage import ADAM_STEP_BYTES_PER_PARAM, TORCH_ADAMW_STEP_BYTES_PER_PARAM
+
+    deepspeed, ideal, hw, _ = _both(specs_of(), costs_13b)
+    b = hw.dtype_bytes
+    assert float(deepspeed.optimizer_s[0] / ideal.optimizer_s[0]) == pytest.approx(
+        (TORCH_ADAMW_STEP_BYTES_PER_PARAM + b) / (ADAM_STEP_BYTES_PER_PARAM + b), rel=1e-3)
+
+
+def test_deepspeed_splits_pipeline_sends_over_tp_ranks(costs_13b):
+    """With t = 2 each TP rank sends half an activation after a 72-byte header; the receiving stage
+    re-gathers it in forward, the sending stage re-gathers the gradient and its own output in backward."""
+    from mist_ds.cost.stage import PARTITION_META_BYTES
+
+    specs = specs_of("strategy.pp=2", "strategy.tp=2", "strategy.dp=2")
+    deepspeed, ideal, hw, _ = _both(specs, costs_13b)
+    message = costs_13b.block("output_bytes", 1, specs.model.seq_len, 2)
+    split = float(hw.p2p_time_s(message / 2, False) + hw.p2p_time_s(PARTITION_META_BYTES, False))
+    assert deepspeed.p2p_s.tolist() == pytest.approx([2 * split, 2 * split])
+    rebuild = float(hw.all_gather_time_s(message, 2, 1))
+    assert (deepspeed.tp_s - ideal.tp_s).tolist() == pytest.approx([2 * rebuild, rebuild])
+
+
+def test_deepspeed_offload_moves_the_gradient_partition(costs_13b):
+    """ZeRO-1 with several micro-batches round-trips the rank's gradient partition once, at the boundary;
+    ZeRO-2 every micro-batch; Mist's semantics move the stage's whole weight bytes every micro-batch."""
+    offload = ["strategy.dp=8", "strategy.offload.optimizer=1", "strategy.offload.grads=1"]
+    one, ideal_one, hw, params = _both(specs_of("strategy.zero_stage=1", *offload), costs_13b)
+    two, _, _, _ = _both(specs_of("strategy.zero_stage=2", *offload), costs_13b)
+    partition = hw.host_copy_time_s(hw.dtype_bytes * float(params[0]) / 8)
+    assert float(one.swap_s[0]) == 0.0 and float(two.swap_s[0]) == pytest.approx(2 * partition)
+    assert float(ideal_one.swap_s[0]) == pytest.approx(2 * hw.host_copy_time_s(hw.dtype_bytes * float(params[0])))
+    assert float(one.optimizer_s[0] - two.optimizer_s[0]) == pytest.approx(2 * partition)
+
+
+def test_zero3_first_gather_and_last_reduce_scatter_are_exposed(costs_13b):
+    """On a slow link ZeRO-3's per-micro-batch time is at least its compute plus one layer's gather
+    (forward) and one layer's reduce-scatter (backward), which nothing can hide."""
+    specs = specs_of("strategy.zero_stage=3", "strategy.dp=8", "cluster.intra_node_gbps=1")
+    deepspeed, ideal, hw, _ = _both(specs, costs_13b)
+    layer = hw.dtype_bytes * costs_13b.block("params", 1, specs.model.seq_len, 1)
+    exposed = float(hw.all_gather_time_s(layer, 8, 1) + hw.reduce_scatter_time_s(layer, 8, 1))
+    assert float(deepspeed.stable_s[0] - ideal.stable_s[0]) > 0
+    assert float(deepspeed.stable_s[0]) >= float(deepspeed.compute_s[0] + deepspeed.recompute_s[0]) + exposed

@@ -268,3 +268,15 @@ def test_deepspeed_runtime_never_tunes_replicated_kv_heads():
                      "train.global_batch_size=16", "tuner.compare_baselines=false", "tuner.runtime=mist-paper"],
                     with_strategy=False)
     assert 4 in {p.point.tp for p in tune_specs(paper, progress=False).search.points}
+
+
+def test_no_fit_explanation_when_stages_fit_alone_but_not_together():
+    """Each stage position has an option that fits, no split fits them all: the explanation says so
+    instead of blaming host memory, which does not bind here."""
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=16",
+                     "tuner.compare_baselines=false", "cluster.gpu.reserve_gib=0", "tuner.pp=[2]",
+                     "tuner.micro_batch_sizes=[4]", "cluster.gpu.memory_gib=0.034"], with_strategy=False)
+    with pytest.raises(NoPlanFits) as reason:
+        tune_specs(specs, progress=False)
+    text = str(reason.value)
+    assert "no split" in text and "host memory" not in text, text

@@ -34,11 +34,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_params
+from mist_ds.cost.stage import PARTITION_META_BYTES, ModelCosts, StageCandidates, data_parallel_traffic, stage_params
 from mist_ds.specs import RuntimeCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
-PARTITION_META_BYTES = 72  # PartitionedTensor.to_meta: nine int64 (deepspeed/runtime/utils.py PartitionedTensor)
 LOSS_BROADCAST_BYTES = 8  # two fp32 losses, broadcast from the last stage (pipe/engine.py _aggregate_total_loss)
 CONTROL_BYTES = 16  # the norm and overflow scalars a step may add to one key (module docstring)
 
@@ -65,19 +64,16 @@ def _tp_bytes(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
 
 def _data_parallel(z: int, pipeline: bool, bf16: bool, dtype_bytes: float, params: float, d: int, G: int,
                    tied_vocab: float) -> dict[tuple[str, str], float]:
-    """(kind, role) -> bytes of one rank's gradient reduction and weight gathers (module docstring)."""
-    padded = np.ceil(params / (2 * d)) * (2 * d)
-    gather = {("all_gather", "data"): dtype_bytes * padded / d} if d > 1 else {}
-    if z == 0:
-        bf16_optimizer = pipeline and bf16
-        return {("all_reduce", "data"): dtype_bytes * params, **(gather if bf16_optimizer else {})}
-    if z == 1:
-        return {("all_reduce", "data"): dtype_bytes * params, **gather}
-    if z == 2:
-        return {("all_reduce", "data"): G * dtype_bytes * params, **gather}
-    shard = dtype_bytes * params / d
-    return {("all_gather", "data"): G * (2 * shard + dtype_bytes * tied_vocab / d),
-            ("reduce_scatter", "data"): G * dtype_bytes * params}
+    """(kind, role) -> bytes of one rank's gradient reduction and weight gathers: the collectives
+    cost/stage.py prices (data_parallel_traffic), as payload (module docstring)."""
+    traffic = data_parallel_traffic(z, pipeline, bf16, dtype_bytes * params, dtype_bytes * tied_vocab)
+    padded = np.ceil(params / (2 * d)) * (2 * d)  # the flat buffer DeepSpeed pads to a multiple of 2 d
+    terms = {("all_reduce", "data"): G * traffic.micro_all_reduce + traffic.step_all_reduce,
+             ("reduce_scatter", "data"): G * traffic.micro_reduce_scatter,
+             ("all_gather", "data"): G * (traffic.micro_gather_fwd + traffic.micro_gather_bwd) / d}
+    if d > 1 and traffic.step_all_gather > 0:
+        terms[("all_gather", "data")] += dtype_bytes * padded / d
+    return {key: float(value) for key, value in terms.items() if value > 0}
 
 
 def _pipeline(c: StageCandidates, i: int, activation: float, t: int, G: int) -> dict[tuple[str, str], float]:

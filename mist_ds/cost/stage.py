@@ -21,8 +21,58 @@ from mist_ds.symbolic import LayerCost
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
 # exp_avg_sq (24 bytes), read the fp32 gradient (4); the low-precision weight write is added per dtype.
 ADAM_STEP_BYTES_PER_PARAM = 28
+# torch's AdamW as DeepSpeed runs it with `torch_adam: true` (foreach on a GPU, torch/optim/adam.py
+# _multi_tensor_adam; the single-tensor loop elsewhere does the same passes): eight passes over fp32
+# tensors, each reading and writing whole tensors: weight decay on p (r+w, 8), lerp of exp_avg with g
+# (12), exp_avg_sq *= beta2 (8), addcmul with g twice (16), sqrt into a new tensor (8), div (8), add eps
+# (8), addcdiv into p (16).
+TORCH_ADAMW_STEP_BYTES_PER_PARAM = 84
 # Gradient-norm / overflow check: one scalar all-reduced across every GPU.
 NORM_MESSAGE_BYTES = 8
+# A partitioned pipeline send's header: PartitionedTensor.to_meta, nine int64 (deepspeed/runtime/utils.py).
+PARTITION_META_BYTES = 72
+
+
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """The data-parallel collectives DeepSpeed 0.19.8 runs for one stage, as full message bytes (what an
+    all-reduce reduces, what an all-gather assembles), by when they run (docs/design.md, What DeepSpeed
+    does; cost/accounting.py cites the lines). Arrays broadcast with the inputs."""
+
+    micro_all_reduce: np.ndarray
+    """Every micro-batch's backward: ZeRO-2 all-reduces its gradient buckets (average_tensor with
+    use_multi_rank_bucket_allreduce)."""
+    micro_reduce_scatter: np.ndarray
+    """Every micro-batch's backward: ZeRO-3 reduce-scatters the gradients."""
+    micro_gather_fwd: np.ndarray
+    micro_gather_bwd: np.ndarray
+    """ZeRO-3 gathers every parameter in each forward (a weight two modules share, once more) and
+    backward."""
+    step_all_reduce: np.ndarray
+    """Once per step: ZeRO-0 and ZeRO-1 all-reduce the gradients (BF16_Optimizer too)."""
+    step_all_gather: np.ndarray
+    """After the step: ZeRO-1/2 and BF16_Optimizer all-gather the updated weights."""
+    partitioned_step: np.ndarray
+    """The optimizer steps the rank's 1 / d of the parameters (ZeRO >= 1, BF16_Optimizer)."""
+
+
+def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weight_bytes=0.0) -> DataParallelTraffic:
+    """What DeepSpeed's optimizer for ZeRO stage `zero` moves over the data-parallel group for a stage of
+    `weight_bytes` (model dtype); BF16_Optimizer runs bf16 pipelines with ZeRO-0. `shared_weight_bytes`:
+    a weight two modules of the stage use (ZeRO-3 gathers it for each)."""
+    zero, pipeline, weight_bytes = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
+                                                         for x in (zero, pipeline, weight_bytes)))
+    bf16_optimizer = (zero == 0) & (pipeline > 0) & bf16
+    none = np.zeros_like(weight_bytes)
+    zero3 = zero == 3
+    return DataParallelTraffic(
+        micro_all_reduce=np.where(zero == 2, weight_bytes, none),
+        micro_reduce_scatter=np.where(zero3, weight_bytes, none),
+        micro_gather_fwd=np.where(zero3, weight_bytes + shared_weight_bytes, none),
+        micro_gather_bwd=np.where(zero3, weight_bytes, none),
+        step_all_reduce=np.where(zero <= 1, weight_bytes, none),
+        step_all_gather=np.where((zero == 1) | (zero == 2) | bf16_optimizer, weight_bytes, none),
+        partitioned_step=(zero >= 1) | bf16_optimizer)
 
 
 @dataclass(frozen=True)
@@ -181,16 +231,21 @@ def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex,
 
 
 def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIndex,
-           scatter_gather: bool) -> np.ndarray:
+           scatter_gather: bool, partitioned: bool = False) -> np.ndarray:
     """Blocking send / recv of activations (forward) and their gradients (backward), per micro-batch.
 
     Stage i's ranks are [i t d, (i + 1) t d): a boundary crosses nodes when a stage fills whole
-    nodes or the boundary falls on a node edge.
+    nodes or the boundary falls on a node edge. `partitioned`: with t > 1 each TP rank sends its 1 / t
+    slice after a PARTITION_META_BYTES message (DeepSpeed's pipe_partitioned / grad_partitioned; the
+    receiver's re-assembly is a TP collective, _deepspeed_moves).
     """
     message = ev(costs.block, "output_bytes")
     cross_prev, cross_next = stage_boundaries_cross_nodes(c.stage, c.t * c.d, hw.cluster.gpus_per_node)
 
     def send(cross):
+        if partitioned:
+            split = hw.p2p_time_s(message / c.t, cross) + hw.p2p_time_s(PARTITION_META_BYTES, cross)
+            return np.where(c.t > 1, split, hw.p2p_time_s(message, cross))
         if not scatter_gather:
             return hw.p2p_time_s(message, cross)
         # A TP rank sends its 1 / t slice across nodes; the receivers all-gather it over NVLink.
@@ -262,25 +317,22 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     bwd_compute = c.layers * block.bwd_compute_s + c.first * emb.bwd_compute_s + c.last * head.bwd_compute_s
     fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
     bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
-    tp = fwd_tp + bwd_tp
-    p2p = _p2p_s(costs, hw, c, ev, caps.p2p_scatter_gather)
+    p2p = _p2p_s(costs, hw, c, ev, caps.p2p_scatter_gather, partitioned=caps.collectives == "deepspeed")
 
     params = stage_params(costs, c, ev)
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
-    # ZeRO-3 gathers the stage's weights in forward and again in backward, and reduce-scatters
-    # gradients in backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch.
     data_parallel = hw.group(c.d, c.t)
-    gather = data_parallel.all_gather_time_s(weight_bytes)
-    scatter = data_parallel.reduce_scatter_time_s(weight_bytes)
-    fwd_g2g = np.where(c.zero == 3, gather, 0.0)
-    bwd_g2g = np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0))
-
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
-    fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
-    fwd_d2h = hw.host_copy_time_s(saved_offloaded)
-    bwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes)
-    bwd_d2h = hw.host_copy_time_s(c.go * weight_bytes)
+    grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
+    if caps.collectives == "deepspeed":
+        moves = _deepspeed_moves(costs, hw, train, c, data_parallel, weight_bytes, params)
+    else:
+        moves = _ideal_moves(hw, c, data_parallel, weight_bytes, grad_bytes * params, params, saved_offloaded)
+    fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
+    fwd_h2d, fwd_d2h, bwd_h2d, bwd_d2h = moves.fwd_h2d, moves.fwd_d2h, moves.bwd_h2d, moves.bwd_d2h
+    fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
+    tp = fwd_tp + bwd_tp
     swap = fwd_h2d + fwd_d2h + bwd_h2d + bwd_d2h
 
     g2g_overlapped = caps.zero3_overlaps_compute
@@ -288,22 +340,25 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         fwd_phase = hw.overlapped_time_s(fwd_compute, fwd_g2g, fwd_h2d, fwd_d2h)
         bwd_phase = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, bwd_h2d, bwd_d2h)
     else:
-        fwd_phase = np.where(g2g_overlapped & (c.zero == 3), hw.overlapped_time_s(fwd_compute, fwd_g2g, 0, 0),
+        # What cannot overlap: the pass's first gather waits for nothing to hide behind, its last
+        # reduce-scatter follows the last compute (moves.*_exposed; 0 where prefetch is perfect).
+        fwd_hidden, bwd_hidden = fwd_g2g - moves.fwd_exposed, bwd_g2g - moves.bwd_exposed
+        fwd_phase = np.where(g2g_overlapped & (c.zero == 3),
+                             hw.overlapped_time_s(fwd_compute, fwd_hidden, 0, 0) + moves.fwd_exposed,
                              fwd_compute + fwd_g2g) + fwd_h2d + fwd_d2h
         bwd_phase = (np.where(g2g_overlapped & (c.zero == 3),
-                              hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, 0, 0),
+                              hw.overlapped_time_s(bwd_compute + recompute, bwd_hidden, 0, 0) + moves.bwd_exposed,
                               bwd_compute + recompute + bwd_g2g) + bwd_h2d + bwd_d2h)
     stable = fwd_phase + bwd_phase + tp + p2p
 
     # End of iteration: gradient reduction over data parallel and the optimizer step.
-    grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
     grads_all_reduce = data_parallel.all_reduce_time_s(grad_bytes * params)
-    reduce = np.select([c.zero <= 1, c.zero == 2], [grads_all_reduce, gather], default=0.0)
-    partition = np.where(c.zero >= 1, params / c.d, params)
-    gpu_step = hw.memory_bound_time_s((ADAM_STEP_BYTES_PER_PARAM + b_w) * partition * (1 - c.oo))
-    cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(
-        (FP32_BYTES + b_w) * partition * c.oo)
-    step = gpu_step + cpu_step
+    gather = data_parallel.all_gather_time_s(weight_bytes)
+    reduce, partition, step_bytes = moves.step_reduce, moves.step_params, moves.step_bytes_per_param
+    gpu_step = hw.memory_bound_time_s((step_bytes + b_w) * partition * (1 - c.oo))
+    cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(moves.step_host_bytes_per_param
+                                                                          * partition * c.oo)
+    step = gpu_step + cpu_step + moves.step_copies_s
     tied = np.where((c.pp > 1) & costs.model.tie_embeddings & ((c.first + c.last) > 0),
                     hw.all_reduce_time_s(b_w * costs.model.vocab_size * costs.model.hidden_size / c.t, 2,
                                          c.t * c.d * (c.pp - 1)), 0.0)
@@ -340,6 +395,116 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
                       compute_s=fwd_compute + bwd_compute,
                       recompute_s=recompute, tp_s=tp, p2p_s=p2p, dp_comm_s=fwd_g2g + bwd_g2g, swap_s=swap,
                       optimizer_s=step, grad_reduce_s=reduce)
+
+
+@dataclass(frozen=True)
+class _StageMoves:
+    """How a runtime moves one stage's data, per micro-batch (fwd_*, bwd_*: seconds on each channel)
+    and per step; `*_exposed`: the part of the pass's G2G time that no compute can hide."""
+
+    fwd_g2g: np.ndarray
+    bwd_g2g: np.ndarray
+    fwd_exposed: np.ndarray
+    bwd_exposed: np.ndarray
+    fwd_h2d: np.ndarray
+    fwd_d2h: np.ndarray
+    bwd_h2d: np.ndarray
+    bwd_d2h: np.ndarray
+    fwd_tp: np.ndarray
+    bwd_tp: np.ndarray
+    """TP-group collectives the runtime adds to the layers' own (re-assembling partitioned sends)."""
+    step_reduce: np.ndarray
+    """Data-parallel collectives of the step: the gradient reduction and the updated weights' gather."""
+    step_params: np.ndarray
+    """Parameters the optimizer steps on one GPU (its partition where the step is partitioned)."""
+    step_bytes_per_param: float
+    """Device memory traffic of the optimizer kernel per stepped parameter (bytes)."""
+    step_host_bytes_per_param: float
+    """Host copies per host-stepped parameter (bytes): gradient down, updated weight up."""
+    step_copies_s: np.ndarray
+    """Host copies at the accumulation boundary outside the step (seconds)."""
+
+
+def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_bytes, grad_bytes, params,
+                 saved_offloaded) -> _StageMoves:
+    """Each gradient byte crosses the group once (RuntimeCapabilities.collectives 'ideal'). ZeRO-3
+    gathers the stage's weights in forward and again in backward, and reduce-scatters gradients in
+    backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch. Offload with Mist's
+    semantics: the offloaded fraction of the stage's weights comes in for each pass, its gradients go
+    out and come back every micro-batch."""
+    gather = data_parallel.all_gather_time_s(weight_bytes)
+    scatter = data_parallel.reduce_scatter_time_s(weight_bytes)
+    none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
+    fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
+    return _StageMoves(
+        fwd_g2g=np.where(c.zero == 3, gather, 0.0),
+        bwd_g2g=np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0)),
+        fwd_exposed=none, bwd_exposed=none,
+        fwd_h2d=fwd_h2d, fwd_d2h=hw.host_copy_time_s(saved_offloaded),
+        bwd_h2d=hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes),
+        bwd_d2h=hw.host_copy_time_s(c.go * weight_bytes), fwd_tp=none, bwd_tp=none,
+        step_reduce=np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes), gather],
+                              default=0.0),
+        step_params=np.where(c.zero >= 1, params / c.d, params),
+        step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
+        step_copies_s=none)
+
+
+def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: StageCandidates, data_parallel,
+                     weight_bytes, params) -> _StageMoves:
+    """What DeepSpeed 0.19.8 moves (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What
+    DeepSpeed does):
+    - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
+      gather of ZeRO-1/2 and BF16_Optimizer, ZeRO-3's gathers and reduce-scatters); ZeRO-3's first gather
+      of a forward and last reduce-scatter of a backward hide behind no compute;
+    - pipelines with t > 1 send 1 / t of each activation and gradient and re-assemble it with an
+      all-gather over the TP group (pipe_partitioned / grad_partitioned): one in forward on a receiving
+      stage, two in backward on a sending one (the received gradient and its own output);
+    - offload moves the rank's partition (P / d): offload_param copies it in before each gather;
+      gradients of ZeRO-2/3 go out every micro-batch and come back to accumulate (ZeRO-1 once, at the
+      boundary, when there are several micro-batches); at the boundary the fp32 gradient goes down and the
+      updated weights come up (not with offload_param: they stay on the host);
+    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned.
+    """
+    b_w, ev = hw.dtype_bytes, c.shapes
+    model = costs.model
+    shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * model.vocab_size * model.hidden_size / c.t, 0.0)
+    traffic = data_parallel_traffic(c.zero, c.pp > 1, train.precision == "bf16", weight_bytes, shared)
+    layer_bytes = b_w * ev(costs.block, "params")
+    zero3 = c.zero == 3
+    fwd_exposed = np.where(zero3, data_parallel.all_gather_time_s(layer_bytes), 0.0)
+    bwd_exposed = np.where(zero3, data_parallel.reduce_scatter_time_s(layer_bytes), 0.0)
+
+    partition_bytes = weight_bytes / c.d
+    several = c.G > 1
+    grads_every_micro = (c.go > 0) & (zero3 | ((c.zero == 2) & several))
+    grads_at_boundary = (c.go > 0) & (c.zero == 1) & several
+    grad_copy = hw.host_copy_time_s(c.go * partition_bytes)
+    weight_in = hw.host_copy_time_s(c.wo * partition_bytes)
+
+    activation = ev(costs.block, "output_bytes")
+    rebuild = np.where((c.pp > 1) & (c.t > 1), hw.all_gather_time_s(activation, c.t, 1), 0.0)
+    none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
+
+    def ran(collective, message):  # a collective DeepSpeed does not run costs nothing, latency included
+        return np.where(message > 0, collective(message), 0.0)
+
+    return _StageMoves(
+        fwd_g2g=ran(data_parallel.all_gather_time_s, traffic.micro_gather_fwd),
+        bwd_g2g=(ran(data_parallel.all_gather_time_s, traffic.micro_gather_bwd)
+                 + ran(data_parallel.reduce_scatter_time_s, traffic.micro_reduce_scatter)
+                 + ran(data_parallel.all_reduce_time_s, traffic.micro_all_reduce)),
+        fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed,
+        fwd_h2d=weight_in, fwd_d2h=none,
+        bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0),
+        bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
+        fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild,
+        step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce)
+                     + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
+        step_params=np.where(traffic.partitioned_step, params / c.d, params),
+        step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
+        step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
+        step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0))
 
 
 def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:

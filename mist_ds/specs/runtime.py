@@ -36,6 +36,9 @@ class OverlapFeatures:
 
 ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
 """Which allocation model cost/memory.py prices model states with (its module docstring)."""
+CollectiveModel = Literal["deepspeed", "ideal"]
+"""Which collectives a runtime runs for data parallelism, pipelines and the optimizer step
+(cost/stage.py data_parallel_traffic; docs/design.md, What DeepSpeed does)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,12 @@ class RuntimeCapabilities:
     p2p_scatter_gather: bool = False
     """Inter-node pipeline sends carry 1 / t of the activation per TP rank, re-assembled by an
     intra-node all-gather (Megatron-LM's scatter/gather optimization, Narayanan et al. SC'21 4.1)."""
+    collectives: CollectiveModel = "ideal"
+    """'deepspeed': the collectives and copies DeepSpeed 0.19.8 runs (ZeRO-1/2 all-reduce gradient
+    buckets and all-gather the updated weights after the step, BF16_Optimizer steps the rank's
+    partition and all-gathers it too, pipeline sends split over TP ranks, offloaded gradients move the
+    rank's partition, torch's AdamW on the device); 'ideal': each gradient byte crosses the group
+    once (ring all-reduce, or reduce-scatter and all-gather), Mist's offload semantics, a fused step."""
     fused_kernels: bool = False
     """Each run of element-wise / norm / softmax ops executes as one kernel, priced by the traffic
     that leaves it (symbolic.aggregate.fused_memory_traffic), and keeps for backward only what it
@@ -103,7 +112,7 @@ def _deepspeed() -> RuntimeCapabilities:
         # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
         ckpt_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
-        overlap=OverlapFeatures())
+        overlap=OverlapFeatures(), collectives="deepspeed")
 
 
 def _runtimes() -> Mapping[str, RuntimeCapabilities]:

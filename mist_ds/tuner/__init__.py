@@ -71,9 +71,15 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeC
     need = nearest.least_peak_bytes
     p = nearest.point
     layout = f"tp {p.tp}, pp {p.pp}, dp {p.dp}, micro-batch {p.micro_batch_size}"
+    share = specs.cluster.host_bytes_per_gpu
+    host = prediction.host_memory_bytes / min(specs.cluster.gpus_per_node, p.tp * p.dp)
+    if need <= usable and host <= share:  # each stage position fits alone, never all of them at once
+        return (f"no plan fits: every stage position of {layout} has an option within the {usable / GIB:.2f} GiB "
+                f"usable, but no split of the {specs.model.num_layers} layers lets every stage fit at once (the "
+                f"closest plan peaks at {max(prediction.peak_memory_bytes) / GIB:.2f} GiB on stage {stage}). What "
+                f"would fit: more GPUs (cluster.nodes > {specs.cluster.nodes}) or more pipeline stages; a smaller "
+                f"micro-batch; a GPU with more memory.")
     if need <= usable:  # some plans fit on the GPU, but only by offloading more than the host holds
-        share = specs.cluster.host_bytes_per_gpu
-        host = prediction.host_memory_bytes / min(specs.cluster.gpus_per_node, p.tp * p.dp)
         return (f"no plan fits: the plans that fit in GPU memory ({layout} needs {need / GIB:.2f} of "
                 f"{usable / GIB:.2f} GiB usable) offload more than the host holds: {host / GIB:.2f} GiB of host "
                 f"memory per GPU against its {share / GIB:.2f} GiB share (cluster.cpu_memory_gib / "
