@@ -3,8 +3,12 @@
 Ranks are laid out TP fastest, then data parallel, then pipeline (Megatron-LM and DeepSpeed's
 PipeModelDataParallelTopology), so a group of `size` ranks whose members are `stride` ranks apart
 covers (size - 1) * stride + 1 consecutive ranks and leaves the node when that exceeds it. Inside a
-node a ring runs at the intra-node bandwidth; across nodes every GPU of a node shares the node's NICs (each GPU drives its share,
-inter_node / gpus_per_node, as concurrent groups of the same kind communicate together).
+node a ring runs at the intra-node bandwidth. Across nodes it runs on rails: NCCL splits a communicator
+into channels and puts each on its own NIC, moving data between GPUs of a node over NVLink to spread it
+over the NICs (NVIDIA/nccl#601; NCCL_CROSS_NIC in NCCL's environment docs). A group with m members on
+each node, among gpus_per_node / m groups of the same kind communicating at once there, so gets
+m / gpus_per_node of the node's network bandwidth: all of it when it spans whole nodes, one GPU's share
+with one member per node. Only groups using a node's NICs at the same time split them.
 """
 from __future__ import annotations
 
@@ -19,10 +23,21 @@ def spans_nodes(size, stride, gpus_per_node: int):
     return (np.asarray(size) - 1) * np.asarray(stride) + 1 > gpus_per_node
 
 
+def members_per_node(size, stride, gpus_per_node: int):
+    """Fewest members a group of `size` ranks `stride` apart (the first on a node's first rank) has on one
+    of its nodes: gpus_per_node // stride on each full node (1 once stride >= gpus_per_node), the rest on
+    its last node. Exact when stride divides gpus_per_node or is at least it, a lower bound otherwise."""
+    per_node = np.maximum(np.floor(gpus_per_node / np.maximum(stride, 1.0)), 1.0)
+    size = np.asarray(size, dtype=np.float64)
+    return size - per_node * np.floor((size - 1.0) / per_node)  # 1..per_node members on the last node
+
+
 def link_bandwidth(size, stride, gpus_per_node: int, intra_bytes_per_s: float, inter_node_bytes_per_s: float):
-    """Per-rank bandwidth of a ring over the group: intra-node, or the GPU's share of its node's NICs."""
-    per_gpu_network = inter_node_bytes_per_s / gpus_per_node
-    return np.where(spans_nodes(size, stride, gpus_per_node), min(per_gpu_network, intra_bytes_per_s),
+    """Per-rank bandwidth of a ring over the group: intra-node, or across nodes its rails, m / gpus_per_node
+    of the node's network bandwidth for m members on each node (on its node with fewest), at most the
+    intra-node bandwidth its ring also crosses on every node."""
+    rails = members_per_node(size, stride, gpus_per_node) * (inter_node_bytes_per_s / gpus_per_node)
+    return np.where(spans_nodes(size, stride, gpus_per_node), np.minimum(rails, intra_bytes_per_s),
                     intra_bytes_per_s)
 
 
@@ -62,7 +77,11 @@ class RingGroup:
 
 def p2p_time_s(message_bytes, cross_node, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,
                latency_s: float):
-    """One send / recv between neighbouring pipeline stages (every GPU of a node sends at once)."""
+    """One send / recv between neighbouring pipeline stages. Across nodes each of the boundary's t d
+    senders uses its own rail, one GPU's share of the node's network bandwidth: every GPU of the node sends
+    at once when a stage fills whole nodes, and with a NIC per GPU (DGX A100 / H100) a sender gets no more
+    when fewer do. A node with fewer NICs than GPUs would give the t d < gpus_per_node senders of a
+    boundary on a node's edge more; the share is conservative there."""
     bandwidth = np.where(cross_node, min(inter_node_bytes_per_s / gpus_per_node, intra_bytes_per_s),
                          intra_bytes_per_s)
     return np.asarray(message_bytes) / bandwidth + latency_s

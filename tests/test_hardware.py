@@ -1,0 +1,80 @@
+"""Network placement (mist_ds/hardware/network.py): a ring inside a node runs at the intra-node bandwidth;
+across nodes a group gets the rails its members on each node drive, m / gpus_per_node of the node's network
+bandwidth (NCCL puts each channel on its own NIC)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mist_ds.hardware.network import RingGroup, link_bandwidth, members_per_node, p2p_time_s
+
+GPUS_PER_NODE = 8
+INTRA = 300e9  # bytes/s per GPU inside a node
+NODE_NETWORK = 200e9  # bytes/s per node, all NICs together
+PER_GPU_SHARE = NODE_NETWORK / GPUS_PER_NODE
+
+
+def bandwidth(size, stride, intra=INTRA):
+    return float(link_bandwidth(size, stride, GPUS_PER_NODE, intra, NODE_NETWORK))
+
+
+@pytest.mark.parametrize("size", [16, 24, 32])
+def test_a_group_spanning_whole_nodes_gets_the_node_network(size):
+    """Data parallel with t = 1 over 2, 3 or 4 nodes (or the norm all-reduce over every GPU): 8 members on
+    each node, the only group of its kind there, drive all 8 rails."""
+    assert bandwidth(size, 1) == NODE_NETWORK
+
+
+def test_one_member_per_node_gets_one_gpus_share():
+    # data parallel with t = 8: d ranks 8 apart, one per node
+    assert bandwidth(4, 8) == PER_GPU_SHARE
+    # the tied-embedding pair of the first and last stage of a 2-node pipeline, t d = 8
+    assert bandwidth(2, 8) == PER_GPU_SHARE
+    assert bandwidth(2, 24) == PER_GPU_SHARE  # stride beyond a node, not a multiple of it
+
+
+@pytest.mark.parametrize("t, members", [(2, 4), (4, 2)])
+def test_data_parallel_with_m_members_per_node_gets_m_rails(t, members):
+    """d = 8 ranks t apart: 8 / t of them on each node, t such groups share the node's NICs."""
+    assert int(members_per_node(8, t, GPUS_PER_NODE)) == members
+    assert bandwidth(8, t) == pytest.approx(members * PER_GPU_SHARE)
+
+
+def test_tensor_parallel_across_nodes_gets_the_node_network():
+    # t = 16 on 8-GPU nodes: stride 1, 8 members on each of 2 nodes
+    assert bandwidth(16, 1) == NODE_NETWORK
+    # ... capped by the NVLink hops its ring takes inside each node
+    assert bandwidth(16, 1, intra=150e9) == 150e9
+
+
+def test_the_node_with_fewest_members_sets_the_rails():
+    # d = 6 ranks 2 apart: 4 on the first node, 2 on the second
+    assert int(members_per_node(6, 2, GPUS_PER_NODE)) == 2
+    assert bandwidth(6, 2) == pytest.approx(2 * PER_GPU_SHARE)
+
+
+@pytest.mark.parametrize("size, stride", [(8, 1), (4, 2), (2, 4), (4, 1), (2, 1), (1, 0)])
+def test_a_group_within_a_node_is_unchanged(size, stride):
+    assert bandwidth(size, stride) == INTRA
+    assert bandwidth(size, stride, intra=50e9) == 50e9
+
+
+def test_rails_price_whole_node_data_parallel_below_the_per_gpu_share():
+    """An all-reduce over 2 whole nodes takes a GPUs-per-node fraction of the per-GPU-share time (bandwidth
+    term), and the arrays of candidates keep their shape."""
+    sizes, strides = np.array([16, 16, 2]), np.array([1, 1, 8])
+    message = np.array([1e9, 2e9, 1e9])
+    ring = RingGroup.of(sizes, strides, GPUS_PER_NODE, INTRA, NODE_NETWORK, latency_s=0.0)
+    times = ring.all_reduce_time_s(message)
+    per_gpu = 2 * 15 / 16 * message / PER_GPU_SHARE
+    assert times.shape == (3,)
+    assert times[:2] == pytest.approx(per_gpu[:2] / GPUS_PER_NODE)
+    assert times[2] == pytest.approx(2 * 1 / 2 * 1e9 / PER_GPU_SHARE)
+
+
+def test_cross_node_pipeline_sends_keep_one_gpus_share():
+    message = 1e8
+    cross = float(p2p_time_s(message, True, GPUS_PER_NODE, INTRA, NODE_NETWORK, 0.0))
+    inside = float(p2p_time_s(message, False, GPUS_PER_NODE, INTRA, NODE_NETWORK, 0.0))
+    assert cross == pytest.approx(message / PER_GPU_SHARE)
+    assert inside == pytest.approx(message / INTRA)
