@@ -143,6 +143,14 @@ def _is_received_activation(entry) -> bool:
     return len(shape) == 2 and shape[0] == MICRO_BATCH and shape[1] in {fan_out for _, fan_out, _ in LAYERS}
 
 
+def _is_loss_broadcast(entry) -> bool:
+    """The two fp32 losses a pipeline broadcasts from its last stage after each step (DeepSpeed's
+    pipe/engine.py _aggregate_total_loss): a local the engine drops on return, alive until gloo releases
+    its finished work, at a run-dependent time (seen once in several runs on a non-last stage)."""
+    _, shape, dtype = entry
+    return list(shape) == [2] and dtype == "torch.float32"
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +162,7 @@ def test_census_is_complete_and_explained(launched, launch_name, case, rank):
     f = facts(result, case, LAUNCHES[launch_name][1])
     assert result["unclassified"] == [], "storages the census could not classify"
     for moment, missed in result["unreached"].items():
-        stray = [m for m in missed if not (f.pipeline and _is_received_activation(m))]
+        stray = [m for m in missed if not (f.pipeline and (_is_received_activation(m) or _is_loss_broadcast(m)))]
         assert stray == [], f"live tensors the walk from the engine missed at {moment}: {stray}"
     assert measured_bytes(result) == held_bytes(f), f"{result['optimizer']}, moments {result['moments']}"
 
