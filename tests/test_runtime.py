@@ -78,6 +78,23 @@ EXPLICIT = {
     "offload-one-stage": (2, ["model=tiny", "train.global_batch_size=8", f"train.grad_clip={CLIP}", "strategy.pp=2",
                               "strategy.zero_stage=1", "strategy.offload.optimizer=[1,0]",
                               "strategy.offload.grads=[1,0]", "strategy.ckpt_layers=[0,3]"]),
+    # data parallel at pp = 1, one ZeRO stage each (G = 2: ZeRO-2 reduces every micro-batch, ZeRO-0/1 once a step)
+    "zero0-dp2-fp32": (2, ["model=tiny", "train.global_batch_size=4", "train.precision=fp32",
+                           "strategy.zero_stage=0"]),
+    "zero0-dp2-bf16": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=0"]),
+    "zero1-dp2-bf16": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=1",
+                           "strategy.ckpt_layers=3"]),
+    "zero2-dp2-fp32": (2, ["model=tiny", "train.global_batch_size=4", "train.precision=fp32",
+                           "strategy.zero_stage=2"]),
+    "zero2-dp2-offload": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=2",
+                              "strategy.offload.optimizer=1", "strategy.offload.grads=1"]),
+    # ZeRO-1 pipelines: uneven stages, recompute on one stage only; alone (fp32) and with d = 2 (bf16)
+    "pp2-zero1-uneven-fp32": (2, ["model=tiny", "train.global_batch_size=8", "train.precision=fp32", "strategy.pp=2",
+                                  "strategy.zero_stage=1", "strategy.micro_batch_size=2",
+                                  "strategy.layers_per_stage=[5,3]", "strategy.ckpt_layers=[2,0]"]),
+    "pp2-dp2-zero1": (4, ["model=tiny", "train.global_batch_size=8", "strategy.pp=2", "strategy.zero_stage=1",
+                          "strategy.micro_batch_size=2", "strategy.layers_per_stage=[3,5]",
+                          "strategy.ckpt_layers=[0,2]"]),
 }
 
 
@@ -176,7 +193,7 @@ def _facts(plan: Tuned, result: dict) -> Facts:
                  pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.dp, rank=result["dp_rank"],
                  sizes=tuple(result["param_sizes"]), bucket=read_mist_block(plan.config).buckets.reduce_bucket_elements,
                  threshold=read_mist_block(plan.config).buckets.stage3_persistence_threshold_elements,
-                 params_offload=own.weights_offload > 0)
+                 params_offload=own.weights_offload > 0, micro_batches=strategy.parallelism.grad_accum)
 
 
 @pytest.mark.parametrize("name", list(ALL))

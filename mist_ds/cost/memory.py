@@ -23,7 +23,9 @@ the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 b
 - ZeRO 1 and 2: weights b Pa, fp32 master + Adam 12 ps, buffers max(k b R, 4 ps): the bucket is
   allocated whole whatever P and released before the fp32 gradient partition of the step exists.
   Gradients: ZeRO-1 b max(P, U) (the full .grad lives until the reduction after backward, then the
-  partition), ZeRO-2 b U (the partition holds whole parameters).
+  partition), ZeRO-2 b U (the partition holds whole parameters), 2 b U with G > 1 micro-batches: from
+  the second on, the accumulated partition (all_grad_tensors, stage_1_and_2.py:1038-1045) lives beside
+  the fresh copy of the current one (grads_in_partition, allocated again at :2184-2194).
 - ZeRO 3 (DeepSpeed pads each parameter to d: a few elements above p3): weights b p3, gradient
   partition b p3, fp32 master + Adam 12 p3, buffers b R + max(4 p3, b N): the bucket is never
   freed, the step's fp32 gradients add to it, the whole small parameters are resident outside the
@@ -105,9 +107,10 @@ def partition_touch_elements(params, dp, largest_param_elements):
 def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                            weights_offload, reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS,
                            largest_param_elements=0.0, persistent_param_elements=0.0,
-                           bf16: bool = True) -> ModelStateBytes:
+                           bf16: bool = True, grad_accum=1) -> ModelStateBytes:
     """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring: P `params`, d `dp`,
-    R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`)."""
+    R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`, G
+    `grad_accum` micro-batches per step)."""
     p = np.asarray(params, dtype=np.float64)
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
@@ -126,8 +129,9 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     shard = np.select([torch_optimizer, z == 3], [p, p3], default=part)  # elements the optimizer updates
 
     weights = b * np.select([z == 3, torch_optimizer], [p3, p], default=padded)
+    zero2_partitions = np.where(np.asarray(grad_accum) > 1, 2.0, 1.0)
     grads = b * np.select([torch_optimizer, bf16_optimizer, z == 1, z == 2, z == 3],
-                          [p, padded + p, np.maximum(p, touch), touch, p3])
+                          [p, padded + p, np.maximum(p, touch), zero2_partitions * touch, p3])
     grads = np.where(offloaded & (z >= 2), 0.0, grads)  # no device partition: gradients go to the host
     optimizer = np.where(torch_optimizer, (master + ADAM_MOMENT_BYTES) * p, MASTER_ADAM_BYTES * shard)
     step_grads = np.where(torch_optimizer & (master == 0), 0.0, FP32_BYTES * shard)
@@ -187,19 +191,20 @@ def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimi
 def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
                       reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
-                      largest_param_elements=0.0, persistent_param_elements=0.0) -> ModelStateBytes:
+                      largest_param_elements=0.0, persistent_param_elements=0.0, grad_accum=1) -> ModelStateBytes:
     """Model states per GPU under a runtime's `accounting` (RuntimeCapabilities.model_states; module
     docstring). The one function show / predict / tune use.
 
     DeepSpeed's accounting reads three more sizes, elements on one TP rank of the stage: the reduce bucket
     (the planned one by default, as mist_ds/emit writes it), the largest single parameter tensor L
     (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps, offload staging at 0) and the ZeRO-3
-    parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it).
+    parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it), and
+    the micro-batches per step (ZeRO-2 keeps two gradient partitions with more than one).
     """
     if accounting == "deepspeed":
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
-                                      persistent_param_elements, bf16=bf16)
+                                      persistent_param_elements, bf16=bf16, grad_accum=grad_accum)
     if accounting == "megatron":
         return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,

@@ -537,7 +537,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                                bf16=train.precision == "bf16",
                                # only DeepSpeed's engines size buffers by the largest tensor
                                largest_param_elements=largest_tensor(costs.model, c)
-                               if caps.model_states == "deepspeed" else 0.0)
+                               if caps.model_states == "deepspeed" else 0.0, grad_accum=c.G)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
     activations = (saved - saved_offloaded) * in_flight

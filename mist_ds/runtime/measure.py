@@ -20,10 +20,15 @@ from mist_ds.runtime.engine import join_process_group
 from mist_ds.specs import ModelSpec
 
 
-def _step(planned, data: DataSpec, step: int, **kwargs):
+def _batches(planned, data: DataSpec, step: int):
+    """An iterator over the step's micro-batches, all made before any clock starts (generating synthetic
+    data is hundreds of small ops per micro-batch: not the step's work)."""
     par = planned.plan.strategy.parallelism
-    return planned.train_batch(micro_batches(data, step, planned.dp_rank, par.micro_batch_size, par.grad_accum),
-                               **kwargs)
+    return iter(list(micro_batches(data, step, planned.dp_rank, par.micro_batch_size, par.grad_accum)))
+
+
+def _step(planned, data: DataSpec, step: int, **kwargs):
+    return planned.train_batch(_batches(planned, data, step), **kwargs)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -59,9 +64,10 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
             _step(planned, data, step)
         times = []
         for step in range(warmup, warmup + steps):
+            batches = _batches(planned, data, step)
             _synchronize(device)
             start = time.perf_counter()
-            _step(planned, data, step)
+            planned.train_batch(batches)
             _synchronize(device)
             times.append(time.perf_counter() - start)
         step = warmup + steps
@@ -71,9 +77,7 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
             peak = int(torch.cuda.max_memory_allocated(device))
         else:
             peak = _cpu_peak_bytes(lambda: _step(planned, data, step))
-        par = planned.plan.strategy.parallelism
-        _, census = planned.count_step(micro_batches(data, step + 1, planned.dp_rank, par.micro_batch_size,
-                                                     par.grad_accum))
+        _, census = planned.count_step(_batches(planned, data, step + 1))
         planned.watch_model_states()
         _step(planned, data, step + 2)
         did = planned.what_ran()

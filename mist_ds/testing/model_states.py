@@ -232,6 +232,7 @@ class Facts:
     bucket: int  # R
     threshold: int  # T
     params_offload: bool = False  # ZeRO-3 offload_param: the parameter partitions live on the host
+    micro_batches: int = 1  # G per step: ZeRO-2 keeps two gradient partitions with more than one
 
     @property
     def b(self) -> int:
@@ -289,7 +290,8 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
     states = deepspeed_model_states(f.P, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0,
                                     1.0 if f.params_offload else 0.0,
                                     reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
-                                    persistent_param_elements=f.persistent, bf16=f.bf16)
+                                    persistent_param_elements=f.persistent, bf16=f.bf16,
+                                    grad_accum=f.micro_batches)
     return {field: float(getattr(states, field)) for field in FIELDS}
 
 
@@ -301,8 +303,10 @@ def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
             "b (max(P, touch) - max(P, U)) <= 0: U bounds touch, the whole parameters DeepSpeed copies into a "
             "partition (deepspeed/runtime/zero/stage_1_and_2.py:2142 copy_grads_in_partition)")
     if f.zero == 2 and field == "grads" and not f.offload:
-        return f.b * (f.touch - touch_bound), (
-            "b (touch - U) <= 0: U bounds touch (deepspeed/runtime/zero/stage_1_and_2.py:2142 copy_grads_in_partition)")
+        partitions = 2 if f.micro_batches > 1 else 1  # memory.py's module docstring
+        return partitions * f.b * (f.touch - touch_bound), (
+            "k b (touch - U) <= 0, k partitions (2 with G > 1): U bounds touch "
+            "(deepspeed/runtime/zero/stage_1_and_2.py:2142 copy_grads_in_partition)")
     if f.zero == 3:
         pad = f.p3 - math.ceil(f.P / f.d)
         per_element = {"weights": 0 if f.params_offload else f.b, "grads": 0 if f.offload else f.b,
@@ -331,7 +335,8 @@ def facts(result: dict, case: dict, stages: int) -> Facts:
     return Facts(zero=case["zero"], bf16=case["bf16"], offload=bool(case.get("offload")), pipeline=stages > 1,
                  d=result["dp"], rank=result["dp_rank"], sizes=tuple(result["param_sizes"]),
                  bucket=case.get("reduce_bucket_elements") or DEFAULT_REDUCE_BUCKET_ELEMENTS,
-                 threshold=case.get("persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD))
+                 threshold=case.get("persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD),
+                 micro_batches=case.get("micro_batches", 1))
 
 
 def measured_bytes(result: dict) -> dict[str, int]:
