@@ -172,10 +172,15 @@ def source_tree(paths: tuple[str, ...] = ("mist_ds", "benchmarks")) -> str:
         f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
 
 
+def cpu_model() -> str:
+    """The processor's model name (/proc/cpuinfo), else what platform reports."""
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor())
+
+
 def machine_description() -> str:
     """The machine the timings come from: cores, CPU model, load average at start, Python and numpy."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_model()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{os.cpu_count()}-core VM ({cpu}), shared with another job (load average at start {load}), "
             f"Python {platform.python_version()}, numpy {np.__version__}, single process (tuner.workers=1)")
