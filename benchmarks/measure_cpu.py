@@ -22,7 +22,6 @@ time at the end: the difference between the two launches is the machine's run-to
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import sys
@@ -38,13 +37,12 @@ from cpu_constants import OtherLoad, machine_text  # noqa: E402
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
-from mist_ds.emit import ds_config  # noqa: E402
 from mist_ds.report.measure import measure_record  # noqa: E402
+from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
 from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measure_cpu.py "
            "> benchmarks/results/measure_cpu.md")
-WORKER = "mist_ds.runtime.measure:measure_worker"  # what `mist-ds measure` launches
 RANKS = 2  # one process per core: never more ranks than cores
 WARMUP_STEPS = 2
 TIMED_STEPS = 6
@@ -103,11 +101,9 @@ def measure(name: str, constants: dict[str, list[str]]) -> tuple[dict, dict]:
     """(measure record, the steps' times over both ranks) of one plan, as `mist-ds measure` runs it."""
     specs = plan_specs(PLANS[name], constants)
     prediction = predict(specs)
-    payload = {"config": ds_config(specs.strategy, specs.train, specs.model), "model": dataclasses.asdict(specs.model),
-               "warmup": WARMUP_STEPS, "steps": TIMED_STEPS}
     with OtherLoad() as other:
-        results = launch(WORKER, specs.strategy.parallelism.num_gpus, payload, timeout_s=LAUNCH_TIMEOUT_S,
-                         env=CPU_ENV)
+        results = launch(MEASURE_WORKER, specs.strategy.parallelism.num_gpus,
+                         measure_payload(specs, WARMUP_STEPS, TIMED_STEPS), timeout_s=LAUNCH_TIMEOUT_S, env=CPU_ENV)
     record = measure_record(specs, prediction, results, WARMUP_STEPS, TIMED_STEPS)
     steps = [t for r in results for t in r["iteration_times_s"]]
     free = predict(plan_specs([*PLANS[name], *FREE_NETWORK], constants)).iteration_time_s

@@ -149,16 +149,14 @@ class Command:
 
 def _measure(cfg: DictConfig) -> int:
     """Run the strategy (or plan=P) on this machine's devices with mist_ds.runtime and measure it."""
-    import dataclasses
-
     import torch
     from hydra.core.hydra_config import HydraConfig
 
     from mist_ds.config import specs_from_config
     from mist_ds.cost.predict import predict
-    from mist_ds.emit import ds_config
     from mist_ds.files import write_json_atomic
     from mist_ds.report.measure import append_to_table, measure_record, render_measure
+    from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload
     from mist_ds.testing.ranks import CPU_ENV, launch
 
     specs = specs_from_config(_with_plan(cfg))
@@ -169,11 +167,9 @@ def _measure(cfg: DictConfig) -> int:
         raise ConfigError("measure.num_steps", settings.num_steps,
                           "time at least 1 step, after measure.num_warmup_steps >= 0 steps")
     prediction = predict(specs)
-    config = ds_config(specs.strategy, specs.train, specs.model)
-    payload = {"config": config, "model": dataclasses.asdict(specs.model), "warmup": settings.num_warmup_steps,
-               "steps": settings.num_steps}
+    payload = measure_payload(specs, settings.num_warmup_steps, settings.num_steps)
     env = {} if torch.cuda.is_available() else CPU_ENV
-    results = launch("mist_ds.runtime.measure:measure_worker", specs.strategy.parallelism.num_gpus, payload, env=env)
+    results = launch(MEASURE_WORKER, specs.strategy.parallelism.num_gpus, payload, env=env)
     record = measure_record(specs, prediction, results, settings.num_warmup_steps, settings.num_steps)
     out = Path(HydraConfig.get().runtime.output_dir)
     write_json_atomic(out / "measure.json", record)

@@ -352,8 +352,6 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     stable = fwd_phase + bwd_phase + tp + p2p
 
     # End of iteration: gradient reduction over data parallel and the optimizer step.
-    grads_all_reduce = data_parallel.all_reduce_time_s(grad_bytes * params)
-    gather = data_parallel.all_gather_time_s(weight_bytes)
     reduce, partition, step_bytes = moves.step_reduce, moves.step_params, moves.step_bytes_per_param
     gpu_step = hw.memory_bound_time_s((step_bytes + b_w) * partition * (1 - c.oo))
     cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(moves.step_host_bytes_per_param
@@ -370,9 +368,9 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         # reduce-scatters and all-gathers the updated shard; ZeRO-2 has reduce-scattered every
         # micro-batch (bwd_g2g) and all-gathers; ZeRO-3 gathers every forward anyway (fwd_g2g).
         step_reduce = np.select([c.zero == 0, c.zero == 1],
-                                [grads_all_reduce, data_parallel.reduce_scatter_time_s(grad_bytes * params)],
-                                default=0.0)
-        step_gather = np.where((c.zero == 1) | (c.zero == 2), gather, 0.0)
+                                [data_parallel.all_reduce_time_s(grad_bytes * params),
+                                 data_parallel.reduce_scatter_time_s(grad_bytes * params)], default=0.0)
+        step_gather = np.where((c.zero == 1) | (c.zero == 2), data_parallel.all_gather_time_s(weight_bytes), 0.0)
         first_fwd = hw.overlapped_time_s(fwd_compute + gpu_step, fwd_g2g + step_gather,
                                          fwd_h2d + hw.host_copy_time_s(b_w * partition * c.oo),
                                          fwd_d2h + hw.host_copy_time_s(FP32_BYTES * partition * c.oo))

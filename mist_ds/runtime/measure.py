@@ -17,7 +17,7 @@ import torch
 
 from mist_ds.runtime.data import DataSpec, micro_batches
 from mist_ds.runtime.engine import join_process_group
-from mist_ds.specs import ModelSpec
+from mist_ds.specs import ModelSpec, Specs
 
 
 def _batches(planned, data: DataSpec, step: int):
@@ -88,6 +88,19 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
         planned.close()
         del planned
         gc.collect()
+
+
+MEASURE_WORKER = "mist_ds.runtime.measure:measure_worker"
+
+
+def measure_payload(specs: Specs, warmup: int, steps: int) -> dict[str, Any]:
+    """What measure_worker takes (JSON): the strategy's ds_config, the zoo model, warm-up and timed steps."""
+    import dataclasses
+
+    from mist_ds.emit import ds_config
+
+    return {"config": ds_config(specs.strategy, specs.train, specs.model), "model": dataclasses.asdict(specs.model),
+            "warmup": warmup, "steps": steps}
 
 
 def measure_worker(rank: int, world_size: int, payload: dict) -> dict[str, Any]:
