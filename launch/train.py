@@ -154,7 +154,8 @@ def train_job(cfg: DictConfig) -> int:
     try:
         specs, plan = resolve_plan(cfg, run_dir, rank, world_size)
         strategy = plan.strategy if plan else specs.strategy
-        config = ds_config(strategy, specs.train, specs.model)
+        config = ds_config(strategy, specs.train, specs.model,
+                           host_bytes_per_rank=plan.prediction.get("host_bytes_per_rank") if plan else None)
         if rank == 0:
             write_json_atomic(run_dir / "ds_config.json", config)
         planned = initialize(config, specs.model, seed=cfg.run.seed)

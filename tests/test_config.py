@@ -124,6 +124,11 @@ BAD_INPUTS = [
     (["tuner.runtime=jax"], "tuner.runtime"),
     (["tuner.pp=[0]"], "tuner.pp"),
     (["tuner.tp=[]"], "tuner.tp"),
+    (["tuner.partition_solver=cplex"], "tuner.partition_solver"),
+    (["tuner.host_memory=per-rack"], "tuner.host_memory"),
+    (["tuner.host_memory=per-node", "tuner.partition_solver=dp"], "tuner.partition_solver"),
+    (["tuner.grid=alpa"], "tuner.grid"),
+    (["tuner.grid=mist", "tuner.optimizer_offload_ratios=[0,1]"], "tuner.optimizer_offload_ratios"),
     (["model=llama3-8b", "cluster=a100-80g", "strategy.tp=16", "strategy.allow_cross_node_tp=true",
       "cluster.nodes=2"], "strategy.tp"),
 ]

@@ -3,6 +3,7 @@ emitted DeepSpeed configs, no-fit explanations (the CLI's plan round trip, tune 
 tests/test_cli.py)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -32,14 +33,13 @@ SMALL = ["model=tiny", "model.num_layers=7", "cluster=cpu", "cluster.gpus_per_no
 
 
 def exhaustive(specs, runtime, point):
-    """Best (seconds, layers, options [S] per key, imbalance s, peaks) of one global point by
-    enumerating every partition and every per-stage option, priced [combinations, S] at once."""
+    """Best (seconds, layers, options [S] per key, imbalance s, peaks, host bytes per rank) of one global
+    point by enumerating every partition and every per-stage option, priced [combinations, S] at once."""
     costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
     caps, space = runtime_capabilities(runtime), specs.tuner.space
     usable = specs.cluster.gpu.usable_memory_bytes
-    host = specs.cluster.cpu_memory_bytes / specs.cluster.gpus_per_node
     L, S = specs.model.num_layers, point.pp
-    best = (math.inf, None, None, None, None)
+    best = (math.inf, None, None, None, None, None)
     for layers in itertools.product(layer_counts(L, S, specs.tuner.layer_slack), repeat=S):
         if sum(layers) != L:
             continue
@@ -53,7 +53,7 @@ def exhaustive(specs, runtime, point):
                                G=point.grad_accum, stage=np.arange(S)[None], layers=np.array(layers)[None],
                                ckpt=opt["ckpt"], zero=opt["zero"], wo=opt["wo"], go=opt["go"], oo=opt["oo"], ao=opt["ao"])
         times, memory = stage_times(costs, hw, caps, specs.train, c), stage_memory(costs, hw, caps, specs.train, c)
-        ok &= np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
+        ok &= np.all(memory.peak_bytes <= usable, axis=1) & _host_fits(specs, memory.host_bytes, point)
         tail = times.end_s.max(axis=1)
         tail = np.where(tail > 0, tail + norm_sync_s(hw, specs.train, point.tp * S * point.dp), 0.0)
         delta = times.delta_s if space != "aceso" else np.zeros_like(times.delta_s)
@@ -61,8 +61,23 @@ def exhaustive(specs, runtime, point):
         j = int(np.argmin(total))
         if total[j] < best[0]:
             best = (float(total[j]), layers, {k: v[j] for k, v in opt.items()},
-                    float(imbalance_s(times.stable_s[j], delta[j])), memory.peak_bytes[j])
+                    float(imbalance_s(times.stable_s[j], delta[j])), memory.peak_bytes[j], memory.host_bytes[j])
     return best
+
+
+def _host_fits(specs, host_bytes, point):
+    """Host memory by its definition (docs/design.md, Tuner, Host memory), not through cost/host.py: per GPU,
+    each rank within cpu_memory / gpus_per_node; per node, the ranks each node holds (stage i on ranks
+    [i t d, (i + 1) t d), node n on [n g, (n + 1) g)) within cpu_memory together."""
+    cluster, width = specs.cluster, point.tp * point.dp
+    if specs.tuner.host_memory == "per-gpu":
+        return np.all(host_bytes <= cluster.cpu_memory_bytes / cluster.gpus_per_node, axis=1)
+    node_of = np.arange(point.pp * width) // cluster.gpus_per_node
+    stage_of = np.arange(point.pp * width) // width
+    per_node = np.zeros((host_bytes.shape[0], node_of.max() + 1))
+    for rank in range(point.pp * width):
+        per_node[:, node_of[rank]] += host_bytes[:, stage_of[rank]]
+    return np.all(per_node <= cluster.cpu_memory_bytes, axis=1)
 
 
 def _per_point(overrides, runtime):
@@ -83,12 +98,12 @@ def _point(**kw):
     return GlobalPoint(**kw)
 
 
-def _tight_memory(overrides, runtime) -> list[str]:
-    """A GPU 5% smaller than the peak of the unconstrained optimum at the pipelined point: it binds."""
+def _tight_memory(overrides, runtime, fraction: float = 0.95) -> list[str]:
+    """A GPU `fraction` of the peak of the unconstrained optimum at the pipelined point: it binds."""
     specs = compose(overrides, with_strategy=False)
     peaks = exhaustive(specs, runtime, _point(**PIPELINE))[4]
     reserve = specs.cluster.gpu.reserve_bytes
-    return [f"cluster.gpu.memory_gib={(reserve + 0.95 * float(np.max(peaks))) / GIB!r}"]
+    return [f"cluster.gpu.memory_gib={(reserve + fraction * float(np.max(peaks))) / GIB!r}"]
 
 
 CASES = {
@@ -98,19 +113,33 @@ CASES = {
 }
 
 
+def _shared_host(overrides, runtime, gpu_fraction: float = 0.7) -> list[str]:
+    """Per-node host memory that binds at the pipelined point (its 3 stages on one node of 3): a GPU at
+    `gpu_fraction` of the free optimum's peak, so offloading pays, and a node holding the most host bytes
+    one rank keeps in the optimum with unbounded host memory: each of its stages would fit alone, not all
+    together."""
+    gpu = _tight_memory(overrides, runtime, fraction=gpu_fraction)
+    unbounded = exhaustive(compose(overrides + gpu + ["cluster.cpu_memory_gib=1000"], with_strategy=False), runtime,
+                           _point(**PIPELINE))
+    return gpu + [f"cluster.cpu_memory_gib={float(np.max(unbounded[5])) / GIB!r}", "tuner.host_memory=per-node"]
+
+
 def _case(name):
-    if name.endswith(", memory binds"):
-        overrides, runtime = CASES[name.split(",")[0]]
+    base, _, variant = name.partition(", ")
+    overrides, runtime = CASES[base]
+    if variant == "memory binds":
         return overrides + _tight_memory(overrides, runtime), runtime
-    return CASES[name]
+    if variant.startswith("host per node"):
+        return overrides + _shared_host(overrides, runtime, 0.5 if variant.endswith("small GPU") else 0.7), runtime
+    return overrides, runtime
 
 
 @pytest.mark.parametrize("case", ["mist-paper", "mist-paper, memory binds", "deepspeed", "deepspeed, memory binds",
-                                  "aceso"])
+                                  "aceso", "mist-paper, host per node", "mist-paper, host per node, small GPU"])
 def test_tuner_equals_exhaustive_search_at_every_global_point(case):
     overrides, runtime = _case(case)
     compared = 0
-    for specs, point, tuned, (best_s, layers, options, _, _) in _per_point(overrides, runtime):
+    for specs, point, tuned, (best_s, layers, options, *_) in _per_point(overrides, runtime):
         if tuned is None:
             assert best_s == math.inf, f"{point}: exhaustive search found {best_s} s, the tuner nothing"
             continue
@@ -172,7 +201,6 @@ def test_megatron_space_interleaves_when_it_pays_and_prices_it_like_predict():
     """On runtime megatron the megatron space also tries Megatron-LM's interleaved schedule: at each
     pipelined point the pick is priced exactly as predict's closed form prices it, beats the same
     plan run as plain 1F1B, and the point's lower bound (which allows for interleaving) holds."""
-    import dataclasses
 
     overrides = ["model=tiny", "model.num_layers=8", "cluster=cpu", "cluster.gpus_per_node=4",
                  "train.global_batch_size=8", "tuner.space=megatron", "tuner.runtime=megatron",
@@ -280,3 +308,117 @@ def test_no_fit_explanation_when_stages_fit_alone_but_not_together():
         tune_specs(specs, progress=False)
     text = str(reason.value)
     assert "no split" in text and "host memory" not in text, text
+
+
+@pytest.mark.parametrize("gpu_fraction", [0.7, 0.5])
+def test_shared_host_memory_admits_faster_plans_and_binds(gpu_fraction):
+    """At the pipelined point (3 stages on one node of 3) with the host memory of _shared_host, by exhaustive
+    search: the node's ranks sharing its memory admit a faster plan than each GPU's share of it, and the
+    sharing binds: the optimum where each stage alone may take the whole node does not fit together. The
+    tuner takes the MILP there and finds the exhaustive optimum."""
+    overrides, runtime = CASES["mist-paper"]
+    shared = overrides + _shared_host(overrides, runtime, gpu_fraction)
+    specs, point = compose(shared, with_strategy=False), _point(**PIPELINE)
+    node = specs.cluster.cpu_memory_bytes
+    per_node = exhaustive(specs, runtime, point)
+    per_gpu = exhaustive(compose(shared + ["tuner.host_memory=per-gpu"], with_strategy=False), runtime, point)
+    alone = exhaustive(compose(shared + ["tuner.host_memory=per-gpu", f"cluster.cpu_memory_gib={3 * node / GIB!r}"],
+                               with_strategy=False), runtime, point)
+    assert per_node[0] < per_gpu[0]  # per-gpu may have no plan at all (inf)
+    assert alone[0] < per_node[0] and np.max(alone[5]) <= node < np.sum(alone[5])
+    assert np.sum(per_node[5]) <= node
+    ctx = SearchContext(specs=specs, space="mist", caps=runtime_capabilities(runtime))
+    tuned = min((r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None),
+                key=lambda r: r.objective_s)
+    assert tuned.solver == "milp" and tuned.objective_s == pytest.approx(per_node[0], rel=1e-9)
+
+
+def test_per_node_plans_predict_and_explain_with_the_same_accounting():
+    """A plan tuned with tuner.host_memory=per-node re-prices to the same prediction (fits, per-node rule);
+    the same strategy under per-gpu is flagged, with the per-GPU share in the warning; with less host
+    memory than any plan needs the explanation names the node's memory."""
+    import mist_ds
+
+    overrides, runtime = CASES["mist-paper"]
+    pipelined = ["tuner.pp=[3]", "tuner.micro_batch_sizes=[2]", "tuner.compare_baselines=false",
+                 f"tuner.runtime={runtime}"]
+    plan = mist_ds.tune(overrides + _shared_host(overrides, runtime) + pipelined)
+    assert plan.prediction["fits"] and plan.prediction["host_memory_rule"] == "per-node"
+    assert mist_ds.predict(plan.overrides()).to_dict() == plan.prediction
+    strict = mist_ds.predict(plan.overrides(["tuner.host_memory=per-gpu"]))
+    assert not strict.fits and any("share of the node" in w for w in strict.warnings)
+    small_gpu = overrides + _shared_host(overrides, runtime, 0.5) + pipelined + ["cluster.cpu_memory_gib=0.001"]
+    with pytest.raises(NoPlanFits) as reason:
+        tune_specs(compose(small_gpu, with_strategy=False), progress=False)
+    text = str(reason.value)
+    assert "host memory on node 0" in text and "cluster.cpu_memory_gib" in text, text
+
+
+def _fine_grid_case() -> list[str]:
+    """SMALL with Mist's grids instead of its ratio lists, a slow host link (offloading costs time, so the
+    least fraction that fits wins) and a GPU at 60% of the peak of the plan tuned without a memory limit:
+    the fine fractions beat the coarse ones."""
+    overrides = [o for o in SMALL if "offload_ratios" not in o] + ["tuner.pp=[3]", "tuner.micro_batch_sizes=[2]",
+                                                                    "cluster.pcie_gbps=0.002"]
+    specs = compose(overrides, with_strategy=False)
+    free = search(specs, runtime="mist-paper", progress=False).best.strategy
+    peak = max(predict_strategy(dataclasses.replace(specs, strategy=free), model_costs(specs),
+                                hardware_model(specs.cluster, specs.train.precision)).peak_memory_bytes)
+    gpu = (specs.cluster.gpu.reserve_bytes + 0.6 * peak) / GIB
+    return overrides + [f"cluster.gpu.memory_gib={gpu!r}", "tuner.grid=mist"]
+
+
+def test_stable_time_grows_with_every_offload_fraction():
+    """What the fine-grid bound rests on (tuner/search.py, _price_by_bound): on every runtime, raising one
+    offload fraction of an option one grid step never lowers its stable time (nor raises its GPU peak)."""
+    from mist_ds.tuner.intra import price_options
+
+    specs = compose(_fine_grid_case(), with_strategy=False)
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    keys = ("layers", "ckpt", "zero", "wo", "go", "oo", "ao")
+    for runtime in ("deepspeed", "mist", "mist-paper", "megatron"):
+        caps = runtime_capabilities(runtime)
+        for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps):
+            priced = price_options(costs, hw, caps, specs.train, point, "mist", option_grids(specs),
+                                   layer_counts(specs.model.num_layers, point.pp, 1))
+            columns = {"layers": priced.layers, **priced.options}
+            at = [np.searchsorted(np.unique(columns[k]), columns[k]) for k in keys]
+            dense = np.full([int(a.max()) + 1 for a in at], -1)  # grid position -> option
+            dense[tuple(at)] = np.arange(priced.layers.size)
+            for axis in range(3, len(keys)):
+                steps = dense.shape[axis]
+                upper = np.take(dense, range(1, steps), axis=axis).ravel()
+                lower = np.take(dense, range(steps - 1), axis=axis).ravel()
+                j, i = upper[(upper >= 0) & (lower >= 0)], lower[(upper >= 0) & (lower >= 0)]
+                assert np.all(priced.stable_s[:, j] >= priced.stable_s[:, i] * (1 - 1e-12)), (runtime, keys[axis])
+                assert np.all(priced.peak_bytes[:, j] <= priced.peak_bytes[:, i] * (1 + 1e-12)), (runtime, keys[axis])
+
+
+def test_fine_grid_bound_prices_less_and_keeps_the_plans(monkeypatch):
+    """tuner.grid=mist prices only what the coarse plans leave possible; pricing every option instead
+    gives the same best plan, and the same plan at every point that can beat the default grid's best."""
+    import sys
+
+    from mist_ds.tuner.intra import PointPricer
+
+    search_module = sys.modules["mist_ds.tuner.search"]
+    specs = compose(_fine_grid_case(), with_strategy=False)
+    timed = []
+    times = PointPricer.times
+    monkeypatch.setattr(PointPricer, "times", lambda self, priced, pick: timed.append(int((pick & ~priced.timed).sum()))
+                        or times(self, priced, pick))
+    bounded, bounded_count = search(specs, runtime="mist-paper", progress=False), sum(timed)
+    monkeypatch.setattr(search_module, "_price_by_bound",
+                        lambda pricer, priced, *_: pricer.times(pricer.memory(priced), pricer.memory(priced).fits))
+    timed.clear()
+    full, full_count = search(specs, runtime="mist-paper", progress=False), sum(timed)
+    coarse = search(compose([o for o in _fine_grid_case() if o != "tuner.grid=mist"], with_strategy=False),
+                    runtime="mist-paper", progress=False)
+    assert full.best.objective_s < coarse.best.objective_s  # the fine fractions pay here
+    assert bounded_count < full_count
+    assert bounded.best.strategy == full.best.strategy
+    assert bounded.best.objective_s == pytest.approx(full.best.objective_s, rel=1e-12)
+    exact = {p.point: p.objective_s for p in full.points}
+    for p in bounded.points:
+        if exact.get(p.point) is not None and exact[p.point] <= coarse.best.objective_s:
+            assert p.objective_s == pytest.approx(exact[p.point], rel=1e-12), p.point

@@ -55,7 +55,8 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      weights_offload_ratios=tuple(cfg.weights_offload_ratios),
                      grads_offload_ratios=tuple(cfg.grads_offload_ratios),
                      optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
-                     activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet)
+                     activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
+                     partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid)
 
 
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:

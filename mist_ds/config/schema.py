@@ -121,6 +121,9 @@ class TunerConfig:
     optimizer_offload_ratios: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # tried oo
     activations_offload_ratios: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # tried ao
     quiet: bool = False  # no progress bar and no baseline chatter
+    partition_solver: str = "auto"  # auto | dp | milp: stage split solver; auto: DP, MILP where shared host can bind
+    host_memory: str = "per-gpu"  # per-gpu: a GPU's offloads within its node share | per-node: a node's ranks share it
+    grid: str = "default"  # default: the *_offload_ratios lists | mist: Mist's grids (wo, go 6 values; oo, ao 8)
 
 
 @dataclass

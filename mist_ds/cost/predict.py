@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from mist_ds.cost.accounting import comm_bytes, stage_flops
+from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.simulate import simulate, simulate_interleaved
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
@@ -53,6 +54,11 @@ class Prediction:
     warnings: list[str] = field(default_factory=list)
     strategy: dict[str, Any] = field(default_factory=dict)
     """StrategySpec.to_dict() of the priced strategy."""
+    host_bytes_per_rank: list[float] = field(default_factory=list)
+    """Per stage, the host bytes one of its ranks keeps (offloaded states, offloaded activations in
+    flight): what the plan's "mist" block carries for the runtime's start-up check."""
+    host_memory_rule: str = "per-gpu"
+    """tuner.host_memory the fit was checked under: per-gpu (a GPU's share of its node) or per-node."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,13 +113,12 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
     breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
         "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
     stage_gpus_per_node = min(specs.cluster.gpus_per_node, par.tp * par.dp)
-    host_share = specs.cluster.host_bytes_per_gpu
+    rule = specs.tuner.host_memory
+    host = host_use(specs.cluster, rule, memory.host_bytes, par.tp * par.dp)
     warnings = [f"stage {i} peaks at {peak_i / GIB:.2f} GiB, above the {usable / GIB:.2f} GiB usable per GPU"
                 for i, peak_i in enumerate(memory.peak_bytes) if peak_i > usable]
-    if np.max(memory.host_bytes) > host_share:
-        warnings.append(f"offloaded states need {np.max(memory.host_bytes) / GIB:.2f} GiB of host memory per GPU, "
-                        f"above its {host_share / GIB:.2f} GiB share of the node (cluster.cpu_memory_gib / "
-                        "cluster.gpus_per_node)")
+    if not host.fits:
+        warnings.append(host.excess_text(rule))
     return Prediction(
         iteration_time_s=simulated, iteration_time_closed_form_s=closed,
         throughput_samples_per_s=par.global_batch_size / simulated, tokens_per_s=tokens / simulated,
@@ -127,6 +132,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
+        host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,
         flops_per_rank=[float(x) for x in stage_flops(costs, c)],
         comm_bytes_per_rank=comm_bytes(costs, strategy, specs.train, caps, c, hw.dtype_bytes))
 

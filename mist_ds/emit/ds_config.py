@@ -7,7 +7,8 @@ does), so mist_ds writes a single `ds_config.json`:
   there, so stock `deepspeed.initialize` on that file runs stage 0 exactly and the others with stage 0's
   offload.
 - `"mist"` holds the whole strategy in its one serialization (StrategySpec.to_dict()), each stage's
-  block range, the planned buckets and the runtime's overlap features. `read_mist_block` (below,
+  block range, the planned buckets, the runtime's overlap features and, when the planner gives them,
+  the host bytes one rank of each stage keeps (checked against the node at start-up). `read_mist_block` (below,
   beside its writer) reads it back validated, and `stage_ds_config` gives the DeepSpeed config of
   one stage (its own ZeRO stage and offload); nothing else differs between ranks.
 
@@ -30,6 +31,8 @@ MIST_BLOCK_VERSION = 2
 """Format of the `"mist"` block; bump it when a key changes meaning so old plans are refused, not misread.
 Version 2: the strategy as StrategySpec.to_dict() (version 1 had per-stage dicts of its own)."""
 MIST_KEY = "mist"
+HOST_KEY = "host_bytes_per_rank"
+"""Optional key of the block: per stage, the host bytes one rank keeps (the runtime checks its node)."""
 
 OPTIMIZER_TYPES: dict[str, str] = {"adamw": "AdamW"}
 """TrainSpec.optimizer -> DeepSpeed's optimizer `type`."""
@@ -117,17 +120,33 @@ class MistBlock:
     """[start, stop) block indices per stage, in model order (equal to strategy.stage_layer_ranges())."""
     buckets: BucketSizes
     overlap: OverlapFeatures
+    host_bytes_per_rank: tuple[float, ...] | None = None
+    """Per stage, the host bytes one of its ranks was planned to keep (predict's host_bytes_per_rank);
+    None when the block does not say."""
 
 
-def mist_block(strategy: StrategySpec, buckets: BucketSizes, caps: RuntimeCapabilities | None = None
-               ) -> dict[str, Any]:
+def mist_block(strategy: StrategySpec, buckets: BucketSizes, caps: RuntimeCapabilities | None = None,
+               host_bytes_per_rank=None) -> dict[str, Any]:
     """The whole plan for the runtime (DeepSpeed ignores it): the strategy, each stage's block range, the
-    buckets every stage's ZeRO block uses, and the overlap features of its runtime (`caps`, default the
-    runtime the strategy names)."""
+    buckets every stage's ZeRO block uses, the overlap features of its runtime (`caps`, default the
+    runtime the strategy names) and, if given, the host bytes one rank of each stage keeps."""
     caps = capabilities_of(caps or strategy.runtime)
-    return {"version": MIST_BLOCK_VERSION, "strategy": strategy.to_dict(),
-            "stage_layer_ranges": [list(r) for r in strategy.stage_layer_ranges()],
-            "buckets": dataclasses.asdict(buckets), "overlap": dataclasses.asdict(caps.overlap)}
+    block = {"version": MIST_BLOCK_VERSION, "strategy": strategy.to_dict(),
+             "stage_layer_ranges": [list(r) for r in strategy.stage_layer_ranges()],
+             "buckets": dataclasses.asdict(buckets), "overlap": dataclasses.asdict(caps.overlap)}
+    if host_bytes_per_rank is not None:
+        block[HOST_KEY] = [float(x) for x in host_bytes_per_rank]
+    return block
+
+
+def _read_host_bytes(value: Any, stages: int) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == stages and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value)
+    if not ok:
+        raise ConfigError(f"{MIST_KEY}.{HOST_KEY}", value, f"must list {stages} byte counts >= 0, one per stage")
+    return tuple(float(v) for v in value)
 
 
 def _read_buckets(value: Any) -> BucketSizes:
@@ -150,7 +169,7 @@ def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
     if block.get("version") != MIST_BLOCK_VERSION:
         raise ConfigError(f"{MIST_KEY}.version", block.get("version"),
                           f"this mist_ds reads version {MIST_BLOCK_VERSION}; re-run `mist-ds tune`")
-    unknown = set(block) - {"version", "strategy", "stage_layer_ranges", "buckets", "overlap"}
+    unknown = set(block) - {"version", "strategy", "stage_layer_ranges", "buckets", "overlap", HOST_KEY}
     if unknown:
         raise ConfigError(MIST_KEY, sorted(unknown), "unknown keys in the \"mist\" block; re-run `mist-ds tune`")
     strategy = strategy_from_dict(block.get("strategy"), f"{MIST_KEY}.strategy")
@@ -164,7 +183,8 @@ def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
             not all(isinstance(v, bool) for v in overlap.values()):
         raise ConfigError(f"{MIST_KEY}.overlap", overlap, f"must map each of {', '.join(names)} to true or false")
     return MistBlock(strategy=strategy, stage_layer_ranges=tuple(tuple(r) for r in ranges),
-                     buckets=_read_buckets(block.get("buckets")), overlap=OverlapFeatures(**overlap))
+                     buckets=_read_buckets(block.get("buckets")), overlap=OverlapFeatures(**overlap),
+                     host_bytes_per_rank=_read_host_bytes(block.get(HOST_KEY), len(strategy.stages)))
 
 
 def stage_ds_config(config: Mapping[str, Any], stage: int, source: str = "ds_config") -> dict[str, Any]:
@@ -182,10 +202,12 @@ def stage_ds_config(config: Mapping[str, Any], stage: int, source: str = "ds_con
 
 
 def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None = None,
-              buckets: BucketSizes | None = None, caps: RuntimeCapabilities | None = None) -> dict[str, Any]:
+              buckets: BucketSizes | None = None, caps: RuntimeCapabilities | None = None,
+              host_bytes_per_rank=None) -> dict[str, Any]:
     """The DeepSpeed config dict of `strategy` (module docstring), JSON-ready.
 
-    `buckets` defaults to `bucket_sizes(model, tp)`; `caps` to the runtime the strategy names. Raises
+    `buckets` defaults to `bucket_sizes(model, tp)`; `caps` to the runtime the strategy names;
+    `host_bytes_per_rank` (per stage, from the plan's prediction) goes into the "mist" block. Raises
     ConfigError naming the rule when the runtime cannot execute it. train_batch_size = b x G x d
     (DeepSpeed's batch rule uses the data-parallel size, not the world size).
     """
@@ -214,5 +236,5 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         # *client* optimizer under offload unless this is false (engine.py:2341-2346): a user who
         # passes their own optimizer to the runtime is not refused.
         config["zero_force_ds_cpu_optimizer"] = False
-    config[MIST_KEY] = mist_block(strategy, buckets, caps)
+    config[MIST_KEY] = mist_block(strategy, buckets, caps, host_bytes_per_rank)
     return config

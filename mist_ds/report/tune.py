@@ -92,7 +92,8 @@ def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str,
     """plan.json, summary.md, and ds_config.json where the plan runs on DeepSpeed (`caps`: its runtime)."""
     files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs)}
     if caps.executes_on_deepspeed:
-        files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps))
+        files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps,
+                                                      host_bytes_per_rank=plan.prediction.get("host_bytes_per_rank")))
     return files
 
 

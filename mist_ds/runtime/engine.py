@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from mist_ds.emit import MistBlock, read_mist_block, stage_ds_config
 from mist_ds.models.tp import TensorParallel
+from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.runtime.versions import check_deepspeed_version
 from mist_ds.specs import ConfigError, ModelSpec, check_runtime, runtime_capabilities
@@ -261,6 +262,7 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     if not dist.is_initialized():
         join_process_group()
     check_executable(plan, model, dist.get_world_size())
+    check_host_memory(plan, dist.get_rank(), ranks_on_this_node(), physical_memory_bytes())
     strategy, par = plan.strategy, plan.strategy.parallelism
     topology = _topology(plan)
     coord = topology.get_coord(dist.get_rank())

@@ -7,6 +7,16 @@ from mist_ds.specs.errors import require, require_positive
 from mist_ds.specs.strategy import OFFLOAD_KINDS
 
 SPACES: tuple[str, ...] = ("mist", "megatron", "deepspeed", "aceso", "uniform")
+PARTITION_SOLVERS: tuple[str, ...] = ("auto", "dp", "milp")
+HOST_MEMORY: tuple[str, ...] = ("per-gpu", "per-node")
+GRIDS: tuple[str, ...] = ("default", "mist")
+DEFAULT_OFFLOAD_RATIOS: tuple[float, ...] = (0.0, 0.5, 1.0)
+# Mist's candidate offload ratios (Zhu et al., EuroSys'25, search space; docs/design.md, Tuner): wo and go
+# in six values, oo and ao in eight. `tuner.grid=mist` searches these instead of the ratio lists.
+MIST_OFFLOAD_RATIOS: dict[str, tuple[float, ...]] = {
+    "weights": (0.0, 0.25, 0.375, 0.5, 0.75, 1.0), "grads": (0.0, 0.25, 0.375, 0.5, 0.75, 1.0),
+    "optimizer": (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0),
+    "activations": (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)}
 
 
 @dataclass(frozen=True)
@@ -27,11 +37,19 @@ class TunerSpec:
     milp_time_limit_s: float = 60.0
     layer_slack: int = 2
     """A stage holds between L / S - slack and L / S + slack layers (Mist's range)."""
-    weights_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
-    grads_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
-    optimizer_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
-    activations_offload_ratios: tuple[float, ...] = (0.0, 0.5, 1.0)
+    weights_offload_ratios: tuple[float, ...] = DEFAULT_OFFLOAD_RATIOS
+    grads_offload_ratios: tuple[float, ...] = DEFAULT_OFFLOAD_RATIOS
+    optimizer_offload_ratios: tuple[float, ...] = DEFAULT_OFFLOAD_RATIOS
+    activations_offload_ratios: tuple[float, ...] = DEFAULT_OFFLOAD_RATIOS
     quiet: bool = False
+    partition_solver: str = "auto"
+    """auto | dp | milp: the inter-stage solver (docs/design.md, Tuner); auto = the exact DP, or the MILP
+    where the shared host memory can bind."""
+    host_memory: str = "per-gpu"
+    """per-gpu: each GPU's offloads within cpu_memory / gpus_per_node; per-node: the ranks on one node
+    share its host memory (docs/design.md, Tuner, Host memory)."""
+    grid: str = "default"
+    """default: the *_offload_ratios lists; mist: Mist's grids (MIST_OFFLOAD_RATIOS) in their place."""
 
     def __post_init__(self) -> None:
         require(self.space in SPACES, "tuner.space", self.space, f"use one of {', '.join(SPACES)}")
@@ -46,8 +64,27 @@ class TunerSpec:
         require_positive("tuner.workers", self.workers)
         require_positive("tuner.milp_time_limit_s", self.milp_time_limit_s)
         require(self.layer_slack >= 0, "tuner.layer_slack", self.layer_slack, "must be >= 0")
+        require(self.partition_solver in PARTITION_SOLVERS, "tuner.partition_solver", self.partition_solver,
+                f"use one of {', '.join(PARTITION_SOLVERS)}")
+        require(self.host_memory in HOST_MEMORY, "tuner.host_memory", self.host_memory,
+                f"use one of {', '.join(HOST_MEMORY)}")
+        require(not (self.host_memory == "per-node" and self.partition_solver == "dp"), "tuner.partition_solver",
+                self.partition_solver, "the DP cannot couple the host memory of stages sharing a node: use "
+                "tuner.partition_solver=auto or milp with tuner.host_memory=per-node, or tuner.host_memory=per-gpu")
+        require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
+        if self.grid == "mist":
+            self._use_mist_grids()
         for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"
             ratios = getattr(self, name)
             require(len(ratios) > 0 and all(0.0 <= r <= 1.0 for r in ratios) and 0.0 in ratios, f"tuner.{name}",
                     list(ratios), "give fractions in [0, 1], including 0 (no offload)")
+
+    def _use_mist_grids(self) -> None:
+        """grid=mist replaces the ratio lists, which must then be left at their default."""
+        for kind in OFFLOAD_KINDS:
+            name = f"{kind}_offload_ratios"
+            require(tuple(getattr(self, name)) == DEFAULT_OFFLOAD_RATIOS, f"tuner.{name}", list(getattr(self, name)),
+                    "tuner.grid=mist sets every offload ratio list to Mist's grid: drop this override, or use "
+                    "tuner.grid=default to search your own lists")
+            object.__setattr__(self, name, MIST_OFFLOAD_RATIOS[kind])

@@ -3,7 +3,8 @@
     tune_specs(specs) -> TuneResult     # or raises NoPlanFits with the explanation
 
 Hierarchical (docs/design.md, Tuner): global points (space.py) in lower-bound order (search.py), per point the
-intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py).
+intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py: the DP;
+milp.py: the MILP, which also couples the host memory of stages sharing a node).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from mist_ds.cost.host import PER_NODE, host_use
 from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
@@ -71,21 +73,23 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeC
     need = nearest.least_peak_bytes
     p = nearest.point
     layout = f"tp {p.tp}, pp {p.pp}, dp {p.dp}, micro-batch {p.micro_batch_size}"
-    share = specs.cluster.host_bytes_per_gpu
-    host = prediction.host_memory_bytes / min(specs.cluster.gpus_per_node, p.tp * p.dp)
-    if need <= usable and host <= share:  # each stage position fits alone, never all of them at once
+    rule = specs.tuner.host_memory
+    host = host_use(specs.cluster, rule, prediction.host_bytes_per_rank, p.tp * p.dp)
+    if need <= usable and host.fits:  # each stage position fits alone, never all of them at once
         return (f"no plan fits: every stage position of {layout} has an option within the {usable / GIB:.2f} GiB "
                 f"usable, but no split of the {specs.model.num_layers} layers lets every stage fit at once (the "
                 f"closest plan peaks at {max(prediction.peak_memory_bytes) / GIB:.2f} GiB on stage {stage}). What "
                 f"would fit: more GPUs (cluster.nodes > {specs.cluster.nodes}) or more pipeline stages; a smaller "
                 f"micro-batch; a GPU with more memory.")
     if need <= usable:  # some plans fit on the GPU, but only by offloading more than the host holds
+        sharing = "" if rule == PER_NODE else " (or tuner.host_memory=per-node: a node's ranks share its memory)"
         return (f"no plan fits: the plans that fit in GPU memory ({layout} needs {need / GIB:.2f} of "
-                f"{usable / GIB:.2f} GiB usable) offload more than the host holds: {host / GIB:.2f} GiB of host "
-                f"memory per GPU against its {share / GIB:.2f} GiB share (cluster.cpu_memory_gib / "
-                f"cluster.gpus_per_node). What would fit: more host memory (cluster.cpu_memory_gib > "
-                f"{specs.cluster.cpu_memory_bytes / GIB:g}); more GPUs (cluster.nodes > {specs.cluster.nodes}); a GPU with more "
-                "memory, so that less is offloaded.")
+                f"{usable / GIB:.2f} GiB usable) offload more than the host holds: the closest plan's "
+                f"{host.excess_text(rule)}. "
+                f"What would fit: more host memory (cluster.cpu_memory_gib > "
+                f"{specs.cluster.cpu_memory_bytes / GIB:g}){sharing}; more GPUs (cluster.nodes > "
+                f"{specs.cluster.nodes}); "
+                "a GPU with more memory, so that less is offloaded.")
     fixes = []
     if binding == "activations" or parts["activations"] > states:
         fixes.append("a smaller micro-batch (tuner.micro_batch_sizes=[1]) or a shorter model.seq_len")

@@ -8,6 +8,7 @@ its pipeline boundaries cross nodes, and its memory is linear in the micro-batch
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ from mist_ds.cost.stage import (ModelCosts, StageCandidates, in_flight_micro_bat
                                 stage_memory, stage_times)
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import RuntimeCapabilities, TrainSpec
-from mist_ds.tuner.partition import StageOptions, pareto_front
+from mist_ds.tuner.partition import StageOptions, front_of_sorted, pareto_columns, pareto_front
 from mist_ds.tuner.space import OPTION_KEYS, GlobalPoint, OptionGrids, stage_option_grid
 
 
@@ -25,7 +26,8 @@ class PricedOptions:
     """Every option of every layer count for one global point, priced at each class of position.
 
     Arrays are [classes, n] for times and memory at the class's representative position; options
-    ([n] each) are concatenated over layer counts (`layers`)."""
+    ([n] each) are concatenated over layer counts (`layers`). PointPricer fills them in place, memory
+    first, times of what may matter; what is not priced stays inf."""
 
     layers: np.ndarray
     options: dict[str, np.ndarray]
@@ -40,6 +42,12 @@ class PricedOptions:
     position_class: np.ndarray
     """[S] the class of each stage position."""
     position_in_flight: np.ndarray
+    fits: np.ndarray
+    """[n] fits at some position (GPU peak and host bytes); only these can be in a plan."""
+    sized: np.ndarray
+    """[n] memory priced (the others' memory is inf: they fit nowhere)."""
+    timed: np.ndarray
+    """[n] times priced (the others' times are inf)."""
 
     @property
     def count(self) -> int:
@@ -59,40 +67,120 @@ def position_classes(point: GlobalPoint, gpus_per_node: int) -> tuple[np.ndarray
 
 
 def price_options(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
-                  point: GlobalPoint, space: str, grids: OptionGrids, layer_counts: list[int]) -> PricedOptions:
-    grids_by_l = [stage_option_grid(caps, space, grids, l, pipeline=point.pp > 1) for l in layer_counts]
-    layers = np.concatenate([np.full(g["ckpt"].size, l, dtype=np.float64) for g, l in zip(grids_by_l, layer_counts)])
-    options = {k: np.concatenate([g[k] for g in grids_by_l]) for k in OPTION_KEYS}
-    position_class, representatives = position_classes(point, hw.cluster.gpus_per_node)
-    stage = representatives.astype(np.float64)[:, None]
-    c = StageCandidates.of(b=point.micro_batch_size, s=costs.model.seq_len, t=point.tp, d=point.dp, pp=point.pp,
-                           G=point.grad_accum, stage=stage, layers=layers[None, :], ckpt=options["ckpt"][None, :],
-                           zero=options["zero"][None, :], wo=options["wo"][None, :], go=options["go"][None, :],
-                           oo=options["oo"][None, :], ao=options["ao"][None, :])
-    times = stage_times(costs, hw, caps, train, c)
-    memory = stage_memory(costs, hw, caps, train, c)
-    positions = np.arange(point.pp)
-    return PricedOptions(
-        layers=layers, options=options, stable_s=times.stable_s, delta_s=times.delta_s, end_s=times.end_s,
-        peak_bytes=memory.peak_bytes, activations=memory.activations, host_bytes=memory.host_bytes,
-        host_activations=memory.host_activations, class_in_flight=memory.in_flight[:, :1],
-        position_class=position_class,
-        position_in_flight=in_flight_micro_batches(positions, point.pp, point.grad_accum).astype(np.float64))
+                  point: GlobalPoint, space: str, grids: OptionGrids, layer_counts: list[int],
+                  usable_bytes: float = np.inf, host_limits_bytes: np.ndarray | None = None) -> PricedOptions:
+    """Memory of every option, then times of those that fit at some position."""
+    pricer = PointPricer(costs, hw, caps, train, point, usable_bytes, host_limits_bytes)
+    priced = pricer.memory(pricer.options(space, grids, layer_counts))
+    return pricer.times(priced, priced.fits)
 
 
-def position_memory(priced: PricedOptions, position: int) -> tuple[np.ndarray, np.ndarray]:
-    """(peak GPU bytes, host bytes) of every option at `position` (its own micro-batches in flight)."""
+@dataclass(frozen=True)
+class PointPricer:
+    """Prices the options of one global point on demand, memory before times: an option that fits at no
+    position (GPU peak within `usable_bytes`, host bytes within the position's `host_limits_bytes`) is in
+    no plan, and pricing its times would be wasted."""
+
+    costs: ModelCosts
+    hw: HardwareModel
+    caps: RuntimeCapabilities
+    train: TrainSpec
+    point: GlobalPoint
+    usable_bytes: float = np.inf
+    host_limits_bytes: np.ndarray | None = None
+
+    def options(self, space: str, grids: OptionGrids, layer_counts: list[int]) -> PricedOptions:
+        """Every option of the space for these layer counts, nothing priced yet (inf)."""
+        point = self.point
+        grids_by_l = [stage_option_grid(self.caps, space, grids, l, pipeline=point.pp > 1) for l in layer_counts]
+        layers = np.concatenate([np.full(g["ckpt"].size, l, dtype=np.float64)
+                                 for g, l in zip(grids_by_l, layer_counts)])
+        position_class, representatives = position_classes(point, self.hw.cluster.gpus_per_node)
+        shape = (representatives.size, layers.size)
+        inf = {k: np.full(shape, np.inf) for k in ("stable_s", "delta_s", "end_s", "peak_bytes", "host_bytes")}
+        return PricedOptions(
+            layers=layers, options={k: np.concatenate([g[k] for g in grids_by_l]) for k in OPTION_KEYS}, **inf,
+            activations=np.zeros(shape), host_activations=np.zeros(shape),
+            class_in_flight=in_flight_micro_batches(representatives, point.pp, point.grad_accum)[:, None],
+            position_class=position_class, fits=np.zeros(layers.size, dtype=bool),
+            sized=np.zeros(layers.size, dtype=bool), timed=np.zeros(layers.size, dtype=bool),
+            position_in_flight=in_flight_micro_batches(np.arange(point.pp), point.pp, point.grad_accum))
+
+    def _candidates(self, priced: PricedOptions, pick: np.ndarray) -> StageCandidates:
+        """The options `pick` selects, [classes, picked], at each class's representative position."""
+        point = self.point
+        representatives = position_classes(point, self.hw.cluster.gpus_per_node)[1].astype(np.float64)[:, None]
+        return StageCandidates.of(b=point.micro_batch_size, s=self.costs.model.seq_len, t=point.tp, d=point.dp,
+                                  pp=point.pp, G=point.grad_accum, stage=representatives,
+                                  layers=priced.layers[None, pick],
+                                  **{k: priced.options[k][None, pick] for k in OPTION_KEYS})
+
+    def memory(self, priced: PricedOptions, pick: np.ndarray | None = None) -> PricedOptions:
+        """Prices, in `priced`'s own arrays, the memory of the options `pick` selects ([n] bool; None: all)
+        and marks where they fit."""
+        pick = np.flatnonzero(~priced.sized if pick is None else pick & ~priced.sized)
+        if not pick.size:
+            return priced
+        memory = stage_memory(self.costs, self.hw, self.caps, self.train, self._candidates(priced, pick))
+        for name in ("peak_bytes", "activations", "host_bytes", "host_activations"):
+            getattr(priced, name)[:, pick] = getattr(memory, name)
+        priced.sized[pick] = True
+        limits = np.full(self.point.pp, np.inf) if self.host_limits_bytes is None else self.host_limits_bytes
+        keys = np.stack([priced.position_class, priced.position_in_flight, limits], axis=1)
+        for i in np.unique(keys, axis=0, return_index=True)[1]:  # one position per (class, in flight, limit)
+            peak, host = position_memory(priced, int(i), pick)
+            priced.fits[pick] |= (peak <= self.usable_bytes) & (host <= limits[i])
+        return priced
+
+    def times(self, priced: PricedOptions, pick: np.ndarray) -> PricedOptions:
+        """Prices, in `priced`'s own arrays, the times of the options `pick` selects ([n] bool)."""
+        pick = np.flatnonzero(pick & ~priced.timed)
+        if not pick.size:
+            return priced
+        times = stage_times(self.costs, self.hw, self.caps, self.train, self._candidates(priced, pick))
+        for name in ("stable_s", "delta_s", "end_s"):
+            getattr(priced, name)[:, pick] = getattr(times, name)
+        priced.timed[pick] = True
+        return priced
+
+
+def coarse_options(options: dict[str, np.ndarray], coarse: tuple[float, ...]) -> np.ndarray:
+    """[n] True where every offload fraction of the option is one of `coarse`."""
+    return np.all([np.isin(options[k], coarse) for k in ("wo", "go", "oo", "ao")], axis=0)
+
+
+def floor_stable_s(priced: PricedOptions, coarse: tuple[float, ...], grids: OptionGrids) -> np.ndarray:
+    """[n] the least stable time over classes of each option's floor: the option with every offload
+    fraction rounded down to `coarse` (the rest equal), which must be timed; 0 where the grid has no such
+    option (a runtime rule excludes it). A lower bound of the option's own stable time wherever stable
+    time is nondecreasing in each offload fraction (docs/design.md, Tuner, Grids; tests/test_tuner.py
+    checks it). `grids`: the ratios the options were drawn from."""
+    ratios = dict(zip(("wo", "go", "oo", "ao"), (grids.weights, grids.grads, grids.optimizer, grids.activations)))
+    # Mixed-radix codes: layers, recompute and ZeRO are small integers, the fractions indices into their grid.
+    first = priced.layers.min()
+    code = ((priced.layers - first) * (priced.options["ckpt"].max() + 1) + priced.options["ckpt"]) * 4
+    code = (code + priced.options["zero"]).astype(np.int64)
+    floor = code.copy()
+    for k, grid in ratios.items():
+        values = np.array(sorted(set(grid)))
+        kept = np.array(sorted(set(coarse) & set(grid)))
+        column = np.searchsorted(values, priced.options[k])
+        down = np.searchsorted(values, kept)[np.searchsorted(kept, values, side="right") - 1]  # per grid value
+        code, floor = code * values.size + column, floor * values.size + down[column]
+    table = np.full(int(code.max()) + 1, -1, dtype=np.int64)  # code -> option; the grid is a product of few values
+    table[code] = np.arange(code.size)
+    at = table[floor]
+    return np.where(at >= 0, np.min(priced.stable_s, axis=0)[np.maximum(at, 0)], 0.0)
+
+
+def position_memory(priced: PricedOptions, position: int, pick=slice(None)) -> tuple[np.ndarray, np.ndarray]:
+    """(peak GPU bytes, host bytes) of every option (or those `pick` selects) at `position` (its own
+    micro-batches in flight)."""
     k = priced.position_class[position]
     scale = priced.position_in_flight[position] / priced.class_in_flight[k]
-    peak = priced.peak_bytes[k] + (scale - 1) * priced.activations[k]
-    host = priced.host_bytes[k] + (scale - 1) * priced.host_activations[k]
+    peak = priced.peak_bytes[k, pick] + (scale - 1) * priced.activations[k, pick]
+    host = priced.host_bytes[k, pick] + (scale - 1) * priced.host_activations[k, pick]
     return peak, host
-
-
-def fits(priced: PricedOptions, position: int, usable_bytes: float, host_bytes_per_gpu: float) -> np.ndarray:
-    """Options that fit at `position`: GPU peak within the usable memory, host share within the node's."""
-    peak, host = position_memory(priced, position)
-    return (peak <= usable_bytes) & (host <= host_bytes_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -103,29 +191,63 @@ class StageFronts:
     indices: dict[tuple[int, int], np.ndarray]
 
 
-def stage_fronts(priced: PricedOptions, usable_bytes: float, host_bytes_per_gpu: float,
-                 allowed: np.ndarray | None = None) -> StageFronts:
-    """Full (stable, delta, end) Pareto frontier of the fitting options of each (position, layers);
+def most_host_bytes(priced: PricedOptions, usable_bytes: float, host_limits_bytes: np.ndarray) -> np.ndarray:
+    """[S] the most host bytes an option that fits at each position keeps (0 where none fits)."""
+    timed = np.flatnonzero(priced.timed)
+    most = np.zeros(priced.position_class.size)
+    for i in range(most.size):
+        peak, host = position_memory(priced, i, timed)
+        host = host[(peak <= usable_bytes) & (host <= host_limits_bytes[i])]
+        most[i] = host.max() if host.size else 0.0
+    return most
+
+
+def _sorted_times(priced: PricedOptions, k: int, l: float) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """(the options of `l` layers priced at class k, their (stable, delta, end) columns, their lexicographic
+    order): what pareto_front sorts, shared by every position of the class."""
+    candidates = np.flatnonzero((priced.layers == l) & priced.timed)
+    columns = pareto_columns(priced.stable_s[k, candidates], priced.delta_s[k, candidates], priced.end_s[k, candidates])
+    return candidates, columns, np.lexsort(columns[::-1])
+
+
+def stage_fronts(priced: PricedOptions, usable_bytes: float, host_limits_bytes: np.ndarray,
+                 allowed: np.ndarray | None = None, host_criterion: bool = False) -> StageFronts:
+    """Full Pareto frontier of the fitting options of each (position, layers) in (stable, delta, end), and
+    host bytes when `host_criterion` (stages share a node's host memory: an option that offloads less may
+    be what lets a neighbour offload more). An option fits when its GPU peak is within `usable_bytes` and
+    its host bytes within the position's `host_limits_bytes` [S] (cost/host.py, position_host_limits);
     `allowed` restricts the options (e.g. one ZeRO stage for runtimes that need it uniform)."""
-    by_key: dict[tuple[int, float], dict[int, np.ndarray]] = {}
+    by_key: dict[tuple[int, float, float], tuple[dict[int, np.ndarray], np.ndarray]] = {}
+    sorted_by_class: dict[tuple[int, int], tuple[np.ndarray, list[np.ndarray], np.ndarray]] = {}
     options, indices = {}, {}
     for i in range(priced.position_class.size):
         k = int(priced.position_class[i])
-        key = (k, float(priced.position_in_flight[i]))
+        key = (k, float(priced.position_in_flight[i]), float(host_limits_bytes[i]))
         if key not in by_key:
-            ok = fits(priced, i, usable_bytes, host_bytes_per_gpu)
+            ok, host = np.zeros(priced.layers.size, dtype=bool), np.zeros(priced.layers.size)
+            timed = np.flatnonzero(priced.timed)
+            peak, host[timed] = position_memory(priced, i, timed)
+            ok[timed] = (peak <= usable_bytes) & (host[timed] <= host_limits_bytes[i])
             if allowed is not None:
                 ok &= allowed
             fronts = {}
             for l in np.unique(priced.layers):
-                candidates = np.flatnonzero(ok & (priced.layers == l))
-                if candidates.size:
+                if host_criterion:  # host bytes differ by position: a sort of its own
+                    candidates = np.flatnonzero(ok & (priced.layers == l))
                     front = pareto_front(priced.stable_s[k, candidates], priced.delta_s[k, candidates],
-                                         priced.end_s[k, candidates])
+                                         priced.end_s[k, candidates], host[candidates])
+                else:  # positions of one class share times: sort their options once
+                    if (k, l) not in sorted_by_class:
+                        sorted_by_class[k, l] = _sorted_times(priced, k, l)
+                    candidates, columns, order = sorted_by_class[k, l]
+                    front = front_of_sorted(columns, order[ok[candidates][order]])
+                if front.size:
                     fronts[int(l)] = candidates[front]
-            by_key[key] = fronts
-        for l, chosen in by_key[key].items():
+            by_key[key] = fronts, host
+        fronts, host = by_key[key]
+        for l, chosen in fronts.items():
             indices[(i, l)] = chosen
             options[(i, l)] = StageOptions(position=i, layers=l, stable_s=priced.stable_s[k, chosen],
-                                           delta_s=priced.delta_s[k, chosen], end_s=priced.end_s[k, chosen])
+                                           delta_s=priced.delta_s[k, chosen], end_s=priced.end_s[k, chosen],
+                                           host_bytes=host[chosen])
     return StageFronts(options=options, indices=indices)

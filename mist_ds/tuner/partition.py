@@ -2,17 +2,20 @@
 
 Stage i (position 0 = first stage) with l layers offers a Pareto set of options k, each with three costs
 in seconds: stable T (one steady-state micro-batch), delta D (extra cost of the first/last micro-batch
-that is not hidden behind the stages before it) and end E (end-of-iteration tail, e.g. an optimizer step).
-For G micro-batches the iteration time is (docs/design.md, Tuner)
+that is not hidden behind the stages before it) and end E (end-of-iteration tail, e.g. an optimizer step),
+and the host bytes H one rank of the stage keeps (offloaded states and activations). For G micro-batches
+the iteration time is (docs/design.md, Tuner)
 
     sum_i T_i + (G - 1) max_i T_i + max(0, max_i (D_i - P_i)) + max_i E_i,   P_i = sum_{j<i} T_j.
 
 The first two terms are the 1F1B pipeline, the third the inter-micro-batch imbalance (switched off for
-the Aceso baseline space), the last the tail.
+the Aceso baseline space), the last the tail. With host memory shared per node (`HostSharing`), the
+stages whose ranks share a node must fit in its host memory together: sum_i c[n, i] H_i <= M for node n
+holding c[n, i] ranks of stage i.
 
-Two exact solvers:
-- `solve_partition_dp`: fixes thresholds max T <= tau and max E <= eps by filtering options, then runs a
-  DP over (stage, layers used). Exactness rests on one identity: with Q_{-1} = 0 and
+Two exact solvers, chosen by `solve_partition`:
+- `solve_partition_dp` (here): fixes thresholds max T <= tau and max E <= eps by filtering options, then
+  runs a DP over (stage, layers used). Exactness rests on one identity: with Q_{-1} = 0 and
     Q_i = T_i + max(Q_{i-1}, D_i)
   the last value is Q_{S-1} = sum_i T_i + max(0, max_i (D_i - P_i)) (induction: Q_i = P_{i+1} + max(0,
   max_{j<=i} (D_j - P_j))). Q_i is nondecreasing in Q_{i-1}, so a smaller Q after i stages never hurts
@@ -20,9 +23,9 @@ Two exact solvers:
   objective of the DP's split is at most Q_{S-1} + (G-1) tau + eps, with equality at the optimum's own
   (max T, max E), so the minimum over all pairs is the optimum. The pairs are searched by branch and
   bound on boxes of candidates (Q is nonincreasing in both thresholds), vectorized over pairs with numpy.
-- `solve_partition_milp`: python-mip / CBC with arc-flow layer variables (the layer part of the LP
-  relaxation is then integral) and the maxima written over cost levels; kept as the general formulation
-  and as the cross-check of the DP. Much slower than the DP once the imbalance term meets G > 1.
+  It cannot couple stages, so it never sees the shared host memory.
+- `solve_partition_milp` (mist_ds/tuner/milp.py): python-mip / CBC, the general formulation: it also
+  takes the shared host memory, and cross-checks the DP.
 """
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-import mip
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -46,10 +48,6 @@ BOX_FANOUT = 2
 MAX_CHUNK_PAIRS = 4096
 # Points compared at once by pareto_front: a block x block boolean matrix stays small.
 PARETO_BLOCK = 256
-# CBC defaults stop at a 1e-4 relative gap: too loose for a solver that must match the DP.
-MILP_REL_GAP = 1e-9
-MILP_ABS_GAP = 1e-12
-MILP_FEAS_TOL = 1e-9
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,18 +59,21 @@ class StageOptions:
     stable_s: np.ndarray
     delta_s: np.ndarray
     end_s: np.ndarray | None = None  # None: no tail (all zeros)
+    host_bytes: np.ndarray | None = None
+    """Host bytes one rank of the stage keeps; read only when host memory is shared (None: all zeros)."""
 
     def __post_init__(self) -> None:
         stable = np.array(self.stable_s, dtype=np.float64).reshape(-1)
         end = np.zeros_like(stable) if self.end_s is None else self.end_s
-        for name, raw in (("stable_s", stable), ("delta_s", self.delta_s), ("end_s", end)):
+        host = np.zeros_like(stable) if self.host_bytes is None else self.host_bytes
+        for name, raw in (("stable_s", stable), ("delta_s", self.delta_s), ("end_s", end), ("host_bytes", host)):
             arr = np.array(raw, dtype=np.float64).reshape(-1)
             if arr.shape != stable.shape:
                 raise ValueError(f"StageOptions({self.position}, {self.layers}).{name}: {arr.shape[0]} options, "
                                  f"stable_s has {stable.shape[0]}")
             if not np.all(np.isfinite(arr)) or np.any(arr < 0):
                 raise ValueError(f"StageOptions({self.position}, {self.layers}).{name}: costs must be finite "
-                                 f"and >= 0 seconds, got {arr}")
+                                 f"and >= 0, got {arr}")
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
         if self.position < 0 or self.layers < 1:
@@ -96,6 +97,34 @@ class Partition:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostSharing:
+    """Host memory shared by the ranks of a node: `ranks[n][i]` ranks of stage i on node n (only nodes
+    holding ranks of several stages: a node of one stage is a bound on that stage's options alone),
+    `capacity_bytes` the host memory of a node. Every node holds the same number of ranks."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    capacity_bytes: float
+
+    def __post_init__(self) -> None:
+        per_node = {sum(row) for row in self.ranks}
+        if len(per_node) > 1 or self.capacity_bytes <= 0:
+            raise ValueError(f"HostSharing: nodes hold {sorted(per_node)} ranks (one count expected), capacity "
+                             f"{self.capacity_bytes} bytes (> 0 expected)")
+
+    @property
+    def share_bytes(self) -> float:
+        """One rank's share of its node (the per-GPU rule): plans within it fit however stages share."""
+        return self.capacity_bytes / sum(self.ranks[0]) if self.ranks else math.inf
+
+    def node_bytes(self, host_per_stage: Sequence[float]) -> np.ndarray:
+        """Host bytes each shared node holds when stage i's ranks keep host_per_stage[i] each."""
+        return np.array(self.ranks, dtype=np.float64).reshape(-1, len(host_per_stage)) @ np.asarray(host_per_stage)
+
+    def fits(self, host_per_stage: Sequence[float]) -> bool:
+        return bool(np.all(self.node_bytes(host_per_stage) <= self.capacity_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
 class _Choice:
     """Options of one (stage, layer count) after normalization; `delta_s` is zero when imbalance is off."""
 
@@ -103,43 +132,58 @@ class _Choice:
     stable_s: np.ndarray
     delta_s: np.ndarray
     end_s: np.ndarray
+    host_bytes: np.ndarray
 
 
 Options = Mapping[tuple[int, int], StageOptions] | Iterable[StageOptions]
 
 
-def pareto_front(stable_s, delta_s, end_s=None) -> np.ndarray:
-    """Indices of the non-dominated points of (stable, delta, end), all minimized (seconds).
+def pareto_front(stable_s, delta_s, end_s=None, host_bytes=None) -> np.ndarray:
+    """Indices of the non-dominated points of (stable, delta, end[, host]), all minimized.
 
-    Order: ascending stable, then delta, then end. Exact duplicates keep their lowest index only.
-    After the lexicographic sort only an earlier point can dominate a later one (a later point that is
-    <= in every criterion would be a duplicate), and dominance is transitive, so each block of points is
-    compared with the front found so far and with the earlier points of its own block.
+    Order: ascending stable, then delta, then end, then host. Exact duplicates keep their lowest index
+    only. After the lexicographic sort only an earlier point can dominate a later one (a later point that
+    is <= in every criterion would be a duplicate), and dominance is transitive, so each block of points
+    is compared with the front found so far and with the earlier points of its own block.
     """
+    columns = pareto_columns(stable_s, delta_s, end_s, host_bytes)
+    return front_of_sorted(columns, np.lexsort(columns[::-1]))  # stable sort: ties keep the lower index first
+
+
+def pareto_columns(stable_s, delta_s, end_s=None, host_bytes=None) -> list[np.ndarray]:
+    """The criteria of pareto_front as float arrays of one length, checked."""
     stable = np.asarray(stable_s, dtype=np.float64).reshape(-1)
-    delta = np.asarray(delta_s, dtype=np.float64).reshape(-1)
-    end = np.zeros_like(stable) if end_s is None else np.asarray(end_s, dtype=np.float64).reshape(-1)
-    if not stable.shape == delta.shape == end.shape:
-        raise ValueError(f"pareto_front: lengths differ: {stable.shape}, {delta.shape}, {end.shape}")
-    if np.isnan(stable).any() or np.isnan(delta).any() or np.isnan(end).any():
+    columns = [stable, np.asarray(delta_s, dtype=np.float64).reshape(-1)]
+    columns += [np.zeros_like(stable) if end_s is None else np.asarray(end_s, dtype=np.float64).reshape(-1)]
+    if host_bytes is not None:
+        columns.append(np.asarray(host_bytes, dtype=np.float64).reshape(-1))
+    if len({c.shape for c in columns}) > 1:
+        raise ValueError(f"pareto_front: lengths differ: {[c.shape for c in columns]}")
+    if any(np.isnan(c).any() for c in columns):
         raise ValueError("pareto_front: NaN cost")
-    order = np.lexsort((end, delta, stable))  # stable sort: ties keep the lower index first
-    pts = np.stack([stable[order], delta[order], end[order]], axis=1)
+    # A constant criterion after delta changes neither the order nor dominance: leave it out.
+    return columns[:2] + [c for c in columns[2:] if c.size and np.any(c != c[0])]
+
+
+def front_of_sorted(columns: list[np.ndarray], order: np.ndarray) -> np.ndarray:
+    """pareto_front of the points `order` lists, given in lexicographic order of `columns` (a subset of a
+    sorted list, order kept, is sorted: several subsets can share one sort)."""
+    pts = np.stack([c[order] for c in columns], axis=1)
     fresh = np.ones(len(order), dtype=bool)
     fresh[1:] = np.any(pts[1:] != pts[:-1], axis=1)
     order, pts = order[fresh], pts[fresh]
-    if np.all(pts[:, 2] == pts[0, 2]) if len(pts) else True:
-        # One criterion constant (the common case: a runtime has either deltas or a tail): a point
-        # survives iff its delta is below every earlier point's, a sweep of O(n) after the sort.
+    if np.all(pts[:, 2:] == pts[:1, 2:]) if len(pts) else True:
+        # The criteria after delta constant (the common case: a runtime has either deltas or a tail):
+        # a point survives iff its delta is below every earlier point's, a sweep of O(n) after the sort.
         best_before = np.minimum.accumulate(np.concatenate([[np.inf], pts[:-1, 1]]))
         return order[pts[:, 1] < best_before].astype(np.int64)
-    front_d, front_e, kept = np.empty(0), np.empty(0), []
+    front, kept = pts[:0, 1:], []
     for lo in range(0, len(order), PARETO_BLOCK):
-        d, e = pts[lo:lo + PARETO_BLOCK, 1], pts[lo:lo + PARETO_BLOCK, 2]
-        hit = ((front_d[None, :] <= d[:, None]) & (front_e[None, :] <= e[:, None])).any(axis=1)
-        earlier = np.tri(len(d), k=-1, dtype=bool)  # [i, j]: j precedes i
-        hit |= ((d[None, :] <= d[:, None]) & (e[None, :] <= e[:, None]) & earlier).any(axis=1)
-        front_d, front_e = np.concatenate([front_d, d[~hit]]), np.concatenate([front_e, e[~hit]])
+        block = pts[lo:lo + PARETO_BLOCK, 1:]  # criteria after stable
+        hit = np.all(front[None, :, :] <= block[:, None, :], axis=2).any(axis=1)
+        earlier = np.tri(len(block), k=-1, dtype=bool)  # [i, j]: j precedes i
+        hit |= (np.all(block[None, :, :] <= block[:, None, :], axis=2) & earlier).any(axis=1)
+        front = np.concatenate([front, block[~hit]])
         kept.append(order[lo:lo + PARETO_BLOCK][~hit])
     return np.concatenate(kept).astype(np.int64) if kept else np.empty(0, dtype=np.int64)
 
@@ -171,7 +215,7 @@ def _by_stage(options: Options, S: int, L: int, imbalance: bool,
         if opt.layers in stages[opt.position]:
             raise ValueError(f"options: stage {opt.position} with {opt.layers} layers given twice")
         delta = opt.delta_s if imbalance else np.zeros_like(opt.stable_s)
-        stages[opt.position][opt.layers] = _Choice(opt.layers, opt.stable_s, delta, opt.end_s)
+        stages[opt.position][opt.layers] = _Choice(opt.layers, opt.stable_s, delta, opt.end_s, opt.host_bytes)
     return [[s[l] for l in sorted(s)] for s in stages]
 
 
@@ -325,149 +369,91 @@ def solve_partition_dp(options: Options, S: int, L: int, G: int, imbalance: bool
     return Partition(layers, option, objective, bound, gap, "dp")
 
 
-# -------------------------------------------------------------------------------------------- MILP
+# ------------------------------------------------------------------------------------------- choice
+
+METHODS = ("auto", "dp", "milp")
 
 
-def _reachable(stages: list[list[_Choice]], L: int) -> list[set[int]]:
-    """Layers used before stage i (i = 0..S) on some path from 0 to L: the arc-flow network's nodes."""
-    fwd = [{0}]
-    for s in stages:
-        fwd.append({u + c.layers for u in fwd[-1] for c in s if u + c.layers <= L})
-    bwd = [{L}]
-    for s in reversed(stages):
-        bwd.append({u - c.layers for u in bwd[-1] for c in s if u - c.layers >= 0})
-    bwd.reverse()
-    return [f & b for f, b in zip(fwd, bwd)]
+def _option_list(options: Options) -> list[StageOptions]:
+    return list(options.values() if isinstance(options, Mapping) else options)
 
 
-def _new_model() -> mip.Model:
-    model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
-    model.verbose, model.threads, model.seed = 0, 1, 0
-    model.max_mip_gap, model.max_mip_gap_abs = MILP_REL_GAP, MILP_ABS_GAP
-    model.infeas_tol = model.integer_tol = MILP_FEAS_TOL
-    return model
+def restricted(options: Options, keep) -> tuple[list[StageOptions], dict[tuple[int, int], np.ndarray]]:
+    """(the options `keep` (StageOptions -> indices) leaves, host criterion included, and per (position,
+    layers) the input index of each): solve on the first, map the split back with `mapped`."""
+    out, index = [], {}
+    for opt in _option_list(options):
+        k = np.asarray(keep(opt), dtype=np.int64)
+        out.append(StageOptions(opt.position, opt.layers, opt.stable_s[k], opt.delta_s[k], opt.end_s[k],
+                                opt.host_bytes[k]))
+        index[opt.position, opt.layers] = k
+    return out, index
 
 
-def _add_layer_flow(model: mip.Model, stages: list[list[_Choice]], L: int) -> dict[tuple[int, int], list]:
-    """One unit of flow from (stage 0, 0 layers) to (stage S, L layers); arc (i, u, l): stage i takes
-    layers u+1..u+l. Returns y[i, l] = binaries of the options of stage i with l layers, summing to x[i, l],
-    the flow on those arcs (a path polytope, so the layer part of the LP relaxation is integral)."""
-    nodes = _reachable(stages, L)
-    balance: dict[tuple[int, int], list] = {}
-    y = {}
-    for i, choices in enumerate(stages):
-        for c in choices:
-            arcs = []
-            for u in sorted(nodes[i]):
-                if u + c.layers in nodes[i + 1]:
-                    arcs.append(model.add_var(var_type=mip.BINARY))
-                    balance.setdefault((i, u), []).append(-arcs[-1])
-                    balance.setdefault((i + 1, u + c.layers), []).append(arcs[-1])
-            if arcs:
-                y[i, c.layers] = [model.add_var(var_type=mip.BINARY) for _ in range(c.stable_s.size)]
-                model += mip.xsum(y[i, c.layers]) == mip.xsum(arcs)
-    source, sink = (0, 0), (len(stages), L)
-    for node, terms in balance.items():
-        model += mip.xsum(terms) == (-1 if node == source else 1 if node == sink else 0)
-    return y
-
-
-def _max_by_levels(model: mip.Model, per_stage: list[list[tuple[float, mip.Var]]]) -> mip.LinExpr:
-    """max_i (cost of stage i's option) as c_0 + sum_h (c_h - c_{h-1}) v_h over the distinct costs c_h.
-
-    v_h = 1 means "the max reaches c_h"; v_h >= (share of stage i on options costing >= c_h), kept
-    linear in size by running sums u. Against max >= (cost of stage i) for each i, the LP pays the
-    largest share of every level over all stages, and CBC can branch on the max itself (as the DP's
-    thresholds do): about 2x faster at S = 16, 20 options, G = 4..64 with the imbalance term.
-    """
-    levels = np.unique([c for stage in per_stage for c, _ in stage])
-    v = [model.add_var(var_type=mip.BINARY) for _ in levels[1:]]
-    for h in range(1, len(v)):
-        model += v[h - 1] >= v[h]
-    for stage in per_stage:
-        running: mip.LinExpr | None = None
-        for cost in sorted({c for c, _ in stage}, reverse=True):
-            share = mip.xsum(var for c, var in stage if c == cost)
-            running = share if running is None else running + share
-            h = int(np.searchsorted(levels, cost))
-            if h > 0:
-                u = model.add_var(lb=0.0, ub=1.0)
-                model += u == running
-                running = mip.LinExpr([u], [1.0])
-                model += v[h - 1] >= u
-    return float(levels[0]) + mip.xsum(float(levels[h] - levels[h - 1]) * v[h - 1] for h in range(1, len(levels)))
-
-
-def _terms(stages, y, i: int, field: str, scale: float) -> list[tuple[float, mip.Var]]:
-    """(cost / scale, option binary) over every option of stage i that lies on a path of the flow."""
-    return [(float(getattr(c, field)[k]) / scale, var) for c in stages[i] if (i, c.layers) in y
-            for k, var in enumerate(y[i, c.layers])]
-
-
-def _build_milp(stages: list[list[_Choice]], L: int, G: int, imbalance: bool, scale: float):
-    """CBC model of the inter-stage problem (docs/design.md, Tuner); costs divided by `scale`."""
-    model = _new_model()
-    y = _add_layer_flow(model, stages, L)
-    picked_t, picked_d, picked_e = ([_terms(stages, y, i, field, scale) for i in range(len(stages))]
-                                    for field in ("stable_s", "delta_s", "end_s"))
-    stage_t = [mip.xsum(c * v for c, v in p) for p in picked_t]
-    objective = mip.xsum(stage_t) + _max_by_levels(model, picked_e)
-    if G > 1:
-        objective = objective + (G - 1) * _max_by_levels(model, picked_t)
-    if imbalance:
-        d_max = model.add_var(lb=0.0)
-        for i, p in enumerate(picked_d):
-            model += d_max >= mip.xsum(c * v for c, v in p) - mip.xsum(stage_t[:i])
-        objective = objective + d_max
-    model.objective = mip.minimize(objective)
-    return model, y
-
-
-def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bool = True,
-                         time_limit_s: float = 60.0,
-                         layer_bounds: Sequence[tuple[int, int]] | None = None) -> Partition | None:
-    """MILP of docs/design.md (Tuner) on CBC (one thread, fixed seed). None when proven infeasible.
-
-    Raises TimeoutError when the limit passes before any feasible split is found.
-    """
-    _check_sizes(S, L, G, layer_bounds)
-    stages = _by_stage(options, S, L, imbalance, layer_bounds)
-    if any(not s for s in stages) or not _reachable(stages, L)[-1]:
-        return None  # no split of L layers exists: CBC would be handed an empty or trivial model
-    # Costs of order 1 keep CBC's absolute tolerances meaningful whatever the time unit of the input.
-    scale = max(max(float(max(c.stable_s.max(), c.delta_s.max(), c.end_s.max())) for c in s) for s in stages)
-    scale = scale if scale > 0 else 1.0
-    model, y = _build_milp(stages, L, G, imbalance, scale)
-    status = model.optimize(max_seconds=time_limit_s)
-    if status in (mip.OptimizationStatus.INFEASIBLE, mip.OptimizationStatus.INT_INFEASIBLE):
+def mapped(partition: Partition | None, index: dict[tuple[int, int], np.ndarray]) -> Partition | None:
+    """A split found on restricted options, with option indices of the input options."""
+    if partition is None:
         return None
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-        raise TimeoutError(f"solve_partition_milp: no feasible split within {time_limit_s} s (status {status.name})")
-    layers, option = [], []
-    for i in range(S):
-        (l, ys), = [(l, ys) for (j, l), ys in y.items() if j == i and any(v.x > 0.5 for v in ys)]
-        layers.append(l)
-        option.append(next(k for k, v in enumerate(ys) if v.x > 0.5))
-    objective = _evaluate(stages, layers, option, G)
-    if status == mip.OptimizationStatus.OPTIMAL:
-        bound, gap = objective, 0.0
-    else:
-        bound = min(objective, model.objective_bound * scale)
-        gap = (objective - bound) / objective if objective > 0 else 0.0
-    return Partition(tuple(layers), tuple(option), objective, bound, gap, "milp")
+    option = tuple(int(index[i, l][k]) for i, (l, k) in enumerate(zip(partition.layers, partition.option)))
+    return dataclasses.replace(partition, option=option)
+
+
+def _time_front(opt: StageOptions) -> np.ndarray:
+    """The (stable, delta, end) front: what the DP needs when the host memory cannot bind."""
+    return pareto_front(opt.stable_s, opt.delta_s, opt.end_s)
+
+
+def host_can_bind(options: Options, S: int, host: HostSharing | None) -> bool:
+    """Whether the shared host memory can exclude some choice: a node whose stages' largest options
+    together exceed its memory. When none can, it is no constraint and the DP is exact."""
+    if host is None or not host.ranks:
+        return False
+    largest = np.zeros(S)
+    for opt in _option_list(options):
+        if opt.position < S and opt.host_bytes.size:
+            largest[opt.position] = max(largest[opt.position], float(opt.host_bytes.max()))
+    return not host.fits(largest)
 
 
 def solve_partition(options: Options, S: int, L: int, G: int, imbalance: bool = True,
                     method: Literal["auto", "dp", "milp"] = "auto", time_limit_s: float = 60.0,
-                    layer_bounds: Sequence[tuple[int, int]] | None = None) -> Partition | None:
+                    layer_bounds: Sequence[tuple[int, int]] | None = None,
+                    host: HostSharing | None = None) -> Partition | None:
     """Best split of L layers over S stages and one option per stage; None when nothing fits.
 
     options: StageOptions (or a mapping (position, layers) -> StageOptions); a missing or empty
     (i, l) means stage i cannot hold l layers. layer_bounds: optional inclusive (min, max) layers per stage.
-    "auto" takes the DP: it is exact for this whole objective (module docstring); the MILP stays the
-    general formulation for constraints the thresholds cannot express, and the DP's cross-check.
+    host: the host memory the stages of a node share (None: each option already fits on its own).
+    "auto" takes the DP, exact for this objective (module docstring), unless the shared host memory can
+    bind: then the DP's optimum without it, if it fits, else the MILP. "dp" refuses a host memory that
+    can bind (the DP cannot couple stages); "milp" always runs CBC.
     """
-    if method not in ("auto", "dp", "milp"):
-        raise ValueError(f"solve_partition: method {method!r} is not one of 'auto', 'dp', 'milp'")
-    solver = solve_partition_milp if method == "milp" else solve_partition_dp
-    return solver(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s, layer_bounds=layer_bounds)
+    if method not in METHODS:
+        raise ValueError(f"solve_partition: method {method!r} is not one of {', '.join(map(repr, METHODS))}")
+    coupled = host_can_bind(options, S, host)
+    if method == "dp" and coupled:
+        raise ValueError("solve_partition: the DP cannot couple the host memory of stages sharing a node; "
+                         "use method 'milp' or 'auto'")
+    if method == "milp":
+        from mist_ds.tuner.milp import solve_partition_milp  # loads CBC only when asked for
+
+        return solve_partition_milp(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
+                                    layer_bounds=layer_bounds, host=host if coupled else None)
+    if host is not None and not coupled:
+        fronts, index = restricted(options, _time_front)
+        return mapped(solve_partition_dp(fronts, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
+                                         layer_bounds=layer_bounds), index)
+    relaxed = solve_partition_dp(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
+                                 layer_bounds=layer_bounds)
+    if not coupled or relaxed is None or host.fits(host_of(options, relaxed)):
+        return relaxed  # the optimum without the coupling fits it: optimal with it too
+    from mist_ds.tuner.milp import solve_partition_milp
+
+    return solve_partition_milp(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
+                                layer_bounds=layer_bounds, host=host, lower_bound_s=relaxed.bound_s)
+
+
+def host_of(options: Options, partition: Partition) -> list[float]:
+    """Host bytes per rank of each stage of a split."""
+    table = {(o.position, o.layers): o for o in _option_list(options)}
+    return [float(table[i, l].host_bytes[k]) for i, (l, k) in enumerate(zip(partition.layers, partition.option))]

@@ -1,6 +1,8 @@
 """The outer loop: every global point (t, S, d, b, G) of the space, in lower-bound order, pruned when
 its bound exceeds the best plan found; per point the intra-stage fronts and the partition solver
-(free-stage spaces) or a direct vectorized evaluation (fixed-partition spaces).
+(free-stage spaces) or a direct vectorized evaluation (fixed-partition spaces). A grid finer than the
+default (tuner.grid=mist) is searched after the default one, whose best plan then bounds both the points
+and, at each point, which fine options are priced at all (_price_by_bound).
 
 Determinism: points are priced in fixed rounds of fixed chunks, whatever the worker count; a point is
 pruned only when its bound is strictly above the best time, so pruning never changes the optimum, and
@@ -8,16 +10,19 @@ ties are broken by the point's order.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from mist_ds.cost.host import host_fits, position_host_limits, shared_nodes
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.cost.predict import model_costs
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
@@ -26,13 +31,18 @@ from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec
 from mist_ds.specs.runtime import allowed_stage_options, capabilities_of
 from mist_ds.specs.strategy import partition_uniform
-from mist_ds.tuner.intra import position_memory, price_options, stage_fronts
-from mist_ds.tuner.partition import solve_partition
+from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
+from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
+                                 stage_fronts)
+from mist_ds.tuner.partition import HostSharing, host_of, solve_partition
 from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, OptionGrids, fixed_partitions,
                                  global_points, layer_counts, stage_option_grid, tuner_runtime)
 
 CHUNK_POINTS = 4
 CHUNKS_PER_ROUND = 4
+# Relative slack of the fine-grid bound (docs/design.md, Tuner): G x (floor's stable time) above the coarse
+# plan's objective by more than float noise excludes an option.
+PRUNE_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,12 @@ class SearchContext:
     space: str
     caps: RuntimeCapabilities
     cache_dir: Path | None = None
+    incumbent_s: float = math.inf
+    """The objective of a plan of this space already found (the default grid's best, when the grid is
+    finer): no plan worth finding is slower."""
+    coarse_objectives: dict | None = None
+    """(point, variant) -> the objective of its best plan with the default grid (None where it has none),
+    when the grid is finer and the default one was searched first."""
 
     @property
     def runtime(self) -> str:
@@ -80,6 +96,26 @@ class SearchResult:
     @property
     def candidates(self) -> int:
         return sum(p.candidates for p in self.points)
+
+
+def _refines_default_grid(specs: Specs, space: str, caps: RuntimeCapabilities) -> bool:
+    """The space's per-stage options hold the default grid's and more (tuner.grid=mist on a runtime that
+    offloads fractions): searched with the default grid first, for a bound."""
+    grids = option_grids(specs)
+    if space not in FREE_STAGE_SPACES:
+        return False
+    if not all(set(DEFAULT_OFFLOAD_RATIOS) <= set(g) for g in dataclasses.astuple(grids)):
+        return False
+    return any(not coarse_options(stage_option_grid(caps, space, grids, 1, pipeline), DEFAULT_OFFLOAD_RATIOS).all()
+               for pipeline in (False, True))
+
+
+def _default_grid(specs: Specs) -> Specs:
+    """The specs with the default offload grids (a subset of every grid that contains them)."""
+    kinds = ("weights", "grads", "optimizer", "activations")
+    tuner = dataclasses.replace(specs.tuner, grid="default",
+                                **{f"{k}_offload_ratios": DEFAULT_OFFLOAD_RATIOS for k in kinds})
+    return dataclasses.replace(specs, tuner=tuner)
 
 
 def option_grids(specs: Specs) -> OptionGrids:
@@ -147,9 +183,13 @@ def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...
                         schedule="interleaved" if chunks > 1 else "1f1b", virtual_stages=chunks)
 
 
-def _memory_limits(specs: Specs) -> tuple[float, float]:
-    cluster = specs.cluster
-    return cluster.gpu.usable_memory_bytes, cluster.host_bytes_per_gpu
+def _host_limits(specs: Specs, point: GlobalPoint) -> tuple[np.ndarray, HostSharing | None]:
+    """(the most host bytes one rank of each position may keep, the nodes whose stages share host memory):
+    tuner.host_memory's rule on the point's placement (cost/host.py)."""
+    cluster, rule, width = specs.cluster, specs.tuner.host_memory, point.tp * point.dp
+    rows = shared_nodes(cluster, rule, point.pp, width)
+    sharing = HostSharing(rows, cluster.cpu_memory_bytes) if rows else None
+    return position_host_limits(cluster, rule, point.pp, width), sharing
 
 
 def _least_peak(priced, layers: tuple[int, ...]) -> tuple[float, list[int]]:
@@ -164,25 +204,88 @@ def _least_peak(priced, layers: tuple[int, ...]) -> tuple[float, list[int]]:
     return worst, chosen
 
 
+def _solve_variant(ctx: SearchContext, point: GlobalPoint, host_limits: np.ndarray, sharing: HostSharing | None,
+                   priced, variant, allowed: np.ndarray | None = None):
+    """(fronts, best split or None) of the point's options under a variant's uniform choices (and `allowed`).
+    With host memory shared by the stages of a node, tuner.partition_solver=auto first solves without the
+    coupling on the (stable, delta, end) fronts: when that optimum fits the nodes it is the optimum, and the
+    fronts with host bytes as a fourth criterion, larger, are never built."""
+    specs = ctx.specs
+    allowed = np.ones(priced.layers.size, dtype=bool) if allowed is None else allowed.copy()
+    for name, value in variant:
+        allowed &= priced.options[name] == value
+    usable = specs.cluster.gpu.usable_memory_bytes
+
+    def solve(fronts, method, host):
+        return solve_partition(fronts.options, point.pp, specs.model.num_layers, point.grad_accum,
+                               imbalance=ctx.space != "aceso", method=method,
+                               time_limit_s=specs.tuner.milp_time_limit_s, host=host)
+
+    if sharing is not None and specs.tuner.partition_solver == "auto":
+        fronts = stage_fronts(priced, usable, host_limits, allowed)
+        relaxed = solve(fronts, "dp", None)
+        if relaxed is None or sharing.fits(host_of(fronts.options, relaxed)):
+            return fronts, relaxed
+    fronts = stage_fronts(priced, usable, host_limits, allowed, host_criterion=sharing is not None)
+    return fronts, solve(fronts, specs.tuner.partition_solver, sharing)
+
+
+def _price_by_bound(pricer: PointPricer, priced, coarse: np.ndarray, coarse_plans, incumbent_s: float,
+                    grids: OptionGrids):
+    """A grid finer than the default (tuner.grid=mist): price the coarse options (every offload fraction
+    in the default grid) first, memory and times of all of them. Their best plan (`coarse_plans(priced)`:
+    its objective per variant, None where none fits) is a plan of the fine grid too, and a plan with an
+    option of stable time T costs at least G T plus the other S - 1 stages' least stable time: no option
+    of the point's best plan exceeds that plan's objective, nor (in a plan better than the search's
+    incumbent) `incumbent_s`: call the smaller U. An option's stable time is at least its floor's
+    (floor_stable_s), so only the options whose bound with the floor is within U are priced further
+    (docs/design.md, Tuner, Grids). A point that cannot beat the incumbent keeps a plan no better than
+    its own best, never a faster one."""
+    priced = pricer.times(pricer.memory(priced, coarse), coarse)
+    upper = min(incumbent_s, max(math.inf if s is None else s for s in coarse_plans(priced)))
+    floor = floor_stable_s(priced, DEFAULT_OFFLOAD_RATIOS, grids)
+    # The other S - 1 stages take at least the least stable time of all: an option without offload.
+    others = (pricer.point.pp - 1) * float(np.min(priced.stable_s[:, coarse]))
+    fast = pricer.point.grad_accum * floor + others <= upper * (1 + PRUNE_TOLERANCE)
+    priced = pricer.memory(priced, fast)
+    return pricer.times(priced, priced.fits & fast)
+
+
+def _coarse_plans(ctx: SearchContext, point: GlobalPoint, variants, solve, coarse: np.ndarray, priced) -> list:
+    """Per variant, the objective of the point's best plan with the default grid: as the search that ran first
+    found it (its final objective, at least the partition's), else solved on the coarse options."""
+    if ctx.coarse_objectives is not None and all((point, v) in ctx.coarse_objectives for v in variants):
+        return [ctx.coarse_objectives[point, v] for v in variants]
+    return [None if p is None else p.objective_s for p in (solve(priced, v, coarse)[1] for v in variants)]
+
+
 def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
                 point: GlobalPoint, bound: float) -> list[PointResult]:
     specs = ctx.specs
     L = specs.model.num_layers
     counts = layer_counts(L, point.pp, specs.tuner.layer_slack)
-    priced = price_options(costs, hw, caps, specs.train, point, ctx.space, option_grids(specs), counts)
-    usable, host = _memory_limits(specs)
+    host_limits, sharing = _host_limits(specs, point)
+    pricer = PointPricer(costs, hw, caps, specs.train, point, specs.cluster.gpu.usable_memory_bytes, host_limits)
+    priced = pricer.options(ctx.space, option_grids(specs), counts)
+    variants = _variants(caps, priced.options["zero"], point, min(counts))
+    solve = partial(_solve_variant, ctx, point, host_limits, sharing)
+    coarse = coarse_options(priced.options, DEFAULT_OFFLOAD_RATIOS)
+    if coarse.all():
+        priced = pricer.memory(priced)
+        priced = pricer.times(priced, priced.fits)
+    else:
+        priced = _price_by_bound(pricer, priced, coarse, partial(_coarse_plans, ctx, point, variants, solve, coarse),
+                                 ctx.incumbent_s, option_grids(specs))
+    if sharing is not None and sharing.fits(most_host_bytes(priced, pricer.usable_bytes, host_limits)):
+        sharing = None  # no node can overflow, whatever its stages pick: each position's limit is all there is
+        solve = partial(_solve_variant, ctx, point, host_limits, sharing)
     uniform = partition_uniform(L, point.pp)
     least, nearest = _least_peak(priced, uniform)
     closest = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(uniform), nearest))
     world = point.tp * point.pp * point.dp
     results = []
-    for variant in _variants(caps, priced.options["zero"], point, min(counts)):
-        allowed = np.ones(priced.layers.size, dtype=bool)
-        for name, value in variant:
-            allowed &= priced.options[name] == value
-        fronts = stage_fronts(priced, usable, host, allowed)
-        partition = solve_partition(fronts.options, point.pp, L, point.grad_accum,
-                                    imbalance=ctx.space != "aceso", time_limit_s=specs.tuner.milp_time_limit_s)
+    for variant in variants:
+        fronts, partition = solve(priced, variant)
         if partition is None:
             results.append(PointResult(point, variant, bound, None, None, priced.count, least_peak_bytes=least,
                                        closest=closest))
@@ -226,7 +329,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
                  point: GlobalPoint, bound: float) -> list[PointResult]:
     """Spaces with a fixed partition and one option for every stage: price [candidates, S] directly."""
     specs = ctx.specs
-    usable, host = _memory_limits(specs)
+    usable = specs.cluster.gpu.usable_memory_bytes
     S, L = point.pp, specs.model.num_layers
     world = point.tp * S * point.dp
     best, closest, count = None, None, 0
@@ -248,7 +351,8 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
                                                        chunks))
         tail = tail_s(hw, specs.train, np.max(times.end_s, axis=1), world)
         total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail, chunks)
-        ok = np.all(memory.peak_bytes <= usable, axis=1) & np.all(memory.host_bytes <= host, axis=1)
+        ok = np.all(memory.peak_bytes <= usable, axis=1) & host_fits(specs.cluster, specs.tuner.host_memory,
+                                                                      memory.host_bytes, point.tp * point.dp)
         if ok.any():
             j = int(np.flatnonzero(ok)[np.argmin(total[ok])])
             if best is None or total[j] < best[0]:
@@ -313,7 +417,14 @@ def search(specs: Specs, space: str | None = None, runtime: str | RuntimeCapabil
     start = time.perf_counter()
     space = space or specs.tuner.space
     caps = capabilities_of(runtime or tuner_runtime(specs.tuner), "tuner.runtime")
-    ctx = SearchContext(specs=specs, space=space, caps=caps, cache_dir=cache_dir)
+    incumbent, coarse = math.inf, None
+    if _refines_default_grid(specs, space, caps):
+        # Its best plan with the default grid, a part of this one, bounds the search (docs/design.md, Tuner, Grids).
+        warm = search(_default_grid(specs), space, caps, cache_dir, progress=False)
+        incumbent = warm.best.objective_s if warm.best is not None else math.inf
+        coarse = {(p.point, p.variant): p.objective_s for p in warm.points}
+    ctx = SearchContext(specs=specs, space=space, caps=caps, cache_dir=cache_dir, incumbent_s=incumbent,
+                        coarse_objectives=coarse)
     state = _state(ctx)
     costs, hw, caps = state
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space, caps)
@@ -331,7 +442,7 @@ def search(specs: Specs, space: str | None = None, runtime: str | RuntimeCapabil
         for r in range(0, len(chunks), CHUNKS_PER_ROUND):
             best = _best(results)
             todo = []
-            limit = math.inf if best is None else best.objective_s
+            limit = min(incumbent, math.inf if best is None else best.objective_s)
             for chunk in chunks[r:r + CHUNKS_PER_ROUND]:
                 keep = [(p, b) for p, b in chunk if b <= limit]
                 pruned.extend((p, b) for p, b in chunk if b > limit)
