@@ -111,12 +111,12 @@ def resolve_plan(cfg: DictConfig, run_dir: Path, rank: int, world_size: int):
     from deepspeed import comm as dist
 
     from mist_ds.plan import load_plan, plan_from_dict
+    from mist_ds.runtime.host import ranks_on_this_node
 
     if cfg.mist.plan is not None:
         plan = load_plan(hydra.utils.to_absolute_path(cfg.mist.plan))
     elif cfg.mist.autotune:
-        # Ranks on this node: DeepSpeed's launch.py sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE.
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        local = ranks_on_this_node(world_size)
         box = [load_plan(tune_in_subprocess(run_dir, world_size, world_size // local)).to_dict() if rank == 0
                else None]
         dist.broadcast_object_list(box, src=0)  # the plan itself: other nodes need not see rank 0's files

@@ -18,8 +18,8 @@ from mist_ds.cost.simulate import schedule, simulate, simulate_interleaved
 from mist_ds.cost.stage import norm_sync_s, stage_times
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.compute import gemm_efficiency, gemm_time_s
-from mist_ds.hardware.interference import (COMPILE_FROM_ROWS, elapsed_rows, factor_table, overlapped_channels_s,
-                                          overlapped_time_s)
+from mist_ds.hardware.interference import (COMPILE_FROM_ROWS, elapsed_rows, factor_table, monotone_envelope,
+                                          overlapped_channels_s, overlapped_time_s)
 from mist_ds.specs import ConfigError, InterferenceSpec, runtime_capabilities
 
 BASE = ["model=gpt3-1.3b", "cluster=a100-40g", "train.global_batch_size=64"]
@@ -224,6 +224,42 @@ def test_interference_compiled_and_interpreted_loops_agree_bit_for_bit():
     assert np.array_equal(compiled.reshape(-1), interpreted)
     small = overlapped_channels_s([x[:2] if np.ndim(x) else x for x in channels], table)  # a small call
     assert np.array_equal(small, compiled[:2])
+
+
+ZOO_CLUSTERS = ("cpu", "l4-24g", "a100-40g", "a100-80g", "h100-80g", "h200-141g")
+
+
+@pytest.mark.parametrize("cluster", ZOO_CLUSTERS)
+def test_monotone_envelope_bounds_elapsed_time_from_below_and_never_falls(cluster):
+    """What the fine-grid bound rests on (docs/design.md, Tuner, Grids): under a table's monotone envelope no
+    factor falls when a channel joins, elapsed time is at most the table's, and it never falls when one
+    channel's busy time grows."""
+    table = factor_table(compose([f"cluster={cluster}"], with_strategy=False).cluster.interference)
+    envelope = monotone_envelope(table)
+    assert np.all(envelope <= table)
+    for mask in range(16):
+        for bit in range(4):
+            members = [c for c in range(4) if mask >> c & 1]
+            assert np.all(envelope[mask | 1 << bit, members] >= envelope[mask, members])
+    rng = np.random.default_rng(3)
+    busy = rng.random((20_000, 4)) * (rng.random((20_000, 4)) < 0.85)
+    grown = busy.copy()
+    column = rng.integers(0, 4, busy.shape[0])
+    grown[np.arange(busy.shape[0]), column] += rng.random(busy.shape[0]) * rng.choice([1e-3, 0.1, 1.0], busy.shape[0])
+    low = overlapped_time_s(busy, envelope)
+    assert np.all(low <= overlapped_time_s(busy, table) * (1 + 1e-12))
+    assert np.all(overlapped_time_s(grown, envelope) >= low * (1 - 1e-12))
+
+
+def test_l4_table_is_not_monotone_so_the_envelope_differs():
+    """The measured L4 table lets a little H2D traffic shorten a stage (beside G2G, D2H's factor falls from
+    2.438 to 1.688 when H2D joins): without the envelope a floor would not bound the options above it."""
+    table = factor_table(compose(["cluster=l4-24g"], with_strategy=False).cluster.interference)
+    busy = np.array([[0.0, 0.25, 0.0, 0.25]])
+    joined = busy.copy()
+    joined[0, 2] = 0.01
+    assert overlapped_time_s(joined, table)[0] < overlapped_time_s(busy, table)[0]
+    assert overlapped_time_s(joined, monotone_envelope(table))[0] >= overlapped_time_s(busy, monotone_envelope(table))[0]
 
 
 @pytest.mark.parametrize("exponent", [0.7, 1.0, 1.345, 3.0])

@@ -5,6 +5,7 @@ brute force: tests/test_partition.py.)"""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -91,10 +92,19 @@ def test_runtime_refuses_a_node_whose_planned_host_bytes_exceed_its_memory():
 def test_ranks_on_this_node_reads_the_launchers(monkeypatch):
     from mist_ds.runtime.host import ranks_on_this_node
 
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert ranks_on_this_node() == 1
+    assert ranks_on_this_node(6) == 6  # no launcher said: the whole job, as the autotuner tunes it
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")  # mpirun's
+    assert ranks_on_this_node(6) == 2
     monkeypatch.setenv("LOCAL_SIZE", "8")  # DeepSpeed's launcher
-    assert ranks_on_this_node() == 8
+    assert ranks_on_this_node(6) == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, read first
-    assert ranks_on_this_node() == 4
+    assert ranks_on_this_node(6) == 4
+
+
+def test_physical_memory_is_at_most_the_machines_pages():
+    from mist_ds.runtime.host import physical_memory_bytes
+
+    pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < physical_memory_bytes() <= pages

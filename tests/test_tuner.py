@@ -370,17 +370,27 @@ def _fine_grid_case() -> list[str]:
 
 def test_stable_time_grows_with_every_offload_fraction():
     """What the fine-grid bound rests on (tuner/search.py, _price_by_bound): on every runtime, raising one
-    offload fraction of an option one grid step never lowers its stable time (nor raises its GPU peak)."""
+    offload fraction of an option one grid step never lowers its stable time (nor raises its GPU peak), with
+    the case's own monotone table and with L4's measured table made monotone (its envelope), whose stable
+    times are at most those of the measured table."""
+    from mist_ds.hardware.interference import factor_table, monotone_envelope
     from mist_ds.tuner.intra import price_options
 
     specs = compose(_fine_grid_case(), with_strategy=False)
-    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    costs, own = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    l4 = factor_table(compose(["cluster=l4-24g"], with_strategy=False).cluster.interference)
+    measured = dataclasses.replace(own, interference_table=l4)
+    enveloped = dataclasses.replace(own, interference_table=monotone_envelope(l4))
     keys = ("layers", "ckpt", "zero", "wo", "go", "oo", "ao")
-    for runtime in ("deepspeed", "mist", "mist-paper", "megatron"):
+    for runtime, hw in itertools.product(("deepspeed", "mist", "mist-paper", "megatron"), (own, enveloped)):
         caps = runtime_capabilities(runtime)
         for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps):
-            priced = price_options(costs, hw, caps, specs.train, point, "mist", option_grids(specs),
-                                   layer_counts(specs.model.num_layers, point.pp, 1))
+            counts = layer_counts(specs.model.num_layers, point.pp, 1)
+            priced = price_options(costs, hw, caps, specs.train, point, "mist", option_grids(specs), counts)
+            if hw is enveloped:
+                real = price_options(costs, measured, caps, specs.train, point, "mist", option_grids(specs), counts)
+                both = priced.timed & real.timed
+                assert np.all(priced.stable_s[:, both] <= real.stable_s[:, both] * (1 + 1e-12)), runtime
             columns = {"layers": priced.layers, **priced.options}
             at = [np.searchsorted(np.unique(columns[k]), columns[k]) for k in keys]
             dense = np.full([int(a.max()) + 1 for a in at], -1)  # grid position -> option
@@ -392,6 +402,31 @@ def test_stable_time_grows_with_every_offload_fraction():
                 j, i = upper[(upper >= 0) & (lower >= 0)], lower[(upper >= 0) & (lower >= 0)]
                 assert np.all(priced.stable_s[:, j] >= priced.stable_s[:, i] * (1 - 1e-12)), (runtime, keys[axis])
                 assert np.all(priced.peak_bytes[:, j] <= priced.peak_bytes[:, i] * (1 + 1e-12)), (runtime, keys[axis])
+
+
+def test_fine_grid_floors_bound_every_option_on_a_measured_table():
+    """On L4's measured (not monotone) interference table a little more offload can shorten a stage, so the
+    floors priced as they are would exceed some options above them (an optimum could go unpriced); priced
+    under the table's monotone envelope, as the search prices them, they never do."""
+    from mist_ds.tuner.intra import PointPricer, coarse_options, floor_stable_s
+    from mist_ds.tuner.search import _monotone_times
+    from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
+
+    specs = compose(["model=gpt3-1.3b", "cluster=l4-24g", "cluster.nodes=2", "tuner.grid=mist",
+                     "train.precision=fp16"], with_strategy=False)
+    caps = runtime_capabilities("mist-paper")
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    point = next(p for p in global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps)
+                 if (p.tp, p.pp, p.dp) == (8, 1, 2))
+    pricer = PointPricer(costs, hw, caps, specs.train, point)
+    priced = pricer.options("mist", option_grids(specs), [specs.model.num_layers])
+    priced = pricer.times(priced, np.ones(priced.layers.size, dtype=bool))
+    coarse = coarse_options(priced.options, DEFAULT_OFFLOAD_RATIOS)
+    own = priced.stable_s.min(axis=0)
+    as_priced = floor_stable_s(priced, DEFAULT_OFFLOAD_RATIOS, option_grids(specs))
+    assert np.any(as_priced > own * (1 + 1e-9))
+    bounding = floor_stable_s(_monotone_times(pricer, priced, coarse), DEFAULT_OFFLOAD_RATIOS, option_grids(specs))
+    assert np.all(bounding <= own * (1 + 1e-12))
 
 
 def test_fine_grid_bound_prices_less_and_keeps_the_plans(monkeypatch):
@@ -422,3 +457,29 @@ def test_fine_grid_bound_prices_less_and_keeps_the_plans(monkeypatch):
     for p in bounded.points:
         if exact.get(p.point) is not None and exact[p.point] <= coarse.best.objective_s:
             assert p.objective_s == pytest.approx(exact[p.point], rel=1e-12), p.point
+
+
+def test_mist_grid_is_read_through_the_spec_and_survives_replace():
+    """tuner.grid=mist leaves the ratio fields as given (a copy with another field keeps them valid) and
+    the search reads Mist's grids through TunerSpec.offload_ratios."""
+    from mist_ds.specs.tuner import MIST_OFFLOAD_RATIOS
+
+    specs = compose(["model=tiny", "cluster=cpu", "tuner.grid=mist"], with_strategy=False)
+    copy = dataclasses.replace(specs.tuner, workers=2)
+    assert copy.grid == "mist" and option_grids(dataclasses.replace(specs, tuner=copy)).optimizer == \
+        MIST_OFFLOAD_RATIOS["optimizer"]
+
+
+def test_a_partition_milp_that_times_out_names_its_time_limit(monkeypatch):
+    """Where CBC finds no split within tuner.milp_time_limit_s the user is told to raise it, not shown a
+    traceback (the solver's TimeoutError is made one here to reach the search's handling of it)."""
+    import sys
+
+    def out_of_time(*args, **kwargs):
+        raise TimeoutError("solve_partition_milp: no feasible split within 0.5 s")
+
+    monkeypatch.setattr(sys.modules["mist_ds.tuner.search"], "solve_partition", out_of_time)
+    specs = compose(SMALL + ["tuner.milp_time_limit_s=0.5", "tuner.workers=1"], with_strategy=False)
+    with pytest.raises(ConfigError) as caught:
+        search(specs, runtime="mist-paper", progress=False)
+    assert caught.value.field == "tuner.milp_time_limit_s" and "raise it" in caught.value.fix

@@ -16,6 +16,7 @@ from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec, check_runtime
 from mist_ds.specs.runtime import capabilities_of
 from mist_ds.specs.cluster import GIB
+from mist_ds.specs.placement import node_host_bytes
 from mist_ds.symbolic import analyze_model
 
 MEMORY_PARTS = ("weights", "grads", "optimizer", "activations", "transient", "buffers")
@@ -40,6 +41,7 @@ class Prediction:
     memory_breakdown: list[dict[str, float]]
     fits: bool
     host_memory_bytes: float
+    """Host bytes the fullest node keeps: its ranks of every stage (specs/placement.py)."""
     sources: dict[str, str]
     flops_per_rank: list[float] = field(default_factory=list)
     """Per stage, the FLOPs one of its ranks executes in an iteration, recompute included
@@ -112,7 +114,6 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                "host": float(memory.state_host[i])} for i in range(par.pp)]
     breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
         "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
-    stage_gpus_per_node = min(specs.cluster.gpus_per_node, par.tp * par.dp)
     rule = specs.tuner.host_memory
     host = host_use(specs.cluster, rule, memory.host_bytes, par.tp * par.dp)
     warnings = [f"stage {i} peaks at {peak_i / GIB:.2f} GiB, above the {usable / GIB:.2f} GiB usable per GPU"
@@ -127,7 +128,8 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
         bubble_s=float(bubble_s(times.stable_s, chunks)), optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
         fits=not warnings,
-        host_memory_bytes=float(np.max(memory.host_bytes) * stage_gpus_per_node),
+        host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.tp * par.dp,
+                                                       specs.cluster.gpus_per_node))),
         sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
                  "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
                  "host": "pcie+cpu-adam"},

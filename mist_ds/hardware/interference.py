@@ -29,6 +29,23 @@ def factor_table(spec: InterferenceSpec) -> np.ndarray:
     return table
 
 
+def monotone_envelope(table: np.ndarray) -> np.ndarray:
+    """[16, 4] the greatest table at or below `table` in which no channel's factor falls when another
+    channel joins its set: entry (set, c) is c's least factor over every superset of the set.
+
+    Measured tables need not be monotone (L4's D2H runs 2.66x slower beside C and G2G, 1.61x once H2D
+    joins too), so there a longer busy time on one channel can shorten the elapsed time. Under the
+    envelope it cannot, and elapsed times under it are at most those under `table` (with the remaining
+    work of each channel compared step by step, the run under the envelope never has more channels busy,
+    and a smaller busy set runs each channel at least as fast): the tuner's fine-grid bound prices a
+    stage's floor with it (docs/design.md, Tuner, Grids)."""
+    envelope = np.array(table, dtype=np.float64)
+    for mask in reversed(range(envelope.shape[0])):  # every superset is a larger mask: final before it is read
+        for bit in range(len(CHANNELS)):
+            envelope[mask] = np.minimum(envelope[mask], envelope[mask | 1 << bit])
+    return envelope
+
+
 def overlapped_time_s(busy_s: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Elapsed seconds for busy_s[..., 4] (alone-times of C, G2G, H2D, D2H) run concurrently."""
     busy_s = np.asarray(busy_s, dtype=np.float64)

@@ -262,7 +262,7 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     if not dist.is_initialized():
         join_process_group()
     check_executable(plan, model, dist.get_world_size())
-    check_host_memory(plan, dist.get_rank(), ranks_on_this_node(), physical_memory_bytes())
+    check_host_memory(plan, dist.get_rank(), ranks_on_this_node(dist.get_world_size()), physical_memory_bytes())
     strategy, par = plan.strategy, plan.strategy.parallelism
     topology = _topology(plan)
     coord = topology.get_coord(dist.get_rank())

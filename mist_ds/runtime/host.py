@@ -9,6 +9,8 @@ per-gpu plans pass whenever per-node ones would.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 
 from mist_ds.emit import MistBlock
@@ -16,21 +18,39 @@ from mist_ds.specs import ConfigError
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.placement import node_host_bytes, stage_ranks_per_node
 
-# Ranks the launcher started on this node: torchrun's name, then DeepSpeed's launcher's (launcher/launch.py).
-LOCAL_WORLD_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+# Ranks the launcher started on this node: torchrun's name, DeepSpeed's launcher's (launcher/launch.py), Open MPI's.
+LOCAL_WORLD_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+# Memory limits of this process's control group (v2, then v1): inside a container the machine's pages are
+# not what the process may use.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+log = logging.getLogger(__name__)
 
 
-def ranks_on_this_node() -> int:
-    """Ranks the launcher put on this machine; 1 (this process only) when no launcher said."""
+def ranks_on_this_node(world_size: int) -> int:
+    """Ranks the launcher put on this machine. Where no launcher says, all `world_size` ranks, as the
+    autotuner assumes when it tunes for the job (one node), said in the log."""
     for name in LOCAL_WORLD_ENV:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
-    return 1
+    log.warning("no launcher variable (%s) says how many ranks run on this node: taking all %d",
+                ", ".join(LOCAL_WORLD_ENV), world_size)
+    return world_size
 
 
 def physical_memory_bytes() -> float:
-    """This machine's memory (what cluster.cpu_memory_gib describes)."""
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    """The memory this process's node gives it (what cluster.cpu_memory_gib describes): the machine's
+    pages, or its control group's limit where that is lower."""
+    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as limit:
+                text = limit.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit
+            total = min(total, float(text))
+    return total
 
 
 def check_host_memory(plan: MistBlock, rank: int, ranks_per_node: int, memory_bytes: float) -> None:
@@ -48,4 +68,5 @@ def check_host_memory(plan: MistBlock, rank: int, ranks_per_node: int, memory_by
     raise ConfigError("mist.host_bytes_per_rank", [plan.host_bytes_per_rank[i] for i in stages],
                       f"the plan keeps {need / GIB:.2f} GiB on the host of node {node} ({held}, {ranks_per_node} "
                       f"ranks), which has {memory_bytes / GIB:.2f} GiB: re-tune with "
-                      f"cluster.cpu_memory_gib={memory_bytes / GIB:.0f} (and cluster.gpus_per_node={ranks_per_node})")
+                      f"cluster.cpu_memory_gib={math.floor(memory_bytes / GIB * 100) / 100:g} (and "
+                      f"cluster.gpus_per_node={ranks_per_node})")

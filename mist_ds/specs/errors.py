@@ -22,6 +22,10 @@ class ConfigError(ValueError):
             shown = repr(value) if isinstance(value, str) else value
             super().__init__(f"{field}={shown}: {fix}")
 
+    def __reduce__(self):
+        # Raised in the tuner's worker processes too: rebuilt from its fields, not from the message alone.
+        return type(self), (self.field, self.value, self.fix, self.rule)
+
 
 def require(condition: bool, field: str, value: Any, fix: str) -> None:
     """Raise ConfigError(field, value, fix) unless condition holds."""

@@ -72,19 +72,16 @@ class TunerSpec:
                 self.partition_solver, "the DP cannot couple the host memory of stages sharing a node: use "
                 "tuner.partition_solver=auto or milp with tuner.host_memory=per-node, or tuner.host_memory=per-gpu")
         require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
-        if self.grid == "mist":
-            self._use_mist_grids()
         for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"
             ratios = getattr(self, name)
             require(len(ratios) > 0 and all(0.0 <= r <= 1.0 for r in ratios) and 0.0 in ratios, f"tuner.{name}",
                     list(ratios), "give fractions in [0, 1], including 0 (no offload)")
-
-    def _use_mist_grids(self) -> None:
-        """grid=mist replaces the ratio lists, which must then be left at their default."""
-        for kind in OFFLOAD_KINDS:
-            name = f"{kind}_offload_ratios"
-            require(tuple(getattr(self, name)) == DEFAULT_OFFLOAD_RATIOS, f"tuner.{name}", list(getattr(self, name)),
+            require(self.grid != "mist" or tuple(ratios) == DEFAULT_OFFLOAD_RATIOS, f"tuner.{name}", list(ratios),
                     "tuner.grid=mist sets every offload ratio list to Mist's grid: drop this override, or use "
                     "tuner.grid=default to search your own lists")
-            object.__setattr__(self, name, MIST_OFFLOAD_RATIOS[kind])
+
+    def offload_ratios(self, kind: str) -> tuple[float, ...]:
+        """The fractions of `kind` (weights, grads, optimizer, activations) the search tries: Mist's grid
+        with grid=mist, else the `<kind>_offload_ratios` list."""
+        return MIST_OFFLOAD_RATIOS[kind] if self.grid == "mist" else tuple(getattr(self, f"{kind}_offload_ratios"))

@@ -153,8 +153,9 @@ def floor_stable_s(priced: PricedOptions, coarse: tuple[float, ...], grids: Opti
     """[n] the least stable time over classes of each option's floor: the option with every offload
     fraction rounded down to `coarse` (the rest equal), which must be timed; 0 where the grid has no such
     option (a runtime rule excludes it). A lower bound of the option's own stable time wherever stable
-    time is nondecreasing in each offload fraction (docs/design.md, Tuner, Grids; tests/test_tuner.py
-    checks it). `grids`: the ratios the options were drawn from."""
+    time is nondecreasing in each offload fraction, as it is under a monotone interference table
+    (docs/design.md, Tuner, Grids; tests/test_tuner.py checks it). `grids`: the ratios the options were
+    drawn from."""
     ratios = dict(zip(("wo", "go", "oo", "ao"), (grids.weights, grids.grads, grids.optimizer, grids.activations)))
     # Mixed-radix codes: layers, recompute and ZeRO are small integers, the fractions indices into their grid.
     first = priced.layers.min()

@@ -294,8 +294,8 @@ def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bo
         return None  # no split of L layers exists: CBC would be handed an empty or trivial model
     start = _start(options, S, L, G, imbalance, time_limit_s, layer_bounds, host)
     before = space.size()
-    if start is not None:
-        space = _prune(space, L, G, start.objective_s)
+    if start is not None:  # pruned by the start's own cost, recomputed: the MILP stays a check of the DP
+        space = _prune(space, L, G, _evaluate(stages, start.layers, start.option, G))
     scale = max(max(float(max(c.stable_s.max(), c.delta_s.max(), c.end_s.max())) for c in s) for s in space.stages)
     scale = scale if scale > 0 else 1.0
     built = _build(space, L, G, scale, host)
@@ -313,7 +313,12 @@ def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bo
     if solved:
         found = _read(built, space)
         value = _evaluate(stages, *found, G)
-        if start is None or value < objective - MILP_REL_GAP * abs(objective):
+        # CBC keeps rows within its feasibility tolerance: a split over a node's memory by that much is refused.
+        overflows = host is not None and not host.fits(host_of(options, Partition(*found, value, value, 0.0, "milp")))
+        if overflows and start is None:
+            raise TimeoutError(f"solve_partition_milp: CBC's split overflows a node by its tolerance and no "
+                               f"feasible split was found within {time_limit_s} s")
+        if not overflows and (start is None or value < objective - MILP_REL_GAP * abs(objective)):
             layers, option, objective = *found, value
     if status == mip.OptimizationStatus.OPTIMAL:
         bound = objective

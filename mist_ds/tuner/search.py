@@ -28,7 +28,8 @@ from mist_ds.cost.predict import model_costs
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.cost.iteration import iteration_time_s
 from mist_ds.hardware import HardwareModel, hardware_model
-from mist_ds.specs import Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec
+from mist_ds.hardware.interference import monotone_envelope
+from mist_ds.specs import ConfigError, Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec
 from mist_ds.specs.runtime import allowed_stage_options, capabilities_of
 from mist_ds.specs.strategy import partition_uniform
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
@@ -120,8 +121,8 @@ def _default_grid(specs: Specs) -> Specs:
 
 def option_grids(specs: Specs) -> OptionGrids:
     tuner = specs.tuner
-    return OptionGrids(weights=tuner.weights_offload_ratios, grads=tuner.grads_offload_ratios,
-                       optimizer=tuner.optimizer_offload_ratios, activations=tuner.activations_offload_ratios)
+    return OptionGrids(weights=tuner.offload_ratios("weights"), grads=tuner.offload_ratios("grads"),
+                       optimizer=tuner.offload_ratios("optimizer"), activations=tuner.offload_ratios("activations"))
 
 
 # --- lower bound ---------------------------------------------------------------------------------------
@@ -217,9 +218,15 @@ def _solve_variant(ctx: SearchContext, point: GlobalPoint, host_limits: np.ndarr
     usable = specs.cluster.gpu.usable_memory_bytes
 
     def solve(fronts, method, host):
-        return solve_partition(fronts.options, point.pp, specs.model.num_layers, point.grad_accum,
-                               imbalance=ctx.space != "aceso", method=method,
-                               time_limit_s=specs.tuner.milp_time_limit_s, host=host)
+        try:
+            return solve_partition(fronts.options, point.pp, specs.model.num_layers, point.grad_accum,
+                                   imbalance=ctx.space != "aceso", method=method,
+                                   time_limit_s=specs.tuner.milp_time_limit_s, host=host)
+        except TimeoutError as timeout:
+            raise ConfigError("tuner.milp_time_limit_s", specs.tuner.milp_time_limit_s,
+                              f"the partition MILP found no split of tp {point.tp}, pp {point.pp}, dp {point.dp}, "
+                              f"micro-batch {point.micro_batch_size} within it: raise it, or use "
+                              "tuner.host_memory=per-gpu (solved by the DP)") from timeout
 
     if sharing is not None and specs.tuner.partition_solver == "auto":
         fronts = stage_fronts(priced, usable, host_limits, allowed)
@@ -243,12 +250,28 @@ def _price_by_bound(pricer: PointPricer, priced, coarse: np.ndarray, coarse_plan
     its own best, never a faster one."""
     priced = pricer.times(pricer.memory(priced, coarse), coarse)
     upper = min(incumbent_s, max(math.inf if s is None else s for s in coarse_plans(priced)))
-    floor = floor_stable_s(priced, DEFAULT_OFFLOAD_RATIOS, grids)
+    bounding = _monotone_times(pricer, priced, coarse)
+    floor = floor_stable_s(bounding, DEFAULT_OFFLOAD_RATIOS, grids)
     # The other S - 1 stages take at least the least stable time of all: an option without offload.
-    others = (pricer.point.pp - 1) * float(np.min(priced.stable_s[:, coarse]))
+    others = (pricer.point.pp - 1) * float(np.min(bounding.stable_s[:, coarse]))
     fast = pricer.point.grad_accum * floor + others <= upper * (1 + PRUNE_TOLERANCE)
     priced = pricer.memory(priced, fast)
     return pricer.times(priced, priced.fits & fast)
+
+
+def _monotone_times(pricer: PointPricer, priced, coarse: np.ndarray):
+    """`priced`, or where the cluster's interference table is not monotone a copy whose coarse options are
+    timed under its monotone envelope: stable times that never fall when an offload fraction rises and
+    never exceed the real ones, so that a floor's bounds every option above it (docs/design.md, Tuner,
+    Grids)."""
+    table = pricer.hw.interference_table
+    envelope = monotone_envelope(table)
+    if np.array_equal(envelope, table):
+        return priced
+    lower = dataclasses.replace(pricer, hw=dataclasses.replace(pricer.hw, interference_table=envelope))
+    copy = dataclasses.replace(priced, stable_s=priced.stable_s.copy(), delta_s=priced.delta_s.copy(),
+                               end_s=priced.end_s.copy(), timed=priced.timed & ~coarse)
+    return lower.times(copy, coarse)
 
 
 def _coarse_plans(ctx: SearchContext, point: GlobalPoint, variants, solve, coarse: np.ndarray, priced) -> list:
