@@ -117,3 +117,15 @@ def test_best_marks_the_fastest_and_the_cheapest_row_per_model():
     assert [row["best"] for row in mark_best(rows)] == [CHEAPEST, FASTEST, "", FASTEST]
     assert usd_per_million_tokens(None, 8, 1e4) is None
     assert usd_per_million_tokens(3.6, 10, 1e6 / 3600) == pytest.approx(10.0 * 3.6, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_submitit_local_mode_summarizes_the_sweep_and_sets_the_exit_code(tmp_path):
+    """hydra-submitit-launcher's local mode (what its SLURM mode runs, on this machine): jobs in
+    submitit's own processes, results read back from the job dirs."""
+    run = mist_ds("tune", "-m", "hydra/launcher=submitit_local", "model=gpt3-1.3b,tiny", "cluster=cpu",
+                  "tuner.compare_baselines=false", "tuner.quiet=true", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert run.returncode == 3, run.stderr
+    rows = _rows(tmp_path / "sweep")
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "3"), ("1", "0")]
+    assert PLAN_FILES <= {p.name for p in (tmp_path / "sweep" / "1").iterdir()}

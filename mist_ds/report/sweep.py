@@ -108,3 +108,37 @@ def render_md(rows: Sequence[dict[str, Any]], title: str) -> str:
     lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def _median(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _model_of(overrides: Sequence[str]) -> str | None:
+    """The model group option among Hydra overrides (the last one wins, as in Hydra)."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith("model=")]
+    return chosen[-1] if chosen else None
+
+
+def train_result(overrides: Sequence[str], status: int, reason: str | None,
+                 record: dict[str, Any] | None) -> dict[str, Any]:
+    """A training job's row from its run.json (`record`, mist_ds/runtime/training.py run_record): steps,
+    first and last loss, the median step time and tokens/s over the steps that were not census steps,
+    the ranks, and the plan's predicted iteration time when it trained a plan."""
+    row: dict[str, Any] = {"status": status, "reason": reason, "overrides": " ".join(overrides)}
+    if record is None:
+        return row
+    plan = record.get("plan") or {}
+    model = _model_of([*plan.get("user_overrides", []), *overrides]) if plan else _model_of(overrides)
+    timed = [s for s in record["steps"] if not s.get("counted")]
+    losses = [s["loss"] for s in record["steps"]]
+    prediction = record.get("prediction") or {}
+    return row | {"model": model, "ranks": len(record["ranks"]), "steps": len(record["steps"]),
+                  "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+                  "step_time_s": _median([s["time_s"] for s in timed]),
+                  "tokens_per_s": _median([s["tokens_per_s"] for s in timed]),
+                  "predicted_iteration_time_s": prediction.get("iteration_time_s")}
