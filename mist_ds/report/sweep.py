@@ -98,13 +98,14 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+        return f"{value:.4g}" if abs(value) < 1e3 else f"{value:,.0f}"
     return " ".join(str(value).split()).replace("|", "\\|")
 
 
 def render_md(rows: Sequence[dict[str, Any]], title: str) -> str:
-    """sweep.md: the same table as sweep.csv, numbers rounded to 4 significant digits."""
-    columns = columns_of(rows)
+    """sweep.md: the table of sweep.csv without its empty columns; numbers under 1,000 to 4 significant digits,
+    larger ones whole, with thousands separators."""
+    columns = [c for c in columns_of(rows) if any(row.get(c) not in (None, "") for row in rows)]
     lines = [f"# {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
