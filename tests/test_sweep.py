@@ -83,6 +83,7 @@ def test_the_same_sweep_under_joblib_gives_the_same_plans(basic_sweep, tmp_path)
     assert len(_rows(tmp_path / "sweep")) == 4
 
 
+@pytest.mark.slow  # the fast lane checks the status file with test_a_job_that_left_no_result_is_a_lost_row
 def test_under_joblib_a_job_that_fits_nothing_is_a_row_and_sets_the_exit_code(tmp_path):
     """The jobs run in joblib's workers, which leave no status in the launching process: the exit code
     comes from the jobs' result files, as the summary does."""
