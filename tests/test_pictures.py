@@ -18,8 +18,8 @@ from tests.test_cost import BASE
 REL = 1e-12
 """The figure stores a box as (left, width): left + width rounds differently from the simulator's end."""
 CASES = {
-    "deepspeed pipeline: end work and norm sync": ["strategy.pp=4", "strategy.zero_stage=1", "strategy.micro_batch_size=4",
-                                                   "strategy.dp=2"],
+    "deepspeed pipeline: end work and norm sync": ["strategy.pp=4", "strategy.zero_stage=1",
+                                                   "strategy.micro_batch_size=4", "strategy.dp=2"],
     "mist-paper: first and last micro-batch extras": ["strategy.runtime=mist-paper", "strategy.pp=2",
                                                       "strategy.zero_stage=1", "strategy.schedule=mist",
                                                       "strategy.micro_batch_size=4", "strategy.dp=4"],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mist_ds.report.sweep import FASTEST, CHEAPEST, mark_best, usd_per_million_tokens
+from mist_ds.report.sweep import CHEAPEST, FASTEST, mark_best, usd_per_million_tokens
 from tests.test_cli import PLAN_FILES, mist_ds
 
 PRICE = 2.5
@@ -96,15 +96,16 @@ def test_under_joblib_a_job_that_fits_nothing_is_a_row_and_sets_the_exit_code(tm
 
 
 def test_a_job_that_left_no_result_is_a_lost_row(tmp_path):
+    from omegaconf import OmegaConf
+
     from mist_ds.cli.sweep import LOST, SweepSummary
 
     (tmp_path / "sweep" / "0" / ".hydra").mkdir(parents=True)  # Hydra made the job dir; the job never finished
     (tmp_path / "sweep" / "1").mkdir()
     (tmp_path / "sweep" / "1" / "result.json").write_text(json.dumps({"status": 3, "reason": "no plan fits"}))
-    from omegaconf import OmegaConf
-
     status_file = tmp_path / "status"
-    SweepSummary(str(status_file)).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}}))
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}})
+    SweepSummary(str(status_file)).on_multirun_end(config)
     rows = _rows(tmp_path / "sweep")
     assert [(row["job"], row["status"]) for row in rows] == [("0", str(LOST)), ("1", "3")]
     assert int(status_file.read_text()) == 3

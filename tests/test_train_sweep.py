@@ -41,7 +41,8 @@ def test_a_training_sweep_trains_each_plan_and_summarizes_the_runs(tmp_path):
 def test_a_failing_training_job_is_a_row_and_the_sweep_fails_after_every_job(tmp_path):
     code, out = run([sys.executable, str(TRAIN), "-m", "hydra/launcher=mist_deepspeed", "hydra.launcher.num_gpus=2",
                      f"hydra.launcher.timeout_s={JOB_TIMEOUT_S}", "model=tiny", "cluster=cpu", "run.steps=2",
-                     "mist.plan=missing.json,null", "hydra.sweep.dir=train"], tmp_path, timeout_s=2 * JOB_TIMEOUT_S + 60)
+                     "mist.plan=missing.json,null", "hydra.sweep.dir=train"], tmp_path,
+                    timeout_s=2 * JOB_TIMEOUT_S + 60)
     assert code == 1, out[-6000:]
     with open(tmp_path / "train" / "sweep.csv", newline="") as rows:
         failed, trained = csv.DictReader(rows)

@@ -26,9 +26,9 @@ left without result.json (a job killed) counts 1.
 Files: tune writes plan.json, ds_config.json, summary.md, cmd.txt (the command that trains the plan),
 timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; also when no plan fits)
 into Hydra's output dir (hydra.run.dir; in a multirun each job's dir under hydra.sweep.dir), next to
-Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir. show, predict and
-analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go
-to stderr (conf/config.yaml): stdout carries only the results.
+Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir.
+show, predict and analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in
+hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 

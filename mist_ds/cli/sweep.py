@@ -44,7 +44,8 @@ def job_row(sweep_dir: Path, job_dir: Path) -> dict[str, Any]:
     name = job_dir.relative_to(sweep_dir).as_posix()
     path = job_dir / RESULT_FILE
     if not path.is_file():
-        return {"job": name, "status": LOST, "reason": f"no {RESULT_FILE}: the job crashed or was stopped (see its log)"}
+        return {"job": name, "status": LOST,
+                "reason": f"no {RESULT_FILE}: the job crashed or was stopped (see its log)"}
     return {"job": name, **json.loads(path.read_text())}
 
 
