@@ -9,6 +9,8 @@
     # one process, the `strategy` group as given (no plan; with a plan the job is the plan's model, cluster
     # and train settings, composed on mist_ds's config as the planner composed them):
     python launch/train.py model=tiny cluster=cpu cluster.gpus_per_node=1 run.steps=5
+    # a training sweep: one DeepSpeed launch per job (hydra_plugins/mist_ds_deepspeed_launcher), summary in sweep.csv:
+    python launch/train.py -m hydra/launcher=mist_deepspeed hydra.launcher.num_gpus=2 mist.plan=A/plan.json,B/plan.json
 
 On a CPU-only machine set DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 first. Data: `run.data=synthetic` (a learnable
 task) or `run.data=tokens run.tokens_file=F` (a flat file of uint16/uint32 token ids). Checkpoints:

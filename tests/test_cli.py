@@ -4,6 +4,7 @@ where files go (tune: Hydra's output dir; show / predict / analyze: nowhere), an
 2 bad input on one stderr line, 3 no plan fits; a multirun's largest job status)."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -20,7 +21,10 @@ from tests.test_tuner import SMALL
 
 FAST_TUNE = ["tuner.compare_baselines=false", "tuner.quiet=true"]
 b_, s_, t_ = sympy.symbols("b s t", positive=True, integer=True)  # as analyze declares them
-PLAN_FILES = {"plan.json", "ds_config.json", "summary.md"}
+PLAN_FILES = {"plan.json", "ds_config.json", "summary.md", "cmd.txt", "timeline.png", "timeline.svg", "memory.png",
+              "memory.svg"}
+RESULT = "result.json"
+"""Every tune job's row of a sweep summary, written beside its plan files or in their place."""
 
 
 def mist_ds(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -37,7 +41,7 @@ def test_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
     out = tmp_path / "plan"
     run = mist_ds("tune", *SMALL, f"hydra.run.dir={out}", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    assert _names(out) == PLAN_FILES | {".hydra"}  # Hydra's copy of the config and overrides beside the plan
+    assert _names(out) == PLAN_FILES | {RESULT, ".hydra"}  # Hydra's copy of the config and overrides beside the plan
     plan = json.loads((out / "plan.json").read_text())
     assert plan["user_overrides"] == SMALL
     assert {b["space"] for b in plan["baselines"]} == {"megatron", "deepspeed", "aceso"}
@@ -81,6 +85,13 @@ def test_multirun_exits_with_the_largest_job_status_and_runs_every_job(tmp_path)
     assert "no plan fits" in run.stderr and "Traceback" not in run.stderr
     assert not (sweep / "0" / "plan.json").exists()  # gpt3-1.3b does not fit two 4 GiB "GPUs"
     assert PLAN_FILES <= _names(sweep / "1")  # the job after it still ran
+    with open(sweep / "sweep.csv", newline="") as rows:  # the summary has both jobs, the one that failed with why
+        failed, planned = csv.DictReader(rows)
+    assert (failed["job"], failed["status"], failed["model"], failed["tokens_per_s"]) == ("0", "3", "gpt3-1.3b", "")
+    assert "no plan fits" in failed["reason"] and "GiB" in failed["reason"]
+    assert (planned["job"], planned["status"], planned["model"], planned["reason"]) == ("1", "0", "tiny", "")
+    assert float(planned["tokens_per_s"]) > 0 and planned["best"] == "fastest"
+    assert json.loads((sweep / "sweep.json").read_text())["status"] == 3
 
 
 def test_cfg_job_prints_the_composed_config_and_creates_nothing(tmp_path):

@@ -18,12 +18,17 @@ and makes a relative -cp DIR absolute (Hydra would take it relative to this file
 
 Exit codes: 0 done; 2 bad input: one stderr line naming the field and the fix, no traceback, also for
 what Hydra refuses while composing (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
-fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status.
+fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status;
+for tune the statuses are read from the jobs' result.json (mist_ds/cli/sweep.py), so the same holds
+under launchers that run jobs in other processes (hydra/launcher=joblib, submitit_local); a job dir
+left without result.json (a job killed) counts 1.
 
-Files: tune writes plan.json, ds_config.json and summary.md into Hydra's output dir (hydra.run.dir;
-in a multirun each job's dir under hydra.sweep.dir), next to Hydra's .hydra/. show, predict and
-analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go
-to stderr (conf/config.yaml): stdout carries only the results.
+Files: tune writes plan.json, ds_config.json, summary.md, cmd.txt (the command that trains the plan),
+timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; also when no plan fits)
+into Hydra's output dir (hydra.run.dir; in a multirun each job's dir under hydra.sweep.dir), next to
+Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir.
+show, predict and analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in
+hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -50,6 +56,9 @@ CLI_KEYS = ("json", "plan")
 """Top-level keys that steer a command's output, not the planned job: kept out of plan.json's overrides."""
 FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
+SWEEP_CALLBACK = "hydra.callbacks.mist_ds_sweep"
+SWEEP_SUMMARY = "mist_ds.cli.sweep.SweepSummary"
+"""The end-of-sweep callback of the commands that summarize sweeps, under its key in Hydra's callbacks."""
 NO_FILES = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra.sweep.subdir=.")
 """Hydra settings of the commands that write nothing: the run dir is the cwd (exists: run_job's
 mkdir creates nothing), no .hydra/ copy of the config, a sweep's jobs share hydra.sweep.dir."""
@@ -118,20 +127,30 @@ def _predict(cfg: DictConfig) -> int:
 
 
 def _tune(cfg: DictConfig) -> int:
+    """Tune, write the plan files, and in every case the job's result.json (its row of a sweep summary)."""
     from hydra.core.hydra_config import HydraConfig
 
     from mist_ds.config import specs_from_config
+    from mist_ds.files import write_json_atomic
+    from mist_ds.report.sweep import RESULT_FILE, tune_result
     from mist_ds.report.tune import plan_from_result, render_summary, write_plan
     from mist_ds.tuner import NoPlanFits, tune_specs
 
-    specs = specs_from_config(cfg, with_strategy=False)
+    out, overrides, specs = Path(HydraConfig.get().runtime.output_dir), task_overrides(), None
     try:
+        specs = specs_from_config(cfg, with_strategy=False)
         result = tune_specs(specs)
     except NoPlanFits as reason:  # a status, not an exception: a sweep's other jobs still run
         print(f"{PROG} tune: {reason}", file=sys.stderr)
+        write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_NO_PLAN_FITS, str(reason), specs))
         return EXIT_NO_PLAN_FITS
-    plan = plan_from_result(result, task_overrides())
-    written = write_plan(Path(HydraConfig.get().runtime.output_dir), plan, specs, result.caps)
+    except ConfigError as error:  # reported by Jobs.run; the row keeps the reason
+        write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_CONFIG_ERROR, " ".join(str(error).split()),
+                                                         specs))
+        raise
+    plan = plan_from_result(result, overrides)
+    written = write_plan(out, plan, specs, result.caps)
+    write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_OK, None, specs, plan))
     _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs) + "\nwrote " + ", ".join(map(str, written)))
     return EXIT_OK
 
@@ -145,6 +164,8 @@ class Command:
     help: str
     writes_files: bool = False
     reads_plan: bool = False
+    summarizes_sweeps: bool = False
+    """A multirun ends with sweep.csv / sweep.md from the jobs' result.json (mist_ds/cli/sweep.py)."""
 
 
 def _measure(cfg: DictConfig) -> int:
@@ -182,8 +203,8 @@ def _measure(cfg: DictConfig) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "tune": Command(_tune, "find the fastest plan that fits; write plan.json, ds_config.json and summary.md",
-                    writes_files=True),
+    "tune": Command(_tune, "find the fastest plan that fits; write plan.json, ds_config.json, summary.md, "
+                           "cmd.txt and pictures", writes_files=True, summarizes_sweeps=True),
     "predict": Command(_predict, "predict time and memory of the `strategy` group's strategy, or of plan=PLAN_JSON",
                        reads_plan=True),
     "show": Command(_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
@@ -210,7 +231,8 @@ Everything after the command is Hydra's command line ({PROG} <command> --help, -
 Older spellings: --json = json=true, --plan P = plan=P, --out D = hydra.run.dir=D.
 
 exit codes: 0 done; 2 bad input (one line naming the field and the fix); 3 no plan fits (tune).
-A multirun exits 0 when every job succeeded, else with the largest job status."""
+A multirun exits 0 when every job succeeded, else with the largest job status (tune: also under
+hydra/launcher=joblib; its sweep dir gets sweep.csv and sweep.md, one row per job)."""
 
 
 def _quoted(value: str) -> str:
@@ -258,6 +280,8 @@ def rewrite_options(args: Sequence[str]) -> list[str]:
 def hydra_settings(command: str) -> list[str]:
     """Overrides put before the user's, so that theirs (later) still win."""
     settings = [f"hydra.job.name={command}", f"hydra.help.app_name={_quoted(f'{PROG} {command}')}"]
+    if COMMANDS[command].summarizes_sweeps:
+        settings.append(f"++{SWEEP_CALLBACK}._target_={SWEEP_SUMMARY}")
     return settings if COMMANDS[command].writes_files else [*settings, *NO_FILES]
 
 
@@ -377,15 +401,23 @@ def _run_hydra_app(jobs: Jobs, parser: argparse.ArgumentParser, args: argparse.N
 def run_command(command: str, args: Sequence[str]) -> int:
     """`mist-ds <command> <args>`: the exit status (module docstring)."""
     jobs = Jobs(command, full_error=os.environ.get(FULL_ERROR_ENV) == "1")
-    try:
-        _run_hydra_app(jobs, *parse_hydra_args(command, args))
-    except Exception as error:
-        bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error)
-        if bad_input is None:
-            raise
-        report(command, bad_input)
-        return EXIT_CONFIG_ERROR
-    return jobs.status()
+    with tempfile.TemporaryDirectory(prefix="mist-ds-") as scratch:
+        # The sweep callback writes the sweep's status here: it counts the jobs of any launcher,
+        # also those run in other processes, which leave no status in `jobs`.
+        sweep_status = Path(scratch) / "sweep_status"
+        try:
+            parser, parsed = parse_hydra_args(command, args)
+            if COMMANDS[command].summarizes_sweeps:
+                parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
+            _run_hydra_app(jobs, parser, parsed)
+        except Exception as error:
+            bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error)
+            if bad_input is None:
+                raise
+            report(command, bad_input)
+            return EXIT_CONFIG_ERROR
+        swept = int(sweep_status.read_text()) if sweep_status.is_file() else EXIT_OK
+    return max(jobs.status(), swept)
 
 
 def _complete(args: Sequence[str]) -> int:

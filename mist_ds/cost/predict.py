@@ -10,7 +10,7 @@ import numpy as np
 from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
-from mist_ds.cost.simulate import simulate, simulate_interleaved
+from mist_ds.cost.simulate import Span, simulate, simulate_interleaved
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec, check_runtime
@@ -81,28 +81,79 @@ def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
         oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages)
 
 
-def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
-                     caps: RuntimeCapabilities | None = None) -> Prediction:
-    """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
+@dataclass(frozen=True)
+class SimulatedIteration:
+    """One iteration as the event simulator runs it (seconds from its start): what the timeline picture
+    draws (report/pictures.py) and where predict's iteration time comes from."""
+
+    spans: list[Span]
+    """Every forward and backward instruction per stage; a stage's last backward includes its extra
+    (the span ends when the stage is free), a stage's first forward starts after its extra."""
+    first_fwd_extra_s: list[float]
+    """Per stage, the first micro-batch's extra: it runs from the iteration's start, before the first
+    forward (it needs no input)."""
+    last_bwd_extra_s: list[float]
+    """Per stage, the last micro-batch's extra, at the end of its last backward span."""
+    end_s: list[float]
+    """Per stage, the work after its last backward (gradient reduction, optimizer step)."""
+    sync_s: float
+    """The gradient-norm sync after every stage's end work (0: none)."""
+    micro_batches: int
+    chunks: int
+    """Model chunks per stage (interleaved schedule); spans carry chunk c micro-batch m as c G + m."""
+    iteration_time_s: float
+
+
+def _simulated_iteration(times, micro_batches: int, chunks: int, tail: float) -> SimulatedIteration:
+    """Run the event simulator on a strategy's stage times; `tail` from cost/stage.py's tail_s."""
+    if chunks > 1:
+        # Interleaving runs on Megatron-LM only, which has no first / last micro-batch extras.
+        assert not np.any(times.delta_s), "interleaved schedule with micro-batch extras"
+        simulated, spans = simulate_interleaved(times.fwd_s, times.bwd_s, micro_batches, chunks,
+                                                end_s=list(times.end_s))
+    else:
+        simulated, spans = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
+                                    micro_batches, end_s=list(times.end_s))
+    sync = 0.0
+    if tail > 0:
+        sync = tail - float(np.max(times.end_s))  # the norm sync after every stage's end work
+        simulated += sync
+    return SimulatedIteration(
+        spans=spans, first_fwd_extra_s=[float(x) for x in times.first_fwd_extra_s],
+        last_bwd_extra_s=[float(x) for x in times.last_bwd_extra_s], end_s=[float(x) for x in times.end_s],
+        sync_s=sync, micro_batches=micro_batches, chunks=chunks, iteration_time_s=simulated)
+
+
+def _priced_times(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities | None):
+    """(caps, stage candidates, stage times, tail seconds) of specs.strategy, refused by its runtime's rules."""
     strategy = specs.strategy
     caps = capabilities_of(caps or strategy.runtime)
     check_runtime(strategy, caps, specs.model)
     c = stage_candidates(strategy, specs.model.seq_len)
     times = stage_times(costs, hw, caps, specs.train, c)
+    tail = float(tail_s(hw, specs.train, np.max(times.end_s), strategy.parallelism.num_gpus))
+    return caps, c, times, tail
+
+
+def simulate_iteration(specs: Specs, caps: RuntimeCapabilities | None = None,
+                       cache_dir: Path | None = None) -> SimulatedIteration:
+    """The event simulation behind predict(specs).iteration_time_s, every instruction's span kept."""
+    costs, hw = model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision)
+    _, _, times, tail = _priced_times(specs, costs, hw, caps)
+    par = specs.strategy.parallelism
+    return _simulated_iteration(times, par.grad_accum, specs.strategy.virtual_stages, tail)
+
+
+def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
+                     caps: RuntimeCapabilities | None = None) -> Prediction:
+    """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
+    strategy = specs.strategy
+    caps, c, times, tail = _priced_times(specs, costs, hw, caps)
     memory = stage_memory(costs, hw, caps, specs.train, c)
     par = strategy.parallelism
     world = par.num_gpus
-    tail = float(tail_s(hw, specs.train, np.max(times.end_s), world))
     chunks = strategy.virtual_stages
-    if chunks > 1:
-        # Interleaving runs on Megatron-LM only, which has no first / last micro-batch extras.
-        assert not np.any(times.delta_s), "interleaved schedule with micro-batch extras"
-        simulated, _ = simulate_interleaved(times.fwd_s, times.bwd_s, par.grad_accum, chunks, end_s=list(times.end_s))
-    else:
-        simulated, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s,
-                                par.grad_accum, end_s=list(times.end_s))
-    if tail > 0:
-        simulated += tail - float(np.max(times.end_s))  # the norm sync after every stage's end work
+    simulated = _simulated_iteration(times, par.grad_accum, chunks, tail).iteration_time_s
     closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))
     tokens = par.global_batch_size * specs.model.seq_len
     model_flops = specs.model.training_flops_per_token() * tokens

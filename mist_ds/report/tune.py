@@ -2,6 +2,8 @@
 times, memory and its margin; the iteration; the baselines) and the files of a plan, written all at once."""
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -97,6 +99,39 @@ def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str,
     return files
 
 
+TRAIN_SCRIPT = "launch/train.py"
+"""The training script of the repository (relative to its root, where cmd.txt's command runs)."""
+
+
+def train_command(plan_json: Path, nodes: int, gpus_per_node: int, run_dir: Path) -> list[str]:
+    """DeepSpeed's launcher training the plan in `plan_json` with launch/train.py into `run_dir` (docs/design.md,
+    Launching and training): --no_local_rank for the Hydra script, the run dir pinned for its ranks. More than
+    one node needs DeepSpeed's hostfile (its default /job/hostfile, or --hostfile)."""
+    return ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node), "--no_local_rank",
+            TRAIN_SCRIPT, f"mist.plan={plan_json}", f"hydra.run.dir={run_dir}"]
+
+
+def plan_pictures(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, bytes]:
+    """timeline.png / .svg (the simulated iteration) and memory.png / .svg (each stage's peak by part)."""
+    from mist_ds.cost.predict import simulate_iteration
+    from mist_ds.report.pictures import figure_files, memory_figure, timeline_figure
+
+    title = f"{specs.model.name} on {specs.cluster.num_gpus}x {specs.cluster.gpu.name}"
+    sim = simulate_iteration(dataclasses.replace(specs, strategy=plan.strategy), caps)
+    gpu = specs.cluster.gpu
+    memory = memory_figure(plan.prediction["memory_breakdown"], gpu.usable_memory_bytes, gpu.memory_bytes,
+                           f"{title}: peak memory per stage")
+    return figure_files(timeline_figure(sim, title), "timeline") | figure_files(memory, "memory")
+
+
 def write_plan(directory: Path, plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> list[Path]:
+    """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs, cmd.txt: the command
+    that trains it."""
     directory.mkdir(parents=True, exist_ok=True)
-    return write_files_atomic(directory, plan_files(plan, specs, caps))
+    files: dict[str, str | bytes] = {**plan_files(plan, specs, caps), **plan_pictures(plan, specs, caps)}
+    if caps.executes_on_deepspeed:
+        absolute = directory.resolve()
+        command = train_command(absolute / "plan.json", specs.cluster.nodes, specs.cluster.gpus_per_node,
+                                absolute / "train")
+        files["cmd.txt"] = shlex.join(command) + "\n"
+    return write_files_atomic(directory, files)

@@ -1,0 +1,1 @@
+"""Hydra launcher plugin: each job of a sweep is a DeepSpeed launch of the swept training script."""
