@@ -124,6 +124,7 @@ class TunerConfig:
     partition_solver: str = "auto"  # auto | dp | milp: stage split solver; auto: DP, MILP where shared host can bind
     host_memory: str = "per-gpu"  # per-gpu: a GPU's offloads within its node share | per-node: a node's ranks share it
     grid: str = "default"  # default: the *_offload_ratios lists | mist: Mist's grids (wo, go 6 values; oo, ao 8)
+    top_n: int = 3  # runner-up plans in plan.json and summary.md: the best of the next-best layouts; 0 = none
 
 
 @dataclass
