@@ -125,7 +125,7 @@ BAD_INPUTS = [
     (["show", "--cfg", "everything"], "--cfg"),
     (["show", "-cd", "missing"], "--config-dir"),
     (["predict", "--plan"], "--plan"),
-    (["explain"], "command"),
+    (["explian"], "command"),  # not a command (explain is one)
 ]
 
 

@@ -142,5 +142,6 @@ class MistDsConfig:
     strategy: StrategyConfig = MISSING
     tuner: TunerConfig = MISSING
     json: bool = False  # machine-readable output: the result as JSON on stdout instead of text
-    plan: Optional[str] = None  # a plan.json from `mist-ds tune` whose strategy predict prices; null = `strategy`
+    plan: Optional[str] = None  # a plan.json from `mist-ds tune` that predict prices and explain explains; null = `strategy`
+    cases: Optional[str] = None  # (predict-many) a text file: one case of overrides a line, priced together
     measure: MeasureConfig = field(default_factory=MeasureConfig)
