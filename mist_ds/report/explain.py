@@ -101,7 +101,9 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
     costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
     times = stage_times(costs, hw, caps, specs.train, stage_candidates(strategy, specs.model.seq_len))
     G, total = strategy.parallelism.grad_accum, prediction.iteration_time_s
-    hidden = times.stable_s - times.compute_s - times.recompute_s - times.tp_s - times.p2p_s
+    # Never below 0 but by rounding (the overlap model prices a phase at least its compute); the bubble,
+    # the rest, keeps each row's sum exact.
+    hidden = np.maximum(times.stable_s - times.compute_s - times.recompute_s - times.tp_s - times.p2p_s, 0.0)
     # The gradient reduction is communication: after the last backward where the runtime does not
     # overlap it (part of end_s), else what of it the last backward does not hide (its extra).
     overlap = caps.overlap
@@ -224,8 +226,16 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
     }
 
 
-def _signed(x: float) -> str:
-    return f"{x:+.3f}"
+def _loss_text(runner_up: dict[str, Any], plan_s: float) -> str:
+    """Where a runner-up spends more than the plan, parts shown to the millisecond."""
+    time_s = runner_up["iteration_time_s"]
+    if time_s < plan_s:  # the tuner ranks by the closed form, predict by the event simulation
+        return "faster by the event simulation; ranked after the plan by the tuner's closed-form objective"
+    if time_s == plan_s:
+        return "ties with the plan (ranked after it in the search's order)"
+    shown = sorted(((v, k) for k, v in runner_up["more_s"].items() if abs(v) >= 5e-4), reverse=True)
+    parts = ", ".join(f"{PART_WORDS[k]} {v:+.3f}" for v, k in shown)
+    return f"lost on {PART_WORDS[runner_up['lost_on']]} ({parts})"
 
 
 def render_explain(facts: dict[str, Any]) -> str:
@@ -264,9 +274,7 @@ def render_explain(facts: dict[str, Any]) -> str:
     if facts["runner_ups"]:
         lines += ["", "Runner-ups, and where each spends more than the plan (stage mean, seconds):"]
         for r in facts["runner_ups"]:
-            worse = sorted(((v, k) for k, v in r["more_s"].items() if abs(v) > 1e-9), reverse=True)
-            parts = ", ".join(f"{PART_WORDS[k]} {_signed(v)}" for v, k in worse)
-            lines.append(f"  {r['rank']}: {r['iteration_time_s']:.3f} s, lost on {PART_WORDS[r['lost_on']]} ({parts})")
+            lines.append(f"  {r['rank']}: {r['iteration_time_s']:.3f} s, {_loss_text(r, total)}")
     return "\n".join(lines)
 
 
