@@ -44,6 +44,7 @@ def test_composition_equals_compose_and_refuses_what_it_refuses(cases):
         with pytest.raises(ConfigError) as batch:
             mist_ds.predict_many([tiny, tiny + bad])
         assert (batch.value.field, str(batch.value)) == (one.value.field, str(one.value))
+        assert batch.value.__notes__ == ["case 1"]
 
 
 def test_the_cli_prices_a_cases_file(tmp_path):
@@ -56,5 +57,8 @@ def test_the_cli_prices_a_cases_file(tmp_path):
     assert [r["overrides"] for r in records] == [["strategy.tp=2"], ["strategy.pp=2", "strategy.micro_batch_size=2"]]
     for record in records:
         assert record["prediction"] == json.loads(json.dumps(mist_ds.predict(common + record["overrides"]).to_dict()))
+    (tmp_path / "bad.txt").write_text("strategy.tp=2\nstrategy.tp=3\n")
+    bad = run_cli("predict-many", "cases=bad.txt", *common, cwd=tmp_path)
+    assert bad.returncode == 2 and "cases case 1 strategy.tp=3" in bad.stderr, bad.stderr
     missing = run_cli("predict-many", "cases=nothing.txt", cwd=tmp_path)
     assert missing.returncode == 2 and "cases=" in missing.stderr and "Traceback" not in missing.stderr

@@ -146,7 +146,11 @@ def _predict_many(cfg: DictConfig) -> int:
         raise ConfigError(CASES_FIELD, NO_VALUE, "give cases=FILE: one line of overrides per strategy to price")
     cases = read_cases(Path(to_absolute_path(path)))
     common = task_overrides()
-    predictions = mist_ds.predict_many([[*common, *case] for case in cases])
+    try:
+        predictions = mist_ds.predict_many([[*common, *case] for case in cases])
+    except ConfigError as error:  # name the case: its note says which (specs/errors.py, noting_case)
+        raise ConfigError(" ".join([CASES_FIELD, *getattr(error, "__notes__", []), error.field]), error.value,
+                          error.fix, error.rule) from error
     _emit(cfg, many_records(cases, predictions), lambda: render_many(cases, predictions))
     return EXIT_OK
 

@@ -9,7 +9,8 @@ overrides of each top-level group (`model.hidden_size=2048`) are applied to a co
 node only, once per distinct (base, group, overrides), and each group is converted to its spec once.
 The groups hold no interpolation into each other, so a group's node depends on its own overrides
 alone. A list the fast path cannot take (a bad key, a value OmegaConf refuses) is composed by
-`compose` itself, which raises the same ConfigError as one-by-one composition.
+`compose` itself, which raises the same ConfigError as one-by-one composition, with a note naming the
+case (`case <i>`, the list's index).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 from mist_ds.config import compose, compose_config
 from mist_ds.config.convert import cluster_spec, model_spec, specs_of, train_spec, tuner_spec
 from mist_ds.specs import Specs, check_runtime
+from mist_ds.specs.errors import noting_case
 
 GROUP_SPECS = {"model": model_spec, "cluster": cluster_spec, "train": train_spec, "tuner": tuner_spec}
 """Groups converted alone; `strategy` is resolved against the model, cluster and training setup."""
@@ -103,11 +105,11 @@ def compose_many(override_lists: Sequence[Sequence[str]], with_strategy: bool = 
     """[compose(o, with_strategy) for o in override_lists], sharing what the lists share."""
     memo = _Memo()
     out = []
-    for overrides in override_lists:
+    for i, overrides in enumerate(override_lists):
         try:
             out.append(_fast(memo, overrides, with_strategy))
         except Exception:  # noqa: BLE001 - compose gives the error exactly as one-by-one composition does
-            out.append(compose(overrides, with_strategy))
+            out.append(noting_case(i, compose, overrides, with_strategy))
     return out
 
 

@@ -22,6 +22,7 @@ from mist_ds.cost.predict import Prediction, checked_caps, model_costs, predicti
 from mist_ds.cost.stage import StageCandidates, stage_memory, stage_times
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
+from mist_ds.specs.errors import noting_case
 
 
 def _stacked(candidates: Sequence[StageCandidates]) -> StageCandidates:
@@ -51,7 +52,7 @@ def predict_specs_many(many: Sequence[Specs], caps: RuntimeCapabilities | None =
     costs, hardware, groups = {}, {}, defaultdict(list)
     checked = []
     for i, specs in enumerate(many):
-        row_caps = checked_caps(specs, caps)
+        row_caps = noting_case(i, checked_caps, specs, caps)
         checked.append(row_caps)
         groups[_stack_key(specs, row_caps)].append(i)
         precision = specs.train.precision

@@ -168,10 +168,10 @@ def bound_of(relaxations: Sequence[dict[str, Any]], plan_s: float) -> dict[str, 
     return best if best is not None and best["iteration_time_s"] < plan_s else None
 
 
-def _runner_up_strategy(specs: Specs, entry: dict[str, Any]) -> StrategySpec:
+def _runner_up_strategy(specs: Specs, entry: dict[str, Any], index: int) -> StrategySpec:
     """A plan file's runner-up strategy, checked against the model, cluster and runtime as a composed
     strategy is (ConfigError naming the runner-up and the field)."""
-    where = f"plan.runner_ups[{entry.get('rank', 0) - 1}]"
+    where = f"plan.runner_ups[{index}]"
     try:
         data = strategy_from_dict(entry["strategy"], f"{where}.strategy").to_dict()
         resolved = resolve_strategy(specs.model, specs.cluster, specs.train, runtime=data["runtime"], tp=data["tp"],
@@ -189,10 +189,10 @@ def _runner_up_strategy(specs: Specs, entry: dict[str, Any]) -> StrategySpec:
     return resolved
 
 
-def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], plan_strategy: StrategySpec,
-              costs, hw) -> dict[str, Any]:
+def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], index: int,
+              plan_strategy: StrategySpec, costs, hw) -> dict[str, Any]:
     """A runner-up re-priced: its time and, per part, how much more (or less) it spends than the plan."""
-    strategy = _runner_up_strategy(specs, entry)
+    strategy = _runner_up_strategy(specs, entry, index)
     runner_specs = dataclasses.replace(specs, strategy=strategy)
     prediction = predict_strategy(runner_specs, costs, hw)
     mean = mean_breakdown(time_breakdown(runner_specs, prediction))
@@ -221,8 +221,8 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
         "time_per_stage": stages, "time_mean": plan_mean, "memory_per_stage": memory_rows(specs, prediction),
         "usable_memory_bytes": specs.cluster.gpu.usable_memory_bytes, "fits": prediction.fits,
         "relaxations": relaxations, "bound": bound["name"] if bound else None,
-        "runner_ups": [_why_lost(specs, plan_mean, entry, specs.strategy, costs, hw)
-                       for entry in (plan.runner_ups if plan else [])],
+        "runner_ups": [_why_lost(specs, plan_mean, entry, i, specs.strategy, costs, hw)
+                       for i, entry in enumerate(plan.runner_ups if plan else [])],
     }
 
 
