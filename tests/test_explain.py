@@ -79,10 +79,14 @@ def test_cli_explains_a_plan_file_and_refuses_bad_ones(tmp_path):
     facts = json.loads(result.stdout)
     assert facts["bound"] == "network" and facts["iteration_time_s"] == plan.iteration_time_s
     assert len(facts["runner_ups"]) == len(plan.runner_ups)
-    bad = plan.to_dict()
+    bad = json.loads(json.dumps(plan.to_dict()))  # a copy: to_dict shares its lists with the plan
     bad["runner_ups"][0]["strategy"]["tp"] = 3
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     (tmp_path / "broken.json").write_text("{not json")
+    odd = {**plan.to_dict(), "prediction": {}}  # a plan that records no time is re-priced all the same
+    (tmp_path / "odd.json").write_text(json.dumps(odd))
+    again = run_cli("explain", "plan=odd.json", "--json", cwd=tmp_path)
+    assert again.returncode == 0 and json.loads(again.stdout)["recorded_iteration_time_s"] is None, again.stderr
     for name, field in (("bad.json", "plan.runner_ups[0]"), ("broken.json", "plan="), ("missing.json", "plan=")):
         refused = run_cli("explain", f"plan={name}", cwd=tmp_path)
         assert refused.returncode == 2 and field in refused.stderr and "Traceback" not in refused.stderr, refused.stderr

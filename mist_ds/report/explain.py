@@ -202,6 +202,12 @@ def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], 
             "more_s": more, "lost_on": max(TIME_PARTS, key=lambda k: more[k])}
 
 
+def _recorded_s(plan: Plan | None) -> float | None:
+    """The iteration time a plan file records (None where it records no number: it is re-priced anyway)."""
+    value = plan.prediction.get("iteration_time_s") if plan else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
     """`mist-ds explain --json`: `specs` hold the plan's strategy (or the strategy group's)."""
     costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
@@ -217,7 +223,7 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
     plan_mean = mean_breakdown(stages)
     return {
         "strategy": specs.strategy.to_dict(), "iteration_time_s": plan_s, "retuned_iteration_time_s": tuned_s,
-        "recorded_iteration_time_s": plan.iteration_time_s if plan else None,
+        "recorded_iteration_time_s": _recorded_s(plan),
         "time_per_stage": stages, "time_mean": plan_mean, "memory_per_stage": memory_rows(specs, prediction),
         "usable_memory_bytes": specs.cluster.gpu.usable_memory_bytes, "fits": prediction.fits,
         "relaxations": relaxations, "bound": bound["name"] if bound else None,
