@@ -224,8 +224,8 @@ COMMANDS: dict[str, Command] = {
                     writes_files=True),
     "predict": Command(_predict, "predict time and memory of the `strategy` group's strategy, or of plan=PLAN_JSON",
                        reads_plan=True),
-    "explain": Command(_explain, "where the time and memory of plan=PLAN_JSON go, what bounds it (each resource "
-                                 "relaxed, re-tuned), why its runner-ups lost", reads_plan=True),
+    "explain": Command(_explain, "where plan=PLAN_JSON's time and memory go, what bounds it, why its runner-ups lost",
+                       reads_plan=True),
     "predict-many": Command(_predict_many, "price every strategy of cases=FILE (one line of overrides each) at once"),
     "show": Command(_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
     "analyze": Command(_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
