@@ -118,6 +118,17 @@ def _sc21_schedule(row: dict, interleaved: bool) -> dict:
 VTRAIN_FIT_GPUS = {2, 4}  # the calibration subset of cluster/a100-80g.yaml; 8-GPU rows are held out
 
 
+def vtrain_row_overrides(row: dict) -> list[str]:
+    """The Hydra overrides of a vTrain row: the specs vtrain_row_specs builds, as `mist_ds.predict` takes them."""
+    return ["model=gpt3-1.3b", f"model.name=vtrain-h{row['hidden_size']}-l{row['num_layers']}",
+            f"model.hidden_size={row['hidden_size']}", f"model.num_layers={row['num_layers']}",
+            f"model.num_heads={row['num_heads']}", "model.vocab_size=51200", f"model.seq_len={row['seq_len']}",
+            "model.flash_attention=false", "cluster=a100-80g", "train.precision=fp16", "model.dropout=0.1",
+            "cluster.nodes=1", f"cluster.gpus_per_node={row['gpus']}", f"train.global_batch_size={row['global_batch']}",
+            "strategy.runtime=megatron", f"strategy.tp={row['tp']}", f"strategy.pp={row['pp']}",
+            f"strategy.micro_batch_size={row['micro_batch']}", "strategy.ckpt_layers=full", "strategy.zero_stage=0"]
+
+
 def vtrain_row_specs(row: dict, **gpu_changes) -> Specs:
     """Specs of a row of benchmarks/reference/vtrain_a100_single_node.csv (runtime megatron, one node, full
     recompute, ZeRO 0); `gpu_changes` replace fields of the cluster's GPU."""

@@ -4,6 +4,7 @@ Python API (the same override strings as the `mist-ds` CLI):
     mist_ds.compose(["model=llama2-7b", "cluster=a100-80g"]) -> Specs   # validated config
     mist_ds.show([...]) -> dict                                          # `mist-ds show --json`
     mist_ds.predict([...]) -> Prediction                                 # `mist-ds predict`
+    mist_ds.predict_many([[...], [...]]) -> [Prediction]                 # `mist-ds predict-many`
     mist_ds.tune([...]) -> Plan                                          # `mist-ds tune` (no files)
 
 Imports are lazy so that `import mist_ds` stays cheap (torch and DeepSpeed load only when needed).
@@ -36,6 +37,16 @@ def predict(overrides: Sequence[str] = ()):
     return _predict(compose(overrides))
 
 
+def predict_many(override_lists: Sequence[Sequence[str]]):
+    """[predict(o) for o in override_lists], bit for bit, sharing what the lists share: one Hydra
+    compose per distinct set of group choices, the symbolic analysis per model, the hardware model per
+    cluster, and one vectorized pricing of the stages of every strategy on the same setting."""
+    from mist_ds.config.many import compose_many
+    from mist_ds.cost.batch import predict_specs_many
+
+    return predict_specs_many(compose_many(override_lists))
+
+
 def tune(overrides: Sequence[str] = ()):
     """The best plan for `overrides` -> Plan; raises mist_ds.tuner.NoPlanFits when nothing fits."""
     from mist_ds.report.tune import plan_from_result
@@ -53,4 +64,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mist_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "compose", "predict", "show", "tune"]
+__all__ = ["ConfigError", "compose", "predict", "predict_many", "show", "tune"]

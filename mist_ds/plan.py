@@ -34,6 +34,9 @@ class Plan:
     """`mist-ds predict --json` of the strategy."""
     search: dict[str, Any]
     baselines: list[dict[str, Any]] = field(default_factory=list)
+    runner_ups: list[dict[str, Any]] = field(default_factory=list)
+    """The best plans of the next-best global points, fastest first (tuner/runner_ups.py): rank,
+    iteration_time_s, objective_s, slower_by, differs (strategy key -> [plan's, runner-up's]), strategy."""
     version: int = PLAN_VERSION
 
     def overrides(self, extra: Sequence[str] = ()) -> list[str]:
@@ -43,7 +46,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "user_overrides": list(self.user_overrides),
                 "strategy": self.strategy.to_dict(), "prediction": self.prediction, "search": self.search,
-                "baselines": self.baselines}
+                "baselines": self.baselines, "runner_ups": self.runner_ups}
 
     @property
     def iteration_time_s(self) -> float:
@@ -60,6 +63,20 @@ def _required(data: dict, key: str, kind: type, source: str):
     return value
 
 
+def _check_runner_ups(runner_ups: Any) -> None:
+    """Each runner-up a dict with its time and a valid strategy (ConfigError naming the entry)."""
+    if not isinstance(runner_ups, list):
+        raise ConfigError(f"{PLAN_FIELD}.runner_ups", type(runner_ups).__name__, "must be a list")
+    for i, entry in enumerate(runner_ups):
+        where = f"{PLAN_FIELD}.runner_ups[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("strategy"), dict):
+            raise ConfigError(where, type(entry).__name__, "must be an object with a `strategy`; re-run `mist-ds tune`")
+        time_s = entry.get("iteration_time_s")
+        if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not time_s > 0:
+            raise ConfigError(f"{where}.iteration_time_s", time_s, "must be a positive number of seconds")
+        strategy_from_dict(entry["strategy"], f"{where}.strategy")
+
+
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     """A Plan from parsed plan.json data, every key checked (ConfigError naming it)."""
     if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
@@ -72,10 +89,13 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     baselines = data.get("baselines", [])
     if not isinstance(baselines, list):
         raise ConfigError(f"{PLAN_FIELD}.baselines", type(baselines).__name__, "must be a list")
+    runner_ups = data.get("runner_ups", [])
+    _check_runner_ups(runner_ups)
     return Plan(user_overrides=list(overrides),
                 strategy=strategy_from_dict(_required(data, "strategy", dict, source), f"{PLAN_FIELD}.strategy"),
                 prediction=dict(_required(data, "prediction", dict, source)),
-                search=dict(_required(data, "search", dict, source)), baselines=list(baselines))
+                search=dict(_required(data, "search", dict, source)), baselines=list(baselines),
+                runner_ups=list(runner_ups))
 
 
 def load_plan(path: str | Path) -> Plan:

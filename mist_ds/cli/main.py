@@ -3,6 +3,8 @@
     mist-ds tune model=llama2-7b cluster=a100-80g cluster.nodes=2   # plan files in outputs/<date>/<time>
     mist-ds tune -m model=gpt3-1.3b,gpt3-2.7b                        # one job, and plan, per model
     mist-ds predict plan=outputs/2025-01-01/12-00-00/plan.json json=true
+    mist-ds explain plan=outputs/2025-01-01/12-00-00/plan.json      # where the time goes, what bounds it
+    mist-ds predict-many cases=cases.txt model=gpt3-1.3b            # one strategy per line, priced at once
     mist-ds show model=tiny --cfg job                                # Hydra's flags work as usual
 
 A tiny pre-parser pops the command word (tune, predict, show, analyze); everything after it is Hydra's
@@ -27,8 +29,8 @@ Files: tune writes plan.json, ds_config.json, summary.md, cmd.txt (the command t
 timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; also when no plan fits)
 into Hydra's output dir (hydra.run.dir; in a multirun each job's dir under hydra.sweep.dir), next to
 Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir.
-show, predict and analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in
-hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
+show, predict, predict-many, explain and analyze write nothing (a multirun of them leaves Hydra's
+multirun.yaml in hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ EXIT_OK = 0
 EXIT_CONFIG_ERROR = 2
 EXIT_NO_PLAN_FITS = 3
 PROG = "mist-ds"
-CLI_KEYS = ("json", "plan")
+CLI_KEYS = ("json", "plan", "cases")
 """Top-level keys that steer a command's output, not the planned job: kept out of plan.json's overrides."""
 FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
@@ -123,6 +125,42 @@ def _predict(cfg: DictConfig) -> int:
 
     prediction = predict(specs_from_config(_with_plan(cfg)))
     _emit(cfg, prediction.to_dict(), lambda: render_prediction(prediction))
+    return EXIT_OK
+
+
+def _explain(cfg: DictConfig) -> int:
+    """Where plan=P's (or the strategy group's) time and memory go, what bounds it, why its runner-ups lost."""
+    from hydra.utils import to_absolute_path
+
+    from mist_ds.config import specs_from_config
+    from mist_ds.plan import load_plan
+    from mist_ds.report.explain import explain_facts, render_explain
+
+    path = OmegaConf.select(cfg, "plan")
+    plan = load_plan(to_absolute_path(path)) if path is not None else None
+    facts = explain_facts(specs_from_config(_with_plan(cfg)), plan)
+    _emit(cfg, facts, lambda: render_explain(facts))
+    return EXIT_OK
+
+
+def _predict_many(cfg: DictConfig) -> int:
+    """Every case of cases=FILE after the job's own overrides, priced together (mist_ds.predict_many)."""
+    import mist_ds
+    from hydra.utils import to_absolute_path
+
+    from mist_ds.report.batch import CASES_FIELD, many_records, read_cases, render_many
+
+    path = OmegaConf.select(cfg, CASES_FIELD)
+    if path is None:
+        raise ConfigError(CASES_FIELD, NO_VALUE, "give cases=FILE: one line of overrides per strategy to price")
+    cases = read_cases(Path(to_absolute_path(path)))
+    common = task_overrides()
+    try:
+        predictions = mist_ds.predict_many([[*common, *case] for case in cases])
+    except ConfigError as error:  # name the case: its note says which (specs/errors.py, noting_case)
+        raise ConfigError(" ".join([CASES_FIELD, *getattr(error, "__notes__", []), error.field]), error.value,
+                          error.fix, error.rule) from error
+    _emit(cfg, many_records(cases, predictions), lambda: render_many(cases, predictions))
     return EXIT_OK
 
 
@@ -207,6 +245,9 @@ COMMANDS: dict[str, Command] = {
                            "cmd.txt and pictures", writes_files=True, summarizes_sweeps=True),
     "predict": Command(_predict, "predict time and memory of the `strategy` group's strategy, or of plan=PLAN_JSON",
                        reads_plan=True),
+    "explain": Command(_explain, "where plan=PLAN_JSON's time and memory go, what bounds it, why its runner-ups lost",
+                       reads_plan=True),
+    "predict-many": Command(_predict_many, "price every strategy of cases=FILE (one line of overrides each) at once"),
     "show": Command(_show, "print the resolved config and derived facts (parameters, FLOPs, model-state bytes)"),
     "analyze": Command(_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
     "measure": Command(_measure, "run the strategy (or plan=PLAN_JSON) on this machine and measure it beside "
@@ -223,7 +264,8 @@ commands:
 Everything after the command is Hydra's command line ({PROG} <command> --help, --hydra-help):
   key=value group=option   overrides, e.g. model=llama2-7b cluster=a100-80g cluster.nodes=4
   json=true                machine-readable output on stdout
-  plan=PLAN_JSON           (predict) price the strategy of a plan.json from `{PROG} tune`
+  plan=PLAN_JSON           (predict, explain) the plan.json from `{PROG} tune` to price or explain
+  cases=FILE               (predict-many) one line of overrides per strategy, after the command's own
   hydra.run.dir=DIR        (tune) write the plan files into DIR (default outputs/<date>/<time>)
   -m, --multirun           one job per swept value (model=gpt3-1.3b,gpt3-2.7b), under hydra.sweep.dir
   --cfg job|hydra|all      print the composed config instead of running

@@ -56,7 +56,8 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      grads_offload_ratios=tuple(cfg.grads_offload_ratios),
                      optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
                      activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
-                     partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid)
+                     partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid,
+                     top_n=cfg.top_n)
 
 
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:
@@ -72,10 +73,13 @@ def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, t
 
 def to_specs(cfg: MistDsConfig, with_strategy: bool = True) -> Specs:
     """Validate and convert a whole config; raises ConfigError naming the first bad field."""
-    model = model_spec(cfg.model)
-    cluster = cluster_spec(cfg.cluster)
-    train = train_spec(cfg.train)
-    tuner = tuner_spec(cfg.tuner)
+    return specs_of(model_spec(cfg.model), cluster_spec(cfg.cluster), train_spec(cfg.train), tuner_spec(cfg.tuner),
+                    cfg.strategy if with_strategy else None)
+
+
+def specs_of(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
+             strategy: StrategyConfig | None) -> Specs:
+    """Specs of converted groups; the strategy (None: none) resolved against them."""
     cluster.gpu.peak(train.precision)
-    strategy = strategy_spec(cfg.strategy, model, cluster, train) if with_strategy else None
-    return Specs(model=model, cluster=cluster, train=train, strategy=strategy, tuner=tuner)
+    resolved = strategy_spec(strategy, model, cluster, train) if strategy is not None else None
+    return Specs(model=model, cluster=cluster, train=train, strategy=resolved, tuner=tuner)

@@ -124,6 +124,7 @@ class TunerConfig:
     partition_solver: str = "auto"  # auto | dp | milp: stage split solver; auto: DP, MILP where shared host can bind
     host_memory: str = "per-gpu"  # per-gpu: a GPU's offloads within its node share | per-node: a node's ranks share it
     grid: str = "default"  # default: the *_offload_ratios lists | mist: Mist's grids (wo, go 6 values; oo, ao 8)
+    top_n: int = 3  # runner-up plans in plan.json and summary.md: the best of the next-best layouts; 0 = none
 
 
 @dataclass
@@ -141,5 +142,6 @@ class MistDsConfig:
     strategy: StrategyConfig = MISSING
     tuner: TunerConfig = MISSING
     json: bool = False  # machine-readable output: the result as JSON on stdout instead of text
-    plan: Optional[str] = None  # a plan.json from `mist-ds tune` whose strategy predict prices; null = `strategy`
+    plan: Optional[str] = None  # a plan.json from `mist-ds tune` that predict prices and explain explains; null = `strategy`
+    cases: Optional[str] = None  # (predict-many) a text file: one case of overrides a line, priced together
     measure: MeasureConfig = field(default_factory=MeasureConfig)

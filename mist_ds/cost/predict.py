@@ -11,7 +11,8 @@ from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.simulate import Span, simulate, simulate_interleaved
-from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
+from mist_ds.cost.stage import (ModelCosts, StageCandidates, StageMemory, StageTimes, stage_memory, stage_times,
+                                tail_s)
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec, check_runtime
 from mist_ds.specs.runtime import capabilities_of
@@ -124,40 +125,63 @@ def _simulated_iteration(times, micro_batches: int, chunks: int, tail: float) ->
         sync_s=sync, micro_batches=micro_batches, chunks=chunks, iteration_time_s=simulated)
 
 
-def _priced_times(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities | None):
-    """(caps, stage candidates, stage times, tail seconds) of specs.strategy, refused by its runtime's rules."""
-    strategy = specs.strategy
-    caps = capabilities_of(caps or strategy.runtime)
-    check_runtime(strategy, caps, specs.model)
-    c = stage_candidates(strategy, specs.model.seq_len)
-    times = stage_times(costs, hw, caps, specs.train, c)
-    tail = float(tail_s(hw, specs.train, np.max(times.end_s), strategy.parallelism.num_gpus))
-    return caps, c, times, tail
-
-
 def simulate_iteration(specs: Specs, caps: RuntimeCapabilities | None = None,
                        cache_dir: Path | None = None) -> SimulatedIteration:
     """The event simulation behind predict(specs).iteration_time_s, every instruction's span kept."""
     costs, hw = model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision)
-    _, _, times, tail = _priced_times(specs, costs, hw, caps)
+    caps = checked_caps(specs, caps)
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    times = stage_times(costs, hw, caps, specs.train, c)
     par = specs.strategy.parallelism
+    tail = float(tail_s(hw, specs.train, np.max(times.end_s), par.num_gpus))
     return _simulated_iteration(times, par.grad_accum, specs.strategy.virtual_stages, tail)
 
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                      caps: RuntimeCapabilities | None = None) -> Prediction:
     """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
-    strategy = specs.strategy
-    caps, c, times, tail = _priced_times(specs, costs, hw, caps)
+    caps = checked_caps(specs, caps)
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    times = stage_times(costs, hw, caps, specs.train, c)
     memory = stage_memory(costs, hw, caps, specs.train, c)
+    return prediction_of(specs, costs, hw, caps, c, times, memory, stage_work(costs, c))
+
+
+def checked_caps(specs: Specs, caps: RuntimeCapabilities | None) -> RuntimeCapabilities:
+    """`caps` (default: the strategy's runtime), the strategy checked against it (ConfigError)."""
+    caps = capabilities_of(caps or specs.strategy.runtime)
+    check_runtime(specs.strategy, caps, specs.model)
+    return caps
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """Per stage (elementwise over candidates), FLOPs of one rank."""
+
+    flops_per_rank: np.ndarray
+    """An iteration's FLOPs, recompute included (cost/accounting.py, stage_flops)."""
+    recompute_flops: np.ndarray
+    """One micro-batch's recomputed forward FLOPs of the whole TP group (ckpt x block forward x t)."""
+
+
+def stage_work(costs: ModelCosts, c: StageCandidates) -> StageWork:
+    return StageWork(flops_per_rank=stage_flops(costs, c),
+                     recompute_flops=c.ckpt * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)
+
+
+def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
+                  c: StageCandidates, times: StageTimes, memory: StageMemory, work: StageWork) -> Prediction:
+    """The Prediction of specs.strategy from its stages' priced times, memory and work (`c`: its stages, [S])."""
+    strategy = specs.strategy
     par = strategy.parallelism
     world = par.num_gpus
+    tail = float(tail_s(hw, specs.train, np.max(times.end_s), world))
     chunks = strategy.virtual_stages
     simulated = _simulated_iteration(times, par.grad_accum, chunks, tail).iteration_time_s
     closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))
     tokens = par.global_batch_size * specs.model.seq_len
     model_flops = specs.model.training_flops_per_token() * tokens
-    recompute_flops = float(np.sum(c.ckpt * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)) * par.grad_accum * par.dp
+    recompute_flops = float(np.sum(work.recompute_flops)) * par.grad_accum * par.dp
     peak = hw.peak_flops_per_s
     usable = specs.cluster.gpu.usable_memory_bytes
     states = [{"weights": float(memory.weights[i]), "grads": float(memory.grads[i]),
@@ -186,7 +210,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                  "host": "pcie+cpu-adam"},
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
         host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,
-        flops_per_rank=[float(x) for x in stage_flops(costs, c)],
+        flops_per_rank=[float(x) for x in work.flops_per_rank],
         comm_bytes_per_rank=comm_bytes(costs, strategy, specs.train, caps, c, hw.dtype_bytes))
 
 

@@ -14,6 +14,7 @@ from mist_ds.specs import Specs
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import RuntimeCapabilities
 from mist_ds.tuner import TuneResult
+from mist_ds.tuner.runner_ups import runner_up_record
 from mist_ds.tuner.search import SearchResult
 
 
@@ -34,8 +35,13 @@ def plan_from_result(result: TuneResult, user_overrides: Sequence[str]) -> Plan:
     baselines = [{"space": b.space, "iteration_time_s": b.prediction.iteration_time_s if b.prediction else None,
                   "speedup": b.speedup, "strategy": b.prediction.strategy if b.prediction else None,
                   "search": search_summary(b.search)} for b in result.baselines]
+    plan_time = result.prediction.iteration_time_s
+    runner_ups = [runner_up_record(rank, result.strategy, plan_time, point.strategy, prediction.iteration_time_s,
+                                   point.objective_s)
+                  for rank, (point, prediction) in enumerate(result.runner_ups, start=1)]
     return Plan(user_overrides=list(user_overrides), strategy=result.strategy,
-                prediction=result.prediction.to_dict(), search=search_summary(result.search), baselines=baselines)
+                prediction=result.prediction.to_dict(), search=search_summary(result.search), baselines=baselines,
+                runner_ups=runner_ups)
 
 
 def _gib(n: float) -> str:
@@ -81,8 +87,33 @@ def render_summary(plan: Plan, specs: Specs) -> str:
             lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | tp {s['tp']} pp {s['pp']} "
                          f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
                          f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
+    lines += runner_up_lines(plan.runner_ups)
     lines += ["", "Reproduce the prediction: `mist-ds predict plan=plan.json`."]
     return "\n".join(lines) + "\n"
+
+
+def _value_text(value) -> str:
+    """A strategy value as text; a per-stage list with one value on every stage as that value."""
+    if isinstance(value, list) and value and all(v == value[0] for v in value):
+        value = value[0]
+    return ",".join(map(_value_text, value)) if isinstance(value, list) else (
+        f"{value:g}" if isinstance(value, float) else str(value))
+
+
+def differences_text(differs: dict[str, list]) -> str:
+    """`tp 2 -> 1, pp 1 -> 2`: the plan's value, then the runner-up's, per differing strategy key."""
+    return ", ".join(f"{key} {_value_text(mine)} -> {_value_text(theirs)}" for key, (mine, theirs) in differs.items())
+
+
+def runner_up_lines(runner_ups: list[dict]) -> list[str]:
+    """summary.md's runner-up table (empty when there is none)."""
+    if not runner_ups:
+        return []
+    lines = ["", "| runner-up | iteration s | slower by | how it differs from the plan |", "|---|---|---|---|"]
+    for r in runner_ups:
+        lines.append(f"| {r['rank']} | {r['iteration_time_s']:.3f} | {r['slower_by']:.1%} | "
+                     f"{differences_text(r['differs']) or 'the same strategy'} |")
+    return lines
 
 
 def _interleaving(strategy: dict) -> str:

@@ -27,6 +27,20 @@ class ConfigError(ValueError):
         return type(self), (self.field, self.value, self.fix, self.rule)
 
 
+CASE_NOTE = "case {index}"
+"""The note a batch adds to the ConfigError of one of its cases (the index in the batch's list)."""
+
+
+def noting_case(index: int, function, *args):
+    """function(*args); a ConfigError it raises carries CASE_NOTE for `index` (a batch names the case
+    that failed, the error itself staying what one-by-one work raises)."""
+    try:
+        return function(*args)
+    except ConfigError as error:
+        error.add_note(CASE_NOTE.format(index=index))
+        raise
+
+
 def require(condition: bool, field: str, value: Any, fix: str) -> None:
     """Raise ConfigError(field, value, fix) unless condition holds."""
     if not condition:

@@ -50,6 +50,8 @@ class TunerSpec:
     share its host memory (docs/design.md, Tuner, Host memory)."""
     grid: str = "default"
     """default: the *_offload_ratios lists; mist: Mist's grids (MIST_OFFLOAD_RATIOS) in their place."""
+    top_n: int = 3
+    """Runner-up plans kept beside the plan (the best plans of the next-best global points); 0 = none."""
 
     def __post_init__(self) -> None:
         require(self.space in SPACES, "tuner.space", self.space, f"use one of {', '.join(SPACES)}")
@@ -71,6 +73,8 @@ class TunerSpec:
         require(not (self.host_memory == "per-node" and self.partition_solver == "dp"), "tuner.partition_solver",
                 self.partition_solver, "the DP cannot couple the host memory of stages sharing a node: use "
                 "tuner.partition_solver=auto or milp with tuner.host_memory=per-node, or tuner.host_memory=per-gpu")
+        require(isinstance(self.top_n, int) and self.top_n >= 0, "tuner.top_n", self.top_n,
+                "give a whole number >= 0 of runner-up plans (0: none)")
         require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
         for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"

@@ -18,7 +18,8 @@ from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import capabilities_of
-from mist_ds.tuner.search import SearchResult, search
+from mist_ds.tuner.runner_ups import runner_ups
+from mist_ds.tuner.search import PointResult, SearchResult, search
 from mist_ds.tuner.space import tuner_runtime
 
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
@@ -45,6 +46,8 @@ class TuneResult:
     baselines: tuple[Baseline, ...]
     caps: RuntimeCapabilities
     """The runtime the plan was tuned for (the one its files and predictions are for)."""
+    runner_ups: tuple[tuple[PointResult, Prediction], ...] = ()
+    """The best plans of the next-best global points (tuner.top_n), fastest first, each with its prediction."""
 
     @property
     def strategy(self):
@@ -116,6 +119,8 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     if result.best is None:
         raise NoPlanFits(explain_no_fit(specs, result, costs, hw, runtime))
     prediction = _predict(specs, result.best.strategy, costs, hw, runtime)
+    others = tuple((r.result, _predict(specs, r.strategy, costs, hw, runtime))
+                   for r in runner_ups(specs, result, runtime, specs.tuner.top_n, cache_dir))
     compare = specs.tuner.compare_baselines if baselines is None else baselines
     found = []
     for space in (BASELINE_SPACES if compare else ()):
@@ -125,7 +130,8 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
         other_prediction = _predict(specs, other.best.strategy, costs, hw, runtime) if other.best else None
         speedup = other_prediction.iteration_time_s / prediction.iteration_time_s if other_prediction else None
         found.append(Baseline(space, other_prediction, other, speedup))
-    return TuneResult(specs=specs, prediction=prediction, search=result, baselines=tuple(found), caps=runtime)
+    return TuneResult(specs=specs, prediction=prediction, search=result, baselines=tuple(found), caps=runtime,
+                      runner_ups=others)
 
 
 __all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "TuneResult", "explain_no_fit", "tune_specs"]

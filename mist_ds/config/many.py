@@ -1,0 +1,116 @@
+"""Compose many override lists at once: the same Specs as `compose` gives each, without a Hydra compose
+per list (about 0.2 s each).
+
+Hydra composes in two steps (hydra/_internal/config_loader_impl.py, Hydra 1.3): the group choices and
+other overrides select and merge the config files, then each `key=value` override of a nested key is
+applied to the merged config in order (`_apply_overrides_to_config`: OmegaConf.update, merge=True).
+Here the first step runs once per distinct list of non-value overrides (the base); the value
+overrides of each top-level group (`model.hidden_size=2048`) are applied to a copy of that group's
+node only, once per distinct (base, group, overrides), and each group is converted to its spec once.
+The groups hold no interpolation into each other, so a group's node depends on its own overrides
+alone. A list the fast path cannot take (a bad key, a value OmegaConf refuses) is composed by
+`compose` itself, which raises the same ConfigError as one-by-one composition, with a note naming the
+case (`case <i>`, the list's index).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from omegaconf import OmegaConf
+
+from mist_ds.config import compose, compose_config
+from mist_ds.config.convert import cluster_spec, model_spec, specs_of, train_spec, tuner_spec
+from mist_ds.specs import Specs, check_runtime
+from mist_ds.specs.errors import noting_case
+
+GROUP_SPECS = {"model": model_spec, "cluster": cluster_spec, "train": train_spec, "tuner": tuner_spec}
+"""Groups converted alone; `strategy` is resolved against the model, cluster and training setup."""
+
+
+@dataclass
+class _Memo:
+    """What composing the lists found so far, keyed by override strings."""
+
+    parsed: dict[str, Any] = field(default_factory=dict)
+    bases: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    groups: dict[tuple, Any] = field(default_factory=dict)
+    specs: dict[tuple, Any] = field(default_factory=dict)
+
+
+def _parse(memo: _Memo, line: str):
+    if line not in memo.parsed:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        memo.parsed[line] = OverridesParser.create().parse_override(line)
+    return memo.parsed[line]
+
+
+def _group_value(override) -> str | None:
+    """The top-level group of a plain `group.key=value` change of one of GROUP_SPECS or strategy; None
+    for anything else (group choices, +/~/++ forms, packages, sweeps, other keys)."""
+    key = override.key_or_group
+    group = key.split(".", 1)[0]
+    plain = (override.package is None and not override.is_sweep_override() and not override.is_add()
+             and not override.is_delete() and not override.is_force_add())
+    return group if plain and "." in key and (group in GROUP_SPECS or group == "strategy") else None
+
+
+def _split(memo: _Memo, overrides: Sequence[str]) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """(the base: every override that is not a group value, in order; per group, its values in order)."""
+    base, values = [], {}
+    for line in overrides:
+        group = _group_value(_parse(memo, line))
+        if group is None:
+            base.append(line)
+        else:
+            values.setdefault(group, []).append(line)
+    return tuple(base), {g: tuple(v) for g, v in values.items()}
+
+
+def _group_config(memo: _Memo, base: tuple[str, ...], group: str, lines: tuple[str, ...]):
+    """The group's schema object (ModelConfig, ...) with `lines` applied as Hydra applies them."""
+    key = (base, group, lines)
+    if key not in memo.groups:
+        if base not in memo.bases:
+            memo.bases[base] = compose_config(base)
+        node = copy.deepcopy(memo.bases[base][group])
+        OmegaConf.set_struct(node, True)  # as in the composed config: a key the schema lacks is refused
+        for line in lines:
+            override = _parse(memo, line)
+            OmegaConf.update(node, override.key_or_group.split(".", 1)[1], override.value(), merge=True)
+        memo.groups[key] = OmegaConf.to_object(node)
+    return memo.groups[key]
+
+
+def _converted(memo: _Memo, base, group: str, lines: tuple[str, ...]):
+    key = ("spec", base, group, lines)
+    if key not in memo.specs:
+        memo.specs[key] = GROUP_SPECS[group](_group_config(memo, base, group, lines))
+    return memo.specs[key]
+
+
+def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs:
+    base, values = _split(memo, overrides)
+    parts = {g: _converted(memo, base, g, values.get(g, ())) for g in GROUP_SPECS}
+    strategy = _group_config(memo, base, "strategy", values.get("strategy", ())) if with_strategy else None
+    specs = specs_of(parts["model"], parts["cluster"], parts["train"], parts["tuner"], strategy)
+    if specs.strategy is not None:
+        check_runtime(specs.strategy, model=specs.model)
+    return specs
+
+
+def compose_many(override_lists: Sequence[Sequence[str]], with_strategy: bool = True) -> list[Specs]:
+    """[compose(o, with_strategy) for o in override_lists], sharing what the lists share."""
+    memo = _Memo()
+    out = []
+    for i, overrides in enumerate(override_lists):
+        try:
+            out.append(_fast(memo, overrides, with_strategy))
+        except Exception:  # noqa: BLE001 - compose gives the error exactly as one-by-one composition does
+            out.append(noting_case(i, compose, overrides, with_strategy))
+    return out
+
+
+__all__ = ["compose_many"]

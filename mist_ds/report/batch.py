@@ -1,0 +1,50 @@
+"""`mist-ds predict-many cases=FILE`: many strategies priced at once (mist_ds.predict_many), one row each.
+
+FILE holds one case a line: Hydra overrides separated by blanks, quoted as in a shell
+(`strategy.tp=2 strategy.pp=2 model.name='my model'`); blank lines and lines starting with # are skipped.
+The command's own overrides go before every case's (a case's win)."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+from mist_ds.cost.predict import Prediction
+from mist_ds.specs import ConfigError
+
+CASES_FIELD = "cases"
+
+
+def read_cases(path: Path) -> list[list[str]]:
+    """The override lists of a cases file (module docstring); ConfigError naming the file or the line."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError as error:
+        raise ConfigError(CASES_FIELD, str(path), "no such file; give a text file with one case of overrides a line") \
+            from error
+    except (IsADirectoryError, UnicodeDecodeError) as error:
+        raise ConfigError(CASES_FIELD, str(path), "not a text file of overrides, one case a line") from error
+    cases = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            cases.append(shlex.split(line))
+        except ValueError as error:
+            raise ConfigError(f"{CASES_FIELD} line {number}", line, f"{error}: quote values as in a shell") from error
+    if not cases:
+        raise ConfigError(CASES_FIELD, str(path), "holds no case: write one line of overrides per strategy")
+    return cases
+
+
+def many_records(cases: Sequence[Sequence[str]], predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
+    """`predict-many --json`: per case its overrides and `predict --json` of it."""
+    return [{"overrides": list(case), "prediction": p.to_dict()} for case, p in zip(cases, predictions)]
+
+
+def render_many(cases: Sequence[Sequence[str]], predictions: Sequence[Prediction]) -> str:
+    lines = ["case  iteration s  tokens/s      MFU  fits  peak GiB  overrides"]
+    for i, (case, p) in enumerate(zip(cases, predictions)):
+        lines.append(f"{i:>4}  {p.iteration_time_s:11.4f}  {p.tokens_per_s:10,.0f}  {p.mfu:6.1%}  "
+                     f"{'yes' if p.fits else 'NO':>4}  {max(p.peak_memory_bytes) / 2**30:8.2f}  {' '.join(case)}")
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""`mist-ds explain plan=PLAN_JSON`: where a plan's time and memory go, what bounds it, why the runner-ups
+lost (docs/design.md, Explaining a plan).
+
+Time, per stage, in seconds of one iteration; each stage's parts add up to the iteration time:
+    compute, recompute        G x the stage's forward + backward compute, G x its recomputed forwards
+    exposed communication     G x (TP collectives + pipeline p2p + the ZeRO / data-parallel traffic no
+                              compute hides) + the gradient reduction no backward hides (the last
+                              micro-batch's extra, or after it where the runtime does not overlap it)
+    exposed host transfers    G x the swaps (offloaded states and activations) no compute hides
+    imbalance                 (G - 1) x (the slowest stage's stable time - this stage's): steady-state waits
+    optimizer                 the step (inside the first forward, or at the end), the norm sync after
+                              every stage's end
+    bubble                    the rest: fill and drain (the event simulation's makespan minus all the above)
+The exposed part of an overlapped phase (stable time minus compute, recompute, TP and p2p) is split
+between data-parallel traffic and host transfers in proportion to how long each channel is busy.
+
+The bound: the plan's setting is re-tuned as it is and under each single relaxation (RELAXATIONS),
+baselines and runner-ups off; the relaxation whose re-tuned plan is fastest, and faster than the best
+plan of the setting, names what bounds the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy, stage_candidates
+from mist_ds.cost.stage import stage_times
+from mist_ds.hardware import hardware_model
+from mist_ds.plan import Plan
+from mist_ds.specs import ConfigError, Specs, StrategySpec, check_runtime
+from mist_ds.specs.cluster import GIB
+from mist_ds.specs.runtime import capabilities_of
+from mist_ds.specs.strategy import resolve_strategy, strategy_from_dict
+from mist_ds.tuner import NoPlanFits, tune_specs
+from mist_ds.tuner.runner_ups import strategy_differences
+
+TIME_PARTS = ("compute_s", "recompute_s", "exposed_comm_s", "exposed_host_s", "bubble_s", "imbalance_s", "optimizer_s")
+PART_WORDS = {"compute_s": "compute", "recompute_s": "recompute", "exposed_comm_s": "exposed communication",
+              "exposed_host_s": "exposed host transfers", "bubble_s": "bubble", "imbalance_s": "imbalance",
+              "optimizer_s": "optimizer"}
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """One thing the plan's setting gets more of, and the bound it names when it helps most."""
+
+    name: str
+    bound: str
+    text: str
+    relax: Callable[[Specs], Specs | None]
+    """The relaxed setting; None where it does not apply (e.g. no smaller micro-batch than 1)."""
+
+
+def _cluster(specs: Specs, **changes) -> Specs:
+    return dataclasses.replace(specs, cluster=dataclasses.replace(specs.cluster, **changes))
+
+
+def _more_memory(specs: Specs) -> Specs:
+    gpu = specs.cluster.gpu
+    return _cluster(specs, gpu=dataclasses.replace(gpu, memory_bytes=gpu.memory_bytes * 1.1))
+
+
+def _faster_network(specs: Specs) -> Specs:
+    c = specs.cluster
+    return _cluster(specs, intra_node_bytes_per_s=2 * c.intra_node_bytes_per_s,
+                    inter_node_bytes_per_s=2 * c.inter_node_bytes_per_s)
+
+
+def _faster_host_link(specs: Specs) -> Specs:
+    return _cluster(specs, pcie_bytes_per_s=2 * specs.cluster.pcie_bytes_per_s)
+
+
+def _micro_batches(specs: Specs, size: int) -> Specs | None:
+    sizes = specs.tuner.micro_batch_sizes
+    if size < 1 or size in sizes or specs.train.global_batch_size % size:
+        return None
+    return dataclasses.replace(specs, tuner=dataclasses.replace(specs.tuner, micro_batch_sizes=(*sizes, size)))
+
+
+RELAXATIONS: tuple[Relaxation, ...] = (
+    Relaxation("memory", "memory", "10% more GPU memory", _more_memory),
+    Relaxation("network", "network", "twice the GPU-GPU bandwidth (inside and between nodes)", _faster_network),
+    Relaxation("host_link", "host link", "twice the host link (PCIe) bandwidth", _faster_host_link),
+    Relaxation("smaller_micro_batch", "bubble: too few micro-batches",
+               "one more micro-batch size allowed: half the smallest (more micro-batches per step)",
+               lambda s: _micro_batches(s, min(s.tuner.micro_batch_sizes) // 2)),
+    Relaxation("larger_micro_batch", "micro-batch size: small kernels",
+               "one more micro-batch size allowed: twice the largest",
+               lambda s: _micro_batches(s, 2 * max(s.tuner.micro_batch_sizes))),
+)
+
+
+def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float]]:
+    """Per stage, TIME_PARTS (module docstring) in seconds of one iteration; each row sums to the
+    iteration time."""
+    strategy = specs.strategy
+    caps = capabilities_of(strategy.runtime)
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    times = stage_times(costs, hw, caps, specs.train, stage_candidates(strategy, specs.model.seq_len))
+    G, total = strategy.parallelism.grad_accum, prediction.iteration_time_s
+    # Never below 0 but by rounding (the overlap model prices a phase at least its compute); the bubble,
+    # the rest, keeps each row's sum exact.
+    hidden = np.maximum(times.stable_s - times.compute_s - times.recompute_s - times.tp_s - times.p2p_s, 0.0)
+    # The gradient reduction is communication: after the last backward where the runtime does not
+    # overlap it (part of end_s), else what of it the last backward does not hide (its extra).
+    overlap = caps.overlap
+    reduce_at_end = not (overlap.optimizer_in_first_forward or overlap.overlap_grad_reduce)
+    end_comm = times.grad_reduce_s if reduce_at_end else np.zeros_like(times.end_s)
+    busy = times.dp_comm_s + times.swap_s
+    comm_share = np.divide(times.dp_comm_s, busy, out=np.ones_like(busy), where=busy > 0)
+    norm_sync = prediction.tail_s - float(np.max(times.end_s)) if prediction.tail_s > 0 else 0.0
+    rows = []
+    for i in range(strategy.parallelism.pp):
+        row = {"compute_s": G * float(times.compute_s[i]), "recompute_s": G * float(times.recompute_s[i]),
+               "exposed_comm_s": G * float(times.tp_s[i] + times.p2p_s[i] + hidden[i] * comm_share[i])
+               + float(times.last_bwd_extra_s[i] + end_comm[i]),
+               "exposed_host_s": G * float(hidden[i] * (1 - comm_share[i])),
+               "imbalance_s": (G - 1) * float(np.max(times.stable_s) - times.stable_s[i]),
+               "optimizer_s": float(times.first_fwd_extra_s[i] + times.end_s[i] - end_comm[i]) + norm_sync}
+        row["bubble_s"] = total - sum(row.values())
+        rows.append({k: row[k] for k in TIME_PARTS})
+    return rows
+
+
+def mean_breakdown(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The stages' mean of each part: also sums to the iteration time."""
+    return {k: float(np.mean([r[k] for r in rows])) for k in TIME_PARTS}
+
+
+def memory_rows(specs: Specs, prediction: Prediction) -> list[dict[str, float]]:
+    """Per stage, one GPU's bytes by part, its peak and the margin to the usable memory."""
+    usable = specs.cluster.gpu.usable_memory_bytes
+    return [{**{k: parts[k] for k in MEMORY_PARTS}, "peak_bytes": peak, "margin_bytes": usable - peak}
+            for parts, peak in zip(prediction.memory_breakdown, prediction.peak_memory_bytes)]
+
+
+def _tuned_s(specs: Specs) -> tuple[float | None, StrategySpec | None]:
+    """The best plan's time and strategy for `specs` (baselines and runner-ups off); None where none fits."""
+    quiet = dataclasses.replace(specs, strategy=None, tuner=dataclasses.replace(specs.tuner, top_n=0, quiet=True))
+    try:
+        result = tune_specs(quiet, progress=False, baselines=False)
+    except NoPlanFits:
+        return None, None
+    return result.prediction.iteration_time_s, result.strategy
+
+
+def _retuned(specs: Specs, relaxation: Relaxation, best_s: float) -> dict[str, Any]:
+    """`relaxation`'s re-tuned plan: its time, its speed-up over the best plan (`best_s`), what changed."""
+    relaxed = relaxation.relax(specs)
+    record: dict[str, Any] = {"name": relaxation.name, "bound": relaxation.bound, "relaxation": relaxation.text,
+                              "iteration_time_s": None, "speedup": None, "applies": relaxed is not None,
+                              "changes": {}}
+    time_s, strategy = _tuned_s(relaxed) if relaxed is not None else (None, None)
+    if time_s is not None:
+        record.update(iteration_time_s=time_s, speedup=best_s / time_s,
+                      changes=strategy_differences(specs.strategy.to_dict(), strategy.to_dict()))
+    return record
+
+
+def bound_of(relaxations: Sequence[dict[str, Any]], plan_s: float) -> dict[str, Any] | None:
+    """The relaxation whose re-tuned plan is fastest (the first of equals, in RELAXATIONS' order);
+    None when none is faster than the plan."""
+    timed = [r for r in relaxations if r["iteration_time_s"] is not None]
+    best = min(timed, key=lambda r: r["iteration_time_s"], default=None)
+    return best if best is not None and best["iteration_time_s"] < plan_s else None
+
+
+def _runner_up_strategy(specs: Specs, entry: dict[str, Any], index: int) -> StrategySpec:
+    """A plan file's runner-up strategy, checked against the model, cluster and runtime as a composed
+    strategy is (ConfigError naming the runner-up and the field)."""
+    where = f"plan.runner_ups[{index}]"
+    try:
+        data = strategy_from_dict(entry["strategy"], f"{where}.strategy").to_dict()
+        resolved = resolve_strategy(specs.model, specs.cluster, specs.train, runtime=data["runtime"], tp=data["tp"],
+                                    pp=data["pp"], dp=data["dp"], micro_batch_size=data["micro_batch_size"],
+                                    grad_accum=data["grad_accum"], layers_per_stage=data["layers_per_stage"],
+                                    ckpt_layers=data["ckpt_layers"], zero_stage=data["zero_stage"],
+                                    offload=data["offload"], schedule=data["schedule"],
+                                    allow_cross_node_tp=data["tp"] > specs.cluster.gpus_per_node,
+                                    virtual_stages=data["virtual_stages"])
+        check_runtime(resolved, model=specs.model)
+    except ConfigError as error:
+        if error.field.startswith(where):
+            raise
+        raise ConfigError(f"{where}.{error.field}", error.value, error.fix, error.rule) from error
+    return resolved
+
+
+def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], index: int,
+              plan_strategy: StrategySpec, costs, hw) -> dict[str, Any]:
+    """A runner-up re-priced: its time and, per part, how much more (or less) it spends than the plan."""
+    strategy = _runner_up_strategy(specs, entry, index)
+    runner_specs = dataclasses.replace(specs, strategy=strategy)
+    prediction = predict_strategy(runner_specs, costs, hw)
+    mean = mean_breakdown(time_breakdown(runner_specs, prediction))
+    more = {k: mean[k] - plan_mean[k] for k in TIME_PARTS}
+    return {"rank": entry.get("rank"), "iteration_time_s": prediction.iteration_time_s,
+            "differs": strategy_differences(plan_strategy.to_dict(), strategy.to_dict()),
+            "more_s": more, "lost_on": max(TIME_PARTS, key=lambda k: more[k])}
+
+
+def _recorded_s(plan: Plan | None) -> float | None:
+    """The iteration time a plan file records (None where it records no number: it is re-priced anyway)."""
+    value = plan.prediction.get("iteration_time_s") if plan else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
+    """`mist-ds explain --json`: `specs` hold the plan's strategy (or the strategy group's)."""
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    prediction = predict_strategy(specs, costs, hw)
+    plan_s = prediction.iteration_time_s
+    stages = time_breakdown(specs, prediction)
+    # The bound is what speeds the best plan of the setting most: that is the plan itself for a plan
+    # `tune` wrote, and the re-tuned one for a strategy from elsewhere.
+    tuned_s, _ = _tuned_s(specs)
+    best_s = plan_s if tuned_s is None else min(plan_s, tuned_s)
+    relaxations = [_retuned(specs, r, best_s) for r in RELAXATIONS]
+    bound = bound_of(relaxations, best_s)
+    plan_mean = mean_breakdown(stages)
+    return {
+        "strategy": specs.strategy.to_dict(), "iteration_time_s": plan_s, "retuned_iteration_time_s": tuned_s,
+        "recorded_iteration_time_s": _recorded_s(plan),
+        "time_per_stage": stages, "time_mean": plan_mean, "memory_per_stage": memory_rows(specs, prediction),
+        "usable_memory_bytes": specs.cluster.gpu.usable_memory_bytes, "fits": prediction.fits,
+        "relaxations": relaxations, "bound": bound["name"] if bound else None,
+        "runner_ups": [_why_lost(specs, plan_mean, entry, i, specs.strategy, costs, hw)
+                       for i, entry in enumerate(plan.runner_ups if plan else [])],
+    }
+
+
+def _loss_text(runner_up: dict[str, Any], plan_s: float) -> str:
+    """Where a runner-up spends more than the plan, parts shown to the millisecond."""
+    time_s = runner_up["iteration_time_s"]
+    if time_s < plan_s:  # the tuner ranks by the closed form, predict by the event simulation
+        return "faster by the event simulation; ranked after the plan by the tuner's closed-form objective"
+    if time_s == plan_s:
+        return "ties with the plan (ranked after it in the search's order)"
+    shown = sorted(((v, k) for k, v in runner_up["more_s"].items() if abs(v) >= 5e-4), reverse=True)
+    parts = ", ".join(f"{PART_WORDS[k]} {v:+.3f}" for v, k in shown)
+    return f"lost on {PART_WORDS[runner_up['lost_on']]} ({parts})"
+
+
+def render_explain(facts: dict[str, Any]) -> str:
+    s, total = facts["strategy"], facts["iteration_time_s"]
+    lines = [f"{s['runtime']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']}, micro-batch {s['micro_batch_size']} x "
+             f"{s['grad_accum']}: iteration {total:.3f} s"]
+    recorded = facts["recorded_iteration_time_s"]
+    if recorded is not None and recorded != total:
+        lines.append(f"note: the plan records {recorded:.3f} s; priced now at {total:.3f} s")
+    tuned = facts["retuned_iteration_time_s"]
+    if tuned is not None and tuned < total:
+        lines.append(f"note: re-tuned, this setting's best plan takes {tuned:.3f} s: the relaxations are measured "
+                     "against that plan")
+    lines += ["", "Where the time goes (seconds of one iteration; each stage adds up to the iteration):",
+              "stage " + " ".join(f"{PART_WORDS[k]:>12.12}" for k in TIME_PARTS)]
+    for i, row in enumerate(facts["time_per_stage"]):
+        lines.append(f"{i:>5} " + " ".join(f"{row[k]:12.4f}" for k in TIME_PARTS))
+    lines += ["", f"Memory per GPU (GiB; {facts['usable_memory_bytes'] / GIB:.2f} usable):",
+              "stage " + " ".join(f"{k:>11}" for k in (*MEMORY_PARTS, "peak", "margin"))]
+    for i, row in enumerate(facts["memory_per_stage"]):
+        values = [row[k] for k in MEMORY_PARTS] + [row["peak_bytes"], row["margin_bytes"]]
+        lines.append(f"{i:>5} " + " ".join(f"{v / GIB:11.2f}" for v in values))
+    lines += ["", "What bounds it: the setting re-tuned under each single relaxation:"]
+    for r in facts["relaxations"]:
+        if not r["applies"]:
+            outcome = "does not apply"
+        elif r["iteration_time_s"] is None:
+            outcome = "no plan fits"
+        else:
+            changed = ", ".join(r["changes"]) or "same strategy"
+            outcome = f"{r['iteration_time_s']:.3f} s ({r['speedup']:.3f}x; changes {changed})"
+        lines.append(f"  {r['relaxation']}: {outcome}")
+    named = next((r for r in facts["relaxations"] if r["name"] == facts["bound"]), None)
+    lines.append(f"bound: {named['bound']} ({named['relaxation']} speeds it most, {named['speedup']:.3f}x)" if named
+                 else "bound: none of these relaxations speeds it: compute")
+    if facts["runner_ups"]:
+        lines += ["", "Runner-ups, and where each spends more than the plan (stage mean, seconds):"]
+        for r in facts["runner_ups"]:
+            lines.append(f"  {r['rank']}: {r['iteration_time_s']:.3f} s, {_loss_text(r, total)}")
+    return "\n".join(lines)
+
+
+__all__ = ["RELAXATIONS", "TIME_PARTS", "bound_of", "explain_facts", "mean_breakdown", "render_explain",
+           "time_breakdown"]
