@@ -259,7 +259,7 @@ USAGE = f"""usage: {PROG} <command> [Hydra's arguments]
 Plan DeepSpeed training: parallelism and memory optimizations together.
 
 commands:
-{chr(10).join(f"  {name:<9} {command.help}" for name, command in COMMANDS.items())}
+{chr(10).join(f"  {name:<12} {command.help}" for name, command in COMMANDS.items())}
 
 Everything after the command is Hydra's command line ({PROG} <command> --help, --hydra-help):
   key=value group=option   overrides, e.g. model=llama2-7b cluster=a100-80g cluster.nodes=4
