@@ -266,12 +266,11 @@ def test_milp_time_limit_reports_gap_or_timeout():
 
 @pytest.mark.parametrize("S", [16, 32])
 def test_dp_scale(S):
-    """S stages, 4 +- 2 layers each, 20 options per (stage, layers): the DP must stay interactive."""
+    """S stages, 4 +- 2 layers each, 20 options per (stage, layers): the DP proves its optimum (its speed at
+    the tuner's sizes: benchmarks/results/partition_solvers.md)."""
     for G, end_levels in ((1, 3), (4, 3), (64, 3), (8, None)):
         options, L = _random_pareto_options(S, 4, 20, seed=S * 100 + G, end_levels=end_levels)
-        start = time.perf_counter()
         p = solve_partition(options, S, L, G)
-        assert time.perf_counter() - start < 3.0  # measured 0.01-0.13 s, 0.7 s with a continuous tail at S=32
         assert p.solver == "dp" and p.gap == 0.0
         _check_consistent(p, options, L, G, True)
 
@@ -320,14 +319,13 @@ def test_pareto_front_two_criteria_order_and_empty():
         pareto_front([np.nan], [0.0])
 
 
-def test_pareto_front_is_fast_on_a_big_grid():
+def test_pareto_front_is_exact_on_a_big_grid():
+    """Blocks of a large input (its speed is the tuner's, measured in benchmarks/results/tune_speed.md)."""
     rng = np.random.default_rng(0)
     stable = rng.random(30000)
     delta = (1 - stable) + 0.3 * rng.random(30000)
     end = rng.integers(0, 4, 30000) * 0.1
-    start = time.perf_counter()
     idx = pareto_front(stable, delta, end)
-    assert time.perf_counter() - start < 2.0
     sample = rng.choice(30000, 400, replace=False)
     points = np.stack([stable, delta, end], axis=1)
     front = points[idx]
