@@ -134,6 +134,13 @@ class MeasureConfig:
 
 
 @dataclass
+class ProfileConfig:
+    quick: bool = False  # mist-ds profile: one round on a small grid (a few minutes on CPU); false: 3 rounds, full grid
+    name: Optional[str] = None  # name of the cluster config it writes; null = <cluster.name>-profiled
+    out_dir: Optional[str] = None  # folder of profile.db, cluster/<name>.yaml, profile.json; null = Hydra's run dir
+
+
+@dataclass
 class MistDsConfig:
     model: ModelConfig = MISSING
     cluster: ClusterConfig = MISSING
@@ -143,3 +150,4 @@ class MistDsConfig:
     json: bool = False  # machine-readable output: the result as JSON on stdout instead of text
     plan: Optional[str] = None  # a plan.json from `mist-ds tune` whose strategy predict prices; null = `strategy`
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -10,6 +10,7 @@ import numpy as np
 from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
+from mist_ds.cost.layer_time import profile_sources
 from mist_ds.cost.simulate import simulate, simulate_interleaved
 from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
 from mist_ds.hardware import HardwareModel, hardware_model
@@ -41,6 +42,8 @@ class Prediction:
     fits: bool
     host_memory_bytes: float
     sources: dict[str, str]
+    """Per op class, where its times come from: gemm and attention "profile" (the profile database holds
+    every shape the strategy runs), "profile+roofline" (some) or "roofline"; the others name their model."""
     flops_per_rank: list[float] = field(default_factory=list)
     """Per stage, the FLOPs one of its ranks executes in an iteration, recompute included
     (cost/accounting.py)."""
@@ -128,9 +131,8 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
         fits=not warnings,
         host_memory_bytes=float(np.max(memory.host_bytes) * stage_gpus_per_node),
-        sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
-                 "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
-                 "host": "pcie+cpu-adam"},
+        sources={**profile_sources((costs.embedding, costs.block, costs.head), hw, c.b, c.s, c.t),
+                 "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta", "host": "pcie+cpu-adam"},
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
         host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,
         flops_per_rank=[float(x) for x in stage_flops(costs, c)],
