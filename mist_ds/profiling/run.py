@@ -240,7 +240,14 @@ def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None,
     if specs.cluster.nodes != 1:
         raise ConfigError("cluster.nodes", specs.cluster.nodes, "profile measures this machine: use cluster.nodes=1")
     device, ranks = profile_ranks(specs)
-    shapes = op_shapes(specs, tuner_points(specs))
+    if device == "cpu" and specs.train.precision not in ("bf16", "fp32"):
+        raise ConfigError("train.precision", specs.train.precision, "CPU ranks run bf16 or fp32: profile one of those")
+    points = tuner_points(specs)
+    if not points:
+        raise ConfigError("tuner.micro_batch_sizes", list(specs.tuner.micro_batch_sizes),
+                          "the tuner has no (micro-batch, TP degree) for this model, cluster and batch: profile "
+                          "the configs you will tune, e.g. a train.global_batch_size divisible by them")
+    shapes = op_shapes(specs, points)
     payload = {"device": device, "dtype": specs.train.precision, "quick": bool(quick), **GRIDS[bool(quick)],
                "shapes": {"gemm": shapes.gemms, "attention": shapes.attention}}
     start = time.perf_counter()

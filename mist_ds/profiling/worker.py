@@ -221,6 +221,8 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
         sections["layers"] = lambda: layer_overhead((dtype,))
         sections["memory"] = lambda: memory_sweep((dtype,), payload["copy_bytes"], payload["activations"])
         sections["p2p"] = lambda: collective_sweep(rank, payload["collective_bytes"], interleaved=False)
+    if payload.get("sections"):  # a benchmark of one part (benchmarks/interference_fit.py)
+        sections = {name: sections[name] for name in payload["sections"]}
     total, done = payload["rounds"] * len(sections), 0
     try:
         rounds = []
