@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import source_tree  # noqa: E402
 from cpu_constants import machine_text  # noqa: E402
 
+from mist_ds.files import write_json_atomic  # noqa: E402
 from mist_ds.profiling.interference import elapsed_errors, fit_factors, fit_scalar  # noqa: E402
 from mist_ds.profiling.microbench import OtherLoad  # noqa: E402
 from mist_ds.profiling.run import slowest  # noqa: E402
@@ -37,6 +38,8 @@ COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/int
 RANKS = 2
 FIT_PATTERNS = (0, 1)
 GATE = 0.10
+RAW = Path(__file__).resolve().parent / "results" / "interference_fit.json"
+"""Every grid point's alone-times and finishing times (the slower rank's): refits need no rerun."""
 
 
 def main() -> None:
@@ -46,6 +49,7 @@ def main() -> None:
     with OtherLoad() as other:
         per_rank = launch(PROFILE_WORKER, RANKS, payload, timeout_s=1800.0, env=CPU_ENV)
     points = slowest(per_rank)["interference"]
+    write_json_atomic(RAW, points)
     fit_part = [p for p in points if p["pattern"] in FIT_PATTERNS]
     held_out = [p for p in points if p["pattern"] not in FIT_PATTERNS]
     table, scalar = fit_factors(fit_part), fit_scalar(fit_part)
@@ -62,7 +66,8 @@ def main() -> None:
              f"{source_tree()}. {time.perf_counter() - start:.0f} s in all.  ",
              f"Channels on each rank, each on its own thread: C a 512 x 512 fp32 GEMM, G2G a 1 MiB gloo all-reduce, "
              f"H2D and D2H 8 MiB copies (host memory on a CPU); a unit of work is about {UNIT_S * 1e3:.0f} ms of a "
-             f"channel alone; each point the median of {INTERFERENCE_REPEATS} runs, the slower rank's.", "",
+             f"channel alone; each point the median of {INTERFERENCE_REPEATS} runs, its channels alone beside each, "
+             "the slower rank's; the raw points in benchmarks/results/interference_fit.json.", "",
              f"**Gate: held-out mean |error| of the elapsed time {mean_table:.1%} with the fitted table (<= "
              f"{GATE:.0%}), {mean_scalar:.1%} with the best single scalar ({scalar_value:.3f}): "
              f"{'passed' if passed else 'FAILED'}.** Without interference (the max of the alone-times): mean |error| "

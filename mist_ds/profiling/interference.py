@@ -6,7 +6,7 @@ alone-time was measured; it records when each channel finished. The model of mis
 (while a set is busy each of its channels runs its factor times slower; when one finishes the rest go on
 under the smaller set's factors) predicts those finishing times from a factor table; the fit picks the
 table's free entries (one per channel of each set of 2-4 channels, each >= 1) that minimize the relative
-errors of the predicted finishing times (scipy.optimize.least_squares).
+errors of the predicted finishing times (scipy.optimize.least_squares, a robust loss).
 """
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ FREE_FACTORS: tuple[tuple[str, str], ...] = tuple((key, channel) for key in CONC
                                                   for channel in key.split("+"))
 """The fitted entries: (set, channel) for each channel of each concurrent set."""
 MAX_FACTOR = 20.0
+ROBUST_SCALE = 0.1
+"""Relative errors beyond this count less than squared (scipy's soft_l1 loss): a run hit by another job's
+burst moves the fit little."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,8 @@ def fit_factors(points: list[dict]) -> InterferenceFit:
     def residual(theta):
         return _residuals(points, dict(zip(free, theta)))
 
-    fit = least_squares(residual, x0=np.full(len(free), 1.2), bounds=(1.0, MAX_FACTOR))
+    fit = least_squares(residual, x0=np.full(len(free), 1.2), bounds=(1.0, MAX_FACTOR), loss="soft_l1",
+                        f_scale=ROBUST_SCALE)
     factors = {entry: float(value) for entry, value in zip(free, fit.x)}
     return InterferenceFit(factors, float(np.sqrt(np.mean(residual(fit.x) ** 2))))
 
@@ -112,8 +116,9 @@ def fit_scalar(points: list[dict]) -> InterferenceFit:
     def table(value: float) -> dict[tuple[str, str], float]:
         return {entry: value for entry in FREE_FACTORS}
 
-    fit = least_squares(lambda theta: _residuals(points, table(theta[0])), x0=[1.2], bounds=(1.0, MAX_FACTOR))
-    return InterferenceFit(table(float(fit.x[0])), float(np.sqrt(np.mean(fit.fun ** 2))))
+    fit = least_squares(lambda theta: _residuals(points, table(theta[0])), x0=[1.2], bounds=(1.0, MAX_FACTOR),
+                        loss="soft_l1", f_scale=ROBUST_SCALE)
+    return InterferenceFit(table(float(fit.x[0])), float(np.sqrt(np.mean(_residuals(points, table(fit.x[0])) ** 2))))
 
 
 def elapsed_errors(points: list[dict], fitted: InterferenceFit) -> np.ndarray:

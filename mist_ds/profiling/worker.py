@@ -17,7 +17,7 @@ from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_
                                           median_s, memory_sweep)
 
 PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
-UNIT_S = 0.02
+UNIT_S = 0.04
 """Alone-time of one unit of work of a channel in the interference grid."""
 INTERFERENCE_REPEATS = 3
 
@@ -124,7 +124,7 @@ class Channels:
                     "H2D": lambda: dev_in.copy_(host_in), "D2H": lambda: host_out.copy_(dev_out)}
         self.repeats = dict.fromkeys(self.ops, 8)
         for channel in self.ops:  # timed as the grid runs it (on a thread), so the unit holds there
-            seconds = statistics.median(self.run({channel: 1})[channel] for _ in range(3)) / 8
+            seconds = statistics.median(self.run({channel: 1})[channel] for _ in range(5)) / 8
             wanted = torch.tensor([max(1.0, UNIT_S / max(seconds, 1e-9))])
             dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # the same count on every rank (G2G pairs up)
             self.repeats[channel] = int(wanted.item())
@@ -174,22 +174,25 @@ class _null:
 
 
 def interference_runs(dtype: str, device, quick: bool) -> list[dict]:
-    """Every grid point: the alone-times of its channels' work and their finishing times run at once, each
-    the median of INTERFERENCE_REPEATS runs (1 in quick mode)."""
+    """Every grid point: its channels' work alone, one after another, then all at once, repeated
+    INTERFERENCE_REPEATS times (1 in quick mode); per channel the median alone-time and finishing time. The
+    alone-times are taken beside each point, so a change of load between points moves both alike."""
     channels = Channels(dtype, device)
     repeats = 1 if quick else INTERFERENCE_REPEATS
-    alone: dict[tuple[str, int], float] = {}
     out = []
     for point in interference_grid.grid(quick):
         members = point.active.split("+")
-        for channel, units in zip(members, point.units):
-            if (channel, units) not in alone:
-                alone[(channel, units)] = statistics.median(channels.run({channel: units})[channel]
-                                                            for _ in range(repeats))
-        runs = [channels.run(dict(zip(members, point.units))) for _ in range(repeats)]
+        work = dict(zip(members, point.units))
+        alone: dict[str, list[float]] = {c: [] for c in members}
+        together: dict[str, list[float]] = {c: [] for c in members}
+        for _ in range(repeats):
+            for channel, units in work.items():
+                alone[channel].append(channels.run({channel: units})[channel])
+            for channel, seconds in channels.run(work).items():
+                together[channel].append(seconds)
         out.append({"active": point.active, "units": list(point.units), "pattern": point.pattern,
-                    "alone_s": {c: alone[(c, u)] for c, u in zip(members, point.units)},
-                    "finish_s": {c: statistics.median(r[c] for r in runs) for c in members}})
+                    "alone_s": {c: statistics.median(alone[c]) for c in members},
+                    "finish_s": {c: statistics.median(together[c]) for c in members}})
     return out
 
 
