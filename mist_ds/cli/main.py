@@ -21,7 +21,9 @@ what Hydra refuses while composing (set HYDRA_FULL_ERROR=1 for Hydra's traceback
 fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status.
 
 Files: tune writes plan.json, ds_config.json and summary.md into Hydra's output dir (hydra.run.dir;
-in a multirun each job's dir under hydra.sweep.dir), next to Hydra's .hydra/. show, predict and
+in a multirun each job's dir under hydra.sweep.dir), next to Hydra's .hydra/; measure writes measure.json
+there; profile writes profile.db, cluster/<name>.yaml, measurements.json and profile.json into profile.out_dir
+(default the same dir). show, predict and
 analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go
 to stderr (conf/config.yaml): stdout carries only the results.
 """
