@@ -115,12 +115,12 @@ def run_with_progress(payload: dict, ranks: int, env: dict, quiet: bool) -> list
         if not quiet:
             from tqdm import tqdm
 
-            bar = tqdm(total=payload["rounds"] * (6 if payload["device"] == "cuda" else 9), unit="section",
-                       desc="profiling", file=sys.stderr, leave=False)
+            bar = tqdm(total=None, unit="section", desc="profiling", file=sys.stderr, leave=False)
         while thread.is_alive():
             thread.join(0.5)
-            if bar is not None and progress.exists():
-                done, _, name = progress.read_text().split()
+            if bar is not None and progress.exists():  # rank 0 writes "<done> <total> <last section>"
+                done, total, name = progress.read_text().split()
+                bar.total = int(total)
                 bar.set_postfix_str(name)
                 bar.update(int(done) - bar.n)
         if bar is not None:

@@ -7,6 +7,7 @@ copy within the same memory (the CPU accelerator's offload copies) and the colle
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -147,7 +148,7 @@ class Channels:
         def work(channel: str, count: int) -> None:
             stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             start_line.wait()
-            with torch.cuda.stream(stream) if stream is not None else _null():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for _ in range(count * self.repeats[channel]):
                     self.ops[channel]()
                 if stream is not None:
@@ -163,14 +164,6 @@ class Channels:
         for thread in threads:
             thread.join()
         return {channel: finish[channel] - begin for channel in units}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def interference_runs(dtype: str, device, quick: bool) -> list[dict]:

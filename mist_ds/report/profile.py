@@ -1,6 +1,7 @@
 """`mist-ds profile`'s text report: what was written and the constants measured."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -24,6 +25,5 @@ def render_profile(summary: dict[str, Any]) -> str:
 
 
 def _config_dir(yaml_path: str) -> str:
-    from pathlib import Path
-
+    """The config dir holding cluster/<name>.yaml."""
     return str(Path(yaml_path).parent.parent)
