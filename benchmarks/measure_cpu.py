@@ -91,22 +91,28 @@ PLANS = {
 }
 
 
-def plan_specs(overrides: list[str], constants: dict[str, list[str]]):
-    """Specs of a plan: the CPU cluster, the measured constants of its precision, then its own overrides."""
+def measured_clusters(constants: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Per precision, the overrides choosing the CPU cluster with the constants cpu_constants.py measured."""
+    return {dtype: [*CLUSTER, *values] for dtype, values in constants.items()}
+
+
+def plan_specs(overrides: list[str], clusters: dict[str, list[str]]):
+    """Specs of a plan: the cluster overrides of its precision (clusters[precision]), then its own."""
     precision = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.precision=")), "bf16")
-    return compose([*CLUSTER, *constants[precision], *overrides])
+    return compose([*clusters[precision], *overrides])
 
 
-def measure(name: str, constants: dict[str, list[str]]) -> tuple[dict, dict]:
-    """(measure record, the steps' times over both ranks) of one plan, as `mist-ds measure` runs it."""
-    specs = plan_specs(PLANS[name], constants)
+def measure(name: str, clusters: dict[str, list[str]]) -> tuple[dict, dict]:
+    """(measure record, the steps' times over both ranks) of one plan, as `mist-ds measure` runs it, priced on
+    the cluster overrides of its precision."""
+    specs = plan_specs(PLANS[name], clusters)
     prediction = predict(specs)
     with OtherLoad() as other:
         results = launch(MEASURE_WORKER, specs.strategy.parallelism.num_gpus,
                          measure_payload(specs, WARMUP_STEPS, TIMED_STEPS), timeout_s=LAUNCH_TIMEOUT_S, env=CPU_ENV)
     record = measure_record(specs, prediction, results, WARMUP_STEPS, TIMED_STEPS)
     steps = [t for r in results for t in r["iteration_times_s"]]
-    free = predict(plan_specs([*PLANS[name], *FREE_NETWORK], constants)).iteration_time_s
+    free = predict(plan_specs([*PLANS[name], *FREE_NETWORK], clusters)).iteration_time_s
     return record, {"steps": steps, "prediction": prediction, "specs": specs,
                     "comm_s": prediction.iteration_time_s - free, "other_cores": other.cores}
 
@@ -127,8 +133,9 @@ def _layout(specs) -> str:
 
 def main() -> None:
     start, machine, constants = time.perf_counter(), machine_text(), constants_overrides()
-    rows = {name: measure(name, constants) for name in PLANS}
-    repeat, _ = measure(REPEATED, constants)
+    clusters = measured_clusters(constants)
+    rows = {name: measure(name, clusters) for name in PLANS}
+    repeat, _ = measure(REPEATED, clusters)
     wall_s = time.perf_counter() - start
 
     predicted = np.array([r["predicted_iteration_time_s"][0] for r, _ in rows.values()])

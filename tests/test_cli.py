@@ -181,7 +181,7 @@ def test_shell_completion_completes_after_the_command(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["model=gpt3-1.3b", "model=gpt3-13b", "model=gpt3-175b"]
     commands = mist_ds("-sc", "query=bash", cwd=tmp_path, env={"COMP_LINE": "mist-ds pr"})
-    assert commands.stdout.split() == ["predict", "predict-many"]
+    assert commands.stdout.split() == ["predict", "predict-many", "profile"]
 
 
 def test_cli_show_json_keys(tmp_path):

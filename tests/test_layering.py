@@ -13,7 +13,7 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "mist_ds"
 EVERYTHING = {"specs", "files", "config", "models", "symbolic", "hardware", "cost", "tuner", "plan", "emit",
-              "runtime", "report", "cli", "conf", "testing"}
+              "runtime", "report", "cli", "conf", "testing", "profiling"}
 ALLOWED: dict[str, set[str]] = {
     "specs": set(),
     "files": set(),
@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"specs", "plan", "emit", "models", "files"},
     "report": EVERYTHING - {"cli", "testing"},
     "testing": EVERYTHING - {"cli", "report"},  # verification tools: run engines, count what they hold
+    "profiling": EVERYTHING - {"cli", "report"},  # mist-ds profile: measures this machine at the tuner's shapes
     "cli": EVERYTHING,
     "__init__": EVERYTHING,  # the lazy facade (mist_ds.compose, predict, tune)
 }

@@ -7,7 +7,7 @@
     mist-ds predict-many cases=cases.txt model=gpt3-1.3b            # one strategy per line, priced at once
     mist-ds show model=tiny --cfg job                                # Hydra's flags work as usual
 
-A tiny pre-parser pops the command word (tune, predict, show, analyze); everything after it is Hydra's
+A tiny pre-parser pops the command word (tune, predict, show, analyze, measure, profile); everything after it is Hydra's
 command line, handled by Hydra's own machinery, the parser and runner hydra.main uses, on the primary
 config `config` in `pkg://mist_ds.conf`: overrides, -m/--multirun, --cfg job|hydra|all, --info, -cn,
 -cp, -cd, hydra.run.dir=..., hydra.sweep.dir=..., hydra/launcher=..., --shell-completion, --help.
@@ -29,8 +29,10 @@ Files: tune writes plan.json, ds_config.json, summary.md, cmd.txt (the command t
 timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; also when no plan fits)
 into Hydra's output dir (hydra.run.dir; in a multirun each job's dir under hydra.sweep.dir), next to
 Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir.
-show, predict, predict-many, explain and analyze write nothing (a multirun of them leaves Hydra's
-multirun.yaml in hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
+measure writes measure.json there; profile writes profile.db, cluster/<name>.yaml, measurements.json and
+profile.json into profile.out_dir (default the same dir). show, predict, predict-many, explain and analyze
+write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go to stderr
+(conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 
@@ -240,6 +242,25 @@ def _measure(cfg: DictConfig) -> int:
     return EXIT_OK
 
 
+def _profile(cfg: DictConfig) -> int:
+    """Measure this machine at the tuner's shapes: the profile database and a cluster config (docs/design.md,
+    Profiling)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import to_absolute_path
+
+    from mist_ds.config import specs_from_config
+    from mist_ds.profiling.run import profile
+    from mist_ds.report.profile import render_profile
+
+    specs = specs_from_config(cfg, with_strategy=False)
+    settings = cfg.profile
+    out = Path(to_absolute_path(settings.out_dir)) if settings.out_dir else Path(HydraConfig.get().runtime.output_dir)
+    summary = profile(specs, OmegaConf.to_container(cfg.cluster, resolve=True), out, settings.name, settings.quick,
+                      quiet=bool(OmegaConf.select(cfg, "tuner.quiet", default=False)))
+    _emit(cfg, summary, lambda: render_profile(summary))
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Command] = {
     "tune": Command(_tune, "find the fastest plan that fits; write plan.json, ds_config.json, summary.md, "
                            "cmd.txt and pictures", writes_files=True, summarizes_sweeps=True),
@@ -252,6 +273,8 @@ COMMANDS: dict[str, Command] = {
     "analyze": Command(_analyze, "trace the model's layers: FLOPs, bytes and memory as expressions in b, s, t"),
     "measure": Command(_measure, "run the strategy (or plan=PLAN_JSON) on this machine and measure it beside "
                                  "its prediction", writes_files=True, reads_plan=True),
+    "profile": Command(_profile, "measure this machine at the tuner's shapes: write profile.db and "
+                                 "cluster/<name>.yaml (use: -cd DIR cluster=<name>)", writes_files=True),
 }
 
 USAGE = f"""usage: {PROG} <command> [Hydra's arguments]

@@ -135,6 +135,13 @@ class MeasureConfig:
 
 
 @dataclass
+class ProfileConfig:
+    quick: bool = False  # mist-ds profile: one round on a small grid (a few minutes on CPU); false: 3 rounds, full grid
+    name: Optional[str] = None  # name of the cluster config it writes; null = <cluster.name>-profiled
+    out_dir: Optional[str] = None  # folder of profile.db, cluster/<name>.yaml, profile.json; null = Hydra's run dir
+
+
+@dataclass
 class MistDsConfig:
     model: ModelConfig = MISSING
     cluster: ClusterConfig = MISSING
@@ -145,3 +152,4 @@ class MistDsConfig:
     plan: Optional[str] = None  # a plan.json from `mist-ds tune` that predict prices and explain explains; null = `strategy`
     cases: Optional[str] = None  # (predict-many) a text file: one case of overrides a line, priced together
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

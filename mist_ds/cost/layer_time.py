@@ -26,7 +26,7 @@ def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, fus
     for index, gemm in enumerate(cost.gemms):
         if gemm[0] == phase:
             total = total + hw.gemm_time_s(*cost.gemm_shapes(index, b, s, t))
-    total = total + hw.attention_time_s(cost(f"{phase}_attention_flops", b, s, t))
+    total = total + hw.attention_time_s(cost(f"{phase}_attention_flops", b, s, t), phase)
     kind = "_fused" if fused else ""
     kernels = cost(f"{phase}{kind}_kernels", b, s, t)
     total = total + kernels * hw.cluster.gpu.kernel_overhead_s
@@ -47,3 +47,23 @@ def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False
     return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t, fused, fwd_tp),
                       bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t, fused, bwd_tp),
                       fwd_tp_s=fwd_tp, bwd_tp_s=bwd_tp)
+
+
+def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t) -> dict[str, str]:
+    """Where the GEMM and attention times of `layers` at (b, s, t) come from: "profile" when the profile
+    database holds every shape asked, "profile+roofline" when it holds some, "roofline" when none."""
+    asked: dict[str, list[np.ndarray]] = {"gemm": [], "attention": []}
+    if hw.profile is not None:
+        for cost in layers:
+            for index in range(len(cost.gemms)):
+                asked["gemm"].append(hw.profile.lookup("gemm", *cost.gemm_shapes(index, b, s, t)))
+            for phase in ("fwd", "bwd"):
+                flops = cost(f"{phase}_attention_flops", b, s, t)
+                measured = hw.profile.lookup(f"attention_{phase}", flops)
+                asked["attention"].append(measured[flops > 0])
+    sources = {}
+    for op_class, found in asked.items():
+        held = np.concatenate([np.ravel(x) for x in found]) if found else np.zeros(0)
+        hits = int(np.sum(~np.isnan(held)))
+        sources[op_class] = ("roofline" if hits == 0 else "profile" if hits == held.size else "profile+roofline")
+    return sources

@@ -10,6 +10,7 @@ import numpy as np
 from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
+from mist_ds.cost.layer_time import profile_sources
 from mist_ds.cost.simulate import Span, simulate, simulate_interleaved
 from mist_ds.cost.stage import (ModelCosts, StageCandidates, StageMemory, StageTimes, stage_memory, stage_times,
                                 tail_s)
@@ -44,6 +45,8 @@ class Prediction:
     host_memory_bytes: float
     """Host bytes the fullest node keeps: its ranks of every stage (specs/placement.py)."""
     sources: dict[str, str]
+    """Per op class, where its times come from: gemm and attention "profile" (the profile database holds
+    every shape the strategy runs), "profile+roofline" (some) or "roofline"; the others name their model."""
     flops_per_rank: list[float] = field(default_factory=list)
     """Per stage, the FLOPs one of its ranks executes in an iteration, recompute included
     (cost/accounting.py)."""
@@ -205,9 +208,8 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Runt
         fits=not warnings,
         host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.tp * par.dp,
                                                        specs.cluster.gpus_per_node))),
-        sources={"gemm": "profile+roofline" if hw.profile is not None and hw.profile.times else "roofline",
-                 "attention": "roofline", "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta",
-                 "host": "pcie+cpu-adam"},
+        sources={**profile_sources((costs.embedding, costs.block, costs.head), hw, c.b, c.s, c.t),
+                 "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta", "host": "pcie+cpu-adam"},
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
         host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,
         flops_per_rank=[float(x) for x in work.flops_per_rank],

@@ -29,8 +29,13 @@ class HardwareModel:
         measured = self.profile.lookup("gemm", batch, m, n, k)
         return np.where(np.isnan(measured), modelled, measured)
 
-    def attention_time_s(self, flops) -> np.ndarray:
-        return compute.attention_time_s(flops, self.peak_flops_per_s, self.cluster.gpu.attention_efficiency)
+    def attention_time_s(self, flops, phase: str | None = None) -> np.ndarray:
+        """Fused attention of `flops`; a pass (phase fwd / bwd) the profile database holds at its time."""
+        modelled = compute.attention_time_s(flops, self.peak_flops_per_s, self.cluster.gpu.attention_efficiency)
+        if self.profile is None or phase is None:
+            return modelled
+        measured = self.profile.lookup(f"attention_{phase}", flops)
+        return np.where(np.isnan(measured), modelled, measured)
 
     def memory_bound_time_s(self, bytes_moved) -> np.ndarray:
         gpu = self.cluster.gpu

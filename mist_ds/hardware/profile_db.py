@@ -5,20 +5,30 @@ Schema (this module owns it; `mist-ds profile` fills it):
     CREATE TABLE op_times (device TEXT, op TEXT, shape TEXT, dtype TEXT, seconds REAL,
                            PRIMARY KEY (device, op, shape, dtype))
 
-`op` is a kind ("gemm", "attention_fwd", ...); `shape` the JSON list of its integer sizes (a GEMM:
-[batch, m, n, k]); `seconds` the median of repeated timed runs.
+`op` is a kind (OPS); `shape` the JSON list of its integer sizes (a GEMM: [batch, m, n, k]; an attention
+pass: [FLOPs]); `seconds` the median of repeated timed runs on the slowest rank.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from mist_ds.specs import ConfigError
+
 SCHEMA = ("CREATE TABLE IF NOT EXISTS op_times (device TEXT NOT NULL, op TEXT NOT NULL, shape TEXT NOT NULL, "
           "dtype TEXT NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (device, op, shape, dtype))")
+
+
+FIELD = "cluster.profile_db"
+OPS = ("gemm", "attention_fwd", "attention_bwd")
+"""Op kinds the cost model reads: a GEMM by [batch, m, n, k]; a layer's fused attention pass by [its FLOPs
+on one rank] (the key the cost model has; equal-FLOP shapes of one head dimension take about the same time)."""
 
 
 @dataclass(frozen=True)
@@ -31,28 +41,59 @@ class ProfileDB:
 
     @classmethod
     def load(cls, path: str | Path, device: str, dtype: str) -> "ProfileDB":
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-            rows = db.execute("SELECT op, shape, seconds FROM op_times WHERE device = ? AND dtype = ?",
-                              (device, dtype)).fetchall()
-        return cls(device, dtype, {(op, tuple(json.loads(shape))): seconds for op, shape, seconds in rows})
+        """The rows of `device` and `dtype`; ConfigError naming cluster.profile_db when the file is missing,
+        not a profile database, or holds a malformed row."""
+        if not Path(path).is_file():
+            raise ConfigError(FIELD, str(path), "no such file: run `mist-ds profile` (it writes profile.db and "
+                                                "a cluster config naming it), or set cluster.profile_db=null")
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)) as db:
+                rows = db.execute("SELECT op, shape, seconds FROM op_times WHERE device = ? AND dtype = ?",
+                                  (device, dtype)).fetchall()
+        except sqlite3.DatabaseError as error:
+            raise ConfigError(FIELD, str(path), f"not a profile database ({error}): give a file "
+                                                "`mist-ds profile` wrote") from None
+        times = {}
+        for op, shape, seconds in rows:
+            key = _row_key(path, op, shape, seconds)
+            times[key] = float(seconds)
+        return cls(device, dtype, times)
+
+    def holds(self, op: str) -> bool:
+        """True when any shape of `op` was measured."""
+        return any(key[0] == op for key in self.times)
 
     def lookup(self, op: str, *dims: np.ndarray) -> np.ndarray:
-        """Measured seconds for each shape (dims broadcast together); NaN where not measured."""
+        """Measured seconds for each shape (dims broadcast together); NaN where not measured. Each distinct
+        shape is looked up once (the tuner asks for few shapes, many times)."""
         arrays = np.broadcast_arrays(*(np.asarray(d, dtype=np.float64) for d in dims))
         out = np.full(arrays[0].shape, np.nan)
-        if not self.times:
+        if not self.times or out.size == 0:
             return out
-        flat = [a.ravel() for a in arrays]
-        result = out.ravel()
-        for index in range(result.size):
-            key = (op, tuple(int(a[index]) for a in flat))
-            result[index] = self.times.get(key, np.nan)
-        return result.reshape(out.shape)
+        stacked = np.stack([a.ravel() for a in arrays], axis=1)
+        unique, inverse = np.unique(stacked, axis=0, return_inverse=True)
+        found = np.array([self.times.get((op, tuple(int(x) for x in row)), np.nan) for row in unique])
+        return found[inverse.ravel()].reshape(out.shape)
+
+
+def _row_key(path, op, shape, seconds) -> tuple[str, tuple[int, ...]]:
+    """(op, shape) of one stored row, or ConfigError naming the file and the bad field."""
+    where = f"{FIELD} ({path}: op_times row op={op!r} shape={shape!r})"
+    try:
+        dims = json.loads(shape)
+    except (TypeError, ValueError):
+        dims = None
+    if not isinstance(dims, list) or not dims or not all(isinstance(d, int) and d > 0 for d in dims):
+        raise ConfigError(where, shape, "shape must be a JSON list of positive integers; re-run `mist-ds profile`")
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(where, seconds, "seconds must be a finite number > 0; re-run `mist-ds profile`")
+    return str(op), tuple(dims)
 
 
 def write(path: str | Path, device: str, dtype: str, rows: list[tuple[str, tuple[int, ...], float]]) -> None:
     """Insert or replace measurements (op, shape, seconds)."""
-    with sqlite3.connect(path) as db:
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
         db.execute(SCHEMA)
         db.executemany("INSERT OR REPLACE INTO op_times VALUES (?, ?, ?, ?, ?)",
-                       [(device, op, json.dumps(list(shape)), dtype, seconds) for op, shape, seconds in rows])
+                       [(device, op, json.dumps([int(x) for x in shape]), dtype, float(seconds))
+                        for op, shape, seconds in rows])

@@ -25,5 +25,6 @@ def render_prediction(p: Prediction) -> str:
                                                              "transient", "buffers"))
         lines.append(f"{i:>5}  {s['layers_per_stage'][i]:>6} {s['ckpt_layers'][i]:>4} {s['zero_stage'][i]:>4}  "
                      f"{stable:8.3f} {delta:8.3f}  {_gib(peak):>11}  ({detail})")
+    lines.append("times from: " + ", ".join(f"{op} {source}" for op, source in p.sources.items()))
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""The closed loop on this machine's 2 CPU ranks: profile -> tune -> measure, and the measure benchmark rerun
+with the profiled values.
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/closed_loop_cpu.py \\
+        > benchmarks/results/closed_loop_cpu.md
+
+1. `mist-ds profile model=tiny cluster=cpu profile.quick=true` (bf16, and again with train.precision=fp32 as
+   cluster `cpu-profiled-fp32`): the profile database and cluster configs in a scratch folder.
+2. `mist-ds tune -cd <folder> cluster=cpu-profiled model=tiny train.global_batch_size=8`: the plan.
+3. `mist-ds measure -cd <folder> plan=<plan.json>`: the plan run on the 2 ranks beside its prediction.
+4. The plans of benchmarks/measure_cpu.py measured once each, each priced twice: on `cluster=cpu` with the
+   constants benchmarks/cpu_constants.py measured (its committed results) and on the profiled clusters
+   (the database for the GEMM and attention shapes it holds, the profiled constants for the rest). The
+   median |time error| and Spearman of both, beside benchmarks/results/measure_cpu.md's committed figures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import source_tree, spearman  # noqa: E402
+from cpu_constants import machine_text  # noqa: E402
+from measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs  # noqa: E402
+
+from mist_ds.cost.predict import predict  # noqa: E402
+
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/closed_loop_cpu.py "
+           "> benchmarks/results/closed_loop_cpu.md")
+COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
+PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}
+TUNE = ["model=tiny", "train.global_batch_size=8", "tuner.compare_baselines=false", "tuner.quiet=true"]
+
+
+def mist_ds(*args: str) -> tuple[str, float]:
+    """stdout and seconds of `mist-ds args` (this interpreter); stops the benchmark on a non-zero exit."""
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", *args], capture_output=True, text=True,
+                         timeout=3600)
+    if run.returncode != 0:
+        raise SystemExit(f"mist-ds {' '.join(args)} exited {run.returncode}:\n{run.stderr[-4000:]}")
+    return run.stdout, time.perf_counter() - start
+
+
+def committed_figures() -> tuple[float, float]:
+    """(median |error|, Spearman) of benchmarks/results/measure_cpu.md's gate line."""
+    found = re.search(r"median \|error\| ([\d.]+)%.*?Spearman ([\d.]+)", COMMITTED.read_text())
+    return float(found.group(1)) / 100, float(found.group(2))
+
+
+def main() -> None:
+    start, machine = time.perf_counter(), machine_text()
+    with tempfile.TemporaryDirectory(prefix="mist_ds_closed_loop_") as tmp:
+        folder = Path(tmp, "calib")  # the config dir: only cluster/ in it (a plan/ folder would be a config group)
+        profile_s = {}
+        for dtype, name in PROFILED.items():
+            _, profile_s[dtype] = mist_ds("profile", "model=tiny", "cluster=cpu", f"train.precision={dtype}",
+                                          "train.global_batch_size=8",
+                                          "profile.quick=true", f"profile.name={name}", f"profile.out_dir={folder}",
+                                          "tuner.quiet=true")
+            (folder / f"profile-{dtype}.json").write_text((folder / "profile.json").read_text())
+        yaml_text = {dtype: (folder / "cluster" / f"{name}.yaml").read_text() for dtype, name in PROFILED.items()}
+        plan_dir, measure_dir = Path(tmp, "plan"), Path(tmp, "measure")
+        _, tune_s = mist_ds("tune", "-cd", str(folder), f"cluster={PROFILED['bf16']}", *TUNE,
+                            f"hydra.run.dir={plan_dir}")
+        plan = json.loads((plan_dir / "plan.json").read_text())
+        out, measure_s = mist_ds("measure", "-cd", str(folder), f"plan={plan_dir / 'plan.json'}", "measure.num_steps=6",
+                                 f"hydra.run.dir={measure_dir}", "json=true")
+        tuned = json.loads(out)
+        searchpath = f"hydra.searchpath=[file://{folder}]"
+        profiled = {dtype: [searchpath, f"cluster={name}"] for dtype, name in PROFILED.items()}
+        baseline = measured_clusters(constants_overrides())
+        rows = {}
+        for name in PLANS:
+            record, extra = measure(name, baseline)
+            again = predict(plan_specs(PLANS[name], profiled))
+            rows[name] = (statistics.median(record["measured_iteration_time_s"]),
+                          record["predicted_iteration_time_s"][0], again.iteration_time_s, again.sources,
+                          extra["other_cores"])
+    wall_s = time.perf_counter() - start
+    measured = np.array([r[0] for r in rows.values()])
+    before, after = np.array([r[1] for r in rows.values()]), np.array([r[2] for r in rows.values()])
+    err_before, err_after = measured / before - 1, measured / after - 1
+    committed_error, committed_rho = committed_figures()
+    tuned_measured = statistics.median(tuned["measured_iteration_time_s"])
+    tuned_predicted = tuned["predicted_iteration_time_s"][0]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines = ["# The closed loop on 2 CPU ranks: profile -> tune -> measure", "",
+             f"Command: `{COMMAND}`  ",
+             f"Machine: {machine}; load average at the end {load}. Source: {source_tree()}. {wall_s:.0f} s in all. "
+             "The machine is shared with other jobs and was heavily loaded (load average well above its 2 cores): "
+             "every time here, profiled or measured, moves by up to 2x with the load.", "",
+             "## The loop", "",
+             "1. `mist-ds profile model=tiny cluster=cpu train.global_batch_size=8 profile.quick=true "
+             f"profile.out_dir=calib` (bf16, {profile_s['bf16']:.0f} s) and the same with `train.precision=fp32 "
+             f"profile.name=cpu-profiled-fp32` ({profile_s['fp32']:.0f} s).",
+             f"2. `mist-ds tune -cd calib cluster=cpu-profiled {' '.join(TUNE)} hydra.run.dir=plan` ({tune_s:.0f} s): "
+             f"t {plan['strategy']['tp']} S {plan['strategy']['pp']} d {plan['strategy']['dp']} b "
+             f"{plan['strategy']['micro_batch_size']} G {plan['strategy']['grad_accum']}, ZeRO "
+             f"{plan['strategy']['zero_stage']}, ckpt {plan['strategy']['ckpt_layers']}.",
+             f"3. `mist-ds measure -cd calib plan=plan/plan.json measure.num_steps=6` ({measure_s:.0f} s): predicted "
+             f"{tuned_predicted:.3f} s, measured {tuned_measured:.3f} s "
+             f"(error {tuned_measured / tuned_predicted - 1:+.0%}).",
+             "", "## The measure benchmark priced with profiled values", "",
+             "Each plan of benchmarks/measure_cpu.py measured once (as there: 2 warm-up, 6 timed steps) and priced on "
+             "`cluster=cpu` with the committed constants of benchmarks/results/cpu_constants.md, and on the profiled "
+             "clusters.", "",
+             "| pricing | median \\|error\\| | Spearman |", "|---|---|---|",
+             f"| committed benchmarks/results/measure_cpu.md (another load) | {committed_error:.1%} | "
+             f"{committed_rho:.3f} |",
+             f"| cpu_constants.md constants, this run | {float(np.median(np.abs(err_before))):.1%} | "
+             f"{spearman(before, measured):.3f} |",
+             f"| profiled (`mist-ds profile`, quick), this run | {float(np.median(np.abs(err_after))):.1%} | "
+             f"{spearman(after, measured):.3f} |", "",
+             "| plan | measured s | other jobs, cores | predicted s, constants | error | predicted s, profiled | "
+             "error | gemm / attention from |", "|---|---|---|---|---|---|---|---|"]
+    for (name, (m, b, a, sources, other)), eb, ea in zip(rows.items(), err_before, err_after):
+        lines.append(f"| {name} | {m:.3f} | {other:.2f} | {b:.3f} | {eb:+.0%} | {a:.3f} | {ea:+.0%} | "
+                     f"{sources['gemm']} / {sources['attention']} |")
+    lines += ["", "## The profiled cluster configs", ""]
+    for dtype, text in yaml_text.items():
+        shown = re.sub(r"profile_db: .*", "profile_db: calib/profile.db", text)
+        lines += [f"{dtype}:", "", "```yaml", shown.rstrip(), "```", ""]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

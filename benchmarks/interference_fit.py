@@ -1,0 +1,95 @@
+"""The interference factor table `mist-ds profile` fits, judged on a held-out part of its grid (2 CPU ranks).
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py \\
+        > benchmarks/results/interference_fit.md
+
+The full grid of mist_ds.profiling.interference (every set of 2-4 of the channels C, G2G, H2D, D2H; per set
+all channels at one unit of work, then each channel in turn at two) run by mist_ds.profiling.worker on 2 local
+ranks at once, each point the median of 3 runs, the slower rank's times. Fit part: patterns 0 and 1 (all at
+one unit; the set's first channel at two). Held out: the other patterns (another channel at two: a different
+channel finishes last). On the held-out points, the elapsed time (the last channel's finish) predicted by the
+fitted table against the measured one, and the same for the best single scalar (one slowdown for every
+channel of every set, fitted on the same part). Gate (issue 15): mean |error| of the table <= 10% and below the
+scalar's.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import source_tree  # noqa: E402
+from cpu_constants import machine_text  # noqa: E402
+
+from mist_ds.files import write_json_atomic  # noqa: E402
+from mist_ds.profiling.interference import elapsed_errors, fit_factors, fit_scalar  # noqa: E402
+from mist_ds.profiling.microbench import OtherLoad  # noqa: E402
+from mist_ds.profiling.run import slowest  # noqa: E402
+from mist_ds.profiling.worker import INTERFERENCE_REPEATS, PROFILE_WORKER, UNIT_S  # noqa: E402
+from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
+
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py "
+           "> benchmarks/results/interference_fit.md")
+RANKS = 2
+FIT_PATTERNS = (0, 1)
+GATE = 0.10
+RAW = Path(__file__).resolve().parent / "results" / "interference_fit.json"
+"""Every grid point's alone-times and finishing times (the slower rank's): refits need no rerun."""
+
+
+def main() -> None:
+    start, machine = time.perf_counter(), machine_text()
+    payload = {"device": "cpu", "dtype": "fp32", "quick": False, "rounds": 1, "sections": ["interference"],
+               "shapes": {"gemm": [], "attention": []}}
+    with OtherLoad() as other:
+        per_rank = launch(PROFILE_WORKER, RANKS, payload, timeout_s=1800.0, env=CPU_ENV)
+    points = slowest(per_rank)["interference"]
+    write_json_atomic(RAW, points)
+    fit_part = [p for p in points if p["pattern"] in FIT_PATTERNS]
+    held_out = [p for p in points if p["pattern"] not in FIT_PATTERNS]
+    table, scalar = fit_factors(fit_part), fit_scalar(fit_part)
+    table_err, scalar_err = elapsed_errors(held_out, table), elapsed_errors(held_out, scalar)
+    no_interference = np.array([max(p["alone_s"].values()) / max(p["finish_s"].values()) - 1 for p in held_out])
+    mean_table, mean_scalar = float(np.mean(np.abs(table_err))), float(np.mean(np.abs(scalar_err)))
+    passed = mean_table <= GATE and mean_table < mean_scalar
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    scalar_value = next(iter(scalar.factors.values()))
+    lines = ["# The interference fit on a held-out part of its grid (2 CPU ranks)", "",
+             f"Command: `{COMMAND}`  ",
+             f"Machine: {machine}; load average at the end {load}; other jobs took {other.cores:.2f} of its 2 cores "
+             f"on average meanwhile (the machine is shared: the channels' times move with the load). Source: "
+             f"{source_tree()}. {time.perf_counter() - start:.0f} s in all.  ",
+             f"Channels on each rank, each on its own thread: C a 512 x 512 fp32 GEMM, G2G a 1 MiB gloo all-reduce, "
+             f"H2D and D2H 8 MiB copies (host memory on a CPU); a unit of work is about {UNIT_S * 1e3:.0f} ms of a "
+             f"channel alone; each point the median of {INTERFERENCE_REPEATS} runs, its channels alone beside each, "
+             "the slower rank's; the raw points in benchmarks/results/interference_fit.json.", "",
+             f"**Gate: held-out mean |error| of the elapsed time {mean_table:.1%} with the fitted table (<= "
+             f"{GATE:.0%}), {mean_scalar:.1%} with the best single scalar ({scalar_value:.3f}): "
+             f"{'passed' if passed else 'FAILED'}.** Without interference (the max of the alone-times): mean |error| "
+             f"{float(np.mean(np.abs(no_interference))):.1%}.", "",
+             f"Fit: {len(fit_part)} points (patterns {', '.join(map(str, FIT_PATTERNS))}), RMS relative error of the "
+             f"channels' finishing times {table.rms_relative:.1%} (scalar {scalar.rms_relative:.1%}); held out: "
+             f"{len(held_out)} points. Median |error| held out: table {float(np.median(np.abs(table_err))):.1%}, "
+             f"scalar {float(np.median(np.abs(scalar_err))):.1%}; worst: table {float(np.max(np.abs(table_err))):.1%}, "
+             f"scalar {float(np.max(np.abs(scalar_err))):.1%}.", "",
+             "| set | units | alone ms | finished ms | elapsed ms | table | error | scalar | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p, te, se in zip(held_out, table_err, scalar_err):
+        elapsed = max(p["finish_s"].values())
+        lines.append(f"| {p['active']} | {p['units']} | "
+                     f"{', '.join(f'{v * 1e3:.0f}' for v in p['alone_s'].values())} | "
+                     f"{', '.join(f'{v * 1e3:.0f}' for v in p['finish_s'].values())} | {elapsed * 1e3:.0f} | "
+                     f"{elapsed * (1 + te) * 1e3:.0f} | {te:+.0%} | {elapsed * (1 + se) * 1e3:.0f} | {se:+.0%} |")
+    lines += ["", "Fitted table (`cluster.interference.factors`):", "", "```yaml"]
+    lines += [f"{key}: {values}" for key, values in table.as_config().items()]
+    lines += ["```"]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Microbenchmarks of one local device and its host, run on every rank at once, and the fits that turn
+them into the cost model's constants (docs/design.md, Profiling). Seconds, bytes, FLOPs.
+
+Each figure is the median of repeated calls after two warm-up calls; rounds and ranks are combined
+leaf by leaf (`combine_tree`). Every sweep takes its grid as arguments: the defaults are the full
+grids benchmarks/cpu_constants.py measures the `cpu` cluster on; `mist-ds profile` passes its own
+(the tuner's shapes, a quick grid).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROUNDS = 3  # every section this many times, in turn; the median of the rounds
+MIN_REPEATS = 5
+MIN_TIMED_S = 0.05  # each median over at least this much repeated work
+DTYPES = ("fp32", "bf16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# (m, n, k) of [m x k] @ [k x n]: the tiny family's layer GEMMs (m = b s, n and k from h, 3h, 4h, V) and
+# larger ones for the curve's top.
+GEMM_ROWS = (128, 256, 512)  # b s for b = 1, 2, 4 at s = 128
+GEMM_NK = ((384, 128), (128, 128), (512, 128), (128, 512), (768, 256), (256, 256), (1024, 256), (256, 1024),
+           (4096, 128), (4096, 256))
+GEMM_LARGE = ((2048, 768, 256), (1024, 1024, 1024))
+ATTENTION_SHAPES = ((1, 4, 128, 32), (2, 4, 128, 32), (4, 4, 128, 32), (2, 4, 128, 64), (4, 8, 128, 32))  # b, N, s, K
+COPY_BYTES = (2**16, 2**18, 2**20, 2**22, 2**24, 2**26)
+ACTIVATION_COPY_BYTES = (2**18, 2**20, 2**22)  # the runs' activations: b s h x dtype, 64 KiB - 4 MiB
+COLLECTIVE_BYTES = tuple(8 * 4**i for i in range(12))  # 8 B .. 32 MiB
+FIT_GAP_BYTES = 2**25  # the alpha-beta fits use every size up to 32 MiB (the runs' gradients: a few MiB)
+ADAM_ELEMENTS = (2**20, 2**22)
+INTERLEAVED_BYTES = 2**16  # a TP all-reduce of the tiny family: b s h x 2 bytes
+INTERLEAVED_REPEATS = 40
+INTERLEAVED_GEMMS = 4  # compute between two all-reduces: 4 GEMMs of [256 x 512] @ [512 x 512], about 3 ms
+
+# --- rank side ---------------------------------------------------------------------------------------
+
+def median_s(fn, min_repeats: int = MIN_REPEATS, min_timed_s: float = MIN_TIMED_S, exact: bool = False) -> float:
+    """Median seconds of fn() after two warm-up calls, over at least `min_repeats` calls and `min_timed_s`
+    (exact: `min_repeats` calls, no more: a collective's calls must pair up across the ranks)."""
+    fn()
+    fn()
+    times, start = [], time.perf_counter()
+    while len(times) < min_repeats or (not exact and time.perf_counter() - start < min_timed_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def default_gemm_shapes() -> list[tuple[int, int, int]]:
+    """(m, n, k) of the tiny family's layer GEMMs and two large ones (the curve's top, the peak)."""
+    return [(m, n, k) for m in GEMM_ROWS for n, k in GEMM_NK] + list(GEMM_LARGE)
+
+
+def gemm_sweep(shapes=None, dtypes=DTYPES) -> list[dict]:
+    """Seconds of [m x k] @ [k x n] per dtype, as stored (NN) and with either operand transposed."""
+    import torch
+
+    rows = []
+    shapes = default_gemm_shapes() if shapes is None else shapes
+    for dtype in dtypes:
+        for m, n, k in shapes:
+            a = torch.randn(m, k, dtype=_torch_dtype(dtype))
+            b = torch.randn(k, n, dtype=_torch_dtype(dtype))
+            a_t, b_t = a.t().contiguous(), b.t().contiguous()
+            for layout, fn in (("NN", lambda: a @ b), ("NT", lambda: a @ b_t.t()), ("TN", lambda: a_t.t() @ b)):
+                rows.append({"dtype": dtype, "m": m, "n": n, "k": k, "layout": layout, "s": median_s(fn)})
+    return rows
+
+
+def _layers_module(model, dtype):
+    import torch
+
+    from mist_ds.models.tp import TensorParallel
+    from mist_ds.runtime.engine import PlannedModel
+    from mist_ds.runtime.layers import PlannedLayer, layer_recipes
+
+    recipes = layer_recipes(model, (0, model.num_layers), 0, True, True, 1, TensorParallel(), dtype, seed=0)
+    return PlannedModel([PlannedLayer(r) for r in recipes], model.tie_embeddings), torch
+
+
+def layer_overhead(dtypes=DTYPES) -> list[dict]:
+    """Per dtype: forward and backward seconds of the tiny family's layers at a degenerate size, and
+    the kernels the cost model counts for them (mist_ds.cost.predict.model_costs)."""
+    from mist_ds.config import compose
+    from mist_ds.cost.predict import model_costs
+    from mist_ds.models.tp import TensorParallel
+    from mist_ds.runtime.layers import language_model_loss
+
+    out = []
+    for dtype in dtypes:
+        specs = compose(["model=tiny", "model.hidden_size=32", "model.num_heads=4", "model.num_layers=2",
+                         "model.seq_len=16", "model.vocab_size=128", f"train.precision={dtype}", "cluster=cpu"])
+        model, costs, b = specs.model, model_costs(specs), 1
+        module, torch = _layers_module(model, _torch_dtype(dtype))
+        loss_fn = language_model_loss(TensorParallel())
+        tokens = torch.randint(0, model.vocab_size, (b, model.seq_len))
+        labels = torch.roll(tokens, -1, dims=1)
+        fwd_s = median_s(lambda: loss_fn(module(tokens), labels))
+
+        def step():
+            loss_fn(module(tokens), labels).backward()
+
+        both_s = median_s(step)
+        kernels = {phase: sum(float(layer(f"{phase}_kernels", b, model.seq_len, 1)) * count for layer, count in
+                              ((costs.embedding, 1), (costs.block, model.num_layers), (costs.head, 1)))
+                   for phase in ("fwd", "bwd")}
+        out.append({"dtype": dtype, "fwd_s": fwd_s, "bwd_s": both_s - fwd_s, "fwd_kernels": kernels["fwd"],
+                    "bwd_kernels": kernels["bwd"]})
+    return out
+
+
+def op_chain(length: int = 200) -> dict:
+    """Forward and backward seconds per op of a chain of tiny element-wise ops under autograd."""
+    import torch
+
+    x0 = torch.ones(16, requires_grad=True)
+
+    def forward():
+        x = x0
+        for _ in range(length):
+            x = x * 1.0001
+        return x.sum()
+
+    fwd = median_s(forward)
+    both = median_s(lambda: forward().backward())
+    return {"fwd_s_per_op": fwd / length, "bwd_s_per_op": (both - fwd) / length}
+
+
+def _elementwise_ops(rows: int, h: int, vocab: int, dtype):
+    """(name, fn, bytes read + written) of the GPT layers' memory-bound ops: on [rows, h] and [rows, 4h]
+    activations in the model dtype, and the head's cross-entropy on an fp32 [rows, V] buffer
+    (mist_ds/models/tp.py _VocabParallelCrossEntropy: cast, max, subtract, exp, sum, divide, cast back)."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = torch.randn(rows, h, dtype=dtype), torch.randn(rows, h, dtype=dtype)
+    wide, grad_wide = torch.randn(rows, 4 * h, dtype=dtype), torch.randn(rows, 4 * h, dtype=dtype)
+    weight, bias = torch.ones(h, dtype=dtype), torch.zeros(h, dtype=dtype)
+    logits = torch.randn(rows, vocab, dtype=dtype)
+    buffer, out, row = torch.randn(rows, vocab), torch.empty(rows, vocab), torch.rand(rows, 1) + 1.0
+    e, n = x.element_size(), logits.numel()
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [h], weight, bias, 1e-5)
+    return [
+        ("add", lambda: x + y, 3 * x.numel() * e),
+        ("gelu", lambda: F.gelu(wide), 2 * wide.numel() * e),
+        ("gelu_backward", lambda: torch.ops.aten.gelu_backward(grad_wide, wide), 3 * wide.numel() * e),
+        ("layer_norm", lambda: torch.ops.aten.native_layer_norm(x, [h], weight, bias, 1e-5), 2 * x.numel() * e),
+        ("layer_norm_backward", lambda: torch.ops.aten.native_layer_norm_backward(
+            y, x, [h], mean, rstd, weight, bias, [True, True, True]), 3 * x.numel() * e),
+        ("logits to fp32", lambda: logits.to(torch.float32, copy=True), n * (e + 4)),
+        ("amax", lambda: buffer.amax(dim=-1), n * 4),
+        ("sub", lambda: torch.sub(buffer, row, out=out), 2 * n * 4),  # out=: the values stay as they are
+        ("exp", lambda: torch.exp(buffer, out=out), 2 * n * 4),
+        ("sum", lambda: buffer.sum(dim=-1), n * 4),
+        ("div", lambda: torch.div(buffer, row, out=out), 2 * n * 4),
+        ("grad to dtype", lambda: buffer.to(dtype, copy=True), n * (4 + e)),
+    ]
+
+
+def memory_sweep(dtypes=DTYPES, copy_bytes=COPY_BYTES, activations=((256, 128), (512, 128), (512, 256))) -> dict:
+    """Copy bandwidth (read + write) by size, and the element-wise ops' time at the tiny family's sizes,
+    each beside the same op on 16 elements (its fixed per-op time)."""
+    import torch
+
+    copies = []
+    for size in copy_bytes:
+        src, dst = torch.empty(size // 4), torch.empty(size // 4)
+        copies.append({"bytes": size, "s": median_s(lambda: dst.copy_(src))})
+    ops = []
+    for dtype in dtypes:
+        tiny = {name: median_s(fn) for name, fn, _ in _elementwise_ops(4, 4, 4, _torch_dtype(dtype))}
+        for rows, h in activations:
+            for name, fn, moved in _elementwise_ops(rows, h, 4096, _torch_dtype(dtype)):
+                ops.append({"dtype": dtype, "rows": rows, "h": h, "op": name, "bytes": moved, "s": median_s(fn),
+                            "fixed_s": tiny[name]})
+    return {"copies": copies, "ops": ops}
+
+
+def attention_sweep(shapes=ATTENTION_SHAPES, dtypes=DTYPES) -> list[dict]:
+    """mist_ds::flash_attention forward + backward per dtype and shape, with its FLOPs (forward and
+    backward, as the step census counts them)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mist_ds.models.attention import causal_attention, flop_counter_mapping
+
+    rows = []
+    for dtype in dtypes:
+        for b, heads, s, k in shapes:
+            q, kk, v = (torch.randn(b, heads, s, k, dtype=_torch_dtype(dtype), requires_grad=True) for _ in range(3))
+
+            def step():
+                causal_attention(q, kk, v, 0.0, True, True).sum().backward()
+
+            with FlopCounterMode(display=False, custom_mapping=flop_counter_mapping()) as counter:
+                step()
+            rows.append({"dtype": dtype, "b": b, "heads": heads, "s": s, "k": k, "flops": counter.get_total_flops(),
+                         "seconds": median_s(step)})
+    return rows
+
+
+def adam_sweep(elements=ADAM_ELEMENTS, model_check: bool = True) -> dict:
+    """torch's AdamW step: on one flat fp32 partition (the offloaded host step), and over the tiny
+    model's parameter list in fp32 (the ZeRO-0 step on the device)."""
+    import torch
+
+    flat = []
+    for n in elements:
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n)
+        opt = torch.optim.AdamW([p], lr=1e-4)
+        flat.append({"elements": n, "s": median_s(opt.step)})
+    if not model_check:
+        return {"flat": flat}
+    from mist_ds.config import compose
+
+    model = compose(["model=tiny", "cluster=cpu"]).model
+    module, _ = _layers_module(model, torch.float32)
+    params = list(module.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    return {"flat": flat, "model": {"elements": sum(p.numel() for p in params), "tensors": len(params),
+                                    "s": median_s(opt.step)}}
+
+
+def collective_sweep(rank: int, sizes=COLLECTIVE_BYTES, interleaved: bool = True) -> dict:
+    """gloo through deepspeed.comm: all-reduce, all-gather (full result M) and one send / recv of M
+    bytes, per size, between ranks 0 and 1; both ranks time the same calls. interleaved: also the
+    all-reduce right after compute (a check of the ranks' skew)."""
+    import deepspeed.comm as dist
+    import torch
+
+    out = {"all_reduce": [], "all_gather": [], "p2p": []}
+    for size in sizes:
+        repeats = 30 if size <= 2**16 else 10 if size <= 2**22 else 4  # the same count on both ranks
+        x = torch.ones(size // 4)
+        gathered, half = torch.empty(size // 4), torch.ones(size // 8)
+
+        def all_gather():
+            dist.all_gather_into_tensor(gathered, half)
+
+        dist.barrier()
+        out["all_reduce"].append({"bytes": size, "s": median_s(lambda: dist.all_reduce(x), repeats, exact=True)})
+        dist.barrier()
+        out["all_gather"].append({"bytes": size, "s": median_s(all_gather, repeats, exact=True)})
+        dist.barrier()
+
+        def ping():  # one message each way between ranks 0 and 1: the round trip is two p2p times
+            if rank > 1:
+                return
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+
+        out["p2p"].append({"bytes": size, "s": median_s(ping, repeats, exact=True) / 2})
+    if not interleaved:
+        return out
+    # The same all-reduce right after a burst of compute on both ranks, as between two layers: what it waits
+    # beyond the back-to-back figure is the ranks' skew (both run the same work; a loaded core lags).
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    x, times = torch.ones(INTERLEAVED_BYTES // 4), []
+    dist.barrier()
+    for _ in range(INTERLEAVED_REPEATS):
+        for _ in range(INTERLEAVED_GEMMS):
+            a @ b  # 134 MFLOP: about 0.8 ms each in fp32
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    out["interleaved_all_reduce_s"] = statistics.median(times)
+    return out
+
+
+def combine_tree(trees: list, combine=statistics.median):
+    """`combine` (the median) of the float leaves (seconds) of results of the same shape, leaf by leaf
+    (rounds, or ranks); every other leaf from the first."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {key: combine_tree([t[key] for t in trees], combine) for key in first}
+    if isinstance(first, list):
+        return [combine_tree(list(items), combine) for items in zip(*trees)]
+    if isinstance(first, float):
+        return combine(trees)
+    return first
+
+# --- fits ----------------------------------------------------------------------------------------------
+
+def fit_gemm(rows: list[dict], dtype: str, hbm_bytes_per_s: float, fit_rows=GEMM_ROWS) -> dict:
+    """Peak := the best throughput of the sweep; efficiency_max, half size and exponent by log least
+    squares of mist_ds.hardware.compute.gemm_time_s against the measured times."""
+    from scipy.optimize import least_squares
+
+    from mist_ds.hardware.compute import gemm_time_s
+
+    rows = [r for r in rows if r["dtype"] == dtype]
+    peak = max(2 * r["m"] * r["n"] * r["k"] / r["s"] for r in rows)
+    rows = [r for r in rows if fit_rows is None or r["m"] in fit_rows]  # the fit: the layer GEMMs (None: all)
+    m, n, k = (np.array([r[x] for r in rows], dtype=float) for x in "mnk")
+    measured = np.array([r["s"] for r in rows])
+
+    def residual(theta):
+        eff, log_half, exponent = theta
+        modelled = gemm_time_s(1, m, n, k, DTYPE_BYTES[dtype], peak, hbm_bytes_per_s, eff, math.exp(log_half),
+                               exponent)
+        return np.log(modelled / measured)
+
+    fit = least_squares(residual, x0=[0.9, math.log(1e7), 1.0], bounds=([0.05, math.log(1e3), 0.3], [1.0, 30, 8.0]))
+    eff, log_half, exponent = fit.x
+    errors = np.exp(residual(fit.x)) - 1
+    return {"peak_flops_per_s": peak, "efficiency": float(eff), "half_flops": math.exp(log_half),
+            "exponent": float(exponent), "rms_log": float(np.sqrt(np.mean(fit.fun ** 2))),
+            "max_abs_error": float(np.max(np.abs(errors))), "rows": len(rows)}
+
+
+def fit_alpha_beta(points: list[dict], steps: float, max_bytes: float) -> tuple[float, float, float]:
+    """(bytes/s, latency s, rms relative error) of t = M / bw + steps x latency, least squares on
+    relative error, over points up to max_bytes (a point's own "steps", where it has one, over `steps`)."""
+    pts = [p for p in points if p["bytes"] <= max_bytes]
+    size = np.array([p["bytes"] for p in pts], dtype=float)
+    t = np.array([p["s"] for p in pts])
+    design = np.stack([size, np.array([p.get("steps", steps) for p in pts], dtype=float)], axis=1) / t[:, None]
+    (inverse_bw, latency), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    relative = (design @ np.array([inverse_bw, latency])) - 1
+    return 1.0 / inverse_bw, float(latency), float(np.sqrt(np.mean(relative ** 2)))
+
+
+
+class OtherLoad:
+    """CPU time other jobs took on this machine while a block ran, in cores: every CPU's busy time
+    (/proc/stat, steal included) less this process's and its waited-for children's (the ranks)."""
+
+    def __enter__(self):
+        self.start = (self._busy_s(), self._ours_s(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, ours, wall = self._busy_s(), self._ours_s(), time.perf_counter()
+        self.cores = max(busy - self.start[0] - (ours - self.start[1]), 0.0) / (wall - self.start[2])
+
+    @staticmethod
+    def _busy_s() -> float:
+        import os
+
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _ours_s() -> float:
+        import resource
+
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+

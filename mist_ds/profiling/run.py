@@ -1,0 +1,291 @@
+"""`mist-ds profile`: measure this machine's devices at the shapes the tuner needs, fill the profile
+database and write a cluster config carrying the measured constants (docs/design.md, Profiling).
+
+The shapes come from the tuner's own search space for the composed model, cluster, train and tuner
+configs: every (micro-batch b, TP degree t) of its global points, at the model's sequence length. The
+ranks (all local devices, at most cluster.gpus_per_node) run mist_ds.profiling.worker at once; this
+process fits the constants, writes `<out>/profile.db` (SQLite, mist_ds.hardware.profile_db) and
+`<out>/cluster/<name>.yaml` (usable as `-cd <out> cluster=<name>`), and `<out>/profile.json` with every
+measurement. Seconds, bytes, FLOPs inside; the YAML in the config's datasheet units.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mist_ds.files import write_atomic, write_json_atomic
+from mist_ds.profiling.interference import fit_factors
+from mist_ds.profiling.microbench import fit_alpha_beta, fit_gemm
+from mist_ds.profiling.worker import PROFILE_WORKER
+from mist_ds.specs import ConfigError, Specs
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRIDS = {
+    # quick: one round, few sizes; full: three rounds (the median), the sizes of benchmarks/cpu_constants.py
+    True: {"rounds": 1, "curve_shapes": [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)],
+           "copy_bytes": [2**18, 2**20, 2**22], "collective_bytes": [8, 2**10, 2**16, 2**20, 2**22],
+           "adam_elements": [2**20], "activations": [(256, 128)]},
+    False: {"rounds": 3, "curve_shapes": [(m, n, k) for m in (128, 512, 2048) for n, k in
+                                          ((128, 128), (512, 128), (128, 512), (1024, 1024))],
+            "copy_bytes": [2**16, 2**18, 2**20, 2**22, 2**24], "collective_bytes": [8 * 4**i for i in range(12)],
+            "adam_elements": [2**20, 2**22], "activations": [(256, 128), (512, 128), (512, 256)]},
+}
+LAUNCH_TIMEOUT_S = 1800.0
+HOST_COPY_FIT_BYTES = 2**20
+"""Host copies from this size set pcie_gbps (smaller ones are dominated by the copy's fixed cost)."""
+
+
+@dataclass(frozen=True)
+class OpShapes:
+    """What the tuner prices on one rank: GEMMs [batch, m, n, k] and fused attention [b, heads, s, head dim]
+    per pass, each attention pass with the FLOPs the cost model keys it by."""
+
+    gemms: list[tuple[int, int, int, int]]
+    attention: list[tuple[int, int, int, int]]
+    attention_flops: list[dict[str, int]]
+
+
+def tuner_points(specs: Specs) -> list[tuple[int, int]]:
+    """Every (b, t) of the tuner's global points on this model, cluster and batch."""
+    from mist_ds.specs.runtime import capabilities_of
+    from mist_ds.tuner.space import global_points, tuner_runtime
+
+    caps = capabilities_of(tuner_runtime(specs.tuner))
+    points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space, caps)
+    return sorted({(p.micro_batch_size, p.tp) for p in points})
+
+
+def op_shapes(specs: Specs, points: list[tuple[int, int]]) -> OpShapes:
+    """The model's traced GEMMs and attention passes at each (b, t) of `points` (unique, in order)."""
+    from mist_ds.cost.predict import model_costs
+
+    costs, s = model_costs(specs), specs.model.seq_len
+    gemms: dict[tuple[int, ...], None] = {}
+    attention: dict[tuple[int, ...], dict[str, int]] = {}
+    for b, t in points:
+        for layer in (costs.embedding, costs.block, costs.head):
+            for index in range(len(layer.gemms)):
+                gemms[tuple(int(x) for x in layer.gemm_shapes(index, b, s, t))] = None
+            flops = {phase: int(layer(f"{phase}_attention_flops", b, s, t)) for phase in ("fwd", "bwd")}
+            if flops["fwd"] > 0:
+                attention[(b, specs.model.num_heads // t, s, specs.model.head_dim)] = flops
+    return OpShapes(list(gemms), list(attention), list(attention.values()))
+
+
+def profile_ranks(specs: Specs) -> tuple[str, int]:
+    """("cuda" or "cpu", how many local ranks): every local GPU up to gpus_per_node, else one CPU process
+    per core up to gpus_per_node (two at least: the collectives need a pair)."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", min(torch.cuda.device_count(), specs.cluster.gpus_per_node)
+    return "cpu", max(2, min(os.cpu_count() or 2, specs.cluster.gpus_per_node))
+
+
+def run_with_progress(payload: dict, ranks: int, env: dict, quiet: bool) -> list[dict]:
+    """Launch the ranks; a progress bar (stderr) follows the sections rank 0 has finished."""
+    from mist_ds.testing.ranks import launch
+
+    with tempfile.TemporaryDirectory(prefix="mist_ds_profile_") as tmp:
+        progress = Path(tmp, "progress")
+        payload = {**payload, "progress": str(progress)}
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["results"] = launch(PROFILE_WORKER, ranks, payload, timeout_s=LAUNCH_TIMEOUT_S, env=env)
+            except BaseException as error:  # re-raised in the caller's thread
+                outcome["error"] = error
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        bar = None
+        if not quiet:
+            from tqdm import tqdm
+
+            bar = tqdm(total=None, unit="section", desc="profiling", file=sys.stderr, leave=False)
+        while thread.is_alive():
+            thread.join(0.5)
+            if bar is not None and progress.exists():  # rank 0 writes "<done> <total> <last section>"
+                done, total, name = progress.read_text().split()
+                bar.total = int(total)
+                bar.set_postfix_str(name)
+                bar.update(int(done) - bar.n)
+        if bar is not None:
+            bar.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results"]
+
+
+def slowest(per_rank: list[dict]) -> dict:
+    """Every float leaf (seconds) at its slowest rank: a step waits for the slowest rank at each collective."""
+    from mist_ds.profiling.microbench import combine_tree
+
+    return combine_tree(per_rank, max)
+
+
+def _gemm_rows(measured: dict, shapes: OpShapes, curve: list[dict], dtype: str) -> list[dict]:
+    """The curve sweep's GEMMs and the model's un-batched ones as fit rows (m, n, k, seconds)."""
+    rows = [dict(r, dtype=dtype) for r in curve]
+    rows += [{"dtype": dtype, "m": m, "n": n, "k": k, "s": s}
+             for (batch, m, n, k), s in zip(shapes.gemms, measured["gemm"]) if batch == 1 and s > 0]
+    return rows
+
+
+def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int) -> dict:
+    """Every constant of the cluster config the measurements set (SI units), with the evidence."""
+    out: dict[str, Any] = {}
+    copies = r["host_copies"]
+    host_rates = [c["bytes"] / max(c["h2d"], c["d2h"]) for c in copies if c["bytes"] >= HOST_COPY_FIT_BYTES]
+    out["pcie_bytes_per_s"] = statistics.median(host_rates)
+    if device == "cpu":
+        copy_bw = [2 * c["bytes"] / c["s"] for c in r["memory"]["copies"] if c["bytes"] >= 2**18]  # read + write
+        hbm = statistics.median(copy_bw)
+        ops = r["memory"]["ops"]
+        elementwise = sum(o["bytes"] for o in ops) / sum(max(o["s"] - o["fixed_s"], 1e-9) for o in ops)
+        layers = r["layers"][0]
+        out["hbm_bytes_per_s"] = hbm
+        out["memory_efficiency"] = min(elementwise / hbm, 1.0)
+        out["kernel_overhead_s"] = (layers["fwd_s"] + layers["bwd_s"]) / (layers["fwd_kernels"] + layers["bwd_kernels"])
+        out["host_dispatch_s"] = 0.0  # the CPU runs each op itself: its time is already the kernel's
+    gemm = fit_gemm(_gemm_rows(r["ops"], shapes, r["curve"], dtype), dtype,
+                    out.get("hbm_bytes_per_s", math.inf), fit_rows=None)
+    out["gemm"] = gemm
+    attention = [(f["fwd"] + f["bwd"], a["fwd"] + a["bwd"]) for f, a in zip(shapes.attention_flops,
+                                                                           r["ops"]["attention"])]
+    if attention:
+        out["attention_efficiency"] = min(1.0, statistics.median(f / t / gemm["peak_flops_per_s"]
+                                                                 for f, t in attention if t > 0))
+    points = [{"bytes": p["bytes"] * 2 * (p["group"] - 1) / p["group"], "steps": 2 * (p["group"] - 1), "s": p["s"]}
+              for p in r["all_reduce"] if p["s"] > 0]
+    bandwidth, latency, rms = fit_alpha_beta(points, 2, math.inf)
+    out["collectives"] = {"bytes_per_s": bandwidth, "latency_s": max(latency, 0.0), "rms_relative": rms}
+    out["cpu_adam_params_per_s"] = ranks * statistics.median(f["elements"] / f["s"] for f in r["adam"]["flat"])
+    out["interference"] = fit_factors(r["interference"])
+    return out
+
+
+def db_rows(r: dict, shapes: OpShapes) -> list[tuple[str, tuple[int, ...], float]]:
+    """(op, shape, seconds) rows: each GEMM by [batch, m, n, k], each attention pass by its FLOPs."""
+    rows = [("gemm", shape, s) for shape, s in zip(shapes.gemms, r["ops"]["gemm"])]
+    for flops, times in zip(shapes.attention_flops, r["ops"]["attention"]):
+        rows += [(f"attention_{phase}", (flops[phase],), times[phase]) for phase in ("fwd", "bwd")]
+    return [row for row in rows if row[2] > 0]
+
+
+def _round(value, digits: int) -> float:
+    """A plain float (numpy scalars are no YAML) rounded to `digits` places."""
+    return round(float(value), digits)
+
+
+def cluster_yaml(base: dict, name: str, db_path: Path, c: dict, dtype: str) -> str:
+    """The composed cluster config with the measured constants in (datasheet units), as a cluster/*.yaml."""
+    from omegaconf import OmegaConf
+
+    cluster = dict(base, name=name, profile_db=str(db_path))
+    gpu = dict(cluster["gpu"])
+    gpu["peak_tflops"] = dict(gpu["peak_tflops"], **{dtype: _round(c["gemm"]["peak_flops_per_s"] / 1e12, 5)})
+    gpu.update(gemm_efficiency=_round(c["gemm"]["efficiency"], 4),
+               gemm_half_gflop=_round(c["gemm"]["half_flops"] / 1e9, 6),
+               gemm_curve_exponent=_round(c["gemm"]["exponent"], 3))
+    if "attention_efficiency" in c:
+        gpu["attention_efficiency"] = _round(c["attention_efficiency"], 4)
+    if "hbm_bytes_per_s" in c:
+        gpu.update(hbm_gbps=_round(c["hbm_bytes_per_s"] / 1e9, 3), memory_efficiency=_round(c["memory_efficiency"], 4),
+                   kernel_overhead_us=_round(c["kernel_overhead_s"] * 1e6, 3),
+                   host_dispatch_us=_round(c["host_dispatch_s"] * 1e6, 3))
+    cluster["gpu"] = gpu
+    cluster.update(intra_node_gbps=_round(c["collectives"]["bytes_per_s"] / 1e9, 4),
+                   collective_latency_us=_round(c["collectives"]["latency_s"] * 1e6, 2),
+                   pcie_gbps=_round(c["pcie_bytes_per_s"] / 1e9, 3),
+                   cpu_adam_gparams_per_s=_round(c["cpu_adam_params_per_s"] / 1e9, 4),
+                   interference={"fallback": 1.0, "factors": c["interference"].as_config()})
+    header = (f"# Written by `mist-ds profile` (train.precision={dtype}): the constants measured on this machine;\n"
+              f"# use with `-cd <this file's parent folder's parent> cluster={name}`.\n"
+              "defaults:\n  - base_cluster\n  - _self_\n")
+    return header + OmegaConf.to_yaml(OmegaConf.create(cluster))
+
+
+def write_profile_db(path: Path, device: str, dtype: str, rows) -> Path:
+    """Add `rows` to the database at `path` (kept rows of other shapes, devices, dtypes), atomically: the
+    new file is built beside a copy, then replaces the old one whole."""
+    from mist_ds.hardware.profile_db import write
+
+    with tempfile.TemporaryDirectory(prefix="mist_ds_db_") as tmp:
+        staged = Path(tmp, "profile.db")
+        if path.exists():
+            staged.write_bytes(path.read_bytes())
+        write(staged, device, dtype, rows)
+        return write_atomic(path, staged.read_bytes())
+
+
+def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None, quick: bool,
+            quiet: bool) -> dict:
+    """Measure (the ranks' raw results go to `<out>/measurements.json` first), fit, write; the summary."""
+    from mist_ds.testing.ranks import CPU_ENV
+
+    if specs.cluster.nodes != 1:
+        raise ConfigError("cluster.nodes", specs.cluster.nodes, "profile measures this machine: use cluster.nodes=1")
+    device, ranks = profile_ranks(specs)
+    if device == "cpu" and specs.train.precision not in ("bf16", "fp32"):
+        raise ConfigError("train.precision", specs.train.precision, "CPU ranks run bf16 or fp32: profile one of those")
+    points = tuner_points(specs)
+    if not points:
+        raise ConfigError("tuner.micro_batch_sizes", list(specs.tuner.micro_batch_sizes),
+                          "the tuner has no (micro-batch, TP degree) for this model, cluster and batch: profile "
+                          "the configs you will tune, e.g. a train.global_batch_size divisible by them")
+    shapes = op_shapes(specs, points)
+    payload = {"device": device, "dtype": specs.train.precision, "quick": bool(quick), **GRIDS[bool(quick)],
+               "shapes": {"gemm": shapes.gemms, "attention": shapes.attention}}
+    start = time.perf_counter()
+    per_rank = run_with_progress(payload, ranks, {} if device == "cuda" else CPU_ENV, quiet)
+    (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out_dir / "measurements.json", {"device": device, "quick": bool(quick), "per_rank": per_rank,
+                                                      "seconds": time.perf_counter() - start})
+    return write_profile(specs, cluster_config, out_dir, name)
+
+
+def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None) -> dict:
+    """From `<out>/measurements.json`: the constants fitted, profile.db, cluster/<name>.yaml and profile.json."""
+    raw = json.loads((out_dir / "measurements.json").read_text())
+    dtype, device, per_rank = specs.train.precision, raw["device"], raw["per_rank"]
+    points = tuner_points(specs)
+    shapes = op_shapes(specs, points)
+    measured = slowest(per_rank)
+    constants = fit_constants(measured, shapes, dtype, device, len(per_rank))
+    name = name or f"{specs.cluster.name}-profiled"
+    db_path = (out_dir / "profile.db").resolve()
+    rows = db_rows(measured, shapes)
+    write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
+    yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml",
+                             cluster_yaml(cluster_config, name, db_path, constants, dtype))
+    summary = {"cluster": name, "cluster_yaml": str(yaml_path), "profile_db": str(db_path), "device": device,
+               "ranks": len(per_rank), "dtype": dtype, "quick": raw["quick"], "points_bt": points,
+               "db_rows": len(rows), "seconds": raw["seconds"], "constants": _jsonable(constants)}
+    write_json_atomic(out_dir / "profile.json", summary)
+    return summary
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "as_config"):
+        return {"factors": value.as_config(), "rms_relative": value.rms_relative}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -1,0 +1,240 @@
+"""`mist-ds profile`'s rank side: every local rank runs the same measurements at once, as training runs
+them (they share the memory system, the host and the links). Seconds.
+
+On CUDA the ops run on the rank's GPU (synchronized around each timed call), the host copies are pinned
+H2D / D2H copies and the collectives use NCCL; on CPU the ops run in the rank's process, a "host copy" is a
+copy within the same memory (the CPU accelerator's offload copies) and the collectives use gloo.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+
+from mist_ds.files import write_atomic
+from mist_ds.profiling import interference as interference_grid
+from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_tree, gemm_sweep, layer_overhead,
+                                          median_s, memory_sweep)
+
+PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
+UNIT_S = 0.04
+"""Alone-time of one unit of work of a channel in the interference grid."""
+INTERFERENCE_REPEATS = 3
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _timer(device):
+    """median_s for `device`: a CUDA call is timed to its completion (synchronize before and after)."""
+    import torch
+
+    if device.type != "cuda":
+        return median_s
+
+    def timed(fn, *args, **kwargs):
+        def synced():
+            fn()
+            torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)
+        return median_s(synced, *args, **kwargs)
+    return timed
+
+
+def op_times(shapes: dict, dtype: str, device) -> dict:
+    """Median seconds of the model's GEMMs ([batch x] [m x k] @ [k x n]) and of its fused attention forward
+    and backward ([b, heads, s, head dim] per rank), at the given shapes."""
+    import torch
+
+    from mist_ds.models.attention import causal_attention
+
+    timer, kind = _timer(device), _torch_dtype(dtype)
+    gemms = []
+    for batch, m, n, k in shapes["gemm"]:
+        lead = (batch,) if batch > 1 else ()
+        a = torch.randn(*lead, m, k, dtype=kind, device=device)
+        b = torch.randn(k, n, dtype=kind, device=device)
+        gemms.append(timer(lambda: torch.matmul(a, b)))
+    attention = []
+    for b, heads, s, head_dim in shapes["attention"]:
+        q, k, v = (torch.randn(b, heads, s, head_dim, dtype=kind, device=device, requires_grad=True)
+                   for _ in range(3))
+        fwd = timer(lambda: causal_attention(q, k, v, 0.0, True, True))
+        both = timer(lambda: causal_attention(q, k, v, 0.0, True, True).sum().backward())
+        attention.append({"fwd": fwd, "bwd": max(both - fwd, 0.0)})
+    return {"gemm": gemms, "attention": attention}
+
+
+def host_copy_times(sizes, device) -> list[dict]:
+    """Seconds of a host copy of each size, both directions: pinned H2D / D2H on CUDA, a copy within the
+    same memory on CPU."""
+    import torch
+
+    timer, out = _timer(device), []
+    for size in sizes:
+        if device.type == "cuda":
+            host = torch.empty(size // 4, pin_memory=True)
+            dev = torch.empty(size // 4, device=device)
+            h2d = timer(lambda: dev.copy_(host, non_blocking=True))
+            d2h = timer(lambda: host.copy_(dev, non_blocking=True))
+        else:
+            src, dst = torch.empty(size // 4), torch.empty(size // 4)
+            h2d = d2h = timer(lambda: dst.copy_(src))
+        out.append({"bytes": size, "h2d": h2d, "d2h": d2h})
+    return out
+
+
+def group_all_reduce(rank: int, world_size: int, sizes, device) -> list[dict]:
+    """All-reduce seconds by group size (2, 4, ... up to the world; ranks 0..n-1) and message bytes."""
+    import torch
+    import torch.distributed as dist
+
+    out, size = [], 2
+    while size <= world_size:
+        group = dist.new_group(list(range(size)))  # every rank takes part in creating every group
+        for message in sizes:
+            repeats = 20 if message <= 2**16 else 6 if message <= 2**22 else 3  # the same on every member
+            x = torch.ones(message // 4, device=device)
+            dist.barrier()
+            seconds = median_s(lambda: dist.all_reduce(x, group=group), repeats, exact=True) if rank < size else 0.0
+            out.append({"group": size, "bytes": message, "s": seconds})
+        size *= 2
+    return out
+
+
+class Channels:
+    """The four channels' unit workloads on this rank: C a GEMM, G2G an all-reduce, H2D and D2H copies.
+    Each channel's unit is enough repeats of its op to take about UNIT_S alone."""
+
+    def __init__(self, dtype: str, device) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.device, self.dist = device, dist
+        kind = _torch_dtype(dtype)
+        a, b = torch.randn(512, 512, dtype=kind, device=device), torch.randn(512, 512, dtype=kind, device=device)
+        message = torch.ones(2**18, device=device)  # 1 MiB
+        pinned = device.type == "cuda"
+        host_in, host_out = torch.empty(2**21, pin_memory=pinned), torch.empty(2**21, pin_memory=pinned)
+        dev_in, dev_out = torch.empty(2**21, device=device), torch.empty(2**21, device=device)
+        self.ops = {"C": lambda: a @ b, "G2G": lambda: dist.all_reduce(message),
+                    "H2D": lambda: dev_in.copy_(host_in), "D2H": lambda: host_out.copy_(dev_out)}
+        self.repeats = dict.fromkeys(self.ops, 8)
+        for channel in self.ops:  # timed as the grid runs it (on a thread), so the unit holds there
+            seconds = statistics.median(self.run({channel: 1})[channel] for _ in range(5)) / 8
+            wanted = torch.tensor([max(1.0, UNIT_S / max(seconds, 1e-9))])
+            dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # the same count on every rank (G2G pairs up)
+            self.repeats[channel] = int(wanted.item())
+
+    def _synced(self, op):
+        import torch
+
+        if self.device.type != "cuda":
+            return op
+        return lambda: (op(), torch.cuda.synchronize(self.device))
+
+    def run(self, units: dict[str, int]) -> dict[str, float]:
+        """Start the channels' work together, each on its own thread (a CUDA channel on its own stream);
+        seconds from the start to each channel's end."""
+        import torch
+
+        start_line = threading.Barrier(len(units) + 1)
+        finish: dict[str, float] = {}
+
+        def work(channel: str, count: int) -> None:
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            start_line.wait()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for _ in range(count * self.repeats[channel]):
+                    self.ops[channel]()
+                if stream is not None:
+                    stream.synchronize()
+            finish[channel] = time.perf_counter()
+
+        threads = [threading.Thread(target=work, args=item) for item in units.items()]
+        for thread in threads:
+            thread.start()
+        self.dist.barrier()
+        start_line.wait()
+        begin = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        return {channel: finish[channel] - begin for channel in units}
+
+
+def interference_runs(dtype: str, device, quick: bool) -> list[dict]:
+    """Every grid point: its channels' work alone, one after another, then all at once, repeated
+    INTERFERENCE_REPEATS times (1 in quick mode); per channel the median alone-time and finishing time. The
+    alone-times are taken beside each point, so a change of load between points moves both alike."""
+    channels = Channels(dtype, device)
+    repeats = 1 if quick else INTERFERENCE_REPEATS
+    out = []
+    for point in interference_grid.grid(quick):
+        members = point.active.split("+")
+        work = dict(zip(members, point.units))
+        alone: dict[str, list[float]] = {c: [] for c in members}
+        together: dict[str, list[float]] = {c: [] for c in members}
+        for _ in range(repeats):
+            for channel, units in work.items():
+                alone[channel].append(channels.run({channel: units})[channel])
+            for channel, seconds in channels.run(work).items():
+                together[channel].append(seconds)
+        out.append({"active": point.active, "units": list(point.units), "pattern": point.pattern,
+                    "alone_s": {c: statistics.median(alone[c]) for c in members},
+                    "finish_s": {c: statistics.median(together[c]) for c in members}})
+    return out
+
+
+def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
+    """Every section on this rank, in turn, after a barrier (all ranks run each section at once)."""
+    import torch
+    import torch.distributed as dist
+
+    from mist_ds.runtime import join_process_group
+
+    torch.manual_seed(rank)
+    join_process_group()
+    cuda = payload["device"] == "cuda"
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dtype, quick = payload["dtype"], payload["quick"]
+    sections = {
+        "ops": lambda: op_times(payload["shapes"], dtype, device),
+        "curve": lambda: gemm_sweep([tuple(s) for s in payload["curve_shapes"]], (dtype,)),
+        "host_copies": lambda: host_copy_times(payload["copy_bytes"], device),
+        "all_reduce": lambda: group_all_reduce(rank, world_size, payload["collective_bytes"], device),
+        "adam": lambda: adam_sweep(payload["adam_elements"], model_check=False),
+        "interference": lambda: interference_runs(dtype, device, quick),
+    }
+    if not cuda:  # CPU-only sections: the per-kernel overhead of the layers and element-wise bandwidth
+        sections["layers"] = lambda: layer_overhead((dtype,))
+        sections["memory"] = lambda: memory_sweep((dtype,), payload["copy_bytes"], payload["activations"])
+        sections["p2p"] = lambda: collective_sweep(rank, payload["collective_bytes"], interleaved=False)
+    if payload.get("sections"):  # a benchmark of one part (benchmarks/interference_fit.py)
+        sections = {name: sections[name] for name in payload["sections"]}
+    total, done = payload["rounds"] * len(sections), 0
+    try:
+        rounds = []
+        for _ in range(payload["rounds"]):
+            results = {"section_s": {}}
+            for name, bench in sections.items():
+                dist.barrier()
+                start = time.perf_counter()
+                results[name] = bench()
+                results["section_s"][name] = time.perf_counter() - start
+                dist.barrier()
+                done += 1
+                if rank == 0 and payload.get("progress"):
+                    write_atomic(payload["progress"], f"{done} {total} {name}")
+            rounds.append(results)
+        return combine_tree(rounds)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,29 @@
+"""`mist-ds profile`'s text report: what was written and the constants measured."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def render_profile(summary: dict[str, Any]) -> str:
+    c = summary["constants"]
+    gemm, net, fit = c["gemm"], c["collectives"], c["interference"]
+    lines = [f"profiled {summary['ranks']} {summary['device']} ranks in {summary['dtype']} "
+             f"({'quick' if summary['quick'] else 'full'} grid) in {summary['seconds']:.0f} s; "
+             f"(b, t) points of the tuner: {', '.join(f'({b}, {t})' for b, t in summary['points_bt'])}",
+             f"  GEMM peak {gemm['peak_flops_per_s'] / 1e12:.4g} TFLOP/s, curve efficiency {gemm['efficiency']:.3f} "
+             f"half {gemm['half_flops'] / 1e9:.3g} GFLOP exponent {gemm['exponent']:.2f} "
+             f"(RMS log error {gemm['rms_log']:.3f} over {gemm['rows']} GEMMs)",
+             f"  collectives {net['bytes_per_s'] / 1e9:.3g} GB/s, latency {net['latency_s'] * 1e6:.3g} us per step "
+             f"(RMS relative error {net['rms_relative']:.0%}); host copies {c['pcie_bytes_per_s'] / 1e9:.3g} GB/s; "
+             f"host optimizer {c['cpu_adam_params_per_s'] / 1e9:.3g} Gparams/s per node",
+             f"  interference: {len(fit['factors'])} concurrent sets fitted, RMS relative error of finishing times "
+             f"{fit['rms_relative']:.0%}",
+             f"wrote {summary['profile_db']} ({summary['db_rows']} op times) and {summary['cluster_yaml']}",
+             f"use it: mist-ds tune -cd {_config_dir(summary['cluster_yaml'])} cluster={summary['cluster']} ..."]
+    return "\n".join(lines)
+
+
+def _config_dir(yaml_path: str) -> str:
+    """The config dir holding cluster/<name>.yaml."""
+    return str(Path(yaml_path).parent.parent)

@@ -1,0 +1,139 @@
+"""`mist-ds profile` (docs/design.md, Profiling): one quick profile on 2 CPU ranks writes a profile database
+and a cluster config that load and change the prediction for the ops they hold (no timing asserts: the
+machine is shared); the database and the config read from elsewhere are validated field by field; the
+interference fit recovers a known factor table."""
+from __future__ import annotations
+
+import itertools
+import json
+import sqlite3
+
+import numpy as np
+import pytest
+
+from mist_ds.config import compose
+from mist_ds.cost.predict import model_costs, predict
+from mist_ds.hardware import hardware_model
+from mist_ds.hardware.profile_db import SCHEMA, ProfileDB
+from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
+                                            fit_factors, fit_scalar, grid)
+from mist_ds.specs import ConfigError
+from tests.test_cli import mist_ds
+
+TINY = ["model=tiny", "model.hidden_size=64", "model.num_heads=4", "model.num_layers=2", "model.seq_len=32",
+        "model.vocab_size=256", "tuner.micro_batch_sizes=[2]", "train.global_batch_size=8", "train.precision=fp32"]
+STRATEGY = ["strategy.micro_batch_size=2", "strategy.zero_stage=1"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """One quick profile of the CPU ranks: (output folder, the composed overrides that use it)."""
+    out = tmp_path_factory.mktemp("profile")
+    run = mist_ds("profile", "cluster=cpu", *TINY, "profile.quick=true", "profile.name=mine", f"profile.out_dir={out}",
+                  "tuner.quiet=true", "json=true", cwd=out, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout)
+    assert summary["cluster"] == "mine" and summary["db_rows"] > 0
+    return out, [f"hydra.searchpath=[file://{out}]", "cluster=mine", *TINY]
+
+
+def test_profile_writes_a_database_and_a_cluster_config_that_load(profiled):
+    out, overrides = profiled
+    specs = compose([*overrides, *STRATEGY])
+    assert specs.cluster.name == "mine" and specs.cluster.profile_db == str(out / "profile.db")
+    db = ProfileDB.load(specs.cluster.profile_db, specs.cluster.gpu.name, specs.train.precision)
+    assert db.holds("gemm") and db.holds("attention_fwd") and db.holds("attention_bwd")
+    assert set(specs.cluster.interference.factors) == set(CONCURRENT_SETS)
+    assert (out / "profile.json").is_file() and (out / "measurements.json").is_file()
+
+
+def test_the_database_sets_the_times_of_the_ops_it_holds(profiled):
+    _, overrides = profiled
+    specs = compose([*overrides, *STRATEGY])
+    hw, costs = hardware_model(specs.cluster, specs.train.precision), model_costs(specs)
+    block, (b, s, t) = costs.block, (2, specs.model.seq_len, 1)
+    shape = block.gemm_shapes(0, b, s, t)
+    stored = hw.profile.times[("gemm", tuple(int(x) for x in shape))]
+    assert float(hw.gemm_time_s(*shape)) == stored
+    flops = block("fwd_attention_flops", b, s, t)
+    assert float(hw.attention_time_s(flops, "fwd")) == hw.profile.times[("attention_fwd", (int(flops),))]
+    with_db = predict(specs)
+    without = predict(compose([*overrides, *STRATEGY, "cluster.profile_db=null"]))
+    assert with_db.sources["gemm"] == with_db.sources["attention"] == "profile"
+    assert without.sources["gemm"] == without.sources["attention"] == "roofline"
+    assert with_db.stage_stable_s != without.stage_stable_s
+
+
+def test_a_shape_the_database_lacks_is_priced_by_the_roofline(profiled):
+    _, overrides = profiled
+    specs = compose([*overrides, *STRATEGY, "model.seq_len=40"])  # no profiled shape has s = 40
+    prediction = predict(specs)
+    assert prediction.sources["gemm"] == prediction.sources["attention"] == "roofline"
+    partly = predict(compose([*overrides, *STRATEGY, "strategy.tp=2"]))  # t = 2 was profiled: its GEMMs are held
+    assert partly.sources["gemm"] == "profile"
+
+
+def test_a_bad_profile_database_is_a_config_error_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="cluster.profile_db.*no such file"):
+        ProfileDB.load(tmp_path / "missing.db", "cpu-process", "bf16")
+    (tmp_path / "text.db").write_text("not sqlite at all, " * 100)
+    with pytest.raises(ConfigError, match="cluster.profile_db.*not a profile database"):
+        ProfileDB.load(tmp_path / "text.db", "cpu-process", "bf16")
+    bad = tmp_path / "bad.db"
+    with sqlite3.connect(bad) as db:
+        db.execute(SCHEMA)
+        db.execute("INSERT INTO op_times VALUES ('cpu-process', 'gemm', '[1, 2, \"x\"]', 'bf16', 0.1)")
+    with pytest.raises(ConfigError, match="shape must be a JSON list of positive integers"):
+        ProfileDB.load(bad, "cpu-process", "bf16")
+    with sqlite3.connect(bad) as db:
+        db.execute("DELETE FROM op_times")
+        db.execute("INSERT INTO op_times VALUES ('cpu-process', 'gemm', '[1, 2, 3, 4]', 'bf16', -1.0)")
+    with pytest.raises(ConfigError, match="seconds must be a finite number > 0"):
+        ProfileDB.load(bad, "cpu-process", "bf16")
+
+
+def test_a_bad_profiled_cluster_config_is_refused_naming_the_field(tmp_path):
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "odd.yaml").write_text(
+        "defaults:\n  - cpu\n  - _self_\nname: odd\ninterference:\n  factors:\n    C+G2G: {C: 0.5}\n")
+    run = mist_ds("predict", "-cd", str(tmp_path), "cluster=odd", "model=tiny", cwd=tmp_path)
+    assert run.returncode == 2
+    assert "cluster.interference.factors.C+G2G.C" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+def _synthetic_points(table: dict, unit_s: dict, quick: bool) -> list[dict]:
+    points = []
+    for point in grid(quick):
+        members = point.active.split("+")
+        alone = {c: u * unit_s[c] for c, u in zip(members, point.units)}
+        points.append({"active": point.active, "alone_s": alone, "finish_s": finish_times_s(alone, table)})
+    return points
+
+
+def test_the_interference_fit_recovers_a_known_table():
+    rng = np.random.default_rng(0)
+    table = {entry: float(1.0 + rng.uniform(0.0, 1.5)) for entry in FREE_FACTORS}
+    points = _synthetic_points(table, {"C": 0.02, "G2G": 0.013, "H2D": 0.017, "D2H": 0.011}, quick=False)
+    fitted = fit_factors(points)
+    assert fitted.rms_relative < 1e-6
+    assert float(np.max(np.abs(elapsed_errors(points, fitted)))) < 1e-6
+    scalar = fit_scalar(points)
+    assert float(np.mean(np.abs(elapsed_errors(points, scalar)))) > 1e-3  # a table a scalar cannot express
+
+
+def test_finish_times_follow_the_model_of_the_cost_model():
+    from mist_ds.hardware.interference import overlapped_time_s
+
+    rng = np.random.default_rng(1)
+    factors = {entry: float(1.0 + rng.uniform(0.0, 1.0)) for entry in FREE_FACTORS}
+    from mist_ds.specs.cluster import InterferenceSpec
+    from mist_ds.hardware.interference import factor_table
+
+    spec = InterferenceSpec(factors={key: {c: factors[(key, c)] for c in key.split("+")} for key in CONCURRENT_SETS})
+    channels = ("C", "G2G", "H2D", "D2H")
+    for busy in itertools.product((0.0, 0.01, 0.03), repeat=4):
+        alone = {c: x for c, x in zip(channels, busy) if x > 0}
+        if not alone:
+            continue
+        expected = float(overlapped_time_s(np.array(busy), factor_table(spec)))
+        assert max(finish_times_s(alone, factors).values()) == pytest.approx(expected, rel=1e-9)
