@@ -15,7 +15,7 @@ import numpy as np
 from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec
+from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, grad_reduce_overlapped
 from mist_ds.symbolic import LayerCost
 
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
@@ -380,10 +380,12 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         last_extra = last_bwd - bwd_phase + tied
         end = np.zeros_like(stable)
     elif overlap.overlap_grad_reduce:
+        layerwise = grad_reduce_overlapped(caps, overlap, c.pp, c.zero)
         first_extra = np.zeros_like(stable)
-        last_extra = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + reduce, 0, 0) - (
-            bwd_compute + recompute + bwd_g2g)
-        end = step + tied
+        last_extra = np.where(layerwise, hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + moves.reduce_hidden,
+                                                              0, 0) + moves.reduce_exposed
+                              - (bwd_compute + recompute + bwd_g2g), 0.0)
+        end = np.where(layerwise, moves.reduce_rest + step + tied, reduce + step + tied)
     else:
         first_extra = last_extra = np.zeros_like(stable)
         end = reduce + step + tied
@@ -421,6 +423,13 @@ class _StageMoves:
     """Host copies per host-stepped parameter (bytes): gradient down, updated weight up."""
     step_copies_s: np.ndarray
     """Host copies at the accumulation boundary outside the step (seconds)."""
+    reduce_hidden: np.ndarray
+    """With the gradient reduction in the last backward (grad_reduce_overlapped): the collectives that
+    run beside its compute (G2G seconds)."""
+    reduce_exposed: np.ndarray
+    """... the reduction issued when the backward's compute is done (seconds, serial)."""
+    reduce_rest: np.ndarray
+    """... the data-parallel collectives still at the end of the iteration (seconds)."""
 
 
 def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_bytes, grad_bytes, params,
@@ -434,6 +443,8 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
     scatter = data_parallel.reduce_scatter_time_s(weight_bytes)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
+    step_reduce = np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes), gather],
+                            default=0.0)
     return _StageMoves(
         fwd_g2g=np.where(c.zero == 3, gather, 0.0),
         bwd_g2g=np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0)),
@@ -441,11 +452,10 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
         fwd_h2d=fwd_h2d, fwd_d2h=hw.host_copy_time_s(saved_offloaded),
         bwd_h2d=hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes),
         bwd_d2h=hw.host_copy_time_s(c.go * weight_bytes), fwd_tp=none, bwd_tp=none,
-        step_reduce=np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes), gather],
-                              default=0.0),
+        step_reduce=step_reduce,
         step_params=np.where(c.zero >= 1, params / c.d, params),
         step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
-        step_copies_s=none)
+        step_copies_s=none, reduce_hidden=step_reduce, reduce_exposed=none, reduce_rest=none)
 
 
 def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: StageCandidates, data_parallel,
@@ -502,7 +512,33 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
         step_params=np.where(traffic.partitioned_step, params / c.d, params),
         step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
         step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
-        step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0))
+        step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
+        **_layerwise_reduce(costs, hw, c, data_parallel, ran, traffic))
+
+
+def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, data_parallel, ran,
+                      traffic: DataParallelTraffic) -> dict[str, np.ndarray]:
+    """Runtime `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py), ZeRO-0 pipelines:
+    one all-reduce per layer, issued once the layer's gradients are complete. Backward runs the head, the
+    blocks from the last, then the embedding, so every layer's all-reduce but the stage's first layer's
+    runs beside compute; that one follows it. The tied weights are left out (their gradients are summed
+    over the tied group first, then all-reduced at the end, as stock DeepSpeed orders the two), and so is
+    the post-step gather of the updated weights, which stays at the end."""
+    b_w, ev, model = hw.dtype_bytes, c.shapes, costs.model
+    tied = (c.pp > 1) & model.tie_embeddings
+    vocab_bytes = b_w * model.vocab_size * model.hidden_size / c.t
+    block = b_w * ev(costs.block, "params")
+    embedding = np.where(tied, b_w * ev(costs.embedding, "params") - vocab_bytes, b_w * ev(costs.embedding, "params"))
+    head = np.where(tied, b_w * ev(costs.head, "params") - vocab_bytes, b_w * ev(costs.head, "params"))
+    embedding_last = (c.first > 0) & (embedding > 0)  # the stage's first layer to finish last has parameters
+    return {
+        "reduce_hidden": (c.layers - 1 + embedding_last) * ran(data_parallel.all_reduce_time_s, block)
+        + c.last * ran(data_parallel.all_reduce_time_s, head),
+        "reduce_exposed": np.where(embedding_last, ran(data_parallel.all_reduce_time_s, embedding),
+                                   ran(data_parallel.all_reduce_time_s, block)),
+        "reduce_rest": (ran(data_parallel.all_reduce_time_s, np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
+                        + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
+    }
 
 
 def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:

@@ -7,7 +7,8 @@ layout-independent weights and the last c_i blocks recomputed; hand DeepSpeed th
 config (ZeRO stage, offload); tie the embeddings across the first and last stage.
 
 pp = 1 plans run on DeepSpeed's engine (ZeRO 0-3, parameter and optimizer offload); pp > 1 plans on
-its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1.
+its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1, or, where the plan's overlap features
+apply (runtime `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.runtime.versions import check_deepspeed_version
-from mist_ds.specs import ConfigError, ModelSpec, check_runtime, runtime_capabilities
+from mist_ds.specs import ConfigError, ModelSpec, check_runtime, grad_reduce_overlapped, runtime_capabilities
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -293,6 +294,11 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         mpu = grid
     engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
+    if grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp,
+                              strategy.stages[coord.pipe].zero_stage):
+        from mist_ds.runtime.overlap import MistPipelineEngine
+
+        engine = MistPipelineEngine.adopt(engine, [list(layer.parameters()) for layer in layers])
     ties = module.planned_ties if par.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
