@@ -94,6 +94,8 @@ class GradReducer:
     hooks: list[Any] = field(default_factory=list)
     bf16_slots: dict[int, tuple[int, int]] = field(default_factory=dict)
     """id(low-precision parameter) -> (group, index) in BF16_Optimizer's groups."""
+    buckets_in_backward: int = 0
+    """All-reduces the last finished step started while its backward ran (what_ran reports it)."""
 
     def install(self) -> None:
         optimizer = self.engine.optimizer
@@ -145,6 +147,7 @@ class GradReducer:
         """Reduce what no hook issued, wait for every bucket, scale after as allreduce_bucket does, copy
         back. Disarms."""
         self.armed = False
+        self.buckets_in_backward = len(self.buckets)
         rest = [p for index, params in enumerate(self.layers) if index not in self.issued for p in params]
         rest += self.tied()
         if rest:
