@@ -50,16 +50,26 @@ def run_case(case: dict) -> dict:
     for step in range(case["steps"]):
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + planned.dp_rank)
         losses.append(planned.train_batch(batches))
+    offload = planned.activation_offload
+    if offload is not None:
+        offload.reset_counts()
     timeline = CollectiveTimeline()
     batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - planned.dp_rank)
     with timeline:
         planned.train_batch(batches)
+    offloaded = None if offload is None else {
+        "moved_bytes": offload.moved_bytes, "returned_bytes": offload.returned_bytes,
+        "host_copies": len(offload.host_storages),
+        # storages of one block's forward live together: each has its own host copy, not the device's
+        "distinct_host_storages": len({(block, host) for block, host, _ in offload.host_storages}),
+        "host_is_device": sum(host == device for _, host, device in offload.host_storages)}
     _, census = planned.count_step(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
                                                      DATA_SEED - 2 - planned.dp_rank))
     result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(planned.engine).__name__,
               "data_ranks": sorted(torch.distributed.get_process_group_ranks(
                   planned.grid.get_data_parallel_group())),
-              "all_reduces": timeline.events, "backward_ops": timeline.backward_ops, "census": census}
+              "all_reduces": timeline.events, "backward_ops": timeline.backward_ops, "census": census,
+              "activations_offloaded": offloaded}
     planned.close()
     del planned
     gc.collect()

@@ -36,23 +36,26 @@ PLAN = ["cluster=cpu", f"cluster.gpus_per_node={RANKS}", "model=tiny", "model.nu
         "strategy.pp=2", "strategy.zero_stage=0", "strategy.micro_batch_size=1"]
 
 
-def plan(runtime: str, precision: str, immediate: bool = False):
-    specs = compose([*PLAN, f"train.precision={precision}", f"strategy.runtime={runtime}"])
+def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0):
+    specs = compose([*PLAN, f"train.precision={precision}", f"strategy.runtime={runtime}",
+                     f"strategy.offload.activations={ao}"])
     config = ds_config(specs.strategy, specs.train, specs.model)
     if immediate:
         config["bf16"]["immediate_grad_update"] = True
     return specs, config
 
 
-def run_pairs(variants: list[tuple[str, bool]]) -> dict[tuple[str, str, bool], list[dict]]:
-    """Each (precision, immediate) under both runtimes, in one launch; results by (runtime, ...), by rank."""
+def run_pairs(variants: list[tuple[str, bool]], ao: float = 0.0) -> dict[tuple[str, str, bool], list[dict]]:
+    """Each (precision, immediate) under both runtimes, in one launch, and with activation offload `ao` on
+    `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, ...), by rank."""
     keys, cases = [], []
-    for precision, immediate in variants:
-        for runtime in ("deepspeed", "mist"):
-            specs, config = plan(runtime, precision, immediate)
-            keys.append((runtime, precision, immediate))
-            cases.append({"name": f"{runtime}-{precision}-{immediate}", "config": config,
-                          "model": dataclasses.asdict(specs.model), "steps": STEPS})
+    runs = [(r, p, i) for p, i in variants for r in ("deepspeed", "mist")] + [("mist-offload", p, i) for p, i in variants
+                                                                            if ao > 0]
+    for runtime, precision, immediate in runs:
+        specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0)
+        keys.append((runtime, precision, immediate))
+        cases.append({"name": f"{runtime}-{precision}-{immediate}", "config": config,
+                      "model": dataclasses.asdict(specs.model), "steps": STEPS})
     by_rank = launch(WORKER, RANKS, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
     return {key: [rank_results[i] for rank_results in by_rank] for i, key in enumerate(keys)}
 
@@ -92,8 +95,30 @@ def check_census(result: dict, precision: str) -> None:
         assert 0 <= extra <= CONTROL_BYTES, (key, census["comm_bytes"].get(key, 0), predicted.get(key, 0))
 
 
+def check_offload(results, precision: str, immediate: bool, ao: float) -> None:
+    """Activation offload: losses bitwise equal to stock; the pack hook moved exactly the planned bytes
+    (the cost model's offloaded activations of a micro-batch, times G) into distinct host storages, and
+    every byte came back in backward."""
+    from mist_ds.cost.stage import in_flight_micro_batches
+
+    stock, offloaded = results[("deepspeed", precision, immediate)], results[("mist-offload", precision, immediate)]
+    specs, _ = plan("mist", precision, immediate, ao)
+    par = specs.strategy.parallelism
+    host = predict(specs).to_dict()["host_bytes_per_rank"]
+    for ran_stock, ran in zip(stock, offloaded):
+        assert ran["losses"] == ran_stock["losses"]
+        stage, moved = ran["stage"], ran["activations_offloaded"]
+        per_micro = host[stage] / float(in_flight_micro_batches(stage, par.pp, par.grad_accum))
+        assert moved["moved_bytes"] == per_micro * par.grad_accum > 0
+        assert moved["returned_bytes"] == moved["moved_bytes"]
+        assert moved["distinct_host_storages"] == moved["host_copies"] > 0
+        assert moved["host_is_device"] == 0
+
+
 def test_mist_trains_bitwise_like_stock_deepspeed_and_reduces_during_the_last_backward():
-    check_pair(run_pairs([("bf16", False)]), "bf16", False)
+    results = run_pairs([("bf16", False)], ao=0.5)
+    check_pair(results, "bf16", False)
+    check_offload(results, "bf16", False, 0.5)
 
 
 @pytest.mark.slow

@@ -290,21 +290,39 @@ def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
 
 
 def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
-                 fused: bool) -> tuple[np.ndarray, np.ndarray]:
+                 caps: RuntimeCapabilities) -> tuple[np.ndarray, np.ndarray]:
     """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded;
     fused: the blocks keep what fused kernels keep (RuntimeCapabilities.fused_kernels). The ends
     stay eager: the L4 rows' last stages (vocabulary-parallel loss) match the eager count. Derived once
     per candidates (time and memory both read it)."""
-    return c.derived("saved fused" if fused else "saved", costs, lambda: _stage_saved_bytes(costs, c, ev, fused))
+    fused, whole = caps.fused_kernels, caps.activations_offload_whole_blocks
+    return c.derived(f"saved fused={fused} whole={whole}", costs,
+                     lambda: _stage_saved_bytes(costs, c, ev, fused, whole))
 
 
-def _stage_saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
-                       fused: bool) -> tuple[np.ndarray, np.ndarray]:
+def offloaded_blocks(c: StageCandidates) -> np.ndarray:
+    """round(ao x l), halves up: the blocks a whole-block activation offload moves (runtime `mist`,
+    mist_ds/runtime/activations.py offloaded_block_count)."""
+    return np.floor(c.ao * c.layers + 0.5)
+
+
+def _stage_saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex, fused: bool,
+                       whole_blocks: bool) -> tuple[np.ndarray, np.ndarray]:
     full = ev(costs.block, "saved_bytes_fused" if fused else "saved_bytes")
     ckpt = ev(costs.block, "saved_bytes_ckpt")
     blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
     ends = c.first * ev(costs.embedding, "saved_bytes") + c.last * ev(costs.head, "saved_bytes")
-    return blocks + ends, blocks * c.ao
+    if not whole_blocks:
+        return blocks + ends, blocks * c.ao
+    # The first k blocks: the stage's non-recomputed blocks come first, then recomputed ones (which keep
+    # their input only). A leaf input stays where it is: on a stage after the first with t > 1, block 0's
+    # input is the activation DeepSpeed rebuilds from its TP parts into its pipe buffers (a leaf); with
+    # t = 1 it is a clone of the receive buffer (pipe/engine.py:702-705) and goes (saved_bytes_ckpt is a
+    # block's input).
+    k = offloaded_blocks(c)
+    kept_full = np.minimum(k, c.layers - c.ckpt)
+    receive_buffer = np.where((k > 0) & (c.first == 0) & (c.t > 1), ckpt, 0.0)
+    return blocks + ends, kept_full * full + (k - kept_full) * ckpt - receive_buffer
 
 
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
@@ -323,10 +341,10 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
     data_parallel = hw.group(c.d, c.t)
-    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
     if caps.collectives == "deepspeed":
-        moves = _deepspeed_moves(costs, hw, train, c, data_parallel, weight_bytes, params)
+        moves = _deepspeed_moves(costs, hw, train, c, data_parallel, weight_bytes, params, saved_offloaded)
     else:
         moves = _ideal_moves(hw, c, data_parallel, weight_bytes, grad_bytes * params, params, saved_offloaded)
     fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
@@ -459,7 +477,7 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
 
 
 def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: StageCandidates, data_parallel,
-                     weight_bytes, params) -> _StageMoves:
+                     weight_bytes, params, saved_offloaded) -> _StageMoves:
     """What DeepSpeed 0.19.8 moves (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What
     DeepSpeed does):
     - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
@@ -472,7 +490,9 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
       gradients of ZeRO-2/3 go out every micro-batch and come back to accumulate (ZeRO-1 once, at the
       boundary, when there are several micro-batches); at the boundary the fp32 gradient goes down and the
       updated weights come up (not with offload_param: they stay on the host);
-    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned.
+    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned;
+    - offloaded activations (runtime `mist`) go down in forward and come back in backward, copies that
+      add to the pass (offload_overlapped is off).
     """
     b_w, ev = hw.dtype_bytes, c.shapes
     model = costs.model
@@ -490,6 +510,7 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
     grad_copy = hw.host_copy_time_s(c.go * partition_bytes)
     weight_in = hw.host_copy_time_s(c.wo * partition_bytes)
 
+    activations_copy = np.where(saved_offloaded > 0, hw.host_copy_time_s(saved_offloaded), 0.0)
     activation = ev(costs.block, "output_bytes")
     rebuild = np.where((c.pp > 1) & (c.t > 1), hw.all_gather_time_s(activation, c.t, 1), 0.0)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
@@ -503,8 +524,8 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
                  + ran(data_parallel.reduce_scatter_time_s, traffic.micro_reduce_scatter)
                  + ran(data_parallel.all_reduce_time_s, traffic.micro_all_reduce)),
         fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed,
-        fwd_h2d=weight_in, fwd_d2h=none,
-        bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0),
+        fwd_h2d=weight_in, fwd_d2h=none + activations_copy,
+        bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0) + activations_copy,
         bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
         fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild,
         step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce)
@@ -573,7 +594,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                                largest_param_elements=largest_tensor(costs.model, c)
                                if caps.model_states == "deepspeed" else 0.0, grad_accum=c.G)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
-    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")
     block_bwd_peak = ev(costs.block, "bwd_peak_bytes")
@@ -591,6 +612,11 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     p2p_buffers = np.where(c.pp > 1, 2 * ev(costs.block, "output_bytes"), 0.0)
     gathered = np.where(c.zero == 3, 2 * hw.dtype_bytes * ev(costs.block, "params"), 0.0)
     buffers = states.buffers + p2p_buffers + gathered
+    if caps.activations_offload_whole_blocks:
+        # In backward an offloaded block's saved tensors are back on the device with the next block's
+        # prefetched (mist_ds/runtime/activations.py): up to two blocks' offloaded share.
+        returned = np.minimum(offloaded_blocks(c), 2) * saved_offloaded / np.maximum(offloaded_blocks(c), 1)
+        buffers = buffers + returned
     # The step's own bytes (Megatron's fp32 copy of half gradients) raise the peak only by what they
     # exceed the activations, transients and buffers they never coexist with.
     buffers = buffers + np.maximum(states.step_only - (activations + transient + buffers), 0.0)

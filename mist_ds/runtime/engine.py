@@ -74,6 +74,8 @@ class PlannedEngine:
     last_block_passes: dict[int, int] = field(default_factory=dict)
     """Forward passes each block (by model index) ran in the last step, recompute included."""
     recorder: Any = field(default=None, repr=False)
+    activation_offload: Any = field(default=None, repr=False)
+    """The stage's ActivationOffload (mist_ds/runtime/activations.py), when it offloads activations."""
 
     @property
     def pipelined(self) -> bool:
@@ -299,8 +301,24 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         from mist_ds.runtime.overlap import MistPipelineEngine
 
         engine = MistPipelineEngine.adopt(engine, [list(layer.parameters()) for layer in layers])
+    offload = attach_activation_offload(layers, strategy.stages[coord.pipe].activations_offload)
     ties = module.planned_ties if par.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
                          grid=grid, tied_ranks=tied, layers=layers,
-                         loss_fn=loss_fn)
+                         loss_fn=loss_fn, activation_offload=offload)
+
+
+def attach_activation_offload(layers: list[PlannedLayer], ao: float):
+    """The stage's first round(ao x l) blocks offload their activations (mist_ds/runtime/activations.py);
+    the ActivationOffload they share, or None."""
+    from mist_ds.runtime.activations import ActivationOffload, offloaded_block_count
+
+    blocks = [layer for layer in layers if layer.kind == BLOCK]
+    count = offloaded_block_count(ao, len(blocks))
+    if count == 0:
+        return None
+    offload = ActivationOffload()
+    for i, block in enumerate(blocks[:count]):
+        block.activation_offload, block.first_offloaded = offload, i == 0
+    return offload

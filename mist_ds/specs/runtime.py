@@ -98,6 +98,9 @@ class RuntimeCapabilities:
     """ZeRO stages whose data-parallel gradient reduction `overlap.overlap_grad_reduce` moves into the
     last backward (runtime `mist`: ZeRO-0, mist_ds/runtime/overlap.py; ZeRO-1 keeps DeepSpeed's
     reduce_gradients)."""
+    activations_offload_whole_blocks: bool = False
+    """ao is realized as whole blocks: the stage's first round(ao x l) blocks offload all their saved
+    tensors but a leaf input (mist_ds/runtime/activations.py); False: the fraction ao of every block."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
@@ -144,7 +147,8 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     # tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has checked it.
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
                    overlap=OverlapFeatures(overlap_grad_reduce=True), grad_reduce_overlap_zero_stages=(0,),
-                   overlap_needs_pipeline=True, checked_on_gpu=False)
+                   overlap_needs_pipeline=True, checked_on_gpu=False,
+                   activations_offload=True, activations_offload_whole_blocks=True)
     mist_paper = RuntimeCapabilities(
         name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
         zero3_overlaps_compute=True, fp32_grads_with_bf16=False, replicates_kv_heads=True,
