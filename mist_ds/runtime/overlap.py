@@ -25,7 +25,9 @@ whole backward (`update_hp_grads`, pipe/engine.py:861), so our hook accumulates 
 with the optimizer's `_update_hp_grad` and drops the low-precision gradient, which `update_hp_grads`
 then skips, as the immediate mode does (bf16_optimizer.py:707-715).
 
-At pp = 1 DeepSpeed's own engine runs the step (no PipelineEngine): runtime `mist` is `deepspeed` there.
+At pp = 1 DeepSpeed's own engine runs the step (no PipelineEngine) and reduces in its backward epilogue: this
+feature does not apply there, and runtime `mist` is `deepspeed` plus activation offload
+(mist_ds/runtime/activations.py), which works at any pp.
 """
 from __future__ import annotations
 
