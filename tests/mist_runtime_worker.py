@@ -48,7 +48,8 @@ def run_case(case: dict) -> dict:
     par = planned.plan.strategy.parallelism
     losses = []
     for step in range(case["steps"]):
-        batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + planned.dp_rank)
+        seed = DATA_SEED + step * 1000 + planned.dp_rank
+        batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, seed)
         losses.append(planned.train_batch(batches))
     offload = planned.activation_offload
     if offload is not None:

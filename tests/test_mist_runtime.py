@@ -32,8 +32,8 @@ WORKER = "tests.mist_runtime_worker:mist_runtime_worker"
 STEPS = 5
 RANKS = 4
 LAUNCH_TIMEOUT_S = 420.0
-PLAN = ["cluster=cpu", f"cluster.gpus_per_node={RANKS}", "model=tiny", "model.num_layers=4", "train.global_batch_size=4",
-        "strategy.pp=2", "strategy.zero_stage=0", "strategy.micro_batch_size=1"]
+PLAN = ["cluster=cpu", f"cluster.gpus_per_node={RANKS}", "model=tiny", "model.num_layers=4",
+        "train.global_batch_size=4", "strategy.pp=2", "strategy.zero_stage=0", "strategy.micro_batch_size=1"]
 
 
 def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0):
@@ -49,8 +49,8 @@ def run_pairs(variants: list[tuple[str, bool]], ao: float = 0.0) -> dict[tuple[s
     """Each (precision, immediate) under both runtimes, in one launch, and with activation offload `ao` on
     `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, ...), by rank."""
     keys, cases = [], []
-    runs = [(r, p, i) for p, i in variants for r in ("deepspeed", "mist")] + [("mist-offload", p, i) for p, i in variants
-                                                                            if ao > 0]
+    runs = [(r, p, i) for p, i in variants for r in ("deepspeed", "mist")]
+    runs += [("mist-offload", p, i) for p, i in variants if ao > 0]
     for runtime, precision, immediate in runs:
         specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0)
         keys.append((runtime, precision, immediate))

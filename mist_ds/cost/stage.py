@@ -557,7 +557,8 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, 
         + c.last * ran(data_parallel.all_reduce_time_s, head),
         "reduce_exposed": np.where(embedding_last, ran(data_parallel.all_reduce_time_s, embedding),
                                    ran(data_parallel.all_reduce_time_s, block)),
-        "reduce_rest": (ran(data_parallel.all_reduce_time_s, np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
+        "reduce_rest": (ran(data_parallel.all_reduce_time_s,
+                            np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
                         + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
     }
 

@@ -69,9 +69,8 @@ class OverlapSchedule(schedule.TrainSchedule):
 
     def _last_backward_step(self) -> int:
         total_steps = 2 * (self.micro_batches + self.stages - 1)
-        backwards = [s for s in range(total_steps)
-                     if not self._step_to_micro_batch(s)[1] and self._valid_micro_batch(self._step_to_micro_batch(s)[0])]
-        return backwards[-1]
+        steps = [(step, *self._step_to_micro_batch(step)) for step in range(total_steps)]
+        return max(step for step, micro_batch, forward in steps if not forward and self._valid_micro_batch(micro_batch))
 
 
 @dataclass
@@ -126,8 +125,9 @@ class GradReducer:
         return on_gradient
 
     def _gradient(self, param: torch.nn.Parameter) -> torch.Tensor:
-        if self.engine.using_bf16_optimizer:
-            return param._hp_grad  # the accumulated gradient BF16_Optimizer reduces, steps and clips
+        if self.engine.using_bf16_optimizer:  # the accumulated gradient BF16_Optimizer reduces, steps and clips
+            group, index = self.bf16_slots[id(param)]
+            return self.engine.optimizer.fp32_groups_gradients[group][index]
         if param.grad is None:  # as DeepSpeed's _get_gradients_for_reduction: every rank reduces the same sizes
             param.grad = torch.zeros_like(param)
         return param.grad.data
