@@ -15,7 +15,7 @@ import numpy as np
 from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec
+from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, grad_reduce_overlapped
 from mist_ds.symbolic import LayerCost
 
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
@@ -290,21 +290,39 @@ def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
 
 
 def _saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
-                 fused: bool) -> tuple[np.ndarray, np.ndarray]:
+                 caps: RuntimeCapabilities) -> tuple[np.ndarray, np.ndarray]:
     """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded;
     fused: the blocks keep what fused kernels keep (RuntimeCapabilities.fused_kernels). The ends
     stay eager: the L4 rows' last stages (vocabulary-parallel loss) match the eager count. Derived once
     per candidates (time and memory both read it)."""
-    return c.derived("saved fused" if fused else "saved", costs, lambda: _stage_saved_bytes(costs, c, ev, fused))
+    fused, whole = caps.fused_kernels, caps.activations_offload_whole_blocks
+    return c.derived(f"saved fused={fused} whole={whole}", costs,
+                     lambda: _stage_saved_bytes(costs, c, ev, fused, whole))
 
 
-def _stage_saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
-                       fused: bool) -> tuple[np.ndarray, np.ndarray]:
+def offloaded_blocks(c: StageCandidates) -> np.ndarray:
+    """round(ao x l), halves up: the blocks a whole-block activation offload moves (runtime `mist`,
+    mist_ds/runtime/activations.py offloaded_block_count)."""
+    return np.floor(c.ao * c.layers + 0.5)
+
+
+def _stage_saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex, fused: bool,
+                       whole_blocks: bool) -> tuple[np.ndarray, np.ndarray]:
     full = ev(costs.block, "saved_bytes_fused" if fused else "saved_bytes")
     ckpt = ev(costs.block, "saved_bytes_ckpt")
     blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
     ends = c.first * ev(costs.embedding, "saved_bytes") + c.last * ev(costs.head, "saved_bytes")
-    return blocks + ends, blocks * c.ao
+    if not whole_blocks:
+        return blocks + ends, blocks * c.ao
+    # The first k blocks: the stage's non-recomputed blocks come first, then recomputed ones (which keep
+    # their input only). A leaf input stays where it is: on a stage after the first with t > 1, block 0's
+    # input is the activation DeepSpeed rebuilds from its TP parts into its pipe buffers (a leaf); with
+    # t = 1 it is a clone of the receive buffer (pipe/engine.py:702-705) and goes (saved_bytes_ckpt is a
+    # block's input).
+    k = offloaded_blocks(c)
+    kept_full = np.minimum(k, c.layers - c.ckpt)
+    receive_buffer = np.where((k > 0) & (c.first == 0) & (c.t > 1), ckpt, 0.0)
+    return blocks + ends, kept_full * full + (k - kept_full) * ckpt - receive_buffer
 
 
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
@@ -323,10 +341,10 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
     data_parallel = hw.group(c.d, c.t)
-    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
     if caps.collectives == "deepspeed":
-        moves = _deepspeed_moves(costs, hw, train, c, data_parallel, weight_bytes, params)
+        moves = _deepspeed_moves(costs, hw, train, c, data_parallel, weight_bytes, params, saved_offloaded)
     else:
         moves = _ideal_moves(hw, c, data_parallel, weight_bytes, grad_bytes * params, params, saved_offloaded)
     fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
@@ -380,10 +398,12 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         last_extra = last_bwd - bwd_phase + tied
         end = np.zeros_like(stable)
     elif overlap.overlap_grad_reduce:
+        layerwise = grad_reduce_overlapped(caps, overlap, c.pp, c.zero)
         first_extra = np.zeros_like(stable)
-        last_extra = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + reduce, 0, 0) - (
-            bwd_compute + recompute + bwd_g2g)
-        end = step + tied
+        last_extra = np.where(layerwise, hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + moves.reduce_hidden,
+                                                              0, 0) + moves.reduce_exposed
+                              - (bwd_compute + recompute + bwd_g2g), 0.0)
+        end = np.where(layerwise, moves.reduce_rest + step + tied, reduce + step + tied)
     else:
         first_extra = last_extra = np.zeros_like(stable)
         end = reduce + step + tied
@@ -421,6 +441,13 @@ class _StageMoves:
     """Host copies per host-stepped parameter (bytes): gradient down, updated weight up."""
     step_copies_s: np.ndarray
     """Host copies at the accumulation boundary outside the step (seconds)."""
+    reduce_hidden: np.ndarray
+    """With the gradient reduction in the last backward (grad_reduce_overlapped): the collectives that
+    run beside its compute (G2G seconds)."""
+    reduce_exposed: np.ndarray
+    """... the reduction issued when the backward's compute is done (seconds, serial)."""
+    reduce_rest: np.ndarray
+    """... the data-parallel collectives still at the end of the iteration (seconds)."""
 
 
 def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_bytes, grad_bytes, params,
@@ -434,6 +461,8 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
     scatter = data_parallel.reduce_scatter_time_s(weight_bytes)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
+    step_reduce = np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes), gather],
+                            default=0.0)
     return _StageMoves(
         fwd_g2g=np.where(c.zero == 3, gather, 0.0),
         bwd_g2g=np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0)),
@@ -441,15 +470,14 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
         fwd_h2d=fwd_h2d, fwd_d2h=hw.host_copy_time_s(saved_offloaded),
         bwd_h2d=hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes),
         bwd_d2h=hw.host_copy_time_s(c.go * weight_bytes), fwd_tp=none, bwd_tp=none,
-        step_reduce=np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes), gather],
-                              default=0.0),
+        step_reduce=step_reduce,
         step_params=np.where(c.zero >= 1, params / c.d, params),
         step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
-        step_copies_s=none)
+        step_copies_s=none, reduce_hidden=step_reduce, reduce_exposed=none, reduce_rest=none)
 
 
 def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: StageCandidates, data_parallel,
-                     weight_bytes, params) -> _StageMoves:
+                     weight_bytes, params, saved_offloaded) -> _StageMoves:
     """What DeepSpeed 0.19.8 moves (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What
     DeepSpeed does):
     - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
@@ -462,7 +490,9 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
       gradients of ZeRO-2/3 go out every micro-batch and come back to accumulate (ZeRO-1 once, at the
       boundary, when there are several micro-batches); at the boundary the fp32 gradient goes down and the
       updated weights come up (not with offload_param: they stay on the host);
-    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned.
+    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned;
+    - offloaded activations (runtime `mist`) go down in forward and come back in backward, copies that
+      add to the pass (offload_overlapped is off).
     """
     b_w, ev = hw.dtype_bytes, c.shapes
     model = costs.model
@@ -480,6 +510,7 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
     grad_copy = hw.host_copy_time_s(c.go * partition_bytes)
     weight_in = hw.host_copy_time_s(c.wo * partition_bytes)
 
+    activations_copy = np.where(saved_offloaded > 0, hw.host_copy_time_s(saved_offloaded), 0.0)
     activation = ev(costs.block, "output_bytes")
     rebuild = np.where((c.pp > 1) & (c.t > 1), hw.all_gather_time_s(activation, c.t, 1), 0.0)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
@@ -493,8 +524,8 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
                  + ran(data_parallel.reduce_scatter_time_s, traffic.micro_reduce_scatter)
                  + ran(data_parallel.all_reduce_time_s, traffic.micro_all_reduce)),
         fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed,
-        fwd_h2d=weight_in, fwd_d2h=none,
-        bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0),
+        fwd_h2d=weight_in, fwd_d2h=none + activations_copy,
+        bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0) + activations_copy,
         bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
         fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild,
         step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce)
@@ -502,7 +533,34 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
         step_params=np.where(traffic.partitioned_step, params / c.d, params),
         step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
         step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
-        step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0))
+        step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
+        **_layerwise_reduce(costs, hw, c, data_parallel, ran, traffic))
+
+
+def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, data_parallel, ran,
+                      traffic: DataParallelTraffic) -> dict[str, np.ndarray]:
+    """Runtime `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py), ZeRO-0 pipelines:
+    one all-reduce per layer, issued once the layer's gradients are complete. Backward runs the head, the
+    blocks from the last, then the embedding, so every layer's all-reduce but the stage's first layer's
+    runs beside compute; that one follows it. The tied weights are left out (their gradients are summed
+    over the tied group first, then all-reduced at the end, as stock DeepSpeed orders the two), and so is
+    the post-step gather of the updated weights, which stays at the end."""
+    b_w, ev, model = hw.dtype_bytes, c.shapes, costs.model
+    tied = (c.pp > 1) & model.tie_embeddings
+    vocab_bytes = b_w * model.vocab_size * model.hidden_size / c.t
+    block = b_w * ev(costs.block, "params")
+    embedding = np.where(tied, b_w * ev(costs.embedding, "params") - vocab_bytes, b_w * ev(costs.embedding, "params"))
+    head = np.where(tied, b_w * ev(costs.head, "params") - vocab_bytes, b_w * ev(costs.head, "params"))
+    embedding_last = (c.first > 0) & (embedding > 0)  # the stage's first layer to finish last has parameters
+    return {
+        "reduce_hidden": (c.layers - 1 + embedding_last) * ran(data_parallel.all_reduce_time_s, block)
+        + c.last * ran(data_parallel.all_reduce_time_s, head),
+        "reduce_exposed": np.where(embedding_last, ran(data_parallel.all_reduce_time_s, embedding),
+                                   ran(data_parallel.all_reduce_time_s, block)),
+        "reduce_rest": (ran(data_parallel.all_reduce_time_s,
+                            np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
+                        + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
+    }
 
 
 def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
@@ -537,7 +595,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                                largest_param_elements=largest_tensor(costs.model, c)
                                if caps.model_states == "deepspeed" else 0.0, grad_accum=c.G)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
-    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps.fused_kernels)
+    saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     activations = (saved - saved_offloaded) * in_flight
     block_saved = ev(costs.block, "saved_bytes")
     block_bwd_peak = ev(costs.block, "bwd_peak_bytes")
@@ -555,6 +613,11 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     p2p_buffers = np.where(c.pp > 1, 2 * ev(costs.block, "output_bytes"), 0.0)
     gathered = np.where(c.zero == 3, 2 * hw.dtype_bytes * ev(costs.block, "params"), 0.0)
     buffers = states.buffers + p2p_buffers + gathered
+    if caps.activations_offload_whole_blocks:
+        # In backward an offloaded block's saved tensors are back on the device with the next block's
+        # prefetched (mist_ds/runtime/activations.py): up to two blocks' offloaded share.
+        returned = np.minimum(offloaded_blocks(c), 2) * saved_offloaded / np.maximum(offloaded_blocks(c), 1)
+        buffers = buffers + returned
     # The step's own bytes (Megatron's fp32 copy of half gradients) raise the peak only by what they
     # exceed the activations, transients and buffers they never coexist with.
     buffers = buffers + np.maximum(states.step_only - (activations + transient + buffers), 0.0)

@@ -7,7 +7,8 @@ layout-independent weights and the last c_i blocks recomputed; hand DeepSpeed th
 config (ZeRO stage, offload); tie the embeddings across the first and last stage.
 
 pp = 1 plans run on DeepSpeed's engine (ZeRO 0-3, parameter and optimizer offload); pp > 1 plans on
-its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1.
+its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1, or, where the plan's overlap features
+apply (runtime `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.runtime.versions import check_deepspeed_version
-from mist_ds.specs import ConfigError, ModelSpec, check_runtime, runtime_capabilities
+from mist_ds.specs import ConfigError, ModelSpec, check_runtime, grad_reduce_overlapped, runtime_capabilities
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,6 +74,8 @@ class PlannedEngine:
     last_block_passes: dict[int, int] = field(default_factory=dict)
     """Forward passes each block (by model index) ran in the last step, recompute included."""
     recorder: Any = field(default=None, repr=False)
+    activation_offload: Any = field(default=None, repr=False)
+    """The stage's ActivationOffload (mist_ds/runtime/activations.py), when it offloads activations."""
 
     @property
     def pipelined(self) -> bool:
@@ -293,8 +296,29 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         mpu = grid
     engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
+    if grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp,
+                              strategy.stages[coord.pipe].zero_stage):
+        from mist_ds.runtime.overlap import MistPipelineEngine
+
+        engine = MistPipelineEngine.adopt(engine, [list(layer.parameters()) for layer in layers])
+    offload = attach_activation_offload(layers, strategy.stages[coord.pipe].activations_offload)
     ties = module.planned_ties if par.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
                          grid=grid, tied_ranks=tied, layers=layers,
-                         loss_fn=loss_fn)
+                         loss_fn=loss_fn, activation_offload=offload)
+
+
+def attach_activation_offload(layers: list[PlannedLayer], ao: float):
+    """The stage's first round(ao x l) blocks offload their activations (mist_ds/runtime/activations.py);
+    the ActivationOffload they share, or None."""
+    from mist_ds.runtime.activations import ActivationOffload, offloaded_block_count
+
+    blocks = [layer for layer in layers if layer.kind == BLOCK]
+    count = offloaded_block_count(ao, len(blocks))
+    if count == 0:
+        return None
+    offload = ActivationOffload()
+    for i, block in enumerate(blocks[:count]):
+        block.activation_offload, block.first_offloaded = offload, i == 0
+    return offload

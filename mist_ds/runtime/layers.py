@@ -116,11 +116,20 @@ class PlannedLayer(nn.Module):
             init_head_from_embedding(self, recipe)
         self.forward_passes = 0
         self.layer.register_forward_pre_hook(self._count)
+        self.activation_offload = None
+        """An ActivationOffload (mist_ds/runtime/activations.py) when this block's activations go to the host."""
+        self.first_offloaded = False
+        """The stage's first offloaded block: its forward starts a new prefetch chain."""
 
     def _count(self, module, args) -> None:
         self.forward_passes += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_offload is not None and torch.is_grad_enabled():
+            return self.activation_offload.run(self, x, self.first_offloaded, self._forward)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             # Reentrant: saves the block's input only and replays its whole forward (RNG state included)
             # in backward, as the cost model prices recompute (one block forward). torch's non-reentrant

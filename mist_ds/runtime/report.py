@@ -43,6 +43,14 @@ def recomputed_blocks(layers, passes: dict[int, int], micro_batches: int) -> lis
     return sorted(i - 1 for i, n in passes.items() if n == 2 * micro_batches)
 
 
+def overlap_ran(engine) -> dict[str, Any]:
+    """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py), and how many gradient
+    all-reduces its last step started during the last backward."""
+    reducer = getattr(engine, "grad_reducer", None)
+    return {"overlap_grad_reduce": reducer is not None,
+            "reduced_in_backward": reducer.buckets_in_backward if reducer is not None else 0}
+
+
 def what_ran(planned, peaks: dict[str, int] | None = None) -> dict[str, Any]:
     """The rank's facts as JSON-ready data (`peaks`: model-state bytes per field from a MomentRecorder)."""
     engine = planned.engine
@@ -51,7 +59,7 @@ def what_ran(planned, peaks: dict[str, int] | None = None) -> dict[str, Any]:
               "recomputed_blocks": recomputed_blocks(planned.layers, planned.last_block_passes,
                                                      planned.plan.strategy.parallelism.grad_accum),
               "optimizer": type(engine.optimizer).__name__, "zero_stage": int(engine.zero_optimization_stage()),
-              "state_devices": state_devices(engine)}
+              "state_devices": state_devices(engine), "overlap": overlap_ran(engine)}
     if peaks is not None:
         report["model_state_bytes"] = peaks
     return report

@@ -94,6 +94,21 @@ class RuntimeCapabilities:
     FlashAttention's modules and jit-fused bias-dropout-add (held-out L4 time MAPE 2.5% fused,
     27.1% eager). False: the model's eager op stream, one kernel per op, as mist_ds's runtimes run it."""
 
+    grad_reduce_overlap_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages whose data-parallel gradient reduction `overlap.overlap_grad_reduce` moves into the
+    last backward (runtime `mist`: ZeRO-0, mist_ds/runtime/overlap.py; ZeRO-1 keeps DeepSpeed's
+    reduce_gradients)."""
+    activations_offload_whole_blocks: bool = False
+    """ao is realized as whole blocks: the stage's first round(ao x l) blocks offload all their saved
+    tensors but a leaf input (mist_ds/runtime/activations.py); False: the fraction ao of every block."""
+    checked_on_gpu: bool = True
+    """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
+    concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
+    (tuner.runtime names it)."""
+    overlap_needs_pipeline: bool = False
+    """The overlap features apply to pipelines (S > 1) only: runtime `mist` schedules DeepSpeed's
+    PipelineEngine; at pp = 1 DeepSpeed's own engine runs, as on runtime `deepspeed`."""
+
     @property
     def offloads_fractions(self) -> bool:
         """Weights, gradients and optimizer states offload in any fraction, and activations at all."""
@@ -115,9 +130,25 @@ def _deepspeed() -> RuntimeCapabilities:
         overlap=OverlapFeatures(), collectives="deepspeed")
 
 
+def grad_reduce_overlapped(caps: RuntimeCapabilities, overlap: OverlapFeatures, pp, zero) -> np.ndarray:
+    """True where a stage at ZeRO stage `zero` of a `pp`-stage pipeline reduces its gradients during
+    the last backward (arrays broadcast); `overlap` is the plan's (the emitted "mist" block's)."""
+    pp, zero = np.asarray(pp), np.asarray(zero)
+    in_scope = np.isin(zero, caps.grad_reduce_overlap_zero_stages) & ((pp > 1) | (not caps.overlap_needs_pipeline))
+    return overlap.overlap_grad_reduce & in_scope
+
+
 def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     deepspeed = _deepspeed()
-    mist = replace(deepspeed, name="mist", built=False, schedules=("1f1b", "mist"))
+    # The `mist` schedule (mist_ds/runtime/overlap.py): each overlap feature enters here once it runs and
+    # its numerics equal stock DeepSpeed's (tests/test_mist_runtime.py). Built: the per-layer gradient
+    # reduction in the last backward, for pipelines at ZeRO-0. It runs two communicators at once (the
+    # data-parallel reduction beside the pipeline's sends and the tied sum): checked on gloo only, so
+    # tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has checked it.
+    mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
+                   overlap=OverlapFeatures(overlap_grad_reduce=True), grad_reduce_overlap_zero_stages=(0,),
+                   overlap_needs_pipeline=True, checked_on_gpu=False,
+                   activations_offload=True, activations_offload_whole_blocks=True)
     mist_paper = RuntimeCapabilities(
         name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
         zero3_overlaps_compute=True, fp32_grads_with_bf16=False, replicates_kv_heads=True,

@@ -130,10 +130,11 @@ def stage_option_grid(caps: RuntimeCapabilities, space: str, grids: OptionGrids,
 
 
 def tuner_runtime(tuner: TunerSpec) -> str:
-    """The runtime plans must run on: the tuner's, else the best built one (mist when its overlap
-    schedule is built, DeepSpeed's stock engines until then)."""
+    """The runtime plans must run on: the tuner's, else the best built one checked on GPUs (mist once
+    its overlap schedule has run on a GPU, DeepSpeed's stock engines until then)."""
     from mist_ds.specs import RUNTIMES
 
     if tuner.runtime is not None:
         return tuner.runtime
-    return "mist" if RUNTIMES["mist"].built else "deepspeed"
+    mist = RUNTIMES["mist"]
+    return "mist" if mist.built and mist.checked_on_gpu else "deepspeed"

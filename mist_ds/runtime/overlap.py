@@ -1,0 +1,213 @@
+"""Runtime `mist`: the overlap-centric pipeline schedule on DeepSpeed's PipelineEngine (docs/design.md, The
+`mist` schedule).
+
+Built so far: the data-parallel gradient reduction overlapped with the last micro-batch's backward
+(OverlapFeatures.overlap_grad_reduce), for pipelines (S > 1) at ZeRO-0, bf16 (BF16_Optimizer) or fp32.
+
+Stock DeepSpeed runs ReduceTiedGrads, then ReduceGrads, one blocking all-reduce of every gradient after
+the last backward (deepspeed/runtime/pipe/schedule.py:238-241, pipe/engine.py:287-298). Here
+`OverlapSchedule` marks the last backward (`ReducingBackwardPass`) and replaces both reductions with
+`WaitReducedGrads`. During the marked backward a post-accumulate-grad hook per parameter notes it ready;
+once every parameter of a layer is, the layer's gradients are flattened into one bucket and all-reduced
+asynchronously over the data-parallel group while backward continues with the layers before it.
+`WaitReducedGrads` then runs the stock tied reduction, reduces what no hook issued (the tied weights:
+their first- and last-stage gradients are summed before the data-parallel mean, in this order, as
+stock DeepSpeed does; any parameter without a gradient in the last backward), waits for every bucket,
+scales it and copies it back.
+
+Numerics are DeepSpeed's exactly: each bucket is reduced as `allreduce_bucket` reduces its buffer
+(deepspeed/runtime/engine.py:3795-3821: the engine's `communication_data_type`, its pre- or post-scaling
+by the data-parallel size and `gradient_predivide_factor`), element by element, so another bucketing
+gives the same bits. BF16_Optimizer reduces its accumulated `_hp_grad`s in `grad_acc_dtype`: with
+`bf16.immediate_grad_update` its own hook has accumulated the gradient when ours runs (hooks run in
+registration order, and the optimizer registers first); without it the optimizer accumulates after the
+whole backward (`update_hp_grads`, pipe/engine.py:861), so our hook accumulates the parameter itself
+with the optimizer's `_update_hp_grad` and drops the low-precision gradient, which `update_hp_grads`
+then skips, as the immediate mode does (bf16_optimizer.py:707-715).
+
+At pp = 1 DeepSpeed's own engine runs the step (no PipelineEngine) and reduces in its backward epilogue: this
+feature does not apply there, and runtime `mist` is `deepspeed` plus activation offload
+(mist_ds/runtime/activations.py), which works at any pp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+
+class ReducingBackwardPass(schedule.BackwardPass):
+    """The last micro-batch's backward: gradients are reduced per layer while it runs."""
+
+
+class WaitReducedGrads(schedule.PipeInstruction):
+    """In place of ReduceTiedGrads and ReduceGrads: the tied reduction, then wait for every bucket."""
+
+
+class OverlapSchedule(schedule.TrainSchedule):
+    """DeepSpeed's 1F1B TrainSchedule with the last backward marked and the blocking reductions replaced
+    (module docstring); sends, receives and computation are unchanged."""
+
+    def steps(self):
+        last_backward = self._last_backward_step()
+        for step_id, cmds in enumerate(super().steps()):
+            out = []
+            for cmd in cmds:
+                if type(cmd) is schedule.BackwardPass and step_id == last_backward:
+                    out.append(ReducingBackwardPass(**cmd.kwargs))
+                elif type(cmd) is schedule.ReduceTiedGrads:
+                    continue
+                elif type(cmd) is schedule.ReduceGrads:
+                    out.append(WaitReducedGrads())
+                else:
+                    out.append(cmd)
+            yield out
+
+    def _last_backward_step(self) -> int:
+        total_steps = 2 * (self.micro_batches + self.stages - 1)
+        steps = [(step, *self._step_to_micro_batch(step)) for step in range(total_steps)]
+        return max(step for step, micro_batch, forward in steps if not forward and self._valid_micro_batch(micro_batch))
+
+
+@dataclass
+class _Bucket:
+    grads: list[torch.Tensor]
+    flat: torch.Tensor
+    """What was all-reduced: the gradients flattened, in the communication dtype."""
+    work: Any
+
+
+@dataclass
+class GradReducer:
+    """Per-layer asynchronous all-reduce of one stage's gradients during the backward it is armed for."""
+
+    engine: Any
+    layers: list[list[torch.nn.Parameter]]
+    """The stage's parameters by layer (tied weights left out: reduced after the tied sum)."""
+    armed: bool = False
+    ready: set[int] = field(default_factory=set)
+    issued: set[int] = field(default_factory=set)
+    buckets: list[_Bucket] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)
+    bf16_slots: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """id(low-precision parameter) -> (group, index) in BF16_Optimizer's groups."""
+    buckets_in_backward: int = 0
+    """All-reduces the last finished step started while its backward ran (what_ran reports it)."""
+
+    def install(self) -> None:
+        optimizer = self.engine.optimizer
+        if self.engine.using_bf16_optimizer:
+            self.bf16_slots = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)
+                               for j, p in enumerate(group)}
+        for index, params in enumerate(self.layers):
+            for param in params:
+                self.hooks.append(param.register_post_accumulate_grad_hook(self._hook(index)))
+
+    def _hook(self, layer_index: int):
+        def on_gradient(param: torch.nn.Parameter) -> None:
+            if not self.armed:
+                return
+            if self.engine.using_bf16_optimizer and not self.engine.optimizer.immediate_grad_update:
+                # The optimizer would accumulate after the whole backward: do it now, for this parameter,
+                # and drop the low-precision gradient so that update_hp_grads skips it (module docstring).
+                group, index = self.bf16_slots[id(param)]
+                self.engine.optimizer._update_hp_grad(param, group, index, clear_lp_grads=False)
+                param.grad = None
+            self.ready.add(id(param))
+            params = self.layers[layer_index]
+            if layer_index not in self.issued and all(id(p) in self.ready for p in params):
+                self.issued.add(layer_index)
+                self._start([self._gradient(p) for p in params])
+        return on_gradient
+
+    def _gradient(self, param: torch.nn.Parameter) -> torch.Tensor:
+        if self.engine.using_bf16_optimizer:  # the accumulated gradient BF16_Optimizer reduces, steps and clips
+            group, index = self.bf16_slots[id(param)]
+            return self.engine.optimizer.fp32_groups_gradients[group][index]
+        if param.grad is None:  # as DeepSpeed's _get_gradients_for_reduction: every rank reduces the same sizes
+            param.grad = torch.zeros_like(param)
+        return param.grad.data
+
+    def _group(self):
+        return self.engine.mpu.get_data_parallel_group()
+
+    def _start(self, grads: list[torch.Tensor]) -> None:
+        """Flatten and start the all-reduce of one bucket, scaled before as allreduce_bucket does."""
+        engine, group = self.engine, self._group()
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(engine.communication_data_type)
+        if engine.gradient_average and not engine.postscale_gradients():
+            flat.mul_(1.0 / dist.get_world_size(group=group))
+        elif engine.gradient_average and engine.gradient_predivide_factor() != 1.0:
+            flat.mul_(1.0 / engine.gradient_predivide_factor())
+        self.buckets.append(_Bucket(grads, flat, dist.all_reduce(flat, group=group, async_op=True)))
+
+    def finish(self) -> None:
+        """Reduce what no hook issued, wait for every bucket, scale after as allreduce_bucket does, copy
+        back. Disarms."""
+        self.armed = False
+        self.buckets_in_backward = len(self.buckets)
+        rest = [p for index, params in enumerate(self.layers) if index not in self.issued for p in params]
+        rest += self.tied()
+        if rest:
+            self._start([self._gradient(p) for p in rest])
+        engine, world = self.engine, dist.get_world_size(group=self._group())
+        for bucket in self.buckets:
+            bucket.work.wait()
+            if engine.gradient_average and engine.postscale_gradients() and engine.gradient_predivide_factor() != world:
+                bucket.flat.mul_(engine.gradient_predivide_factor() / world)
+            offset = 0
+            for grad in bucket.grads:
+                grad.copy_(bucket.flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self.buckets.clear()
+        self.ready.clear()
+        self.issued.clear()
+
+    def tied(self) -> list[torch.nn.Parameter]:
+        return [weight for weight, _ in self.engine.module.get_tied_weights_and_groups()]
+
+
+def _exec_reducing_backward_pass(self, buffer_id):
+    self.grad_reducer.armed = self.pipeline_enable_backward_allreduce
+    try:
+        PipelineEngine._exec_backward_pass(self, buffer_id)
+    finally:
+        self.grad_reducer.armed = False
+
+
+def _exec_wait_reduced_grads(self):
+    PipelineEngine._exec_reduce_tied_grads(self)  # the stock tied sum, before the tied weights' mean
+    self._force_grad_boundary = True
+    if self.pipeline_enable_backward_allreduce:
+        self.grad_reducer.finish()
+    self._force_grad_boundary = False
+
+
+class MistPipelineEngine(PipelineEngine):
+    """PipelineEngine running OverlapSchedule. Dispatch is by exact instruction type through the class
+    attribute `_INSTRUCTION_MAP` (pipe/engine.py:1360-1386): the map is rebuilt here, or the new
+    instructions would raise and an overridden handler would be ignored. An engine built by
+    `deepspeed.initialize` becomes one through `adopt`, which adds the reducer and nothing else."""
+
+    grad_reducer: GradReducer
+
+    _INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP,
+                        ReducingBackwardPass: _exec_reducing_backward_pass,
+                        WaitReducedGrads: _exec_wait_reduced_grads}
+
+    def _train_schedule(self):
+        return OverlapSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    @classmethod
+    def adopt(cls, engine: PipelineEngine, layers: list[list[torch.nn.Parameter]]) -> "MistPipelineEngine":
+        """`engine` as a MistPipelineEngine whose reducer covers `layers` (parameters by layer)."""
+        engine.__class__ = cls
+        tied = {id(w) for w, _ in engine.module.get_tied_weights_and_groups()}
+        by_layer = [[p for p in params if p.requires_grad and id(p) not in tied] for params in layers]
+        engine.grad_reducer = GradReducer(engine, [params for params in by_layer if params])
+        engine.grad_reducer.install()
+        return engine

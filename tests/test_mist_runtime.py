@@ -1,0 +1,194 @@
+"""Runtime `mist` (mist_ds/runtime/overlap.py) on real DeepSpeed (CPU ranks, gloo): the same losses as stock
+DeepSpeed bit for bit, the overlap observed at the dispatcher, the step census equal to the accounting, and
+the cost model pricing what was built.
+
+Numerics: 5 steps on the same plan (pp = 2, dp = 2, ZeRO-0, tied embeddings) under runtime `deepspeed`
+(stock TrainSchedule) and runtime `mist`; losses must be bitwise equal. A two-rank sum is order-free, and
+the reduction scales each element as DeepSpeed does, so only a different order of operations (the tied
+sum after the data-parallel mean, a gradient reduced before it is complete) could move a bit.
+
+Mechanism, observed independently of the feature's code: a TorchDispatchMode (tests/mist_runtime_worker.py)
+records every c10d all-reduce with whether autograd was running a backward when it was issued, and how many
+backward ops had run by then. Under `mist` several data-parallel all-reduces are issued inside the last
+backward, before its last op; under `deepspeed` none is.
+
+Fast lane: one launch, bf16 (BF16_Optimizer without immediate_grad_update). Slow lane: fp32, and bf16 with
+`bf16.immediate_grad_update`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mist_ds.config import compose
+from mist_ds.cost.predict import predict
+from mist_ds.emit import ds_config
+from mist_ds.specs import grad_reduce_overlapped, runtime_capabilities
+from mist_ds.testing.ranks import launch
+
+WORKER = "tests.mist_runtime_worker:mist_runtime_worker"
+STEPS = 5
+RANKS = 4
+LAUNCH_TIMEOUT_S = 420.0
+PLAN = ["cluster=cpu", f"cluster.gpus_per_node={RANKS}", "model=tiny", "model.num_layers=4",
+        "train.global_batch_size=4", "strategy.pp=2", "strategy.zero_stage=0", "strategy.micro_batch_size=1"]
+
+
+def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0):
+    specs = compose([*PLAN, f"train.precision={precision}", f"strategy.runtime={runtime}",
+                     f"strategy.offload.activations={ao}"])
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    if immediate:
+        config["bf16"]["immediate_grad_update"] = True
+    return specs, config
+
+
+def run_pairs(variants: list[tuple[str, bool]], ao: float = 0.0) -> dict[tuple[str, str, bool], list[dict]]:
+    """Each (precision, immediate) under both runtimes, in one launch, and with activation offload `ao` on
+    `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, ...), by rank."""
+    keys, cases = [], []
+    runs = [(r, p, i) for p, i in variants for r in ("deepspeed", "mist")]
+    runs += [("mist-offload", p, i) for p, i in variants if ao > 0]
+    for runtime, precision, immediate in runs:
+        specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0)
+        keys.append((runtime, precision, immediate))
+        cases.append({"name": f"{runtime}-{precision}-{immediate}", "config": config,
+                      "model": dataclasses.asdict(specs.model), "steps": STEPS})
+    by_rank = launch(WORKER, RANKS, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
+    return {key: [rank_results[i] for rank_results in by_rank] for i, key in enumerate(keys)}
+
+
+def check_pair(results, precision: str, immediate: bool) -> None:
+    stock, mist = results[("deepspeed", precision, immediate)], results[("mist", precision, immediate)]
+    for ran_stock, ran_mist in zip(stock, mist):
+        assert ran_stock["engine"] == "PipelineEngine" and ran_mist["engine"] == "MistPipelineEngine"
+        assert ran_mist["losses"] == ran_stock["losses"], (precision, immediate)  # bitwise
+        check_overlap_observed(ran_stock, ran_mist)
+        check_census(ran_mist, precision)
+
+
+def check_overlap_observed(stock: dict, mist: dict) -> None:
+    data = mist["data_ranks"]
+    in_backward = [e for e in mist["all_reduces"] if e["ranks"] == data and e["in_backward"]]
+    assert not [e for e in stock["all_reduces"] if e["in_backward"]]
+    assert len(in_backward) >= 2, mist["all_reduces"]
+    assert min(e["backward_ops_before"] for e in in_backward) < mist["backward_ops"]
+    # every gradient byte still crosses the data-parallel group exactly once
+    assert (sum(e["bytes"] for e in mist["all_reduces"] if e["ranks"] == data)
+            == sum(e["bytes"] for e in stock["all_reduces"] if e["ranks"] == data))
+
+
+def check_census(result: dict, precision: str) -> None:
+    """The step census of a `mist` plan equals the accounting as the `deepspeed` runtime's does
+    (tests/test_runtime.py, test_the_step_census_is_the_accounting)."""
+    from mist_ds.cost.accounting import CONTROL_BYTES
+
+    specs, _ = plan("mist", precision)
+    prediction = predict(specs).to_dict()
+    stage, census = result["stage"], result["census"]
+    assert census["flops"] == prediction["flops_per_rank"][stage]
+    predicted = prediction["comm_bytes_per_rank"][stage]
+    for key in sorted(set(predicted) | set(census["comm_bytes"])):
+        extra = census["comm_bytes"].get(key, 0) - predicted.get(key, 0)
+        assert 0 <= extra <= CONTROL_BYTES, (key, census["comm_bytes"].get(key, 0), predicted.get(key, 0))
+
+
+def check_offload(results, precision: str, immediate: bool, ao: float) -> None:
+    """Activation offload: losses bitwise equal to stock; the pack hook moved exactly the planned bytes
+    (the cost model's offloaded activations of a micro-batch, times G) into distinct host storages, and
+    every byte came back in backward."""
+    from mist_ds.cost.stage import in_flight_micro_batches
+
+    stock, offloaded = results[("deepspeed", precision, immediate)], results[("mist-offload", precision, immediate)]
+    specs, _ = plan("mist", precision, immediate, ao)
+    par = specs.strategy.parallelism
+    host = predict(specs).to_dict()["host_bytes_per_rank"]
+    for ran_stock, ran in zip(stock, offloaded):
+        assert ran["losses"] == ran_stock["losses"]
+        stage, moved = ran["stage"], ran["activations_offloaded"]
+        per_micro = host[stage] / float(in_flight_micro_batches(stage, par.pp, par.grad_accum))
+        assert moved["moved_bytes"] == per_micro * par.grad_accum > 0
+        assert moved["returned_bytes"] == moved["moved_bytes"]
+        assert moved["distinct_host_storages"] == moved["host_copies"] > 0
+        assert moved["host_is_device"] == 0
+
+
+def test_mist_trains_bitwise_like_stock_deepspeed_and_reduces_during_the_last_backward():
+    results = run_pairs([("bf16", False)], ao=0.5)
+    check_pair(results, "bf16", False)
+    check_offload(results, "bf16", False, 0.5)
+
+
+@pytest.mark.slow
+def test_mist_matches_stock_deepspeed_in_fp32_and_with_immediate_grad_update():
+    results = run_pairs([("fp32", False), ("bf16", True)])
+    check_pair(results, "fp32", False)
+    check_pair(results, "bf16", True)
+
+
+# --- without launches ------------------------------------------------------------------------------
+
+
+def test_the_schedule_marks_only_the_last_backward_and_replaces_the_reductions():
+    from deepspeed.runtime.pipe import schedule
+
+    from mist_ds.runtime.overlap import OverlapSchedule, ReducingBackwardPass, WaitReducedGrads
+
+    for stages in (2, 3):
+        for stage_id in range(stages):
+            for micro_batches in (1, 4):
+                stock = list(schedule.TrainSchedule(micro_batches, stages, stage_id))
+                ours = list(OverlapSchedule(micro_batches, stages, stage_id))
+                flat_stock = [cmd for step in stock for cmd in step]
+                flat_ours = [cmd for step in ours for cmd in step]
+                marked = [i for i, cmd in enumerate(flat_ours) if type(cmd) is ReducingBackwardPass]
+                last_backward = max(i for i, cmd in enumerate(flat_stock) if type(cmd) is schedule.BackwardPass)
+                assert marked == [last_backward]
+                assert flat_ours[last_backward].kwargs == flat_stock[last_backward].kwargs
+                kept = [cmd for cmd in flat_stock if type(cmd) not in (schedule.ReduceTiedGrads, schedule.ReduceGrads)]
+                assert [type(c).__name__ for c in flat_ours if type(c) is not WaitReducedGrads] == [
+                    "ReducingBackwardPass" if i == last_backward else type(c).__name__ for i, c in enumerate(kept)]
+                assert [type(c) for c in flat_ours[-2:]] == [WaitReducedGrads, schedule.OptimizerStep]
+
+
+def test_the_engine_dispatches_the_new_instructions_to_its_own_handlers():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from mist_ds.runtime.overlap import MistPipelineEngine, ReducingBackwardPass, WaitReducedGrads
+
+    assert set(PipelineEngine._INSTRUCTION_MAP) < set(MistPipelineEngine._INSTRUCTION_MAP)
+    assert {ReducingBackwardPass, WaitReducedGrads} <= set(MistPipelineEngine._INSTRUCTION_MAP)
+
+
+def test_the_feature_applies_to_zero0_pipelines_only():
+    caps = runtime_capabilities("mist")
+    assert caps.built and caps.overlap.overlap_grad_reduce
+    assert grad_reduce_overlapped(caps, caps.overlap, 2, 0)
+    assert not grad_reduce_overlapped(caps, caps.overlap, 1, 0)
+    assert not grad_reduce_overlapped(caps, caps.overlap, 2, 1)
+    deepspeed = runtime_capabilities("deepspeed")
+    assert not grad_reduce_overlapped(deepspeed, deepspeed.overlap, 2, 0)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["strategy.pp=1"], ["strategy.pp=2", "strategy.zero_stage=1"], ["strategy.pp=1", "strategy.zero_stage=2"]])
+def test_mist_is_priced_as_deepspeed_where_its_features_do_not_apply(overrides):
+    base = ["cluster=cpu", "cluster.gpus_per_node=4", "model=tiny", "train.global_batch_size=8", *overrides]
+    stock = predict(compose([*base, "strategy.runtime=deepspeed"])).to_dict()
+    mist = predict(compose([*base, "strategy.runtime=mist"])).to_dict()
+    for key in ("iteration_time_s", "stage_stable_s", "stage_delta_s", "tail_s", "peak_memory_bytes"):
+        assert np.array_equal(stock[key], mist[key]), key
+
+
+def test_mist_moves_the_reduction_into_the_last_backward_and_keeps_the_step_at_the_end():
+    """Same plan: the stable time is unchanged, the tail loses the reduction of the non-tied
+    gradients and the deltas gain at most their exposed part; the bytes stay the same."""
+    stock = predict(compose([*PLAN, "strategy.runtime=deepspeed"])).to_dict()
+    mist = predict(compose([*PLAN, "strategy.runtime=mist"])).to_dict()
+    assert stock["stage_stable_s"] == mist["stage_stable_s"]
+    assert mist["tail_s"] < stock["tail_s"]
+    assert all(m >= s for m, s in zip(mist["stage_delta_s"], stock["stage_delta_s"]))
+    assert mist["iteration_time_s"] < stock["iteration_time_s"]
+    assert mist["comm_bytes_per_rank"] == stock["comm_bytes_per_rank"]
