@@ -176,6 +176,8 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
 
 
 RUNTIMES: Mapping[str, RuntimeCapabilities] = _runtimes()
+DEFAULT_RUNTIME_PREFERENCE: tuple[str, ...] = ("mist", "deepspeed")
+"""The tuner plans for the first of these that is built and checked on a GPU (tuner.runtime overrides)."""
 
 
 def runtime_capabilities(name: str, field: str = "strategy.runtime") -> RuntimeCapabilities:

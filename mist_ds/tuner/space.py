@@ -133,8 +133,8 @@ def tuner_runtime(tuner: TunerSpec) -> str:
     """The runtime plans must run on: the tuner's, else the best built one checked on GPUs (mist once
     its overlap schedule has run on a GPU, DeepSpeed's stock engines until then)."""
     from mist_ds.specs import RUNTIMES
+    from mist_ds.specs.runtime import DEFAULT_RUNTIME_PREFERENCE
 
     if tuner.runtime is not None:
         return tuner.runtime
-    mist = RUNTIMES["mist"]
-    return "mist" if mist.built and mist.checked_on_gpu else "deepspeed"
+    return next(name for name in DEFAULT_RUNTIME_PREFERENCE if RUNTIMES[name].built and RUNTIMES[name].checked_on_gpu)
