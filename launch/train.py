@@ -173,6 +173,9 @@ def train_job(cfg: DictConfig) -> int:
             write_json_atomic(run_dir / "run.json", run_record(ranks, records, plan.to_dict() if plan else None,
                                                                str(run_dir / "ds_config.json")))
             log.info("wrote %s", run_dir / "run.json")
+        # Tear down together: a rank that destroys its process group while rank 0 is still writing can take
+        # gloo's threads down mid-use (once seen: "terminate called without an active exception").
+        dist.barrier()
     finally:
         if planned is not None:
             planned.close()
