@@ -54,6 +54,7 @@ def run_case(case: dict) -> dict:
     offload = planned.activation_offload
     if offload is not None:
         offload.reset_counts()
+        offload.audit = True
     timeline = CollectiveTimeline()
     batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - planned.dp_rank)
     with timeline:

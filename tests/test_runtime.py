@@ -314,6 +314,10 @@ def test_a_plan_for_another_world_or_model_is_refused_before_deepspeed():
     with pytest.raises(ConfigError) as error:
         check_executable(paper_plan, specs.model, 2)
     assert error.value.rule == "mist-paper.not-built"
+    ablation = dataclasses.replace(plan, overlap=dataclasses.replace(plan.overlap, overlap_grad_reduce=True))
+    with pytest.raises(ConfigError) as error:  # priced with a feature runtime deepspeed would not run
+        check_executable(ablation, specs.model, 2)
+    assert error.value.field == "mist.overlap"
 
 
 # --- slow lane: plans the tuner draws for random settings ---------------------------------------------

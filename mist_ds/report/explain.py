@@ -139,7 +139,10 @@ def memory_rows(specs: Specs, prediction: Prediction) -> list[dict[str, float]]:
 
 def _tuned_s(specs: Specs) -> tuple[float | None, StrategySpec | None]:
     """The best plan's time and strategy for `specs` (baselines and runner-ups off); None where none fits."""
-    quiet = dataclasses.replace(specs, strategy=None, tuner=dataclasses.replace(specs.tuner, top_n=0, quiet=True))
+    # Re-tuned on the runtime the plan runs on (the tuner's default may be another).
+    runtime = specs.strategy.runtime if specs.strategy is not None else specs.tuner.runtime
+    quiet = dataclasses.replace(specs, strategy=None, tuner=dataclasses.replace(specs.tuner, top_n=0, quiet=True,
+                                                                              runtime=runtime))
     try:
         result = tune_specs(quiet, progress=False, baselines=False)
     except NoPlanFits:

@@ -81,8 +81,11 @@ class ActivationOffload:
     chain: _BlockSaved | None = None
     moved_bytes: int = 0
     returned_bytes: int = 0
+    audit: bool = False
+    """Record every copy in `host_storages` (a check's audit; off in training, where the list would grow
+    with every step)."""
     host_storages: list[tuple[int, int, int]] = field(default_factory=list)
-    """(block forward, host data pointer, device data pointer) of each copy made since the last reset."""
+    """With `audit`: (block forward, host data pointer, device data pointer) of each copy since the last reset."""
     block_forwards: int = 0
 
     def run(self, layer: torch.nn.Module, x: torch.Tensor, first_of_pass: bool, forward) -> Any:
@@ -114,7 +117,8 @@ class ActivationOffload:
             saved.copies[key] = _HostCopy(host, tensor.device)
             saved.originals.append(storage)
             self.moved_bytes += storage.nbytes()
-            self.host_storages.append((self.block_forwards, host.untyped_storage().data_ptr(), key))
+            if self.audit:
+                self.host_storages.append((self.block_forwards, host.untyped_storage().data_ptr(), key))
         return _Packed(saved, key, tensor.dtype, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
 
     def _unpack(self, packed):

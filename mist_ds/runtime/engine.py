@@ -12,6 +12,7 @@ apply (runtime `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -199,6 +200,10 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
         raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
     check_runtime(strategy, caps, model)
+    if plan.overlap != caps.overlap:  # priced with other features than the runtime would switch on
+        raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),
+                          f"runtime {caps.name} runs {dataclasses.asdict(caps.overlap)}: a block priced with other "
+                          "overlap features (an ablation's capabilities) cannot run; re-run `mist-ds tune`")
     if par.num_gpus != world_size:
         raise ConfigError("strategy", f"tp {par.tp} x pp {par.pp} x dp {par.dp}",
                           f"the plan needs {par.num_gpus} ranks and this job has {world_size}: launch it on "

@@ -17,8 +17,10 @@ scales it and copies it back.
 
 Numerics are DeepSpeed's exactly: each bucket is reduced as `allreduce_bucket` reduces its buffer
 (deepspeed/runtime/engine.py:3795-3821: the engine's `communication_data_type`, its pre- or post-scaling
-by the data-parallel size and `gradient_predivide_factor`), element by element, so another bucketing
-gives the same bits. BF16_Optimizer reduces its accumulated `_hp_grad`s in `grad_acc_dtype`: with
+by the data-parallel size and `gradient_predivide_factor`). At dp = 2 each element is one sum of two
+values, so another bucketing gives the same bits (what tests/test_mist_runtime.py checks); at dp >= 3 the
+ring's order of adds depends on an element's offset in its buffer, so buckets of another size can differ in
+the last bit. BF16_Optimizer reduces its accumulated `_hp_grad`s in `grad_acc_dtype`: with
 `bf16.immediate_grad_update` its own hook has accumulated the gradient when ours runs (hooks run in
 registration order, and the optimizer registers first); without it the optimizer accumulates after the
 whole backward (`update_hp_grads`, pipe/engine.py:861), so our hook accumulates the parameter itself
