@@ -95,39 +95,37 @@ def profile_ranks(specs: Specs) -> tuple[str, int]:
 
 
 def run_with_progress(payload: dict, ranks: int, env: dict, quiet: bool) -> list[dict]:
-    """Launch the ranks; a progress bar (stderr) follows the sections rank 0 has finished."""
+    """Launch the ranks; a progress bar (stderr) follows the sections rank 0 has finished. The launch runs in
+    this thread, so an interrupt reaches it and kills the ranks' process group; the bar polls beside it."""
     from mist_ds.testing.ranks import launch
 
     with tempfile.TemporaryDirectory(prefix="mist_ds_profile_") as tmp:
         progress = Path(tmp, "progress")
         payload = {**payload, "progress": str(progress)}
-        outcome: dict[str, Any] = {}
+        done = threading.Event()
+        follower = None if quiet else threading.Thread(target=_follow_progress, args=(progress, done), daemon=True)
+        if follower is not None:
+            follower.start()
+        try:
+            return launch(PROFILE_WORKER, ranks, payload, timeout_s=LAUNCH_TIMEOUT_S, env=env)
+        finally:
+            done.set()
+            if follower is not None:
+                follower.join()
 
-        def target() -> None:
-            try:
-                outcome["results"] = launch(PROFILE_WORKER, ranks, payload, timeout_s=LAUNCH_TIMEOUT_S, env=env)
-            except BaseException as error:  # re-raised in the caller's thread
-                outcome["error"] = error
 
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        bar = None
-        if not quiet:
-            from tqdm import tqdm
+def _follow_progress(progress: Path, done: threading.Event) -> None:
+    """A tqdm bar over the sections in `progress` (rank 0 writes "<done> <total> <last section>") until `done`."""
+    from tqdm import tqdm
 
-            bar = tqdm(total=None, unit="section", desc="profiling", file=sys.stderr, leave=False)
-        while thread.is_alive():
-            thread.join(0.5)
-            if bar is not None and progress.exists():  # rank 0 writes "<done> <total> <last section>"
-                done, total, name = progress.read_text().split()
-                bar.total = int(total)
-                bar.set_postfix_str(name)
-                bar.update(int(done) - bar.n)
-        if bar is not None:
-            bar.close()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["results"]
+    with tqdm(total=None, unit="section", desc="profiling", file=sys.stderr, leave=False) as bar:
+        while not done.wait(0.5):
+            if progress.exists():
+                fields = progress.read_text().split()
+                if len(fields) == 3:  # "<done> <total> <section>", written atomically by rank 0
+                    bar.total = int(fields[1])
+                    bar.set_postfix_str(fields[2])
+                    bar.update(int(fields[0]) - bar.n)
 
 
 def slowest(per_rank: list[dict]) -> dict:
