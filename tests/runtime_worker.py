@@ -8,7 +8,7 @@ import gc
 import torch
 
 from mist_ds.specs import ModelSpec
-from mist_ds.testing.ranks import close_cpu_distributed, init_cpu_distributed
+from mist_ds.testing.ranks import run_cases_on_cpu_ranks
 
 DATA_SEED = 1234
 
@@ -52,9 +52,5 @@ def run_case(case: dict) -> dict:
 
 
 def runtime_worker(rank: int, world_size: int, payload: dict) -> list[dict]:
-    init_cpu_distributed()
-    try:
-        return [run_case(case) for case in payload["cases"]]
-    finally:
-        close_cpu_distributed()
+    return run_cases_on_cpu_ranks(run_case, payload["cases"])
 

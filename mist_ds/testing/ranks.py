@@ -115,6 +115,16 @@ def close_cpu_distributed() -> None:
         dist.destroy_process_group()
 
 
+def run_cases_on_cpu_ranks(run_case, cases: list) -> list:
+    """[run_case(case) for each case] inside the gloo process group, which is left however it ends: the body
+    of a worker that runs several engines one after another."""
+    init_cpu_distributed()
+    try:
+        return [run_case(case) for case in cases]
+    finally:
+        close_cpu_distributed()
+
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
