@@ -106,10 +106,15 @@ class SimulatedIteration:
     chunks: int
     """Model chunks per stage (interleaved schedule); spans carry chunk c micro-batch m as c G + m."""
     iteration_time_s: float
+    tail_s: float
+    """The iteration's tail after the last backward (cost/stage.py tail_s): the latest end work plus the sync."""
 
 
-def _simulated_iteration(times, micro_batches: int, chunks: int, tail: float) -> SimulatedIteration:
-    """Run the event simulator on a strategy's stage times; `tail` from cost/stage.py's tail_s."""
+def _simulated_iteration(specs: Specs, hw: HardwareModel, times: StageTimes) -> SimulatedIteration:
+    """Run the event simulator on specs.strategy's stage times, its tail from cost/stage.py's tail_s."""
+    par = specs.strategy.parallelism
+    micro_batches, chunks = par.grad_accum, specs.strategy.virtual_stages
+    tail = float(tail_s(hw, specs.train, np.max(times.end_s), par.num_gpus))
     if chunks > 1:
         # Interleaving runs on Megatron-LM only, which has no first / last micro-batch extras.
         assert not np.any(times.delta_s), "interleaved schedule with micro-batch extras"
@@ -125,7 +130,7 @@ def _simulated_iteration(times, micro_batches: int, chunks: int, tail: float) ->
     return SimulatedIteration(
         spans=spans, first_fwd_extra_s=[float(x) for x in times.first_fwd_extra_s],
         last_bwd_extra_s=[float(x) for x in times.last_bwd_extra_s], end_s=[float(x) for x in times.end_s],
-        sync_s=sync, micro_batches=micro_batches, chunks=chunks, iteration_time_s=simulated)
+        sync_s=sync, micro_batches=micro_batches, chunks=chunks, iteration_time_s=simulated, tail_s=tail)
 
 
 def simulate_iteration(specs: Specs, caps: RuntimeCapabilities | None = None,
@@ -134,10 +139,7 @@ def simulate_iteration(specs: Specs, caps: RuntimeCapabilities | None = None,
     costs, hw = model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision)
     caps = checked_caps(specs, caps)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
-    times = stage_times(costs, hw, caps, specs.train, c)
-    par = specs.strategy.parallelism
-    tail = float(tail_s(hw, specs.train, np.max(times.end_s), par.num_gpus))
-    return _simulated_iteration(times, par.grad_accum, specs.strategy.virtual_stages, tail)
+    return _simulated_iteration(specs, hw, stage_times(costs, hw, caps, specs.train, c))
 
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
@@ -178,9 +180,9 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Runt
     strategy = specs.strategy
     par = strategy.parallelism
     world = par.num_gpus
-    tail = float(tail_s(hw, specs.train, np.max(times.end_s), world))
     chunks = strategy.virtual_stages
-    simulated = _simulated_iteration(times, par.grad_accum, chunks, tail).iteration_time_s
+    simulation = _simulated_iteration(specs, hw, times)
+    simulated, tail = simulation.iteration_time_s, simulation.tail_s
     closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))
     tokens = par.global_batch_size * specs.model.seq_len
     model_flops = specs.model.training_flops_per_token() * tokens
