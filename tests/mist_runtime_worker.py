@@ -7,6 +7,7 @@ import gc
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mist_ds.runtime.report import overlap_ran
 from mist_ds.specs import ModelSpec
 from mist_ds.testing.ranks import run_cases_on_cpu_ranks
 from tests.runtime_worker import DATA_SEED, synthetic_batches
@@ -71,6 +72,7 @@ def run_case(case: dict) -> dict:
               "data_ranks": sorted(torch.distributed.get_process_group_ranks(
                   planned.grid.get_data_parallel_group())),
               "all_reduces": timeline.events, "backward_ops": timeline.backward_ops, "census": census,
+              "overlap": overlap_ran(planned),
               "activations_offloaded": offloaded}
     planned.close()
     del planned

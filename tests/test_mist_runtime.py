@@ -26,6 +26,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
 from mist_ds.specs import grad_reduce_overlapped, runtime_capabilities
+from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.testing.ranks import launch
 
 WORKER = "tests.mist_runtime_worker:mist_runtime_worker"
@@ -33,11 +34,19 @@ STEPS = 5
 RANKS = 4
 LAUNCH_TIMEOUT_S = 420.0
 PLAN = ["cluster=cpu", f"cluster.gpus_per_node={RANKS}", "model=tiny", "model.num_layers=4",
-        "train.global_batch_size=4", "strategy.pp=2", "strategy.zero_stage=0", "strategy.micro_batch_size=1"]
+        "train.global_batch_size=4", "strategy.micro_batch_size=1"]
+PIPELINE = ("strategy.pp=2", "strategy.zero_stage=0")
+"""pp 2 dp 2 at ZeRO-0: MistPipelineEngine with the per-layer reducer."""
+FLAT_ZERO0 = ("strategy.pp=1", "strategy.tp=2", "strategy.zero_stage=0")
+"""pp 1 tp 2 dp 2 at ZeRO-0: DeepSpeed's engine with the per-layer reducer (dp = 2 keeps sums order-free)."""
+FLAT_ZERO1 = ("strategy.pp=1", "strategy.tp=2", "strategy.zero_stage=1")
+"""pp 1 tp 2 dp 2 at ZeRO-1: DeepSpeed's own hooks with overlap_comm and a one-block bucket."""
+ENGINES = {PIPELINE: ("PipelineEngine", "MistPipelineEngine"), FLAT_ZERO0: ("DeepSpeedEngine", "DeepSpeedEngine"),
+           FLAT_ZERO1: ("DeepSpeedEngine", "DeepSpeedEngine")}
 
 
-def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0):
-    specs = compose([*PLAN, f"train.precision={precision}", f"strategy.runtime={runtime}",
+def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0, layout=PIPELINE):
+    specs = compose([*PLAN, *layout, f"train.precision={precision}", f"strategy.runtime={runtime}",
                      f"strategy.offload.activations={ao}"])
     config = ds_config(specs.strategy, specs.train, specs.model)
     if immediate:
@@ -45,28 +54,32 @@ def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0)
     return specs, config
 
 
-def run_pairs(variants: list[tuple[str, bool]], ao: float = 0.0) -> dict[tuple[str, str, bool], list[dict]]:
-    """Each (precision, immediate) under both runtimes, in one launch, and with activation offload `ao` on
-    `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, ...), by rank."""
+def run_pairs(variants: list[tuple], ao: float = 0.0) -> dict[tuple, list[dict]]:
+    """Each (precision, immediate[, layout]) under both runtimes, in one launch, and with activation
+    offload `ao` on `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, precision,
+    immediate, layout), by rank."""
     keys, cases = [], []
-    runs = [(r, p, i) for p, i in variants for r in ("deepspeed", "mist")]
-    runs += [("mist-offload", p, i) for p, i in variants if ao > 0]
-    for runtime, precision, immediate in runs:
-        specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0)
-        keys.append((runtime, precision, immediate))
-        cases.append({"name": f"{runtime}-{precision}-{immediate}", "config": config,
+    variants = [(p, i, *rest) if rest else (p, i, PIPELINE) for p, i, *rest in variants]
+    runs = [(r, *v) for v in variants for r in ("deepspeed", "mist")]
+    runs += [("mist-offload", *v) for v in variants if ao > 0]
+    for runtime, precision, immediate, layout in runs:
+        specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0,
+                             layout)
+        keys.append((runtime, precision, immediate, layout))
+        cases.append({"name": f"{runtime}-{precision}-{immediate}-{'-'.join(layout)}", "config": config,
                       "model": dataclasses.asdict(specs.model), "steps": STEPS})
     by_rank = launch(WORKER, RANKS, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
     return {key: [rank_results[i] for rank_results in by_rank] for i, key in enumerate(keys)}
 
 
-def check_pair(results, precision: str, immediate: bool) -> None:
-    stock, mist = results[("deepspeed", precision, immediate)], results[("mist", precision, immediate)]
+def check_pair(results, precision: str, immediate: bool, layout=PIPELINE) -> None:
+    stock, mist = results[("deepspeed", precision, immediate, layout)], results[("mist", precision, immediate, layout)]
     for ran_stock, ran_mist in zip(stock, mist):
-        assert ran_stock["engine"] == "PipelineEngine" and ran_mist["engine"] == "MistPipelineEngine"
-        assert ran_mist["losses"] == ran_stock["losses"], (precision, immediate)  # bitwise
+        assert (ran_stock["engine"], ran_mist["engine"]) == ENGINES[layout]
+        assert ran_mist["losses"] == ran_stock["losses"], (precision, immediate, layout)  # bitwise
+        assert ran_mist["overlap"]["overlap_grad_reduce"] and not ran_stock["overlap"]["overlap_grad_reduce"]
         check_overlap_observed(ran_stock, ran_mist)
-        check_census(ran_mist, precision)
+        check_census(ran_mist, precision, layout)
 
 
 def check_overlap_observed(stock: dict, mist: dict) -> None:
@@ -75,17 +88,23 @@ def check_overlap_observed(stock: dict, mist: dict) -> None:
     assert not [e for e in stock["all_reduces"] if e["in_backward"]]
     assert len(in_backward) >= 2, mist["all_reduces"]
     assert min(e["backward_ops_before"] for e in in_backward) < mist["backward_ops"]
-    # every gradient byte still crosses the data-parallel group exactly once
-    assert (sum(e["bytes"] for e in mist["all_reduces"] if e["ranks"] == data)
-            == sum(e["bytes"] for e in stock["all_reduces"] if e["ranks"] == data))
+    # every gradient byte still crosses the data-parallel group exactly once (scalar control messages
+    # aside: at S = 1 DeepSpeed's overflow check adds a one-byte max over the data-parallel group once the
+    # engine's own reduction is off, runtime/utils.py CheckOverflow)
+    from mist_ds.cost.accounting import CONTROL_BYTES
+
+    def gradient_bytes(run: dict) -> int:
+        return sum(e["bytes"] for e in run["all_reduces"] if e["ranks"] == data and e["bytes"] > CONTROL_BYTES)
+
+    assert gradient_bytes(mist) == gradient_bytes(stock)
 
 
-def check_census(result: dict, precision: str) -> None:
+def check_census(result: dict, precision: str, layout=PIPELINE) -> None:
     """The step census of a `mist` plan equals the accounting as the `deepspeed` runtime's does
     (tests/test_runtime.py, test_the_step_census_is_the_accounting)."""
     from mist_ds.cost.accounting import CONTROL_BYTES
 
-    specs, _ = plan("mist", precision)
+    specs, _ = plan("mist", precision, layout=layout)
     prediction = predict(specs).to_dict()
     stage, census = result["stage"], result["census"]
     assert census["flops"] == prediction["flops_per_rank"][stage]
@@ -101,7 +120,8 @@ def check_offload(results, precision: str, immediate: bool, ao: float) -> None:
     every byte came back in backward."""
     from mist_ds.cost.stage import in_flight_micro_batches
 
-    stock, offloaded = results[("deepspeed", precision, immediate)], results[("mist-offload", precision, immediate)]
+    stock, offloaded = (results[("deepspeed", precision, immediate, PIPELINE)],
+                        results[("mist-offload", precision, immediate, PIPELINE)])
     specs, _ = plan("mist", precision, immediate, ao)
     par = specs.strategy.parallelism
     host = predict(specs).to_dict()["host_bytes_per_rank"]
@@ -121,11 +141,19 @@ def test_mist_trains_bitwise_like_stock_deepspeed_and_reduces_during_the_last_ba
     check_offload(results, "bf16", False, 0.5)
 
 
+def test_without_a_pipeline_mist_reduces_during_the_last_backward_at_zero0_and_zero1():
+    results = run_pairs([("bf16", False, FLAT_ZERO0), ("bf16", False, FLAT_ZERO1)])
+    check_pair(results, "bf16", False, FLAT_ZERO0)
+    check_pair(results, "bf16", False, FLAT_ZERO1)
+
+
 @pytest.mark.slow
 def test_mist_matches_stock_deepspeed_in_fp32_and_with_immediate_grad_update():
-    results = run_pairs([("fp32", False), ("bf16", True)])
+    results = run_pairs([("fp32", False), ("bf16", True), ("fp32", False, FLAT_ZERO0), ("fp32", False, FLAT_ZERO1)])
     check_pair(results, "fp32", False)
     check_pair(results, "bf16", True)
+    check_pair(results, "fp32", False, FLAT_ZERO0)
+    check_pair(results, "fp32", False, FLAT_ZERO1)
 
 
 # --- without launches ------------------------------------------------------------------------------
@@ -162,18 +190,40 @@ def test_the_engine_dispatches_the_new_instructions_to_its_own_handlers():
     assert {ReducingBackwardPass, WaitReducedGrads} <= set(MistPipelineEngine._INSTRUCTION_MAP)
 
 
-def test_the_feature_applies_to_zero0_pipelines_only():
+def test_the_reduction_moves_at_zero0_anywhere_and_at_zero1_without_a_pipeline():
     caps = runtime_capabilities("mist")
     assert caps.built and caps.overlap.overlap_grad_reduce
-    assert grad_reduce_overlapped(caps, caps.overlap, 2, 0)
-    assert not grad_reduce_overlapped(caps, caps.overlap, 1, 0)
+    assert grad_reduce_overlapped(caps, caps.overlap, 2, 0) and grad_reduce_overlapped(caps, caps.overlap, 1, 0)
+    assert grad_reduce_overlapped(caps, caps.overlap, 1, 1)
     assert not grad_reduce_overlapped(caps, caps.overlap, 2, 1)
+    assert not grad_reduce_overlapped(caps, caps.overlap, 1, 2) and not grad_reduce_overlapped(caps, caps.overlap, 1, 3)
     deepspeed = runtime_capabilities("deepspeed")
     assert not grad_reduce_overlapped(deepspeed, deepspeed.overlap, 2, 0)
+    assert not grad_reduce_overlapped(deepspeed, deepspeed.overlap, 1, 1)
+
+
+def test_zero1_without_a_pipeline_emits_overlap_comm_with_one_block_buckets_and_prices_both():
+    """The emitter hands the reduction to DeepSpeed's hooks (overlap_comm) with a one-block bucket; the cost
+    model counts the second bucket at that size and moves the reduction out of the tail."""
+    base = ["cluster=cpu", "cluster.gpus_per_node=2", "model=tiny", "train.global_batch_size=8", "strategy.pp=1",
+            "strategy.zero_stage=1"]
+    stock_specs, mist_specs = (compose([*base, f"strategy.runtime={r}"]) for r in ("deepspeed", "mist"))
+    block = mist_specs.model.block_params(1)
+    zero = ds_config(mist_specs.strategy, mist_specs.train, mist_specs.model)["zero_optimization"]
+    assert zero["overlap_comm"] and zero["reduce_bucket_size"] == block
+    assert not ds_config(stock_specs.strategy, stock_specs.train, stock_specs.model)["zero_optimization"]["overlap_comm"]
+    stock, mist = predict(stock_specs).to_dict(), predict(mist_specs).to_dict()
+    assert mist["tail_s"] < stock["tail_s"] and mist["iteration_time_s"] < stock["iteration_time_s"]
+    assert mist["stage_stable_s"] == stock["stage_stable_s"]
+    assert mist["comm_bytes_per_rank"] == stock["comm_bytes_per_rank"]
+    # buffers: two one-block buckets instead of one planned bucket (both above the fp32 step gradients here)
+    assert mist["model_state_bytes"][0]["buffers"] == 2 * 2 * block
+    assert stock["model_state_bytes"][0]["buffers"] == 2 * PLANNED_REDUCE_BUCKET_ELEMENTS
 
 
 @pytest.mark.parametrize("overrides", [
-    ["strategy.pp=1"], ["strategy.pp=2", "strategy.zero_stage=1"], ["strategy.pp=1", "strategy.zero_stage=2"]])
+    ["strategy.pp=2", "strategy.zero_stage=1"], ["strategy.pp=1", "strategy.zero_stage=2"],
+    ["strategy.pp=1", "strategy.zero_stage=3"]])
 def test_mist_is_priced_as_deepspeed_where_its_features_do_not_apply(overrides):
     base = ["cluster=cpu", "cluster.gpus_per_node=4", "model=tiny", "train.global_batch_size=8", *overrides]
     stock = predict(compose([*base, "strategy.runtime=deepspeed"])).to_dict()

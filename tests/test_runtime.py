@@ -84,6 +84,9 @@ EXPLICIT = {
     "zero0-dp2-bf16": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=0"]),
     "zero1-dp2-bf16": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=1",
                            "strategy.ckpt_layers=3"]),
+    # runtime mist at S = 1, ZeRO-1: overlap_comm with two one-block reduce buckets (emit's zero_block)
+    "zero1-dp2-bf16-mist": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=1",
+                                "strategy.runtime=mist"]),
     "zero2-dp2-fp32": (2, ["model=tiny", "train.global_batch_size=4", "train.precision=fp32",
                            "strategy.zero_stage=2"]),
     "zero2-dp2-offload": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=2",

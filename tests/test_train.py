@@ -57,21 +57,22 @@ def assert_trained_the_plan(run_dir: Path, steps: int) -> dict:
 
 
 def test_mist_deepspeed_tunes_then_trains_the_plan(tmp_path):
-    """The CI launch: `mist-deepspeed --autotune-mist run --num_gpus 2 launch/train.py ... tuner.runtime=mist`
-    plans in its own process, starts DeepSpeed's launcher, and the job trains the plan that was tuned, on
-    runtime `mist` with its overlapped gradient reduction running (read from the live engines; the stock
-    runtime's launches are the slow lane's, below)."""
+    """The CI launch, issue 16's command as written: `mist-deepspeed --autotune-mist run --num_gpus 2
+    launch/train.py model=tiny cluster=cpu tuner.runtime=mist` plans in its own process, starts DeepSpeed's
+    launcher, and the job trains the plan that was tuned, on runtime `mist` with its gradient reduction in
+    the last backward running on every rank (read from the live engines). On two CPU processes the tuner
+    picks S = 1 at ZeRO-1, where DeepSpeed's own hooks reduce one-block buckets (tests/test_mist_runtime.py
+    checks the numerics and the mechanism of every layout; the stock runtime's launches are the slow
+    lane's, below)."""
     run_dir = tmp_path / "run"
     code, out = run(mist_deepspeed("--autotune-mist", "run", "--num_gpus", "2", "--master_port", str(free_port()),
-                                   str(TRAIN), *PLANNED, "tuner.runtime=mist", "run.steps=3",
+                                   str(TRAIN), "model=tiny", "cluster=cpu", "tuner.runtime=mist", "run.steps=3",
                                    f"hydra.run.dir={run_dir}"), tmp_path)
     assert code == 0, out[-6000:]
     record = assert_trained_the_plan(run_dir, 3)
     plan = record["plan"]["strategy"]
-    assert plan["pp"] == 2 and any(c > 0 for c in plan["ckpt_layers"])  # the memory cap made recompute pay
-    assert plan["runtime"] == "mist" and set(plan["zero_stage"]) == {0}
-    assert all(did["overlap"]["overlap_grad_reduce"] and did["overlap"]["reduced_in_backward"] >= 2
-               for did in record["ranks"])
+    assert plan["runtime"] == "mist"
+    assert all(did["overlap"]["overlap_grad_reduce"] for did in record["ranks"]), record["ranks"]
     command = (run_dir / "cmd.txt").read_text()
     assert f"mist.plan={run_dir / 'plan' / 'plan.json'}" in command and "--no_local_rank" in command
     assert {"ds_config.json", "plan.json", "summary.md"} <= {p.name for p in (run_dir / "plan").iterdir()}

@@ -9,7 +9,7 @@ b = bytes of the model dtype, P = parameters on the GPU, d = data parallel, Pa =
 multiple of 2d, ps = Pa / d, p3 = ceil(P / d), L = elements of the largest single parameter,
 R = reduce_bucket_size elements, N = elements of the ZeRO-3 parameters kept whole
 (<= stage3_param_persistence_threshold), k = 2 for ZeRO-1 in a pipeline (reduce_gradients appends a
-second bucket) else 1, U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)): an upper bound of the
+second bucket) and with overlap_comm (runtime `mist` at S = 1), else 1, U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)): an upper bound of the
 whole parameters overlapping one rank's partition plus the padding inside it (L - 1 taken as 0 when
 L is not given: U = ps). One parameter group; ZeRO-1/2 with overlap_comm off (DeepSpeed's default and
 what mist_ds/emit writes; on, a second bucket). Measured in bf16 and fp32; fp16 follows bf16 but for
@@ -107,10 +107,11 @@ def partition_touch_elements(params, dp, largest_param_elements):
 def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                            weights_offload, reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS,
                            largest_param_elements=0.0, persistent_param_elements=0.0,
-                           bf16: bool = True, grad_accum=1) -> ModelStateBytes:
+                           bf16: bool = True, grad_accum=1, overlap_comm=False) -> ModelStateBytes:
     """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring: P `params`, d `dp`,
     R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`, G
-    `grad_accum` micro-batches per step)."""
+    `grad_accum` micro-batches per step; `overlap_comm` on at ZeRO-1/2: a second bucket, setup_buckets
+    in stage_1_and_2.py)."""
     p = np.asarray(params, dtype=np.float64)
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
@@ -136,7 +137,7 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     optimizer = np.where(torch_optimizer, (master + ADAM_MOMENT_BYTES) * p, MASTER_ADAM_BYTES * shard)
     step_grads = np.where(torch_optimizer & (master == 0), 0.0, FP32_BYTES * shard)
     bucket = b * np.asarray(reduce_bucket_elements, dtype=np.float64) * np.select(
-        [zero12, z == 3], [np.where(pipe & (z == 1), 2, 1), 1], default=0)
+        [zero12, z == 3], [np.where((pipe & (z == 1)) | np.asarray(overlap_comm, dtype=bool), 2, 1), 1], default=0)
     staging = np.where(offloaded & zero12, b * largest, 0.0)  # one on the device, one on the host
     persistent = np.where(z == 3, b * np.asarray(persistent_param_elements, dtype=np.float64), 0.0)
 
@@ -191,7 +192,8 @@ def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimi
 def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
                       reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
-                      largest_param_elements=0.0, persistent_param_elements=0.0, grad_accum=1) -> ModelStateBytes:
+                      largest_param_elements=0.0, persistent_param_elements=0.0, grad_accum=1,
+                      overlap_comm=False) -> ModelStateBytes:
     """Model states per GPU under a runtime's `accounting` (RuntimeCapabilities.model_states; module
     docstring). The one function show / predict / tune use.
 
@@ -204,7 +206,8 @@ def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_
     if accounting == "deepspeed":
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
-                                      persistent_param_elements, bf16=bf16, grad_accum=grad_accum)
+                                      persistent_param_elements, bf16=bf16, grad_accum=grad_accum,
+                                      overlap_comm=overlap_comm)
     if accounting == "megatron":
         return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,

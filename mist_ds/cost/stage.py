@@ -16,6 +16,7 @@ from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, grad_reduce_overlapped
+from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 from mist_ds.symbolic import LayerCost
 
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
@@ -344,7 +345,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
     if caps.collectives == "deepspeed":
-        moves = _deepspeed_moves(costs, hw, train, c, data_parallel, weight_bytes, params, saved_offloaded)
+        moves = _deepspeed_moves(costs, hw, caps, train, c, data_parallel, weight_bytes, params, saved_offloaded)
     else:
         moves = _ideal_moves(hw, c, data_parallel, weight_bytes, grad_bytes * params, params, saved_offloaded)
     fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
@@ -476,7 +477,8 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
         step_copies_s=none, reduce_hidden=step_reduce, reduce_exposed=none, reduce_rest=none)
 
 
-def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: StageCandidates, data_parallel,
+def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+                     c: StageCandidates, data_parallel,
                      weight_bytes, params, saved_offloaded) -> _StageMoves:
     """What DeepSpeed 0.19.8 moves (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What
     DeepSpeed does):
@@ -534,29 +536,35 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, train: TrainSpec, c: 
         step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
         step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
         step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
-        **_layerwise_reduce(costs, hw, c, data_parallel, ran, traffic))
+        **_layerwise_reduce(costs, hw, caps, c, data_parallel, ran, traffic))
 
 
-def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, data_parallel, ran,
-                      traffic: DataParallelTraffic) -> dict[str, np.ndarray]:
-    """Runtime `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py), ZeRO-0 pipelines:
-    one all-reduce per layer, issued once the layer's gradients are complete. Backward runs the head, the
+def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, c: StageCandidates,
+                      data_parallel, ran, traffic: DataParallelTraffic) -> dict[str, np.ndarray]:
+    """Runtime `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py; where
+    grad_reduce_overlapped): at ZeRO-0 one all-reduce per layer, issued once the layer's gradients are
+    complete; at ZeRO-1 (S = 1) DeepSpeed's hooks all-reduce a bucket of at most one block's elements
+    whenever it fills, so a block leaves in ceil(block / bucket) all-reduces. Backward runs the head, the
     blocks from the last, then the embedding, so every layer's all-reduce but the stage's first layer's
-    runs beside compute; that one follows it. The tied weights are left out (their gradients are summed
-    over the tied group first, then all-reduced at the end, as stock DeepSpeed orders the two), and so is
-    the post-step gather of the updated weights, which stays at the end."""
+    runs beside compute; that one follows it. In a pipeline the tied weights are left out (their
+    gradients are summed over the tied group first, then all-reduced at the end, as stock DeepSpeed
+    orders the two), and so is the post-step gather of the updated weights, which stays at the end."""
     b_w, ev, model = hw.dtype_bytes, c.shapes, costs.model
+    block_elements = ev(costs.block, "params")
+    pieces = np.where(c.zero >= 1, np.ceil(block_elements / np.maximum(
+        reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, block_elements), 1.0)), 1.0)
     tied = (c.pp > 1) & model.tie_embeddings
     vocab_bytes = b_w * model.vocab_size * model.hidden_size / c.t
     block = b_w * ev(costs.block, "params")
     embedding = np.where(tied, b_w * ev(costs.embedding, "params") - vocab_bytes, b_w * ev(costs.embedding, "params"))
-    head = np.where(tied, b_w * ev(costs.head, "params") - vocab_bytes, b_w * ev(costs.head, "params"))
+    # At S = 1 the tied weight is one parameter, complete once the embedding's backward has run: it is
+    # reduced with the embedding's bucket, not the head's.
+    head = np.where(model.tie_embeddings, b_w * ev(costs.head, "params") - vocab_bytes, b_w * ev(costs.head, "params"))
     embedding_last = (c.first > 0) & (embedding > 0)  # the stage's first layer to finish last has parameters
+    block_reduce = pieces * ran(data_parallel.all_reduce_time_s, block / pieces)
     return {
-        "reduce_hidden": (c.layers - 1 + embedding_last) * ran(data_parallel.all_reduce_time_s, block)
-        + c.last * ran(data_parallel.all_reduce_time_s, head),
-        "reduce_exposed": np.where(embedding_last, ran(data_parallel.all_reduce_time_s, embedding),
-                                   ran(data_parallel.all_reduce_time_s, block)),
+        "reduce_hidden": (c.layers - 1 + embedding_last) * block_reduce + c.last * ran(data_parallel.all_reduce_time_s, head),
+        "reduce_exposed": np.where(embedding_last, ran(data_parallel.all_reduce_time_s, embedding), block_reduce),
         "reduce_rest": (ran(data_parallel.all_reduce_time_s,
                             np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
                         + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
@@ -588,9 +596,12 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     """Peak bytes on one GPU of the stage (docs/design.md, Memory of a stage)."""
     ev = c.shapes
     params = stage_params(costs, c, ev)
+    hooked = reduced_by_deepspeed_hooks(caps, caps.overlap, c.pp, c.zero)
     states = model_state_bytes(caps.model_states, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
-                               bf16=train.precision == "bf16",
+                               bf16=train.precision == "bf16", overlap_comm=hooked,
+                               reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero,
+                                                                                ev(costs.block, "params")),
                                # only DeepSpeed's engines size buffers by the largest tensor
                                largest_param_elements=largest_tensor(costs.model, c)
                                if caps.model_states == "deepspeed" else 0.0, grad_accum=c.G)

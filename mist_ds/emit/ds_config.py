@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 from mist_ds.specs import RUNTIMES, ConfigError, ModelSpec, RuntimeCapabilities, StageStrategy, StrategySpec, TrainSpec
 from mist_ds.specs.buckets import BucketSizes, bucket_sizes
-from mist_ds.specs.runtime import OverlapFeatures, capabilities_of, check_runtime
+from mist_ds.specs.runtime import (OverlapFeatures, capabilities_of, check_runtime, reduce_bucket_elements_of,
+                                   reduced_by_deepspeed_hooks)
 from mist_ds.specs.strategy import strategy_from_dict
 
 MIST_BLOCK_VERSION = 2
@@ -83,19 +84,22 @@ def optimizer_block(train: TrainSpec) -> dict[str, Any]:
                        "weight_decay": ADAMW_WEIGHT_DECAY, "torch_adam": True}}
 
 
-def zero_block(stage: StageStrategy, pipeline: bool, buckets: BucketSizes) -> dict[str, Any]:
+def zero_block(stage: StageStrategy, pipeline: bool, buckets: BucketSizes,
+               reduce_in_backward: bool = False) -> dict[str, Any]:
     """`zero_optimization` for one stage: its ZeRO stage, offload, and the counted buckets.
 
-    overlap_comm is on only for ZeRO-3 without pipelines: the cost model overlaps ZeRO-3's collectives
-    with compute and prices ZeRO-1/2's reduction as blocking with one reduce bucket (overlap_comm would
-    double-buffer it), and DeepSpeed pipelines require it off.
+    overlap_comm is on for ZeRO-3 without pipelines (the cost model overlaps ZeRO-3's collectives with
+    compute) and where the runtime reduces ZeRO-1/2 gradients during the last backward
+    (`reduce_in_backward`: specs.runtime.reduced_by_deepspeed_hooks; two buckets, both counted);
+    elsewhere off: the cost model prices ZeRO-1/2's reduction as blocking with one reduce bucket, and
+    DeepSpeed pipelines require it off.
     """
     z = stage.zero_stage
     block: dict[str, Any] = {"stage": z}
     if z == 0:
         return block
     block.update(reduce_bucket_size=buckets.reduce_bucket_elements, contiguous_gradients=True,
-                 overlap_comm=z == 3 and not pipeline)
+                 overlap_comm=(z == 3 and not pipeline) or reduce_in_backward)
     if z == 3:
         block.update(stage3_param_persistence_threshold=buckets.stage3_persistence_threshold_elements)
         for key, value in (("stage3_prefetch_bucket_size", buckets.stage3_prefetch_bucket_elements),
@@ -196,8 +200,11 @@ def stage_ds_config(config: Mapping[str, Any], stage: int, source: str = "ds_con
     if not 0 <= stage < len(stages):
         raise ConfigError("stage", stage, f"the plan has stages 0..{len(stages) - 1}")
     own = stages[stage]
+    pp = plan.strategy.parallelism.pp
+    hooked = bool(reduced_by_deepspeed_hooks(capabilities_of(plan.strategy.runtime, f"{MIST_KEY}.strategy.runtime"),
+                                             plan.overlap, pp, own.zero_stage))
     out = {k: v for k, v in config.items()}
-    out["zero_optimization"] = zero_block(own, plan.strategy.parallelism.pp > 1, plan.buckets)
+    out["zero_optimization"] = zero_block(own, pp > 1, plan.buckets, hooked)
     return out
 
 
@@ -214,9 +221,15 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
     caps = capabilities_of(caps or strategy.runtime)
     check_emittable(strategy, caps)
     par = strategy.parallelism
-    if buckets is None:
-        buckets = bucket_sizes(model, par.tp)
     first = strategy.stages[0]
+    hooked = bool(reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, first.zero_stage))  # one ZeRO stage
+    if buckets is None:
+        if hooked and model is None:
+            raise ConfigError("model", None, f"runtime {caps.name} sizes the reduce bucket by the model's block at "
+                                             f"ZeRO-{first.zero_stage}: give the model")
+        block = model.block_params(par.tp) if model is not None else 0
+        buckets = bucket_sizes(model, par.tp, int(reduce_bucket_elements_of(caps, caps.overlap, par.pp,
+                                                                            first.zero_stage, block)))
     config: dict[str, Any] = {
         "train_batch_size": par.global_batch_size,
         "train_micro_batch_size_per_gpu": par.micro_batch_size,
@@ -224,7 +237,7 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         **precision_block(train.precision),
         "gradient_clipping": train.grad_clip,
         "optimizer": optimizer_block(train),
-        "zero_optimization": zero_block(first, par.pp > 1, buckets),
+        "zero_optimization": zero_block(first, par.pp > 1, buckets, hooked),
         # A positive interval would checkpoint every stage alike; per-stage recompute is the runtime's.
         "pipeline": {"activation_checkpoint_interval": 0},
         "steps_per_print": STEPS_PER_PRINT,

@@ -77,6 +77,8 @@ class PlannedEngine:
     recorder: Any = field(default=None, repr=False)
     activation_offload: Any = field(default=None, repr=False)
     """The stage's ActivationOffload (mist_ds/runtime/activations.py), when it offloads activations."""
+    grad_reducer: Any = field(default=None, repr=False)
+    """The GradReducer (mist_ds/runtime/overlap.py) reducing ZeRO-0 gradients during the last backward."""
 
     @property
     def pipelined(self) -> bool:
@@ -137,11 +139,21 @@ class PlannedEngine:
         if self.pipelined:
             return float(self.engine.train_batch(data_iter=micro_batches))
         total = None
-        for _ in range(self.plan.strategy.parallelism.grad_accum):
+        grad_accum, reducer = self.plan.strategy.parallelism.grad_accum, self.grad_reducer
+        for micro_batch in range(grad_accum):
             tokens, labels = next(micro_batches)
             device = self.engine.device
             loss = self.loss_fn(self.engine(tokens.to(device)), labels.to(device))
-            self.engine.backward(loss)
+            boundary = reducer is not None and micro_batch == grad_accum - 1
+            if boundary:  # the per-layer reduction during the boundary's backward (overlap.py)
+                reducer.armed = True
+            try:
+                self.engine.backward(loss)
+            finally:
+                if boundary:
+                    reducer.armed = False
+            if boundary:
+                reducer.finish()
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
         # The same aggregation as the pipeline's (pipe/engine.py _aggregate_total_loss): sum, / G, then
@@ -301,17 +313,24 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         mpu = grid
     engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
                                            model_parameters=[p for p in module.parameters() if p.requires_grad])
-    if grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp,
-                              strategy.stages[coord.pipe].zero_stage):
-        from mist_ds.runtime.overlap import MistPipelineEngine
+    reducer = None
+    zero = strategy.stages[coord.pipe].zero_stage
+    if zero == 0 and grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp, zero):
+        # ZeRO-1's reduction in the last backward is DeepSpeed's own (overlap_comm, written by the emitter)
+        from mist_ds.runtime.overlap import MistPipelineEngine, reduce_in_last_backward
 
-        engine = MistPipelineEngine.adopt(engine, [list(layer.parameters()) for layer in layers])
+        by_layer = [list(layer.parameters()) for layer in layers]
+        if par.pp > 1:
+            engine = MistPipelineEngine.adopt(engine, by_layer)
+            reducer = engine.grad_reducer
+        else:
+            reducer = reduce_in_last_backward(engine, by_layer)
     offload = attach_activation_offload(layers, strategy.stages[coord.pipe].activations_offload)
     ties = module.planned_ties if par.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
                          grid=grid, tied_ranks=tied, layers=layers,
-                         loss_fn=loss_fn, activation_offload=offload)
+                         loss_fn=loss_fn, activation_offload=offload, grad_reducer=reducer)
 
 
 def attach_activation_offload(layers: list[PlannedLayer], ao: float):

@@ -2,7 +2,15 @@
 `mist` schedule).
 
 Built so far: the data-parallel gradient reduction overlapped with the last micro-batch's backward
-(OverlapFeatures.overlap_grad_reduce), for pipelines (S > 1) at ZeRO-0, bf16 (BF16_Optimizer) or fp32.
+(OverlapFeatures.overlap_grad_reduce): at ZeRO-0 by the per-layer reducer below, in pipelines (bf16 with
+BF16_Optimizer, or fp32) and at S = 1 (DeepSpeed's engine; bf16 with its FP16_Optimizer in bf16 mode, or
+fp32); at ZeRO-1 without a pipeline by DeepSpeed's own reduction hooks (DeepSpeedZeroOptimizer with
+overlap_comm, which at stage 1 reduce only in the boundary micro-batch's backward,
+stage_1_and_2.py reduce_ready_partitions_and_remove_grads), with a reduce bucket of one block's
+elements so that each block's gradients leave as soon as the next block's first gradient arrives: the
+emitter writes both (emit/ds_config.py zero_block), nothing here runs for it. On a GPU those buckets are
+reduced on DeepSpeed's reduction stream; on CPU ranks the accelerator resolves data dependencies itself
+and the hook reduces in place, so gloo shows where the reductions are issued, not an overlap.
 
 Stock DeepSpeed runs ReduceTiedGrads, then ReduceGrads, one blocking all-reduce of every gradient after
 the last backward (deepspeed/runtime/pipe/schedule.py:238-241, pipe/engine.py:287-298). Here
@@ -27,9 +35,13 @@ whole backward (`update_hp_grads`, pipe/engine.py:861), so our hook accumulates 
 with the optimizer's `_update_hp_grad` and drops the low-precision gradient, which `update_hp_grads`
 then skips, as the immediate mode does (bf16_optimizer.py:707-715).
 
-At pp = 1 DeepSpeed's own engine runs the step (no PipelineEngine) and reduces in its backward epilogue: this
-feature does not apply there, and runtime `mist` is `deepspeed` plus activation offload
-(mist_ds/runtime/activations.py), which works at any pp.
+At S = 1 DeepSpeed's own engine runs the step (no PipelineEngine): at ZeRO-0 it would all-reduce every
+gradient in the boundary micro-batch's backward epilogue; `reduce_in_last_backward` turns that off and
+mist_ds/runtime/engine.py arms the same per-layer reducer for that backward and finishes it before
+`engine.step()`. There is no tied sum at S = 1: the head shares the embedding's parameter, which the
+reducer assigns to the embedding's layer (its gradient is complete only after the embedding's backward).
+What `mist` means at S = 1: the reduction in the last backward at ZeRO-0 and ZeRO-1, and activation
+offload (mist_ds/runtime/activations.py, any S); ZeRO-2 and ZeRO-3 run as on runtime `deepspeed`.
 """
 from __future__ import annotations
 
@@ -38,6 +50,7 @@ from typing import Any
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -90,6 +103,8 @@ class GradReducer:
     engine: Any
     layers: list[list[torch.nn.Parameter]]
     """The stage's parameters by layer (tied weights left out: reduced after the tied sum)."""
+    tied: list[torch.nn.Parameter] = field(default_factory=list)
+    """A pipeline's tied weights: reduced at the end, after the tied group's sum."""
     armed: bool = False
     ready: set[int] = field(default_factory=set)
     issued: set[int] = field(default_factory=set)
@@ -100,9 +115,13 @@ class GradReducer:
     buckets_in_backward: int = 0
     """All-reduces the last finished step started while its backward ran (what_ran reports it)."""
 
+    @property
+    def bf16_optimizer(self) -> bool:
+        return isinstance(self.engine.optimizer, BF16_Optimizer)
+
     def install(self) -> None:
         optimizer = self.engine.optimizer
-        if self.engine.using_bf16_optimizer:
+        if self.bf16_optimizer:
             self.bf16_slots = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)
                                for j, p in enumerate(group)}
         for index, params in enumerate(self.layers):
@@ -113,7 +132,7 @@ class GradReducer:
         def on_gradient(param: torch.nn.Parameter) -> None:
             if not self.armed:
                 return
-            if self.engine.using_bf16_optimizer and not self.engine.optimizer.immediate_grad_update:
+            if self.bf16_optimizer and not self.engine.optimizer.immediate_grad_update:
                 # The optimizer would accumulate after the whole backward: do it now, for this parameter,
                 # and drop the low-precision gradient so that update_hp_grads skips it (module docstring).
                 group, index = self.bf16_slots[id(param)]
@@ -127,7 +146,7 @@ class GradReducer:
         return on_gradient
 
     def _gradient(self, param: torch.nn.Parameter) -> torch.Tensor:
-        if self.engine.using_bf16_optimizer:  # the accumulated gradient BF16_Optimizer reduces, steps and clips
+        if self.bf16_optimizer:  # the accumulated gradient BF16_Optimizer reduces, steps and clips
             group, index = self.bf16_slots[id(param)]
             return self.engine.optimizer.fp32_groups_gradients[group][index]
         if param.grad is None:  # as DeepSpeed's _get_gradients_for_reduction: every rank reduces the same sizes
@@ -153,7 +172,7 @@ class GradReducer:
         self.armed = False
         self.buckets_in_backward = len(self.buckets)
         rest = [p for index, params in enumerate(self.layers) if index not in self.issued for p in params]
-        rest += self.tied()
+        rest += self.tied
         if rest:
             self._start([self._gradient(p) for p in rest])
         engine, world = self.engine, dist.get_world_size(group=self._group())
@@ -169,8 +188,31 @@ class GradReducer:
         self.ready.clear()
         self.issued.clear()
 
-    def tied(self) -> list[torch.nn.Parameter]:
-        return [weight for weight, _ in self.engine.module.get_tied_weights_and_groups()]
+
+def layer_reducer(engine, layers: list[list[torch.nn.Parameter]], tied: list[torch.nn.Parameter]) -> GradReducer:
+    """An installed GradReducer of `engine` over `layers` (parameters by layer, in forward order). A
+    parameter two layers share (a tied head at S = 1) belongs to the first: its gradient is complete only
+    once the first layer's backward has run. `tied` (a pipeline's tied weights) are left out of the layers
+    and reduced at the end."""
+    seen = {id(w) for w in tied}
+    by_layer = []
+    for params in layers:
+        own = [p for p in params if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            by_layer.append(own)
+    reducer = GradReducer(engine, by_layer, list(tied))
+    reducer.install()
+    return reducer
+
+
+def reduce_in_last_backward(engine, layers: list[list[torch.nn.Parameter]]) -> GradReducer:
+    """S = 1: DeepSpeed's engine stops all-reducing at the accumulation boundary (its backward epilogue
+    checks enable_backward_allreduce, runtime/engine.py `_backward_epilogue`); the caller arms the
+    reducer for the last micro-batch's backward and calls `finish` before `engine.step()`
+    (mist_ds/runtime/engine.py)."""
+    engine.enable_backward_allreduce = False
+    return layer_reducer(engine, layers, [])
 
 
 def _exec_reducing_backward_pass(self, buffer_id):
@@ -208,8 +250,6 @@ class MistPipelineEngine(PipelineEngine):
     def adopt(cls, engine: PipelineEngine, layers: list[list[torch.nn.Parameter]]) -> "MistPipelineEngine":
         """`engine` as a MistPipelineEngine whose reducer covers `layers` (parameters by layer)."""
         engine.__class__ = cls
-        tied = {id(w) for w, _ in engine.module.get_tied_weights_and_groups()}
-        by_layer = [[p for p in params if p.requires_grad and id(p) not in tied] for params in layers]
-        engine.grad_reducer = GradReducer(engine, [params for params in by_layer if params])
-        engine.grad_reducer.install()
+        engine.grad_reducer = layer_reducer(engine, layers,
+                                            [w for w, _ in engine.module.get_tied_weights_and_groups()])
         return engine

@@ -43,12 +43,15 @@ def recomputed_blocks(layers, passes: dict[int, int], micro_batches: int) -> lis
     return sorted(i - 1 for i, n in passes.items() if n == 2 * micro_batches)
 
 
-def overlap_ran(engine) -> dict[str, Any]:
-    """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py), and how many gradient
-    all-reduces its last step started during the last backward."""
-    reducer = getattr(engine, "grad_reducer", None)
-    return {"overlap_grad_reduce": reducer is not None,
-            "reduced_in_backward": reducer.buckets_in_backward if reducer is not None else 0}
+def overlap_ran(planned) -> dict[str, Any]:
+    """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py): the reduction in the last
+    backward, by mist_ds's per-layer reducer (ZeRO-0: how many all-reduces its last step started during
+    that backward) or by DeepSpeed's hooks (ZeRO-1: its optimizer's overlap_comm; -1: not counted)."""
+    reducer = planned.grad_reducer
+    hooked = bool(getattr(planned.engine.optimizer, "overlap_comm", False)) and \
+        int(planned.engine.zero_optimization_stage()) in (1, 2)
+    return {"overlap_grad_reduce": reducer is not None or hooked,
+            "reduced_in_backward": reducer.buckets_in_backward if reducer is not None else (-1 if hooked else 0)}
 
 
 def what_ran(planned, peaks: dict[str, int] | None = None) -> dict[str, Any]:
@@ -59,7 +62,7 @@ def what_ran(planned, peaks: dict[str, int] | None = None) -> dict[str, Any]:
               "recomputed_blocks": recomputed_blocks(planned.layers, planned.last_block_passes,
                                                      planned.plan.strategy.parallelism.grad_accum),
               "optimizer": type(engine.optimizer).__name__, "zero_stage": int(engine.zero_optimization_stage()),
-              "state_devices": state_devices(engine), "overlap": overlap_ran(engine)}
+              "state_devices": state_devices(engine), "overlap": overlap_ran(planned)}
     if peaks is not None:
         report["model_state_bytes"] = peaks
     return report

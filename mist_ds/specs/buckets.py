@@ -41,18 +41,20 @@ class BucketSizes:
     0 = none, as memory.py counts (persistent_params = 0)."""
 
 
-def bucket_sizes(model: ModelSpec | None, tp: int) -> BucketSizes:
+def bucket_sizes(model: ModelSpec | None, tp: int,
+                 reduce_bucket_elements: int = PLANNED_REDUCE_BUCKET_ELEMENTS) -> BucketSizes:
     """The buckets the cost model assumes for `model` split over `tp` tensor-parallel ranks.
 
     cost/stage.py counts two gathered blocks under ZeRO-3 (the running one and the prefetched next), so
     the prefetch bucket is one block's parameters on a TP rank, the live limit two, and a block reused
     within one block's worth of parameters stays gathered (DeepSpeed's 1e9-element default could keep
     several blocks, ~2 GB in bf16, that the plan never counted). Without a model these stay at
-    DeepSpeed's defaults, which the cost model does not count.
+    DeepSpeed's defaults, which the cost model does not count. `reduce_bucket_elements`: the runtime's
+    reduce bucket (specs.runtime.reduce_bucket_elements_of).
     """
     if model is None:
-        return BucketSizes()
+        return BucketSizes(reduce_bucket_elements=reduce_bucket_elements)
     block_elements = model.block_params(tp)
-    return BucketSizes(stage3_prefetch_bucket_elements=block_elements,
+    return BucketSizes(reduce_bucket_elements=reduce_bucket_elements, stage3_prefetch_bucket_elements=block_elements,
                        stage3_max_live_elements=2 * block_elements,
                        stage3_max_reuse_distance_elements=block_elements)

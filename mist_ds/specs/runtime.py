@@ -15,6 +15,7 @@ from typing import Literal, Mapping
 
 import numpy as np
 
+from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.strategy import StrategySpec
@@ -96,8 +97,12 @@ class RuntimeCapabilities:
 
     grad_reduce_overlap_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages whose data-parallel gradient reduction `overlap.overlap_grad_reduce` moves into the
-    last backward (runtime `mist`: ZeRO-0, mist_ds/runtime/overlap.py; ZeRO-1 keeps DeepSpeed's
-    reduce_gradients)."""
+    last backward without a pipeline (S = 1). Runtime `mist`: ZeRO-0 by its own per-layer reducer,
+    ZeRO-1 by DeepSpeed's bucketed reduction hooks with overlap_comm, one block per bucket
+    (mist_ds/runtime/overlap.py)."""
+    grad_reduce_overlap_zero_stages_in_pipeline: tuple[int, ...] = (0, 1, 2, 3)
+    """... in a pipeline (S > 1). Runtime `mist`: ZeRO-0 only (DeepSpeed's pipelines refuse
+    overlap_comm, and ZeRO-1 keeps its reduce_gradients)."""
     activations_offload_whole_blocks: bool = False
     """ao is realized as whole blocks: the stage's first round(ao x l) blocks offload all their saved
     tensors but a leaf input (mist_ds/runtime/activations.py); False: the fraction ao of every block."""
@@ -105,9 +110,6 @@ class RuntimeCapabilities:
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
     (tuner.runtime names it)."""
-    overlap_needs_pipeline: bool = False
-    """The overlap features apply to pipelines (S > 1) only: runtime `mist` schedules DeepSpeed's
-    PipelineEngine; at pp = 1 DeepSpeed's own engine runs, as on runtime `deepspeed`."""
 
     @property
     def offloads_fractions(self) -> bool:
@@ -134,20 +136,37 @@ def grad_reduce_overlapped(caps: RuntimeCapabilities, overlap: OverlapFeatures, 
     """True where a stage at ZeRO stage `zero` of a `pp`-stage pipeline reduces its gradients during
     the last backward (arrays broadcast); `overlap` is the plan's (the emitted "mist" block's)."""
     pp, zero = np.asarray(pp), np.asarray(zero)
-    in_scope = np.isin(zero, caps.grad_reduce_overlap_zero_stages) & ((pp > 1) | (not caps.overlap_needs_pipeline))
+    in_scope = np.where(pp > 1, np.isin(zero, caps.grad_reduce_overlap_zero_stages_in_pipeline),
+                        np.isin(zero, caps.grad_reduce_overlap_zero_stages))
     return overlap.overlap_grad_reduce & in_scope
+
+
+def reduced_by_deepspeed_hooks(caps: RuntimeCapabilities, overlap: OverlapFeatures, pp, zero) -> np.ndarray:
+    """True where DeepSpeed's own bucketed hooks reduce the gradients during the last backward
+    (overlap_comm on: ZeRO >= 1 where grad_reduce_overlapped); ZeRO-0 uses mist_ds's per-layer reducer."""
+    return grad_reduce_overlapped(caps, overlap, pp, zero) & (np.asarray(zero) >= 1)
+
+
+def reduce_bucket_elements_of(caps: RuntimeCapabilities, overlap: OverlapFeatures, pp, zero,
+                              block_elements) -> np.ndarray:
+    """Elements of the ZeRO-1/2 reduce bucket the runtime allocates (and the emitter writes): one block
+    of parameters (at most the planned bucket) where DeepSpeed's own hooks reduce it during the last
+    backward (grad_reduce_overlapped at ZeRO >= 1), so that each block's gradients leave as the block's
+    backward ends; the planned bucket elsewhere. Arrays broadcast."""
+    return np.where(reduced_by_deepspeed_hooks(caps, overlap, pp, zero), np.minimum(block_elements, PLANNED_REDUCE_BUCKET_ELEMENTS), PLANNED_REDUCE_BUCKET_ELEMENTS)
 
 
 def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     deepspeed = _deepspeed()
     # The `mist` schedule (mist_ds/runtime/overlap.py): each overlap feature enters here once it runs and
-    # its numerics equal stock DeepSpeed's (tests/test_mist_runtime.py). Built: the per-layer gradient
-    # reduction in the last backward, for pipelines at ZeRO-0. It runs two communicators at once (the
-    # data-parallel reduction beside the pipeline's sends and the tied sum): checked on gloo only, so
-    # tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has checked it.
+    # its numerics equal stock DeepSpeed's (tests/test_mist_runtime.py). Built: the gradient reduction in
+    # the last backward, per layer at ZeRO-0 (any S), per block-sized bucket at ZeRO-1 without a
+    # pipeline. It runs two communicators at once (the data-parallel reduction beside the pipeline's
+    # sends and the tied sum): checked on gloo only, so tuner.runtime stays `deepspeed` by default until
+    # a GPU (NCCL) run has checked it.
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
-                   overlap=OverlapFeatures(overlap_grad_reduce=True), grad_reduce_overlap_zero_stages=(0,),
-                   overlap_needs_pipeline=True, checked_on_gpu=False,
+                   overlap=OverlapFeatures(overlap_grad_reduce=True), grad_reduce_overlap_zero_stages=(0, 1),
+                   grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False,
                    activations_offload=True, activations_offload_whole_blocks=True)
     mist_paper = RuntimeCapabilities(
         name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
