@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -187,6 +188,13 @@ def cpu_model() -> str:
     """The processor's model name (/proc/cpuinfo), else what platform reports."""
     return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")), platform.processor())
+
+
+def deepspeed_version() -> str:
+    """DeepSpeed's version, read from its package metadata without importing it: `import deepspeed` picks an
+    accelerator and, with neither DS_ACCELERATOR nor a GPU, logs a warning through its logger's handler on
+    stdout, which a benchmark's results file would capture."""
+    return importlib.metadata.version("deepspeed")
 
 
 def machine_description() -> str:

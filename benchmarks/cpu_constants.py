@@ -267,15 +267,14 @@ def machine_text() -> str:
     """Cores, CPU model, load average now, Python, torch and DeepSpeed versions."""
     import os
 
-    import deepspeed
     import torch
 
-    from common import cpu_model
+    from common import cpu_model, deepspeed_version
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{os.cpu_count()}-core VM ({cpu_model()}), load average at start {load}; "
             f"Python {platform.python_version()}, "
-            f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
+            f"torch {torch.__version__}, DeepSpeed {deepspeed_version()}")
 
 
 def measure_constants() -> dict:

@@ -4,9 +4,10 @@ measured on CPU ranks as `mist-ds measure` runs them (issue 16).
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mist_runtime.py \\
         > benchmarks/results/mist_runtime.md
     nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper > benchmarks/results/mist_runtime_paper.md
+    nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper gpt3-1.3B   # some cases, for development
 
-The second form is predicted only: on the Mist paper's cases (benchmarks/plan_quality.py's), the best plan of
-the mist space on runtime `mist` against the best on runtime `deepspeed`.
+The second form is predicted only: on the Mist paper's cases, the best plan of every space on runtime `mist`
+against the best on runtime `deepspeed`: benchmarks/plan_quality.py's table of that name, alone.
 
 Each row is one plan under both runtimes: a strategy given outright on `tiny` (or the tuner's best plan on
 each runtime), predicted on the CPU cluster with the constants benchmarks/cpu_constants.py measured
@@ -142,49 +143,25 @@ def main() -> None:
     print("\n".join(lines))
 
 
-def stage_summary(strategy) -> str:
-    par, stages = strategy.parallelism, strategy.stages
-    return (f"t {par.tp} S {par.pp} d {par.dp} b {par.micro_batch_size}; ZeRO {stages[0].zero_stage}; "
-            f"ao {[s.activations_offload for s in stages]}")
+def paper(only: tuple[str, ...]) -> None:
+    """Predicted only: each runtime's best plan of every space on the Mist paper's cases (`only`: case names,
+    all when empty), as benchmarks/plan_quality.py tunes and tabulates them."""
+    from plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
 
-
-def paper() -> None:
-    """Predicted only: each runtime's best plan (mist space) on the Mist paper's cases."""
-    from common import base_specs
-    from plan_quality import cases
-
-    from mist_ds.tuner import NoPlanFits
-
-    start = time.perf_counter()
+    start, machine = time.perf_counter(), machine_text()  # the load average before tuning
+    outcomes = [run(case, runtime) for runtime in (STOCK, BUILT) for case in cases(only)]
     lines = ["# Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", "",
              f"Command: `{PAPER_COMMAND}`  ",
-             f"Machine: {machine_text()}. Source: {source_tree()}.", "",
+             f"Machine: {machine}. Source: {source_tree()}.", "",
              "Cases of benchmarks/plan_quality.py (Mist, EuroSys'25: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "
-             "global batch 16 x GPUs, fp16). Each tuned in the mist space on each runtime (no baselines); time "
-             "= `predict` of the best plan; speedup = deepspeed / mist.", "",
-             "| case | cluster | deepspeed s | its plan | mist s | its plan | speedup |", "|---|---|---|---|---|---|---|"]
-    speedups = []
-    for case in cases():
-        times, plans = {}, {}
-        for runtime in RUNTIMES:
-            try:
-                result = tune_specs(base_specs(case.overrides(runtime)), progress=False, baselines=False)
-            except NoPlanFits:
-                times[runtime], plans[runtime] = float("nan"), "no plan fits"
-                continue
-            times[runtime], plans[runtime] = result.prediction.iteration_time_s, stage_summary(result.strategy)
-        speedup = times["deepspeed"] / times["mist"]
-        if speedup == speedup:
-            speedups.append(speedup)
-        lines.append(f"| {case.name} | {case.cluster} | {times['deepspeed']:.3f} | {plans['deepspeed']} | "
-                     f"{times['mist']:.3f} | {plans['mist']} | {speedup:.4f} |")
-    import math
-
-    mean = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
-    lines += ["", f"Geometric mean speedup over {len(speedups)} cases: {mean:.4f} (min {min(speedups):.4f}, max "
-              f"{max(speedups):.4f}). {time.perf_counter() - start:.0f} s in all."]
+             "global batch 16 x GPUs, fp16). Each tuned on each runtime in the mist space and the megatron, "
+             "deepspeed and aceso spaces (`tune_specs`, baselines on); time = `predict` of the fastest of the four "
+             "best plans; speedup = deepspeed / mist. Plans: (t, S, d, b), the first stage's ZeRO stage, "
+             "activation offload per stage.", ""]
+    lines += runtime_speedup_lines(runtime_pairs(outcomes))
+    lines[-1] += f" {time.perf_counter() - start:.0f} s in all."
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    paper() if sys.argv[1:] == ["paper"] else main()
+    paper(tuple(sys.argv[2:])) if sys.argv[1:2] == ["paper"] else main()

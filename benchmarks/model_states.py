@@ -23,6 +23,9 @@ from mist_ds.testing.model_states import (FIELDS, LAUNCHES, LAYERS, WORKER, devi
                                           estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes)
 from mist_ds.testing.ranks import launch  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import deepspeed_version  # noqa: E402
+
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions "
            ".venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md")
 
@@ -96,13 +99,12 @@ def tally(cases_results: list[tuple[dict, int, dict]]) -> list[str]:
 
 
 def main() -> None:
-    import deepspeed
     import torch
 
     out = ["# Model states per rank: a real DeepSpeed engine vs mist_ds and DeepSpeed's estimators", "",
            f"Command: `{COMMAND}`  ",
            f"Machine: {platform.machine()} VM, {__import__('os').cpu_count()} CPU cores, no GPU; Python "
-           f"{platform.python_version()}, torch {torch.__version__}, DeepSpeed {deepspeed.__version__} on its CPU "
+           f"{platform.python_version()}, torch {torch.__version__}, DeepSpeed {deepspeed_version()} on its CPU "
            "accelerator (gloo). Every tensor lives in CPU memory; `host` is what the offloading optimizer "
            "allocates on 'cpu'.  ",
            f"Model: Linear layers (in, out, bias) {list(LAYERS)}, ReLU between; two training steps, the second counted.",

@@ -1,5 +1,6 @@
 """Plan quality on the Mist paper's cases: the mist plan's predicted speedup over the best plan of the
-megatron, deepspeed and aceso spaces, beside the cost model's ranking accuracy.
+megatron, deepspeed and aceso spaces, beside the cost model's ranking accuracy; and runtime `mist`'s
+predicted speedup over stock `deepspeed`, each runtime's best plan of every space.
 
     nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md
     nice -n 5 .venv/bin/python benchmarks/plan_quality.py gpt3-1.3B llama-22B   # some cases, for development
@@ -8,8 +9,11 @@ Cases (Mist, Zhu et al., EuroSys'25, end-to-end evaluation): GPT-3 and Llama sha
 2.7B/4, 7B/8, 13B/16, 22B/32; global batch 16 x GPUs; flash attention on; L4-24GB at sequence 2048
 and A100-40GB at sequence 4096. N GPUs: one node of N GPUs when N fits in a node, else N / gpus_per_node
 full nodes. Each case is tuned (`tune_specs`, baselines on) on runtime mist-paper (Mist's whole space,
-as the paper compares) and on the default runtime (the best one mist_ds executes); every space of a
-row is searched on that row's runtime, so the speedups isolate the search space.
+as the paper compares), on the default runtime (the best one mist_ds executes) and on the two built
+runtimes `deepspeed` and `mist` where the default is not one of them; every space of a row is searched on
+that row's runtime, so the speedups isolate the search space. The last table crosses runtimes: the best
+plan of every space on `mist` against the best on stock `deepspeed` (benchmarks/mist_runtime.py `paper`
+prints the same table alone).
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_specs, machine_description, plan_text, source_tree  # noqa: E402
@@ -27,6 +33,9 @@ from mist_ds.specs import Specs  # noqa: E402
 from mist_ds.specs.model import default_ffn_hidden_size  # noqa: E402
 from mist_ds.tuner import BASELINE_SPACES, NoPlanFits, TuneResult, tune_specs  # noqa: E402
 from mist_ds.tuner.space import tuner_runtime  # noqa: E402
+
+if TYPE_CHECKING:
+    from mist_ds.tuner.search import PointResult
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLES_PER_GPU = 16  # Mist's global batch: 16 x GPUs
@@ -38,6 +47,7 @@ SIZES = (("1.3B", 2, "gpt3-1.3b"), ("2.7B", 4, "gpt3-2.7b"), ("7B", 8, "gpt3-6.7
 LLAMA2_ZOO = {"7B": "llama2-7b", "13B": "llama2-13b"}  # zoo Llama 2 configs of the same width and depth
 FAMILIES = ("gpt3", "llama")
 MIST_PAPER = "mist-paper"
+STOCK, BUILT = "deepspeed", "mist"  # DeepSpeed's stock engines; runtime mist (mist_ds/runtime/overlap.py)
 # Mist's measured mean speedups (paper, end-to-end evaluation; the issue quotes them).
 PAPER_SPEEDUP = {"megatron": 1.28, "aceso": 1.27}
 NO_FIT_CHARS = 240  # a NoPlanFits message is cut to its first sentence, at most this long
@@ -83,6 +93,16 @@ class Outcome:
             return None
         return next(b.speedup for b in self.result.baselines if b.space == space)
 
+    def best(self) -> tuple[float, str, PointResult] | None:
+        """(predicted iteration s, space, plan) of the fastest plan of every space searched on this runtime
+        (the mist space's on a tie); None when no space fits."""
+        if self.result is None:
+            return None
+        found = [(self.result.prediction.iteration_time_s, self.result.search.space, self.result.search.best)]
+        found += [(b.prediction.iteration_time_s, b.space, b.search.best) for b in self.result.baselines
+                  if b.prediction is not None]
+        return min(found, key=lambda entry: entry[0])
+
 
 # --- cases --------------------------------------------------------------------------------------------------
 
@@ -98,19 +118,33 @@ def model_overrides(family: str, gpt_config: str) -> tuple[str, ...]:
             f"model.ffn_hidden_size={default_ffn_hidden_size('llama', gpt.hidden_size)}", *common)
 
 
-def cases() -> list[Case]:
+def cases(only: tuple[str, ...] = ()) -> list[Case]:
+    """Every paper case, or those named in `only` (case names, any letter case: gpt3-1.3b, llama-22B)."""
+    wanted = {name.lower() for name in only}
     return [Case(family, size, gpus, cluster, seq, model_overrides(family, config))
-            for cluster, seq in CLUSTERS for family in FAMILIES for size, gpus, config in SIZES]
+            for cluster, seq in CLUSTERS for family in FAMILIES for size, gpus, config in SIZES
+            if not wanted or f"{family}-{size}".lower() in wanted]
+
+
+@cache
+def default_runtime() -> str:
+    """The tuner's default runtime, read from the tuner, not assumed."""
+    return tuner_runtime(base_specs(()).tuner)
 
 
 def runtimes() -> tuple[str, str]:
-    """(mist-paper, the default runtime) with the default read from the tuner, not assumed."""
-    default = tuner_runtime(base_specs(()).tuner)
-    return MIST_PAPER, default
+    """(mist-paper, the default runtime)."""
+    return MIST_PAPER, default_runtime()
+
+
+def compared_runtimes() -> tuple[str, ...]:
+    """runtimes(), then stock deepspeed and mist where the default is not already one of them."""
+    return tuple(dict.fromkeys((*runtimes(), STOCK, BUILT)))
 
 
 def case_specs(case: Case, runtime: str) -> Specs:
-    return base_specs(case.overrides(None if runtime != MIST_PAPER else runtime))
+    # The default runtime is left to the tuner (tuner.runtime unset), as a user's run would leave it.
+    return base_specs(case.overrides(None if runtime == default_runtime() else runtime))
 
 
 def run(case: Case, runtime: str) -> Outcome:
@@ -245,6 +279,47 @@ def print_slower(outcomes: list[Outcome]) -> None:
     print("\n".join(rows) + "\n")
 
 
+def runtime_pairs(outcomes: list[Outcome]) -> list[tuple[Outcome, Outcome]]:
+    """(stock deepspeed, mist) outcomes of each case that ran on both, in the order of `outcomes`."""
+    by_case = {(o.case, o.runtime): o for o in outcomes}
+    return [(o, by_case[o.case, BUILT]) for o in outcomes if o.runtime == STOCK and (o.case, BUILT) in by_case]
+
+
+def short_plan(best: PointResult) -> str:
+    """The plan's (t, S, d, b), ZeRO stage of its first stage and activation offload per stage: what runtime
+    `mist` changes (the reduction of ZeRO-0 pipelines, activation offload)."""
+    par, stages = best.strategy.parallelism, best.strategy.stages
+    return (f"t {par.tp} S {par.pp} d {par.dp} b {par.micro_batch_size}; ZeRO {stages[0].zero_stage}; "
+            f"ao {[s.activations_offload for s in stages]}")
+
+
+def runtime_speedup_lines(pairs: list[tuple[Outcome, Outcome]]) -> list[str]:
+    """Markdown table and geometric mean of the best `mist` plan against the best stock `deepspeed` plan per
+    case (each the fastest of every space on its runtime); speedup = deepspeed s / mist s."""
+    lines = [f"| model | cluster | GPUs | {STOCK} s | its space, plan | {BUILT} s | its space, plan | speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    speedups = []
+    for stock, built in pairs:
+        bests = stock.best(), built.best()
+        cells = [cell for best in bests for cell in (
+            (f"{best[0]:.3f}", f"{best[1]}: {short_plan(best[2])}") if best else ("no fit", "-"))]
+        speedup = bests[0][0] / bests[1][0] if all(bests) else None
+        speedups += [speedup] if speedup is not None else []
+        lines.append(f"| {stock.case.name} | {stock.case.cluster} | {stock.case.gpus} | {' | '.join(cells)} | "
+                     f"{'no fit' if speedup is None else f'{speedup:.4f}x'} |")
+    geo, _ = means(speedups)
+    spread = f" (min {min(speedups):.4f}x, max {max(speedups):.4f}x)" if speedups else ""
+    return lines + ["", f"Geometric mean speedup over the {len(speedups)} cases where both fit: {geo:.4f}x{spread}."]
+
+
+def print_runtime_speedup(outcomes: list[Outcome]) -> None:
+    print(f"## Runtime `{BUILT}` against stock `{STOCK}`: each runtime's best plan of every space\n")
+    print(f"Per case, the fastest plan of the four spaces on runtime `{BUILT}` against the fastest on runtime "
+          f"`{STOCK}` (the `{STOCK}` and `{BUILT}` sections above); speedup = {STOCK} s / {BUILT} s, predicted. "
+          f"Plans: (t, S, d, b), the first stage's ZeRO stage, activation offload per stage.\n")
+    print("\n".join(runtime_speedup_lines(runtime_pairs(outcomes))) + "\n")
+
+
 # --- cost-model accuracy ------------------------------------------------------------------------------
 
 def find(pattern: str, text: str, path: Path) -> re.Match:
@@ -308,8 +383,8 @@ def print_trust(accuracy: tuple[list[str], str, list[str]]) -> None:
 
 def main() -> None:
     accuracy = cost_model_accuracy()  # parsed first: a stale or changed results file stops the run early
-    names = runtimes()
-    only = sys.argv[1:]  # case names (gpt3-1.3b, llama-22B, ...) for development; all when empty
+    names = compared_runtimes()
+    only = tuple(sys.argv[1:])  # case names (gpt3-1.3b, llama-22B, ...) for development; all when empty
     print("# Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the baselines\n")
     print("Command: `nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md`  ")
     print(f"Machine: {machine_description()}.  ")
@@ -325,11 +400,14 @@ def main() -> None:
           "`predict` (1F1B simulation) of each space's best plan, speedup = baseline time / mist time. "
           "\"tune s\": wall seconds of the four searches with their predictions (symbolic analysis from the "
           "default disk cache).\n")
+    print(f"Runtimes `{STOCK}` (DeepSpeed's stock engines) and `{BUILT}` (its schedule checked on CPU ranks only, so "
+          f"not the default) are the two mist_ds executes; each is tuned as above, once where it is the default. "
+          f"\"Runtime `{BUILT}` against stock `{STOCK}`\" compares their best plans of every space.\n")
     print_shapes()
     outcomes = []
     for runtime in names:
         for cluster, seq in CLUSTERS:
-            chosen = [run(c, runtime) for c in cases() if c.cluster == cluster and (not only or c.name in only)]
+            chosen = [run(c, runtime) for c in cases(only) if c.cluster == cluster]
             print(f"## {cluster}, sequence {seq}, runtime `{runtime}`\n")
             print_table(chosen)
             print_plans(chosen)
@@ -337,6 +415,7 @@ def main() -> None:
             outcomes.extend(chosen)
     print_summary(outcomes, names)
     print_slower(outcomes)
+    print_runtime_speedup(outcomes)
     print_trust(accuracy)
     print(f"Total tuning time: {sum(o.seconds for o in outcomes):.0f} s over {len(outcomes)} (case, runtime) runs.")
 
