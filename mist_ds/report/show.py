@@ -5,6 +5,7 @@ from typing import Any
 
 from mist_ds.cost.memory import model_state_bytes
 from mist_ds.specs import Specs, runtime_capabilities
+from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -29,11 +30,17 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     # The largest tensor anywhere (the vocab shard sits on the first / last stage) bounds how far a
     # ZeRO-1/2 gradient partition overshoots its share.
     largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp))
-    states = {str(z): float(model_state_bytes(runtime_capabilities(strategy.runtime).model_states, heaviest, par.dp, z, train.dtype_bytes,
-                                              train.mixed_precision, pipeline=par.pp > 1,
-                                              bf16=train.precision == "bf16",
-                                              largest_param_elements=largest).gpu_total)
-              for z in ZERO_STAGES}
+    caps = runtime_capabilities(strategy.runtime)
+    block = model.block_params(par.tp)
+
+    def states_at(zero: int) -> float:  # the runtime's reduce buckets at that ZeRO stage (specs.runtime)
+        return float(model_state_bytes(
+            caps.model_states, heaviest, par.dp, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
+            bf16=train.precision == "bf16", largest_param_elements=largest,
+            overlap_comm=reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, zero),
+            reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, par.pp, zero, block)).gpu_total)
+
+    states = {str(z): states_at(z) for z in ZERO_STAGES}
     tokens_per_step = train.global_batch_size * model.seq_len
     return {
         "params_total": model.total_params(),
