@@ -34,7 +34,7 @@ import torch
 
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
-from mist_ds.emit import ds_config, read_mist_block
+from mist_ds.emit import ds_config, read_mist_block, stage_ds_config
 from mist_ds.models.tp import TensorParallel
 from mist_ds.specs import ConfigError
 from mist_ds.runtime.engine import PlannedModel
@@ -84,9 +84,10 @@ EXPLICIT = {
     "zero0-dp2-bf16": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=0"]),
     "zero1-dp2-bf16": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=1",
                            "strategy.ckpt_layers=3"]),
-    # runtime mist at S = 1, ZeRO-1: overlap_comm with two one-block reduce buckets (emit's zero_block)
-    "zero1-dp2-bf16-mist": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=1",
-                                "strategy.runtime=mist"]),
+    # runtime mist at S = 1, ZeRO-1: overlap_comm with two one-block reduce buckets (emit's zero_block); one block
+    # and a small vocabulary, so that the buckets, not the step's fp32 gradient partition, are the buffers' peak
+    "zero1-dp2-bf16-mist": (2, ["model=tiny", "model.num_layers=1", "model.vocab_size=512",
+                                "train.global_batch_size=4", "strategy.zero_stage=1", "strategy.runtime=mist"]),
     "zero2-dp2-fp32": (2, ["model=tiny", "train.global_batch_size=4", "train.precision=fp32",
                            "strategy.zero_stage=2"]),
     "zero2-dp2-offload": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=2",
@@ -196,7 +197,9 @@ def _facts(plan: Tuned, result: dict) -> Facts:
                  pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.dp, rank=result["dp_rank"],
                  sizes=tuple(result["param_sizes"]), bucket=read_mist_block(plan.config).buckets.reduce_bucket_elements,
                  threshold=read_mist_block(plan.config).buckets.stage3_persistence_threshold_elements,
-                 params_offload=own.weights_offload > 0, micro_batches=strategy.parallelism.grad_accum)
+                 params_offload=own.weights_offload > 0, micro_batches=strategy.parallelism.grad_accum,
+                 overlap_comm=own.zero_stage in (1, 2) and bool(
+                     stage_ds_config(plan.config, result["what_ran"]["stage"])["zero_optimization"].get("overlap_comm")))
 
 
 @pytest.mark.parametrize("name", list(ALL))

@@ -233,6 +233,7 @@ class Facts:
     threshold: int  # T
     params_offload: bool = False  # ZeRO-3 offload_param: the parameter partitions live on the host
     micro_batches: int = 1  # G per step: ZeRO-2 keeps two gradient partitions with more than one
+    overlap_comm: bool = False  # ZeRO-1/2 with overlap_comm: a second reduce bucket
 
     @property
     def b(self) -> int:
@@ -291,7 +292,7 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
                                     1.0 if f.params_offload else 0.0,
                                     reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
                                     persistent_param_elements=f.persistent, bf16=f.bf16,
-                                    grad_accum=f.micro_batches)
+                                    grad_accum=f.micro_batches, overlap_comm=f.overlap_comm)
     return {field: float(getattr(states, field)) for field in FIELDS}
 
 
