@@ -123,19 +123,22 @@ def main() -> None:
              f"to 2x between identical runs). {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed steps per plan and "
              f"runtime (`mist-ds measure`'s worker and definitions). Source: {source_tree()}. {wall_s:.0f} s in all.",
              "",
-             "Built in `mist` (docs/design.md, The `mist` schedule): the data-parallel reduction of ZeRO-0 "
-             "pipelines per layer during the last backward, and activation offload of whole blocks. "
+             "Built in `mist` (docs/design.md, The `mist` schedule): the data-parallel reduction in the last "
+             "backward (ZeRO-0 per layer at any pp, ZeRO-1 at pp = 1 by DeepSpeed's hooks), the post-step "
+             "all-gather in chunks during the next first forward (bf16 ZeRO-0 pipelines at d > 1: the "
+             "pp2-dp2-bf16 row), and activation offload of whole blocks. "
              "Predicted on cluster=cpu with benchmarks/cpu_constants.py's constants; error = measured / "
              "predicted - 1; speedup = deepspeed / mist.", "",
              "| plan | layout | deepspeed predicted s | deepspeed measured s (error) | mist predicted s | "
              "mist measured s (error) | predicted speedup | measured speedup | fastest steps s, deepspeed / mist |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [row(name, pair) for name, pair in rows.items()]
-    lines += ["", "Where both runtimes run the same engine (the best-plan rows: pp = 1, where `mist` is `deepspeed` "
-              "without activation offload) the measured speedup is this machine's noise: other jobs share its 2 cores. "
+    lines += ["", "Where both runtimes run the same engine (a best-plan row at ZeRO-2 or ZeRO-3, where `mist` is "
+              "`deepspeed`) the measured speedup is this machine's noise: other jobs share its 2 cores. "
               "The fastest step of each run is less exposed to it than the median.", "",
               "What gloo on CPU cannot show: on a GPU the per-layer all-reduces run on NCCL's stream beside "
-              "the backward's kernels; gloo runs them in a thread of the rank's process, which on 2 cores "
+              "the backward's kernels, and the chunked all-gathers beside the next forward's; gloo runs them in "
+              "a thread of the rank's process, which on 2 cores "
               "competes with compute (and the 4-rank rows put two ranks on each core), so a measured gain "
               "here is not the GPU's. Activation offload on a CPU copies within one memory: it costs a copy "
               "and frees nothing, where a GPU would move the bytes over PCIe beside compute. At d = 1 (the "

@@ -1,8 +1,10 @@
 """Rank side of tests/test_mist_runtime.py: run a plan for a few steps and watch, at the dispatcher and
-independently of mist_ds/runtime/overlap.py, when the data-parallel all-reduces are issued."""
+independently of mist_ds/runtime/overlap.py and gather.py, when the data-parallel all-reduces and
+all-gathers are issued, and which weights each layer runs its first forward of a step with."""
 from __future__ import annotations
 
 import gc
+import hashlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,20 +15,38 @@ from mist_ds.testing.ranks import run_cases_on_cpu_ranks
 from tests.runtime_worker import DATA_SEED, synthetic_batches
 
 
+GATHERS = ("c10d::allgather_", "c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_")
+
+
 class CollectiveTimeline(TorchDispatchMode):
     """Every c10d all-reduce, in issue order: its group's ranks, its bytes, and whether autograd was
     running a backward when it was issued (torch's current graph task); plus the count of aten ops
-    run inside a backward, so an all-reduce can be placed among them."""
+    run inside a backward, so an all-reduce can be placed among them. Every c10d all-gather with its
+    group's ranks, the bytes this rank contributes and the aten ops run before it (`ops_before`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.events: list[dict] = []
+        self.gathers: list[dict] = []
         self.backward_ops = 0
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         in_backward = torch._C._current_graph_task_id() != -1
         name = func.overloadpacket._qualified_op_name
+        if name in GATHERS:
+            import torch.distributed as dist
+            from torch._C._distributed_c10d import ProcessGroup
+
+            bound = dict(zip((a.name for a in func._schema.arguments), args))
+            ranks = dist.get_process_group_ranks(ProcessGroup.unbox(bound["process_group"]))
+            shard = bound.get("input_tensors", bound.get("input_tensor", bound.get("inputs")))
+            shards = shard if isinstance(shard, (list, tuple)) else [shard]
+            self.gathers.append({"ranks": sorted(ranks), "ops_before": self.ops,
+                                 "bytes": sum(t.numel() * t.element_size() for t in shards)})
+        if not name.startswith("c10d::"):
+            self.ops += 1
         if name == "c10d::allreduce_":
             import torch.distributed as dist
             from torch._C._distributed_c10d import ProcessGroup
@@ -41,6 +61,40 @@ class CollectiveTimeline(TorchDispatchMode):
         return out
 
 
+class FirstUse:
+    """A forward pre-hook per layer, installed after the runtime's own: a digest of the layer's weights
+    as its first forward of each step sees them, and (under a CollectiveTimeline) the aten ops run before."""
+
+    def __init__(self, layers) -> None:
+        self.digests: list[list[str]] = []
+        self.ops_at_first_use: list[int] = []
+        self.seen: set[int] = set()
+        self.timeline = CollectiveTimeline()
+        self.hooks = [layer.register_forward_pre_hook(self._hook(i)) for i, layer in enumerate(layers)]
+
+    def new_step(self, timeline: CollectiveTimeline | None = None) -> None:
+        self.timeline = timeline or self.timeline
+        self.digests.append([])
+        self.ops_at_first_use = []
+        self.seen = set()
+
+    def _hook(self, index: int):
+        def first_use(module, inputs) -> None:
+            if index in self.seen:
+                return
+            self.seen.add(index)
+            digest = hashlib.sha256()
+            for param in module.parameters():
+                digest.update(param.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
+            self.digests[-1].append(digest.hexdigest())
+            self.ops_at_first_use.append(self.timeline.ops)
+        return first_use
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 def run_case(case: dict) -> dict:
     from mist_ds.runtime import initialize
 
@@ -48,16 +102,19 @@ def run_case(case: dict) -> dict:
     planned = initialize(case["config"], model, seed=0)
     par = planned.plan.strategy.parallelism
     losses = []
+    first_use = FirstUse(planned.layers)
     for step in range(case["steps"]):
         seed = DATA_SEED + step * 1000 + planned.dp_rank
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, seed)
+        first_use.new_step()
         losses.append(planned.train_batch(batches))
     offload = planned.activation_offload
     if offload is not None:
         offload.reset_counts()
         offload.audit = True
-    timeline = CollectiveTimeline()
     batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - planned.dp_rank)
+    timeline, next_step = CollectiveTimeline(), CollectiveTimeline()
+    first_use.new_step(timeline)
     with timeline:
         planned.train_batch(batches)
     offloaded = None if offload is None else {
@@ -66,12 +123,20 @@ def run_case(case: dict) -> dict:
         # storages of one block's forward live together: each has its own host copy, not the device's
         "distinct_host_storages": len({(block, host) for block, host, _ in offload.host_storages}),
         "host_is_device": sum(host == device for _, host, device in offload.host_storages)}
+    first_use.new_step(next_step)  # the next step's first forward: where the gathers above are waited for
+    with next_step:
+        planned.train_batch(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
+                                              DATA_SEED - 3 - planned.dp_rank))
+    first_use.remove()
     _, census = planned.count_step(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
                                                      DATA_SEED - 2 - planned.dp_rank))
     result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(planned.engine).__name__,
               "data_ranks": sorted(torch.distributed.get_process_group_ranks(
                   planned.grid.get_data_parallel_group())),
               "all_reduces": timeline.events, "backward_ops": timeline.backward_ops, "census": census,
+              "all_gathers": timeline.gathers, "ops_of_step": timeline.ops,
+              "next_step_gathers": next_step.gathers, "first_use_ops": first_use.ops_at_first_use,
+              "weights_at_first_use": first_use.digests,
               "overlap": overlap_ran(planned),
               "activations_offloaded": offloaded}
     planned.close()

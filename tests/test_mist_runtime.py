@@ -25,7 +25,7 @@ import pytest
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
-from mist_ds.specs import grad_reduce_overlapped, runtime_capabilities
+from mist_ds.specs import grad_reduce_overlapped, runtime_capabilities, weight_gather_overlapped
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.testing.ranks import launch
 
@@ -80,6 +80,42 @@ def check_pair(results, precision: str, immediate: bool, layout=PIPELINE) -> Non
         assert ran_mist["overlap"]["overlap_grad_reduce"] and not ran_stock["overlap"]["overlap_grad_reduce"]
         check_overlap_observed(ran_stock, ran_mist)
         check_census(ran_mist, precision, layout)
+        check_gather(ran_stock, ran_mist, precision, layout)
+
+
+def check_gather(stock: dict, mist: dict, precision: str, layout) -> None:
+    """The post-step all-gather in the next first forward, where BF16_Optimizer steps: the dispatcher sees
+    `mist` issue gather_chunk_count chunks over the data-parallel group (stock: one all-gather) with the
+    same bytes, all before the step returns; every layer's first forward of every step runs with the same
+    weights, bit for bit, as under stock DeepSpeed, which gathered them before its step returned; and the
+    layers' pre-hooks, not a final flush, waited for every chunk. Elsewhere nothing changes."""
+    from mist_ds.cost.stage import StageCandidates, gather_chunk_count
+
+    data = mist["data_ranks"]
+
+    def gathers(run: dict) -> list[dict]:
+        return [e for e in run["all_gathers"] if e["ranks"] == data]
+
+    assert mist["weights_at_first_use"] == stock["weights_at_first_use"]
+    specs, _ = plan("mist", precision, layout=layout)
+    caps, par = runtime_capabilities("mist"), specs.strategy.parallelism
+    stage = mist["stage"]
+    if not weight_gather_overlapped(caps, caps.overlap, par.pp, 0, par.dp, precision == "bf16") or \
+            specs.strategy.stages[stage].zero_stage != 0:
+        assert not mist["overlap"]["gather_weights_in_first_forward"]
+        assert [e["bytes"] for e in gathers(mist)] == [e["bytes"] for e in gathers(stock)]
+        return
+    layers = specs.strategy.layers_per_stage[stage]
+    chunks = int(gather_chunk_count(StageCandidates.of(
+        b=1, s=1, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum, stage=stage, layers=layers, ckpt=0, zero=0,
+        wo=0, go=0, oo=0, ao=0)))
+    assert len(gathers(stock)) == 1 and len(gathers(mist)) == chunks > 1
+    assert sum(e["bytes"] for e in gathers(mist)) == sum(e["bytes"] for e in gathers(stock))
+    assert all(e["ops_before"] <= mist["ops_of_step"] for e in gathers(mist))
+    assert not [e for e in mist["next_step_gathers"] if e["ranks"] == data and
+                e["ops_before"] < mist["first_use_ops"][0]]  # nothing re-gathered before the first layer runs
+    assert mist["overlap"]["gather_weights_in_first_forward"] and mist["overlap"]["gather_chunks"] == chunks
+    assert mist["overlap"]["chunks_waited_by_layers"] == chunks
 
 
 def check_overlap_observed(stock: dict, mist: dict) -> None:
@@ -243,3 +279,47 @@ def test_mist_moves_the_reduction_into_the_last_backward_and_keeps_the_step_at_t
     assert all(m >= s for m, s in zip(mist["stage_delta_s"], stock["stage_delta_s"]))
     assert mist["iteration_time_s"] < stock["iteration_time_s"]
     assert mist["comm_bytes_per_rank"] == stock["comm_bytes_per_rank"]
+
+
+def test_gather_chunks_tile_every_partition_and_each_layer_waits_for_exactly_the_chunks_holding_it():
+    from mist_ds.runtime.gather import chunks_needed, gather_chunks
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        dp, alignment = int(rng.integers(1, 9)), int(rng.choice([1, 2, 4]))
+        sizes = rng.integers(1, 500, size=int(rng.integers(1, 12)))
+        partition = -(-int(sizes.sum()) // (dp * alignment)) * alignment  # DeepSpeed pads to dp x alignment
+        chunks = gather_chunks(partition, len(sizes), dp, alignment)
+        assert chunks[0][0] == 0 and chunks[-1][1] == partition
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])) and all(lo < hi for lo, hi in chunks)
+        assert all(lo % alignment == 0 for lo, _ in chunks)
+        assert len(chunks) == min(-(-len(sizes) // dp), partition // alignment)
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            holding = {k for r in range(dp) for k, (lo, hi) in enumerate(chunks)
+                       if max(start, r * partition + lo) < min(stop, r * partition + hi)}
+            assert chunks_needed([(int(start), int(stop))], chunks, partition) == max(holding)
+
+
+def test_the_post_step_gather_moves_into_the_first_forward_where_bf16_optimizer_steps():
+    """pp 2 dp 2 ZeRO-0 in bf16 (BF16_Optimizer): with the chunked gather the tail loses the all-gather,
+    the first forward's extra gains its exposed part (at least the first chunk), the stable time and the
+    bytes stay. fp32 (no BF16_Optimizer) and dp 1 (nothing gathered) price as without the feature."""
+    caps = runtime_capabilities("mist")
+    without = dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap,
+                                                                    gather_weights_in_first_forward=False))
+    assert weight_gather_overlapped(caps, caps.overlap, 2, 0, 2, True)
+    assert not weight_gather_overlapped(caps, caps.overlap, 2, 0, 1, True)
+    assert not weight_gather_overlapped(caps, caps.overlap, 2, 0, 2, False)
+    assert not weight_gather_overlapped(caps, caps.overlap, 1, 0, 2, True)
+    assert not weight_gather_overlapped(caps, caps.overlap, 2, 1, 2, True)
+    specs, _ = plan("mist", "bf16")
+    gathered, stock = predict(specs).to_dict(), predict(specs, caps=without).to_dict()
+    assert gathered["stage_stable_s"] == stock["stage_stable_s"]
+    assert gathered["tail_s"] < stock["tail_s"]
+    assert all(g > s for g, s in zip(gathered["stage_delta_s"], stock["stage_delta_s"]))
+    assert gathered["iteration_time_s"] < stock["iteration_time_s"]
+    assert gathered["comm_bytes_per_rank"] == stock["comm_bytes_per_rank"]
+    for other in (plan("mist", "fp32")[0], compose([*PLAN, *PIPELINE, "train.precision=bf16", "strategy.runtime=mist",
+                                                    "cluster.gpus_per_node=2"])):
+        assert predict(other).to_dict() == predict(other, caps=without).to_dict()

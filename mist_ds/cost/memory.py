@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS, PLANNED_REDUCE_BUCKET_ELEMENTS
-from mist_ds.specs.runtime import ModelStateAccounting
+from mist_ds.specs.runtime import ModelStateAccounting, runs_bf16_optimizer
 
 FP32_BYTES = 4
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (Kingma & Ba 2015)
@@ -124,7 +124,7 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     p3 = np.ceil(p / d)  # DeepSpeed pads each parameter to d: a few elements more
     touch = partition_touch_elements(p, d, largest)
     zero12 = (z == 1) | (z == 2)
-    bf16_optimizer = (z == 0) & pipe & bool(mixed_precision and bf16)  # DeepSpeed's pipelines in bf16
+    bf16_optimizer = runs_bf16_optimizer(z, pipe, bool(mixed_precision and bf16))
     torch_optimizer = (z == 0) & ~bf16_optimizer  # FP16_UnfusedOptimizer, or torch AdamW in fp32
     master = MASTER_BYTES if mixed_precision else 0  # fp32 training: the weights are the master (ZeRO-0 only)
     shard = np.select([torch_optimizer, z == 3], [p, p3], default=part)  # elements the optimizer updates

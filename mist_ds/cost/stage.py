@@ -15,8 +15,8 @@ import numpy as np
 from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES, model_state_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, grad_reduce_overlapped
-from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, grad_reduce_overlapped, weight_gather_overlapped
+from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks, runs_bf16_optimizer
 from mist_ds.symbolic import LayerCost
 
 # Adam step traffic per parameter (fused, memory-bound): read + write fp32 master, exp_avg and
@@ -63,7 +63,7 @@ def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weigh
     a weight two modules of the stage use (ZeRO-3 gathers it for each)."""
     zero, pipeline, weight_bytes = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
                                                          for x in (zero, pipeline, weight_bytes)))
-    bf16_optimizer = (zero == 0) & (pipeline > 0) & bf16
+    bf16_optimizer = runs_bf16_optimizer(zero, pipeline, bf16)
     none = np.zeros_like(weight_bytes)
     zero3 = zero == 3
     return DataParallelTraffic(
@@ -398,13 +398,16 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         first_extra = np.maximum(first_fwd - fwd_phase, hw.cpu_adam_time_s(partition * c.oo))
         last_extra = last_bwd - bwd_phase + tied
         end = np.zeros_like(stable)
-    elif overlap.overlap_grad_reduce:
+    elif overlap.overlap_grad_reduce or overlap.gather_weights_in_first_forward:
         layerwise = grad_reduce_overlapped(caps, overlap, c.pp, c.zero)
-        first_extra = np.zeros_like(stable)
+        gathered = weight_gather_overlapped(caps, overlap, c.pp, c.zero, c.d, train.precision == "bf16") & (
+            moves.step_gather > 0)
+        first_extra = np.where(gathered, _gather_in_first_forward_s(hw, c, fwd_compute, data_parallel,
+                                                                     moves.step_gather_bytes), 0.0)
         last_extra = np.where(layerwise, hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + moves.reduce_hidden,
                                                               0, 0) + moves.reduce_exposed
                               - (bwd_compute + recompute + bwd_g2g), 0.0)
-        end = np.where(layerwise, moves.reduce_rest + step + tied, reduce + step + tied)
+        end = np.where(layerwise, moves.reduce_rest, reduce) - np.where(gathered, moves.step_gather, 0.0) + step + tied
     else:
         first_extra = last_extra = np.zeros_like(stable)
         end = reduce + step + tied
@@ -449,6 +452,11 @@ class _StageMoves:
     """... the reduction issued when the backward's compute is done (seconds, serial)."""
     reduce_rest: np.ndarray
     """... the data-parallel collectives still at the end of the iteration (seconds)."""
+    step_gather: np.ndarray
+    """The post-step all-gather of the updated weights, as one collective at the end (seconds; in
+    step_reduce and reduce_rest)."""
+    step_gather_bytes: np.ndarray
+    """... its full message (bytes)."""
 
 
 def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_bytes, grad_bytes, params,
@@ -474,7 +482,8 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
         step_reduce=step_reduce,
         step_params=np.where(c.zero >= 1, params / c.d, params),
         step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
-        step_copies_s=none, reduce_hidden=step_reduce, reduce_exposed=none, reduce_rest=none)
+        step_copies_s=none, reduce_hidden=step_reduce, reduce_exposed=none, reduce_rest=none,
+        step_gather=none, step_gather_bytes=none)
 
 
 def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
@@ -536,6 +545,8 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabili
         step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
         step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
         step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
+        step_gather=ran(data_parallel.all_gather_time_s, traffic.step_all_gather),
+        step_gather_bytes=traffic.step_all_gather,
         **_layerwise_reduce(costs, hw, caps, c, data_parallel, ran, traffic))
 
 
@@ -569,6 +580,28 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabil
                             np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
                         + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
     }
+
+
+def gather_chunk_count(c: StageCandidates) -> np.ndarray:
+    """Chunks of the post-step all-gather in the first forward: ceil(layers / d), the stage's layers
+    (blocks, embedding, head) over the data-parallel ranks (mist_ds/runtime/gather.py gather_chunks)."""
+    return np.maximum(1.0, np.ceil((c.layers + c.first + c.last) / np.maximum(c.d, 1.0)))
+
+
+def _gather_in_first_forward_s(hw: HardwareModel, c: StageCandidates, fwd_compute, data_parallel,
+                               message_bytes) -> np.ndarray:
+    """Seconds the chunked post-step all-gather adds before and within the next first forward
+    (mist_ds/runtime/gather.py): K = gather_chunk_count chunks issued back to back at the step, each of
+    1 / K of every rank's partition, so chunk k completes the k-th layer of every partition. The first
+    layer waits for chunk 0; rank 0's partition holds the first 1 / d of the stage's weights, whose
+    layers run the first 1 / d of the forward while the later chunks arrive, and the last chunk is
+    needed by the last of them: exposed = max(T / K, overlap(F (K - 1) / (K d), T) - F (K - 1) / (K d)),
+    T the K all-gathers, F the forward's compute (linear in k, so the worst chunk is the first or the
+    last). The layers of the other partitions run later and wait for chunks already there."""
+    chunks = gather_chunk_count(c)
+    total = chunks * data_parallel.all_gather_time_s(message_bytes / chunks)
+    window = fwd_compute * (chunks - 1) / (chunks * np.maximum(c.d, 1.0))
+    return np.maximum(total / chunks, hw.overlapped_time_s(window, total, 0, 0) - window)
 
 
 def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:

@@ -28,7 +28,8 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.runtime.versions import check_deepspeed_version
-from mist_ds.specs import ConfigError, ModelSpec, check_runtime, grad_reduce_overlapped, runtime_capabilities
+from mist_ds.specs import (ConfigError, ModelSpec, check_runtime, grad_reduce_overlapped, runtime_capabilities,
+                           weight_gather_overlapped)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,6 +80,9 @@ class PlannedEngine:
     """The stage's ActivationOffload (mist_ds/runtime/activations.py), when it offloads activations."""
     grad_reducer: Any = field(default=None, repr=False)
     """The GradReducer (mist_ds/runtime/overlap.py) reducing ZeRO-0 gradients during the last backward."""
+    weight_gather: Any = field(default=None, repr=False)
+    """The ChunkedWeightGather (mist_ds/runtime/gather.py) whose post-step all-gather runs into the next
+    first forward: the weights are whole only after `sync_weights`."""
 
     @property
     def pipelined(self) -> bool:
@@ -166,8 +170,15 @@ class PlannedEngine:
             loss /= self.engine.dp_world_size
         return float(loss)
 
+    def sync_weights(self) -> None:
+        """Wait for the updated weights still being gathered (runtime `mist`, mist_ds/runtime/gather.py):
+        call before reading the module's parameters outside `train_batch`."""
+        if self.weight_gather is not None:
+            self.weight_gather.flush()
+
     def save(self, directory: str | Path, step: int) -> None:
         """A DeepSpeed checkpoint of this step (every rank calls it; tag `step<N>`, marked latest)."""
+        self.sync_weights()
         self.engine.save_checkpoint(str(directory), tag=f"step{step}", client_state={"step": step})
 
     def load(self, directory: str | Path) -> int:
@@ -179,6 +190,7 @@ class PlannedEngine:
         bf16_optimizer.py:670: KeyError 0). Its states are loaded as ZeRO's are instead
         (`_load_zero_checkpoint`, engine.py:4733), which restores the fp32 master exactly."""
         bf16_optimizer = bool(getattr(self.engine, "using_bf16_optimizer", False))
+        self.sync_weights()  # a gather in flight would land on the loaded weights
         path, client_state = self.engine.load_checkpoint(str(directory), load_optimizer_states=not bf16_optimizer)
         if path is None:
             raise ConfigError("run.resume", str(directory), "holds no DeepSpeed checkpoint (no `latest` file)")
@@ -189,6 +201,8 @@ class PlannedEngine:
         return int(client_state["step"])
 
     def close(self) -> None:
+        if self.weight_gather is not None:
+            self.weight_gather.remove()
         self.engine.destroy()
 
 
@@ -325,12 +339,31 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
             reducer = engine.grad_reducer
         else:
             reducer = reduce_in_last_backward(engine, by_layer)
+    gather = None
+    if weight_gather_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp, zero, par.dp,
+                                dtype == torch.bfloat16):
+        gather = gather_in_first_forward(engine, layers)
     offload = attach_activation_offload(layers, strategy.stages[coord.pipe].activations_offload)
     ties = module.planned_ties if par.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
                          grid=grid, tied_ranks=tied, layers=layers,
-                         loss_fn=loss_fn, activation_offload=offload, grad_reducer=reducer)
+                         loss_fn=loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather)
+
+
+def gather_in_first_forward(engine, layers: list[PlannedLayer]):
+    """The stage's post-step all-gather chunked into the next first forward (mist_ds/runtime/gather.py);
+    priced only where DeepSpeed steps with BF16_Optimizer, which is checked here, not assumed."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from mist_ds.runtime.gather import ChunkedWeightGather
+
+    if not isinstance(engine.optimizer, BF16_Optimizer):
+        raise RuntimeError(f"the plan was priced with BF16_Optimizer's post-step gather in the first forward, but "
+                           f"DeepSpeed built {type(engine.optimizer).__name__}")
+    gather = ChunkedWeightGather(engine.optimizer, list(layers))
+    gather.install()
+    return gather
 
 
 def attach_activation_offload(layers: list[PlannedLayer], ao: float):

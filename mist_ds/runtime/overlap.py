@@ -41,7 +41,9 @@ mist_ds/runtime/engine.py arms the same per-layer reducer for that backward and 
 `engine.step()`. There is no tied sum at S = 1: the head shares the embedding's parameter, which the
 reducer assigns to the embedding's layer (its gradient is complete only after the embedding's backward).
 What `mist` means at S = 1: the reduction in the last backward at ZeRO-0 and ZeRO-1, and activation
-offload (mist_ds/runtime/activations.py, any S); ZeRO-2 and ZeRO-3 run as on runtime `deepspeed`.
+offload (mist_ds/runtime/activations.py, any S); ZeRO-2 and ZeRO-3 run as on runtime `deepspeed`. In bf16
+pipelines at ZeRO-0 the post-step all-gather also moves into the next first forward
+(mist_ds/runtime/gather.py); at S = 1 DeepSpeed's engine does not use BF16_Optimizer, so it does not apply.
 """
 from __future__ import annotations
 

@@ -46,12 +46,18 @@ def recomputed_blocks(layers, passes: dict[int, int], micro_batches: int) -> lis
 def overlap_ran(planned) -> dict[str, Any]:
     """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py): the reduction in the last
     backward, by mist_ds's per-layer reducer (ZeRO-0: how many all-reduces its last step started during
-    that backward) or by DeepSpeed's hooks (ZeRO-1: its optimizer's overlap_comm; -1: not counted)."""
+    that backward) or by DeepSpeed's hooks (ZeRO-1: its optimizer's overlap_comm; -1: not counted); the
+    post-step all-gather in the next first forward (mist_ds/runtime/gather.py: chunks the last step
+    issued, and how many of the previous step's the layers' forward pre-hooks waited for)."""
     reducer = planned.grad_reducer
     hooked = bool(getattr(planned.engine.optimizer, "overlap_comm", False)) and \
         int(planned.engine.zero_optimization_stage()) in (1, 2)
+    gather = planned.weight_gather
     return {"overlap_grad_reduce": reducer is not None or hooked,
-            "reduced_in_backward": reducer.buckets_in_backward if reducer is not None else (-1 if hooked else 0)}
+            "reduced_in_backward": reducer.buckets_in_backward if reducer is not None else (-1 if hooked else 0),
+            "gather_weights_in_first_forward": gather is not None,
+            "gather_chunks": gather.issued_last if gather is not None else 0,
+            "chunks_waited_by_layers": gather.previous_waited_by_layers if gather is not None else 0}
 
 
 def what_ran(planned, peaks: dict[str, int] | None = None) -> dict[str, Any]:

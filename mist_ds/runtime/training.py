@@ -63,6 +63,7 @@ def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 
         log.info("step %d loss %.4f time %.3f s tokens/s %.0f", record.step, loss, elapsed, record.tokens_per_s)
         if save_every and save_dir is not None and record.step % save_every == 0:
             planned.save(save_dir, record.step)
+    planned.sync_weights()  # the end of training: no gather left in flight (runtime `mist`)
     return records
 
 

@@ -11,7 +11,7 @@ from mist_ds.specs.cluster import ClusterSpec, GpuSpec, InterferenceSpec
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.runtime import (RUNTIMES, OverlapFeatures, RuntimeCapabilities, check_runtime, grad_reduce_overlapped,
-                                   runtime_capabilities)
+                                   runtime_capabilities, weight_gather_overlapped)
 from mist_ds.specs.strategy import Parallelism, StageStrategy, StrategySpec
 from mist_ds.specs.train import TrainSpec
 from mist_ds.specs.tuner import TunerSpec
@@ -33,5 +33,5 @@ class Specs:
 __all__ = [
     "ClusterSpec", "ConfigError", "GpuSpec", "InterferenceSpec", "ModelSpec", "OverlapFeatures", "Parallelism", "RUNTIMES",
     "RuntimeCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
-    "check_runtime", "grad_reduce_overlapped", "runtime_capabilities",
+    "check_runtime", "grad_reduce_overlapped", "runtime_capabilities", "weight_gather_overlapped",
 ]

@@ -33,6 +33,10 @@ class OverlapFeatures:
     """The optimizer step is split per layer and runs during the first micro-batch's forward."""
     offload_overlapped: bool = False
     """D2H swap-outs (weights, activations, grads) overlap compute instead of blocking."""
+    gather_weights_in_first_forward: bool = False
+    """The post-step all-gather of the updated weights runs in chunks during the next iteration's first
+    forward, each layer waiting for the chunks that hold its weights (optimizer_in_first_forward
+    implies it)."""
 
 
 ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
@@ -141,6 +145,22 @@ def grad_reduce_overlapped(caps: RuntimeCapabilities, overlap: OverlapFeatures, 
     return overlap.overlap_grad_reduce & in_scope
 
 
+def runs_bf16_optimizer(zero, pipeline, bf16: bool) -> np.ndarray:
+    """True where DeepSpeed 0.19.8 steps a stage with BF16_Optimizer: bf16 pipelines at ZeRO-0
+    (runtime/engine.py _do_optimizer_sanity_check: equal model and accumulation dtypes, pipeline)."""
+    return (np.asarray(zero) == 0) & (np.asarray(pipeline) > 0) & bool(bf16)
+
+
+def weight_gather_overlapped(caps: RuntimeCapabilities, overlap: OverlapFeatures, pp, zero, d,
+                             bf16: bool) -> np.ndarray:
+    """True where a stage's post-step all-gather of the updated weights runs in chunks during the next
+    first forward (overlap.gather_weights_in_first_forward): built for BF16_Optimizer, whose all-gather
+    DeepSpeed calls through an overridable method (mist_ds/runtime/gather.py), with d > 1 (at d = 1
+    nothing is gathered). Arrays broadcast."""
+    return overlap.gather_weights_in_first_forward & runs_bf16_optimizer(zero, np.asarray(pp) > 1, bf16) & \
+        (np.asarray(d) > 1)
+
+
 def reduced_by_deepspeed_hooks(caps: RuntimeCapabilities, overlap: OverlapFeatures, pp, zero) -> np.ndarray:
     """True where DeepSpeed's own bucketed hooks reduce the gradients during the last backward
     (overlap_comm on: ZeRO >= 1 where grad_reduce_overlapped); ZeRO-0 uses mist_ds's per-layer reducer."""
@@ -161,11 +181,13 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     # The `mist` schedule (mist_ds/runtime/overlap.py): each overlap feature enters here once it runs and
     # its numerics equal stock DeepSpeed's (tests/test_mist_runtime.py). Built: the gradient reduction in
     # the last backward, per layer at ZeRO-0 (any S), per block-sized bucket at ZeRO-1 without a
-    # pipeline. It runs two communicators at once (the data-parallel reduction beside the pipeline's
+    # pipeline; the post-step all-gather in chunks during the next first forward where BF16_Optimizer
+    # steps (bf16 ZeRO-0 pipelines, d > 1; mist_ds/runtime/gather.py). It runs two communicators at once (the data-parallel reduction beside the pipeline's
     # sends and the tied sum): checked on gloo only, so tuner.runtime stays `deepspeed` by default until
     # a GPU (NCCL) run has checked it.
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
-                   overlap=OverlapFeatures(overlap_grad_reduce=True), grad_reduce_overlap_zero_stages=(0, 1),
+                   overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
+                   grad_reduce_overlap_zero_stages=(0, 1),
                    grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False,
                    activations_offload=True, activations_offload_whole_blocks=True)
     mist_paper = RuntimeCapabilities(

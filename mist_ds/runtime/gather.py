@@ -1,0 +1,144 @@
+"""Runtime `mist`: the post-step all-gather of the updated weights overlapped with the next iteration's
+first forward (OverlapFeatures.gather_weights_in_first_forward; docs/design.md, The `mist` schedule).
+
+Where DeepSpeed runs BF16_Optimizer (bf16 pipelines at ZeRO-0), each data-parallel rank steps its
+partition of the stage's fp32 master weights, copies it into its slice of the flat bf16 weights and
+all-gathers the flat buffer at once before `step` returns (bf16_optimizer.py `update_lp_params`, called
+at the end of `step`). Every rank's partition is one contiguous range of that flat buffer, in the order
+of the stage's parameters, which is the order its layers run in forward. `ChunkedWeightGather` replaces
+the optimizer's `update_lp_params` on that one instance: the same copy of the rank's partition, then
+`gather_chunks` offset chunks, each an asynchronous all-gather of the same offset range of every rank's
+partition into its place in the flat buffer (the same bytes, no extra buffer, DeepSpeed's checkpoint
+format untouched). A forward pre-hook on each layer waits, in issue order, for the chunks that hold the
+layer's weights before it runs; at dp = d the chunk count is ceil(layers / d), so chunk k completes
+roughly the k-th layer of every rank's partition and the first layers wait only for the first chunks.
+
+The gathers stay in flight across `train_batch` calls: `flush` waits for all of them, and
+mist_ds/runtime/engine.py calls it before a checkpoint is saved or loaded, before the weights are read
+(`PlannedEngine.sync_weights`) and when the engine closes. On a GPU the all-gathers run on the
+communicator's stream beside the forward's kernels; on CPU ranks gloo runs them on its own threads, so
+a test sees where they are issued and waited, and that each layer ran with the gathered weights, not an
+overlap measured in time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+
+
+def gather_chunks(partition_elements: int, layers: int, dp: int, alignment: int) -> list[tuple[int, int]]:
+    """[start, stop) offsets within every rank's partition of each chunk: ceil(layers / dp) chunks of
+    equal size, starts rounded down to `alignment` elements (DeepSpeed's NCCL start alignment)."""
+    count = max(1, min(math.ceil(layers / dp), partition_elements // max(alignment, 1)))
+    starts = sorted({(k * partition_elements // count) // alignment * alignment for k in range(count)})
+    return list(zip(starts, starts[1:] + [partition_elements]))
+
+
+def chunks_needed(spans: list[tuple[int, int]], chunks: list[tuple[int, int]], partition_elements: int) -> int:
+    """Index of the last chunk (in issue order) a layer whose parameters occupy `spans` (element
+    [start, stop) ranges of the flat buffer) needs before it runs; -1 if none (no parameters)."""
+    last = -1
+    for start, stop in spans:
+        for rank in range(start // partition_elements, (stop - 1) // partition_elements + 1):
+            base = rank * partition_elements
+            low, high = max(start - base, 0), min(stop - base, partition_elements)
+            last = max(last, max(k for k, (lo, hi) in enumerate(chunks) if lo < high and hi > low))
+    return last
+
+
+@dataclass
+class ChunkedWeightGather:
+    """The chunked, deferred all-gather of one stage's BF16_Optimizer (module docstring)."""
+
+    optimizer: Any
+    """DeepSpeed's BF16_Optimizer of the stage."""
+    layers: list[Any]
+    """The stage's layers (nn.Modules) in forward order."""
+    chunks: list[list[tuple[int, int]]] = field(default_factory=list)
+    """Per parameter group: the chunks' [start, stop) within each rank's partition."""
+    needs: list[int] = field(default_factory=list)
+    """Per layer: the last chunk (index into the issue order) it waits for."""
+    pending: list[Any] = field(default_factory=list)
+    """Work handles of the chunks issued and not yet waited for, in issue order."""
+    waited: int = 0
+    """Chunks of the current gather waited for so far."""
+    issued_last: int = 0
+    """Chunks the last gather issued."""
+    waited_by_layers: int = 0
+    """Chunks of the gather in flight the layers' pre-hooks have waited for (the rest: by flush)."""
+    previous_waited_by_layers: int = 0
+    """... of the previous gather, counted when the next one started (what the last step's forward did)."""
+    hooks: list[Any] = field(default_factory=list)
+
+    def install(self) -> None:
+        """Plan the chunks, replace the optimizer's update_lp_params, hook each layer's forward."""
+        optimizer = self.optimizer
+        by_param = {}
+        for group, (params, flat) in enumerate(zip(optimizer.bf16_groups, optimizer.bf16_groups_flat)):
+            partition = optimizer.bf16_partitioned_groups[group][0].numel()
+            dp = len(optimizer.bf16_partitioned_groups[group])
+            self.chunks.append(gather_chunks(partition, len(self.layers), dp, optimizer.nccl_start_alignment_factor))
+            for param in params:
+                offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
+                by_param[id(param)] = (group, offset, offset + param.numel())
+        first_of_group = [sum(len(c) for c in self.chunks[:g]) for g in range(len(self.chunks))]
+        for layer in self.layers:
+            need = -1
+            for param in layer.parameters():
+                if id(param) not in by_param:
+                    continue  # not stepped by this optimizer (frozen)
+                group, start, stop = by_param[id(param)]
+                partition = optimizer.bf16_partitioned_groups[group][0].numel()
+                need = max(need, first_of_group[group] + chunks_needed([(start, stop)], self.chunks[group], partition))
+            self.needs.append(need)
+        optimizer.update_lp_params = self.update_lp_params  # the instance's; step() calls self.update_lp_params()
+        for index, layer in enumerate(self.layers):
+            self.hooks.append(layer.register_forward_pre_hook(self._before(index)))
+
+    @torch.no_grad()
+    def update_lp_params(self) -> None:
+        """As BF16_Optimizer.update_lp_params: this rank's updated partition into the bf16 weights; then
+        the all-gather, started in chunks and left in flight."""
+        self.previous_waited_by_layers = self.waited_by_layers
+        self.flush()  # a gather still in flight would overwrite the partition copied below
+        optimizer = self.optimizer
+        for partitions, fp32_partition, group in zip(optimizer.bf16_partitioned_groups,
+                                                     optimizer.fp32_groups_flat_partition,
+                                                     optimizer.real_dp_process_group):
+            partitions[dist.get_rank(group=group)].data.copy_(fp32_partition.data)
+        for partitions, chunks, group in zip(optimizer.bf16_partitioned_groups, self.chunks,
+                                             optimizer.real_dp_process_group):
+            own = dist.get_rank(group=group)
+            for start, stop in chunks:
+                pieces = [p.narrow(0, start, stop - start) for p in partitions]
+                self.pending.append(dist.all_gather(pieces, pieces[own], group=group, async_op=True))
+        self.waited, self.issued_last, self.waited_by_layers = 0, len(self.pending), 0
+
+    def _before(self, index: int):
+        def wait_for_weights(module, inputs) -> None:
+            need = self.needs[index]
+            if need >= self.waited and self.pending:
+                self.waited_by_layers += self._wait_until(need)
+        return wait_for_weights
+
+    def _wait_until(self, last: int) -> int:
+        count = 0
+        while self.waited <= last and self.pending:
+            self.pending.pop(0).wait()
+            self.waited += 1
+            count += 1
+        return count
+
+    def flush(self) -> None:
+        """Wait for every chunk still in flight: the weights are whole and current."""
+        self._wait_until(self.issued_last)
+
+    def remove(self) -> None:
+        self.flush()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
