@@ -145,5 +145,32 @@ def run_case(case: dict) -> dict:
     return result
 
 
+def run_resume_case(case: dict) -> dict:
+    """Train `steps`, saving after `save_at` (the gather still in flight then, on runtime `mist`); a new
+    engine loads that checkpoint and trains the rest: its losses and the first run's."""
+    from mist_ds.runtime import initialize
+
+    model = ModelSpec(**case["model"])
+
+    def losses(planned, steps) -> list[float]:
+        par = planned.plan.strategy.parallelism
+        return [planned.train_batch(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
+                                                      DATA_SEED + step * 1000 + planned.dp_rank)) for step in steps]
+
+    planned = initialize(case["config"], model, seed=0)
+    whole = losses(planned, range(case["save_at"]))
+    planned.save(case["dir"], case["save_at"])
+    whole += losses(planned, range(case["save_at"], case["steps"]))
+    planned.close()
+    planned = initialize(case["config"], model, seed=1)  # another seed: every weight must come from the file
+    start = planned.load(case["dir"])
+    rest = losses(planned, range(start, case["steps"]))
+    planned.close()
+    del planned
+    gc.collect()
+    return {"case": case["name"], "whole": whole, "resumed_from": start, "rest": rest}
+
+
 def mist_runtime_worker(rank: int, world_size: int, payload: dict) -> list[dict]:
-    return run_cases_on_cpu_ranks(run_case, payload["cases"])
+    return run_cases_on_cpu_ranks(lambda case: (run_resume_case if "save_at" in case else run_case)(case),
+                                  payload["cases"])
