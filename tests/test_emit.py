@@ -208,6 +208,7 @@ _DELETE = object()
     (("mist", "strategy", "grad_accum"), _DELETE, "mist.strategy"),
     (("mist", "stage_layer_ranges"), [[0, 4], [4, 8]], "mist.stage_layer_ranges"),
     (("mist", "overlap", "prefetch_weights"), "yes", "mist.overlap"),
+    (("mist", "overlap", "warp_drive"), True, "mist.overlap"),
     (("mist", "buckets", "reduce_bucket_elements"), -1, "mist.buckets"),
     (("mist", "buckets"), _DELETE, "mist.buckets"),
 ])
@@ -215,3 +216,14 @@ def test_mist_block_from_a_file_is_validated(path, value, field):
     with pytest.raises(ConfigError) as error:
         read_mist_block(_set(_mist_config(), path, value))
     assert error.value.field == field, str(error.value)
+
+
+def test_an_overlap_flag_a_block_lacks_is_off():
+    """A block written before a feature existed was priced without it: it reads as off (and runs so)."""
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4", "strategy.pp=2",
+                     "strategy.runtime=mist"])
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    assert config["mist"]["overlap"]["gather_weights_in_first_forward"]
+    del config["mist"]["overlap"]["gather_weights_in_first_forward"]
+    overlap = read_mist_block(config).overlap
+    assert not overlap.gather_weights_in_first_forward and overlap.overlap_grad_reduce

@@ -45,27 +45,38 @@ ENGINES = {PIPELINE: ("PipelineEngine", "MistPipelineEngine"), FLAT_ZERO0: ("Dee
            FLAT_ZERO1: ("DeepSpeedEngine", "DeepSpeedEngine")}
 
 
-def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0, layout=PIPELINE):
+def features_without(runtime: str, off: str | None):
+    """The runtime's capabilities with overlap feature `off` switched off (None: as they are): what a plan
+    whose "mist" block switches it off is priced and emitted with."""
+    caps = runtime_capabilities(runtime)
+    return caps if off is None else dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap, **{off: False}))
+
+
+def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0, layout=PIPELINE, off: str | None = None):
     specs = compose([*PLAN, *layout, f"train.precision={precision}", f"strategy.runtime={runtime}",
                      f"strategy.offload.activations={ao}"])
-    config = ds_config(specs.strategy, specs.train, specs.model)
+    config = ds_config(specs.strategy, specs.train, specs.model, caps=features_without(runtime, off))
     if immediate:
         config["bf16"]["immediate_grad_update"] = True
     return specs, config
 
 
-def run_pairs(variants: list[tuple], ao: float = 0.0, resume_dir=None) -> dict[tuple, list[dict]]:
+def run_pairs(variants: list[tuple], ao: float = 0.0, resume_dir=None, alone: tuple[str, ...] = ()
+              ) -> dict[tuple, list[dict]]:
     """Each (precision, immediate[, layout]) under both runtimes, in one launch, and with activation
     offload `ao` on `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, precision,
     immediate, layout), by rank. With `resume_dir`, also a save-and-resume run of the first variant on
-    `mist` (key "resume")."""
+    `mist` (key "resume"); for each overlap feature in `alone`, the first variant on `mist` with that
+    feature switched off in its plan (key runtime "mist-without-<feature>")."""
     keys, cases = [], []
     variants = [(p, i, *rest) if rest else (p, i, PIPELINE) for p, i, *rest in variants]
     runs = [(r, *v) for v in variants for r in ("deepspeed", "mist")]
     runs += [("mist-offload", *v) for v in variants if ao > 0]
+    runs += [(f"mist-without-{off}", *variants[0]) for off in alone]
     for runtime, precision, immediate, layout in runs:
+        off = runtime.removeprefix("mist-without-") if runtime.startswith("mist-without-") else None
         specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0,
-                             layout)
+                             layout, off)
         keys.append((runtime, precision, immediate, layout))
         cases.append({"name": f"{runtime}-{precision}-{immediate}-{'-'.join(layout)}", "config": config,
                       "model": dataclasses.asdict(specs.model), "steps": STEPS})
@@ -87,7 +98,7 @@ def check_pair(results, precision: str, immediate: bool, layout=PIPELINE) -> Non
         check_gather(ran_stock, ran_mist, precision, layout)
 
 
-def check_gather(stock: dict, mist: dict, precision: str, layout) -> None:
+def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | None = None) -> None:
     """The post-step all-gather in the next first forward, where BF16_Optimizer steps: the dispatcher sees
     `mist` issue gather_chunk_count chunks over the data-parallel group (stock: one all-gather) with the
     same bytes, all before the step returns; every layer's first forward of every step runs with the same
@@ -102,7 +113,7 @@ def check_gather(stock: dict, mist: dict, precision: str, layout) -> None:
 
     assert mist["weights_at_first_use"] == stock["weights_at_first_use"]
     specs, _ = plan("mist", precision, layout=layout)
-    caps, par = runtime_capabilities("mist"), specs.strategy.parallelism
+    caps, par = features_without("mist", off), specs.strategy.parallelism
     stage = mist["stage"]
     if not weight_gather_overlapped(caps, caps.overlap, par.pp, 0, par.dp, precision == "bf16") or \
             specs.strategy.stages[stage].zero_stage != 0:
@@ -197,8 +208,23 @@ def test_without_a_pipeline_mist_reduces_during_the_last_backward_at_zero0_and_z
 
 
 @pytest.mark.slow
-def test_mist_matches_stock_deepspeed_in_fp32_and_with_immediate_grad_update():
-    results = run_pairs([("fp32", False), ("bf16", True), ("fp32", False, FLAT_ZERO0), ("fp32", False, FLAT_ZERO1)])
+def test_mist_matches_stock_deepspeed_in_fp32_with_immediate_grad_update_and_with_each_feature_alone():
+    """The bf16 pipeline (where both the reduction in the last backward and the gather in the first forward
+    apply) with each of the two switched off in its plan: the other alone, still bitwise stock's."""
+    features = ("overlap_grad_reduce", "gather_weights_in_first_forward")
+    results = run_pairs([("bf16", True), ("fp32", False), ("fp32", False, FLAT_ZERO0), ("fp32", False, FLAT_ZERO1)],
+                        alone=features)
+    stock = results[("deepspeed", "bf16", True, PIPELINE)]
+    for off in features:
+        for ran_stock, ran in zip(stock, results[(f"mist-without-{off}", "bf16", True, PIPELINE)]):
+            assert ran["losses"] == ran_stock["losses"], off  # bitwise
+            assert not ran["overlap"][off]
+            check_gather(ran_stock, ran, "bf16", PIPELINE, off)
+            if off == "overlap_grad_reduce":
+                assert not [e for e in ran["all_reduces"] if e["in_backward"]]
+            else:
+                assert ran["overlap"]["overlap_grad_reduce"]
+                check_overlap_observed(ran_stock, ran)
     check_pair(results, "fp32", False)
     check_pair(results, "bf16", True)
     check_pair(results, "fp32", False, FLAT_ZERO0)

@@ -36,7 +36,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config, read_mist_block, stage_ds_config
 from mist_ds.models.tp import TensorParallel
-from mist_ds.specs import ConfigError
+from mist_ds.specs import ConfigError, runtime_capabilities
 from mist_ds.runtime.engine import PlannedModel
 from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.testing.model_states import Facts, predicted_bytes, residual_bytes
@@ -323,7 +323,10 @@ def test_a_plan_for_another_world_or_model_is_refused_before_deepspeed():
     ablation = dataclasses.replace(plan, overlap=dataclasses.replace(plan.overlap, overlap_grad_reduce=True))
     with pytest.raises(ConfigError) as error:  # priced with a feature runtime deepspeed would not run
         check_executable(ablation, specs.model, 2)
-    assert error.value.field == "mist.overlap"
+    assert error.value.field == "mist.overlap" and "overlap_grad_reduce" in str(error.value)
+    on_mist = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, runtime="mist"))
+    check_executable(on_mist, specs.model, 2)  # a plan may switch the runtime's features off, one by one
+    check_executable(dataclasses.replace(on_mist, overlap=runtime_capabilities("mist").overlap), specs.model, 2)
 
 
 # --- slow lane: plans the tuner draws for random settings ---------------------------------------------

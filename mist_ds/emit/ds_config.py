@@ -183,9 +183,10 @@ def read_mist_block(config: Any, source: str = "ds_config") -> MistBlock:
                           f"must be the block ranges of layers_per_stage {list(strategy.layers_per_stage)}")
     overlap = block.get("overlap")
     names = [f.name for f in dataclasses.fields(OverlapFeatures)]
-    if not isinstance(overlap, Mapping) or sorted(overlap) != sorted(names) or \
+    # A flag a block lacks is off: a block written before the feature existed was priced without it.
+    if not isinstance(overlap, Mapping) or not set(overlap) <= set(names) or \
             not all(isinstance(v, bool) for v in overlap.values()):
-        raise ConfigError(f"{MIST_KEY}.overlap", overlap, f"must map each of {', '.join(names)} to true or false")
+        raise ConfigError(f"{MIST_KEY}.overlap", overlap, f"must map some of {', '.join(names)} to true or false")
     return MistBlock(strategy=strategy, stage_layer_ranges=tuple(tuple(r) for r in ranges),
                      buckets=_read_buckets(block.get("buckets")), overlap=OverlapFeatures(**overlap),
                      host_bytes_per_rank=_read_host_bytes(block.get(HOST_KEY), len(strategy.stages)))

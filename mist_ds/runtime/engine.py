@@ -226,10 +226,12 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
         raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
     check_runtime(strategy, caps, model)
-    if plan.overlap != caps.overlap:  # priced with other features than the runtime would switch on
+    lacking = [name for name, on in dataclasses.asdict(plan.overlap).items() if on and not getattr(caps.overlap, name)]
+    if lacking:  # the plan switches features off one by one; it cannot switch on one the runtime lacks
         raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),
-                          f"runtime {caps.name} runs {dataclasses.asdict(caps.overlap)}: a block priced with other "
-                          "overlap features (an ablation's capabilities) cannot run; re-run `mist-ds tune`")
+                          f"runtime {caps.name} does not run {', '.join(lacking)} (it runs "
+                          f"{dataclasses.asdict(caps.overlap)}): a block priced with a feature it lacks cannot run; "
+                          "re-run `mist-ds tune`")
     if par.num_gpus != world_size:
         raise ConfigError("strategy", f"tp {par.tp} x pp {par.pp} x dp {par.dp}",
                           f"the plan needs {par.num_gpus} ranks and this job has {world_size}: launch it on "
