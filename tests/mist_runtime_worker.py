@@ -22,7 +22,8 @@ class CollectiveTimeline(TorchDispatchMode):
     """Every c10d all-reduce, in issue order: its group's ranks, its bytes, and whether autograd was
     running a backward when it was issued (torch's current graph task); plus the count of aten ops
     run inside a backward, so an all-reduce can be placed among them. Every c10d all-gather with its
-    group's ranks, the bytes this rank contributes and the aten ops run before it (`ops_before`)."""
+    group's ranks, the bytes this rank contributes and the aten ops run before it (`ops_before`; the last
+    backward op's index: `last_backward_op`). Each collective names its communicator (`group`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,6 +31,7 @@ class CollectiveTimeline(TorchDispatchMode):
         self.gathers: list[dict] = []
         self.backward_ops = 0
         self.ops = 0
+        self.last_backward_op = -1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -40,22 +42,26 @@ class CollectiveTimeline(TorchDispatchMode):
             from torch._C._distributed_c10d import ProcessGroup
 
             bound = dict(zip((a.name for a in func._schema.arguments), args))
-            ranks = dist.get_process_group_ranks(ProcessGroup.unbox(bound["process_group"]))
+            group = ProcessGroup.unbox(bound["process_group"])
             shard = bound.get("input_tensors", bound.get("input_tensor", bound.get("inputs")))
             shards = shard if isinstance(shard, (list, tuple)) else [shard]
-            self.gathers.append({"ranks": sorted(ranks), "ops_before": self.ops,
+            self.gathers.append({"ranks": sorted(dist.get_process_group_ranks(group)), "ops_before": self.ops,
+                                 "group": group.group_name,
                                  "bytes": sum(t.numel() * t.element_size() for t in shards)})
         if not name.startswith("c10d::"):
+            if in_backward:
+                self.last_backward_op = self.ops
             self.ops += 1
         if name == "c10d::allreduce_":
             import torch.distributed as dist
             from torch._C._distributed_c10d import ProcessGroup
 
             bound = dict(zip((a.name for a in func._schema.arguments), args))
-            ranks = dist.get_process_group_ranks(ProcessGroup.unbox(bound["process_group"]))
+            group = ProcessGroup.unbox(bound["process_group"])
             nbytes = sum(t.numel() * t.element_size() for t in bound["tensors"])
-            self.events.append({"ranks": sorted(ranks), "bytes": nbytes, "in_backward": in_backward,
-                                "backward_ops_before": self.backward_ops})
+            self.events.append({"ranks": sorted(dist.get_process_group_ranks(group)), "bytes": nbytes,
+                                "in_backward": in_backward, "backward_ops_before": self.backward_ops,
+                                "ops_before": self.ops, "group": group.group_name})
         elif in_backward and not name.startswith("c10d::"):
             self.backward_ops += 1
         return out
@@ -134,7 +140,7 @@ def run_case(case: dict) -> dict:
               "data_ranks": sorted(torch.distributed.get_process_group_ranks(
                   planned.grid.get_data_parallel_group())),
               "all_reduces": timeline.events, "backward_ops": timeline.backward_ops, "census": census,
-              "all_gathers": timeline.gathers, "ops_of_step": timeline.ops,
+              "all_gathers": timeline.gathers, "last_backward_op": timeline.last_backward_op,
               "next_step_gathers": next_step.gathers, "first_use_ops": first_use.ops_at_first_use,
               "weights_at_first_use": first_use.digests,
               "overlap": overlap_ran(planned),

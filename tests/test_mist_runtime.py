@@ -100,10 +100,12 @@ def check_pair(results, precision: str, immediate: bool, layout=PIPELINE) -> Non
 
 def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | None = None) -> None:
     """The post-step all-gather in the next first forward, where BF16_Optimizer steps: the dispatcher sees
-    `mist` issue gather_chunk_count chunks over the data-parallel group (stock: one all-gather) with the
-    same bytes, all before the step returns; every layer's first forward of every step runs with the same
-    weights, bit for bit, as under stock DeepSpeed, which gathered them before its step returned; and the
-    layers' pre-hooks, not a final flush, waited for every chunk. Elsewhere nothing changes."""
+    `mist` issue gather_chunk_count chunks over the data-parallel ranks (stock: one all-gather) with the
+    same bytes, after the step's last backward op and on a communicator no other collective of the step
+    uses (on NCCL the last stage's loss all-reduce would else queue behind them), and nothing re-gathered
+    in the next step before its first layer runs; every layer's first forward of every step runs with the
+    same weights, bit for bit, as under stock DeepSpeed, which gathered them before its step returned; and
+    the layers' pre-hooks, not a final flush, waited for every chunk. Elsewhere nothing changes."""
     from mist_ds.cost.stage import StageCandidates, gather_chunk_count
 
     data = mist["data_ranks"]
@@ -126,9 +128,12 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
         wo=0, go=0, oo=0, ao=0)))
     assert len(gathers(stock)) == 1 and len(gathers(mist)) == chunks > 1
     assert sum(e["bytes"] for e in gathers(mist)) == sum(e["bytes"] for e in gathers(stock))
-    assert all(e["ops_before"] <= mist["ops_of_step"] for e in gathers(mist))
+    assert all(e["ops_before"] > mist["last_backward_op"] >= 0 for e in gathers(mist))
+    chunk_groups = {e["group"] for e in gathers(mist)}
+    assert len(chunk_groups) == 1
+    assert not chunk_groups & {e["group"] for e in mist["all_reduces"] if e["ranks"] == data}
     assert not [e for e in mist["next_step_gathers"] if e["ranks"] == data and
-                e["ops_before"] < mist["first_use_ops"][0]]  # nothing re-gathered before the first layer runs
+                e["ops_before"] < mist["first_use_ops"][0]]
     assert mist["overlap"]["gather_weights_in_first_forward"] and mist["overlap"]["gather_chunks"] == chunks
     assert mist["overlap"]["chunks_waited_by_layers"] == chunks
 
@@ -343,7 +348,9 @@ def test_gather_chunks_tile_every_partition_and_each_layer_waits_for_exactly_the
 def test_the_post_step_gather_moves_into_the_first_forward_where_bf16_optimizer_steps():
     """pp 2 dp 2 ZeRO-0 in bf16 (BF16_Optimizer): with the chunked gather the tail loses the all-gather,
     the first forward's extra gains its exposed part (at least the first chunk), the stable time and the
-    bytes stay. fp32 (no BF16_Optimizer) and dp 1 (nothing gathered) price as without the feature."""
+    bytes stay. Whether the iteration gains depends on the layout (the first stage's embedding may hold
+    the whole of rank 0's partition and wait for all of it): not asserted. fp32 (no BF16_Optimizer) and
+    dp 1 (nothing gathered) price as without the feature."""
     caps = runtime_capabilities("mist")
     without = dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap,
                                                                     gather_weights_in_first_forward=False))
@@ -357,8 +364,9 @@ def test_the_post_step_gather_moves_into_the_first_forward_where_bf16_optimizer_
     assert gathered["stage_stable_s"] == stock["stage_stable_s"]
     assert gathered["tail_s"] < stock["tail_s"]
     assert all(g > s for g, s in zip(gathered["stage_delta_s"], stock["stage_delta_s"]))
-    assert gathered["iteration_time_s"] < stock["iteration_time_s"]
     assert gathered["comm_bytes_per_rank"] == stock["comm_bytes_per_rank"]
+    # the receive buffers (the stage's bf16 weights) live from the step into the first forward
+    assert all(g >= s for g, s in zip(gathered["peak_memory_bytes"], stock["peak_memory_bytes"]))
     for other in (plan("mist", "fp32")[0], compose([*PLAN, *PIPELINE, "train.precision=bf16", "strategy.runtime=mist",
                                                     "cluster.gpus_per_node=2"])):
         assert predict(other).to_dict() == predict(other, caps=without).to_dict()

@@ -402,7 +402,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         layerwise = grad_reduce_overlapped(caps, overlap, c.pp, c.zero)
         gathered = weight_gather_overlapped(caps, overlap, c.pp, c.zero, c.d, train.precision == "bf16") & (
             moves.step_gather > 0)
-        first_extra = np.where(gathered, _gather_in_first_forward_s(hw, c, fwd_compute, data_parallel,
+        first_extra = np.where(gathered, _gather_in_first_forward_s(costs, hw, c, emb, block, data_parallel,
                                                                      moves.step_gather_bytes), 0.0)
         last_extra = np.where(layerwise, hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + moves.reduce_hidden,
                                                               0, 0) + moves.reduce_exposed
@@ -559,7 +559,8 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabil
     blocks from the last, then the embedding, so every layer's all-reduce but the stage's first layer's
     runs beside compute; that one follows it. In a pipeline the tied weights are left out (their
     gradients are summed over the tied group first, then all-reduced at the end, as stock DeepSpeed
-    orders the two), and so is the post-step gather of the updated weights, which stays at the end."""
+    orders the two), and so is the post-step gather of the updated weights (at the end, or in the next
+    first forward: _gather_in_first_forward_s)."""
     b_w, ev, model = hw.dtype_bytes, c.shapes, costs.model
     block_elements = ev(costs.block, "params")
     pieces = np.where(c.zero >= 1, np.ceil(block_elements / np.maximum(
@@ -588,20 +589,34 @@ def gather_chunk_count(c: StageCandidates) -> np.ndarray:
     return np.maximum(1.0, np.ceil((c.layers + c.first + c.last) / np.maximum(c.d, 1.0)))
 
 
-def _gather_in_first_forward_s(hw: HardwareModel, c: StageCandidates, fwd_compute, data_parallel,
-                               message_bytes) -> np.ndarray:
+def _gather_in_first_forward_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, emb: LayerTimes,
+                               block: LayerTimes, data_parallel, message_bytes) -> np.ndarray:
     """Seconds the chunked post-step all-gather adds before and within the next first forward
-    (mist_ds/runtime/gather.py): K = gather_chunk_count chunks issued back to back at the step, each of
-    1 / K of every rank's partition, so chunk k completes the k-th layer of every partition. The first
-    layer waits for chunk 0; rank 0's partition holds the first 1 / d of the stage's weights, whose
-    layers run the first 1 / d of the forward while the later chunks arrive, and the last chunk is
-    needed by the last of them: exposed = max(T / K, overlap(F (K - 1) / (K d), T) - F (K - 1) / (K d)),
-    T the K all-gathers, F the forward's compute (linear in k, so the worst chunk is the first or the
-    last). The layers of the other partitions run later and wait for chunks already there."""
+    (mist_ds/runtime/gather.py), from where the stage's layers lie in its flat weights (embedding on the
+    first stage, l blocks, head on the last; W elements, partitions of P = W / d, K = gather_chunk_count
+    chunks of C = P / K each, issued back to back at the step, chunk k done at (k + 1) T / K, T the K
+    all-gathers). A layer runs once the chunks holding it are done. The first layer waits for chunks
+    0 .. ceil(z0 / C) - 1 (z0: where it ends); the last chunk, [(K - 1) C, P) of every partition, is first
+    needed by the layer holding offset (K - 1) C of rank 0's partition, after the forward compute S* of the
+    layers before it (0 when a large embedding holds it: then the whole gather waits). Between them the
+    needed chunk and the compute grow together, so the worst wait is at one of the two:
+    exposed = max((need_0 + 1) T / K, T - S*), plus the interference of the window where both run."""
+    ev, first = c.shapes, c.first > 0
     chunks = gather_chunk_count(c)
     total = chunks * data_parallel.all_gather_time_s(message_bytes / chunks)
-    window = fwd_compute * (chunks - 1) / (chunks * np.maximum(c.d, 1.0))
-    return np.maximum(total / chunks, hw.overlapped_time_s(window, total, 0, 0) - window)
+    embedding = np.where(first, ev(costs.embedding, "params"), 0.0)
+    per_block = ev(costs.block, "params")
+    weights = embedding + c.layers * per_block + c.last * ev(costs.head, "params")
+    chunk = weights / np.maximum(c.d, 1.0) / chunks
+    first_end = np.where(first, embedding, per_block)
+    first_wait = np.minimum(np.ceil(first_end / chunk), chunks) * total / chunks
+    last_chunk_start = (chunks - 1) * chunk
+    before = np.floor((last_chunk_start - embedding) / per_block)  # blocks wholly before that offset
+    compute_before = np.where(first & (last_chunk_start < embedding), 0.0,
+                              c.first * emb.fwd_compute_s + np.clip(before, 0, c.layers) * block.fwd_compute_s)
+    exposed = np.maximum(first_wait, total - compute_before)
+    window = np.clip(np.minimum(compute_before, total - first_wait), 0.0, None)
+    return exposed + hw.overlapped_time_s(window, window, 0, 0) - window
 
 
 def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
@@ -665,6 +680,13 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     # The step's own bytes (Megatron's fp32 copy of half gradients) raise the peak only by what they
     # exceed the activations, transients and buffers they never coexist with.
     buffers = buffers + np.maximum(states.step_only - (activations + transient + buffers), 0.0)
+    # Runtime `mist`'s chunked post-step gather (mist_ds/runtime/gather.py): its receive buffers, the stage's
+    # weights in all, live from the step into the next first forward, beside the model states' own buffers
+    # and the pipe buffers, before any activation is saved.
+    gather_buffers = np.where(weight_gather_overlapped(caps, caps.overlap, c.pp, c.zero, c.d, train.precision == "bf16"),
+                              hw.dtype_bytes * params, 0.0)
+    buffers = buffers + np.maximum(states.buffers + p2p_buffers + gather_buffers - (activations + transient + buffers),
+                                   0.0)
     peak = states.weights + states.grads + states.optimizer + activations + transient + buffers
     return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, transient=transient, buffers=buffers,

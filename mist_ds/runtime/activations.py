@@ -2,8 +2,8 @@
 
 A stage with activation offload ao runs its first round(ao x l) blocks (half up) under
 torch.autograd.graph.saved_tensors_hooks: every tensor autograd saves in such a block's forward goes to
-host memory, pinned through DeepSpeed's accelerator (CPU-only torch refuses `pin_memory=True`; on the
-CPU accelerator pinning is a no-op), and comes back in backward. The first blocks are the ones whose
+host memory, allocated pinned where DeepSpeed's accelerator is not the CPU (CPU-only torch refuses
+`pin_memory=True`; on the CPU accelerator nothing is pinned), and comes back in backward. The first blocks are the ones whose
 backward comes last, so their copies have the most compute to hide behind. Left on the device:
 parameters (and views of them, as a linear layer saves its weight transposed) and the block's input
 when it is a leaf: the activation DeepSpeed's pipeline rebuilds from TP parts into its buffers (t > 1,
@@ -111,8 +111,10 @@ class ActivationOffload:
         if key not in saved.copies:
             from deepspeed.accelerator import get_accelerator
 
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu")
-            host = get_accelerator().pin_memory(host)
+            # Allocated pinned where the accelerator has pinned memory (pinning an allocated tensor would copy
+            # it: two host buffers per storage); CPU-only torch refuses pin_memory=True.
+            pinned = get_accelerator().device_name() != "cpu"
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pinned)
             host.untyped_storage().copy_(storage, non_blocking=True)
             saved.copies[key] = _HostCopy(host, tensor.device)
             saved.originals.append(storage)

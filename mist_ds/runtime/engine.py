@@ -342,9 +342,12 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         else:
             reducer = reduce_in_last_backward(engine, by_layer)
     gather = None
-    if weight_gather_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp, zero, par.dp,
-                                dtype == torch.bfloat16):
-        gather = gather_in_first_forward(engine, layers)
+    gathered = [bool(weight_gather_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp,
+                                              s.zero_stage, par.dp, dtype == torch.bfloat16)) for s in strategy.stages]
+    if any(gathered):
+        group = own_communicator(topology.get_axis_comm_lists("data"), dist.get_rank())  # collective: every rank
+        if gathered[coord.pipe]:
+            gather = gather_in_first_forward(engine, layers, group)
     offload = attach_activation_offload(layers, strategy.stages[coord.pipe].activations_offload)
     ties = module.planned_ties if par.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
@@ -353,9 +356,22 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
                          loss_fn=loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather)
 
 
-def gather_in_first_forward(engine, layers: list[PlannedLayer]):
-    """The stage's post-step all-gather chunked into the next first forward (mist_ds/runtime/gather.py);
-    priced only where DeepSpeed steps with BF16_Optimizer, which is checked here, not assumed."""
+def own_communicator(rank_lists: list[list[int]], rank: int):
+    """A process group over this rank's list in `rank_lists`, new (a communicator of its own on NCCL).
+    Collective: every rank creates every group, in the same order."""
+    from deepspeed import comm as dist
+
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def gather_in_first_forward(engine, layers: list[PlannedLayer], group):
+    """The stage's post-step all-gather chunked into the next first forward (mist_ds/runtime/gather.py), on
+    `group`; priced only where DeepSpeed steps with BF16_Optimizer, which is checked here, not assumed."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     from mist_ds.runtime.gather import ChunkedWeightGather
@@ -363,7 +379,7 @@ def gather_in_first_forward(engine, layers: list[PlannedLayer]):
     if not isinstance(engine.optimizer, BF16_Optimizer):
         raise RuntimeError(f"the plan was priced with BF16_Optimizer's post-step gather in the first forward, but "
                            f"DeepSpeed built {type(engine.optimizer).__name__}")
-    gather = ChunkedWeightGather(engine.optimizer, list(layers))
+    gather = ChunkedWeightGather(engine.optimizer, group, list(layers))
     gather.install()
     return gather
 

@@ -8,10 +8,18 @@ at the end of `step`). Every rank's partition is one contiguous range of that fl
 of the stage's parameters, which is the order its layers run in forward. `ChunkedWeightGather` replaces
 the optimizer's `update_lp_params` on that one instance: the same copy of the rank's partition, then
 `gather_chunks` offset chunks, each an asynchronous all-gather of the same offset range of every rank's
-partition into its place in the flat buffer (the same bytes, no extra buffer, DeepSpeed's checkpoint
-format untouched). A forward pre-hook on each layer waits, in issue order, for the chunks that hold the
-layer's weights before it runs; at dp = d the chunk count is ceil(layers / d), so chunk k completes
-roughly the k-th layer of every rank's partition and the first layers wait only for the first chunks.
+partition into its place in the flat buffer (the same bytes; DeepSpeed's checkpoint format untouched). The
+ranks' pieces of a chunk are not contiguous in the flat buffer, so torch's process groups (gloo and NCCL
+alike) gather each chunk into a flat receive buffer of d pieces and copy it out: these buffers, the
+stage's weights in all, live from the step until the chunk is waited for (the cost model prices them,
+mist_ds/cost/stage.py stage_memory). A forward pre-hook on each layer waits, in issue order, for the chunks
+that hold the layer's weights before it runs; at dp = d the chunk count is ceil(layers / d), so chunk k
+completes roughly the k-th layer of every rank's partition.
+
+The chunks run on a communicator of their own over the same ranks (`group`, made by the caller): on
+NCCL, collectives of one communicator run in issue order, so the loss all-reduce DeepSpeed's last stage
+issues over the data-parallel group right after the step (pipe/engine.py _aggregate_total_loss) would
+otherwise queue behind every chunk, and `train_batch` would wait for the whole gather.
 
 The gathers stay in flight across `train_batch` calls: `flush` waits for all of them, and
 mist_ds/runtime/engine.py calls it before a checkpoint is saved or loaded, before the weights are read
@@ -46,7 +54,7 @@ def chunks_needed(spans: list[tuple[int, int]], chunks: list[tuple[int, int]], p
         for rank in range(start // partition_elements, (stop - 1) // partition_elements + 1):
             base = rank * partition_elements
             low, high = max(start - base, 0), min(stop - base, partition_elements)
-            last = max(last, max(k for k, (lo, hi) in enumerate(chunks) if lo < high and hi > low))
+            last = max(last, max((k for k, (lo, hi) in enumerate(chunks) if lo < high and hi > low), default=-1))
     return last
 
 
@@ -56,6 +64,8 @@ class ChunkedWeightGather:
 
     optimizer: Any
     """DeepSpeed's BF16_Optimizer of the stage."""
+    group: Any
+    """The chunks' process group: the optimizer's data-parallel ranks, on a communicator of its own."""
     layers: list[Any]
     """The stage's layers (nn.Modules) in forward order."""
     chunks: list[list[tuple[int, int]]] = field(default_factory=list)
@@ -77,6 +87,10 @@ class ChunkedWeightGather:
     def install(self) -> None:
         """Plan the chunks, replace the optimizer's update_lp_params, hook each layer's forward."""
         optimizer = self.optimizer
+        ranks = sorted(dist.get_all_ranks_from_group(self.group))
+        for dp_group in optimizer.real_dp_process_group:
+            if sorted(dist.get_all_ranks_from_group(dp_group)) != ranks:
+                raise RuntimeError(f"the gather's group {ranks} is not the optimizer's data-parallel group")
         by_param = {}
         for group, (params, flat) in enumerate(zip(optimizer.bf16_groups, optimizer.bf16_groups_flat)):
             partition = optimizer.bf16_partitioned_groups[group][0].numel()
@@ -110,12 +124,11 @@ class ChunkedWeightGather:
                                                      optimizer.fp32_groups_flat_partition,
                                                      optimizer.real_dp_process_group):
             partitions[dist.get_rank(group=group)].data.copy_(fp32_partition.data)
-        for partitions, chunks, group in zip(optimizer.bf16_partitioned_groups, self.chunks,
-                                             optimizer.real_dp_process_group):
-            own = dist.get_rank(group=group)
+        own = dist.get_rank(group=self.group)
+        for partitions, chunks in zip(optimizer.bf16_partitioned_groups, self.chunks):
             for start, stop in chunks:
                 pieces = [p.narrow(0, start, stop - start) for p in partitions]
-                self.pending.append(dist.all_gather(pieces, pieces[own], group=group, async_op=True))
+                self.pending.append(dist.all_gather(pieces, pieces[own], group=self.group, async_op=True))
         self.waited, self.issued_last, self.waited_by_layers = 0, len(self.pending), 0
 
     def _before(self, index: int):
@@ -138,7 +151,9 @@ class ChunkedWeightGather:
         self._wait_until(self.issued_last)
 
     def remove(self) -> None:
+        """Flush, unhook the layers and release the chunks' communicator."""
         self.flush()
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+        torch.distributed.destroy_process_group(self.group)

@@ -17,6 +17,7 @@ import torch
 
 from mist_ds.runtime.data import DataSpec, micro_batches
 from mist_ds.runtime.engine import join_process_group
+from mist_ds.runtime.training import synchronize_compute
 from mist_ds.specs import ModelSpec, Specs
 
 
@@ -29,11 +30,6 @@ def _batches(planned, data: DataSpec, step: int):
 
 def _step(planned, data: DataSpec, step: int, **kwargs):
     return planned.train_batch(_batches(planned, data, step), **kwargs)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":  # the step's kernels run asynchronously: wait before reading the clock
-        torch.cuda.synchronize(device)
 
 
 def _cpu_peak_bytes(run) -> int:
@@ -65,10 +61,10 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
         times = []
         for step in range(warmup, warmup + steps):
             batches = _batches(planned, data, step)
-            _synchronize(device)
+            synchronize_compute(device)
             start = time.perf_counter()
             planned.train_batch(batches)
-            _synchronize(device)
+            synchronize_compute(device)
             times.append(time.perf_counter() - start)
         step = warmup + steps
         if device.type == "cuda":

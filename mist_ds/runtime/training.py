@@ -31,11 +31,14 @@ class StepRecord:
     training step's."""
 
 
-def _synchronize(device: torch.device) -> None:
-    # The step's kernels are queued asynchronously on a GPU: wait for them, or the step time is only
-    # the host's. Nothing to wait for on the CPU.
+def synchronize_compute(device: torch.device) -> None:
+    """Wait for the step's kernels on the compute stream (queued asynchronously on a GPU: else a step's
+    time is only the host's). Only that stream: a collective left in flight on purpose (runtime `mist`'s
+    post-step gather, mist_ds/runtime/gather.py) runs on into the next step's forward, as it does in a run
+    nobody times, and everything a step waited for is behind its compute stream already. Nothing to wait
+    for on the CPU."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 0,
@@ -52,10 +55,10 @@ def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 
     counted_step = min(start_step + 1, steps - 1)
     for step in range(start_step, steps):
         batches = micro_batches(data, step, planned.dp_rank, par.micro_batch_size, par.grad_accum, token_file)
-        _synchronize(device)
+        synchronize_compute(device)
         start = time.perf_counter()
         loss = planned.train_batch(batches, count_model_states=step == counted_step)
-        _synchronize(device)
+        synchronize_compute(device)
         elapsed = time.perf_counter() - start
         record = StepRecord(step=step + 1, loss=loss, time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
                             counted=planned.recorder is not None and step == counted_step)
