@@ -106,6 +106,7 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
     in the next step before its first layer runs; every layer's first forward of every step runs with the
     same weights, bit for bit, as under stock DeepSpeed, which gathered them before its step returned; and
     the layers' pre-hooks, not a final flush, waited for every chunk. Elsewhere nothing changes."""
+    from mist_ds.cost.predict import model_costs
     from mist_ds.cost.stage import StageCandidates, gather_chunk_count
 
     data = mist["data_ranks"]
@@ -123,10 +124,10 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
         assert [e["bytes"] for e in gathers(mist)] == [e["bytes"] for e in gathers(stock)]
         return
     layers = specs.strategy.layers_per_stage[stage]
-    chunks = int(gather_chunk_count(StageCandidates.of(
+    chunks = int(gather_chunk_count(model_costs(specs), StageCandidates.of(
         b=1, s=1, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum, stage=stage, layers=layers, ckpt=0, zero=0,
         wo=0, go=0, oo=0, ao=0)))
-    assert len(gathers(stock)) == 1 and len(gathers(mist)) == chunks > 1
+    assert len(gathers(stock)) == 1 and len(gathers(mist)) == chunks
     assert sum(e["bytes"] for e in gathers(mist)) == sum(e["bytes"] for e in gathers(stock))
     assert all(e["ops_before"] > mist["last_backward_op"] >= 0 for e in gathers(mist))
     chunk_groups = {e["group"] for e in gathers(mist)}
@@ -194,6 +195,8 @@ def check_offload(results, precision: str, immediate: bool, ao: float) -> None:
 def test_mist_trains_bitwise_like_stock_deepspeed_and_reduces_during_the_last_backward(tmp_path):
     results = run_pairs([("bf16", False)], ao=0.5, resume_dir=tmp_path / "checkpoints")
     check_pair(results, "bf16", False)
+    # the first stage's embedding holds all of its rank's partition (one chunk); the last stage chunks
+    assert [r["overlap"]["gather_chunks"] for r in results[("mist", "bf16", False, PIPELINE)]] == [1, 1, 2, 2]
     check_offload(results, "bf16", False, 0.5)
     check_resume(results["resume"], results[("mist", "bf16", False, PIPELINE)])
 
@@ -333,16 +336,21 @@ def test_gather_chunks_tile_every_partition_and_each_layer_waits_for_exactly_the
         dp, alignment = int(rng.integers(1, 9)), int(rng.choice([1, 2, 4]))
         sizes = rng.integers(1, 500, size=int(rng.integers(1, 12)))
         partition = -(-int(sizes.sum()) // (dp * alignment)) * alignment  # DeepSpeed pads to dp x alignment
-        chunks = gather_chunks(partition, len(sizes), dp, alignment)
+        chunks = gather_chunks(partition, len(sizes), dp, alignment, int(sizes[0]))
         assert chunks[0][0] == 0 and chunks[-1][1] == partition
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])) and all(lo < hi for lo, hi in chunks)
         assert all(lo % alignment == 0 for lo, _ in chunks)
-        assert len(chunks) == min(-(-len(sizes) // dp), partition // alignment)
+        assert len(chunks) <= min(-(-len(sizes) // dp), partition // alignment)
+        assert chunks[0][1] >= min(int(sizes[0]), partition)  # the first layer waits for one chunk
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         for start, stop in zip(bounds[:-1], bounds[1:]):
             holding = {k for r in range(dp) for k, (lo, hi) in enumerate(chunks)
                        if max(start, r * partition + lo) < min(stop, r * partition + hi)}
             assert chunks_needed([(int(start), int(stop))], chunks, partition) == max(holding)
+    # large partitions: exactly K chunks, the first ending where the first layer does, the others equal
+    chunks = gather_chunks(10_000, 9, 2, 2, 3_001)
+    assert len(chunks) == 5 and chunks[0] == (0, 3_002)
+    assert {hi - lo for lo, hi in chunks[1:]} <= {1_748, 1_750}
 
 
 def test_the_post_step_gather_moves_into_the_first_forward_where_bf16_optimizer_steps():

@@ -583,36 +583,60 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabil
     }
 
 
-def gather_chunk_count(c: StageCandidates) -> np.ndarray:
-    """Chunks of the post-step all-gather in the first forward: ceil(layers / d), the stage's layers
-    (blocks, embedding, head) over the data-parallel ranks (mist_ds/runtime/gather.py gather_chunks)."""
-    return np.maximum(1.0, np.ceil((c.layers + c.first + c.last) / np.maximum(c.d, 1.0)))
+@dataclass(frozen=True)
+class _GatherLayout:
+    """Where a stage's layers lie in its flat weights, for the chunked gather (elements)."""
+
+    embedding: np.ndarray
+    block: np.ndarray
+    partition: np.ndarray
+    """P = W / d: one rank's share of the stage's weights."""
+    first_end: np.ndarray
+    """Where the stage's first layer (embedding or first block) ends."""
+
+
+def _gather_layout(costs: ModelCosts, c: StageCandidates) -> _GatherLayout:
+    ev, first = c.shapes, c.first > 0
+    embedding = np.where(first, ev(costs.embedding, "params"), 0.0)
+    block = ev(costs.block, "params")
+    weights = embedding + c.layers * block + c.last * ev(costs.head, "params")
+    return _GatherLayout(embedding, block, weights / np.maximum(c.d, 1.0), np.where(first, embedding, block))
+
+
+def gather_chunk_count(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
+    """Chunks of the post-step all-gather in the first forward (mist_ds/runtime/gather.py gather_chunks):
+    ceil(layers / d), the stage's layers (blocks, embedding, head) over the data-parallel ranks; one where
+    the first layer holds all of rank 0's partition."""
+    layout = _gather_layout(costs, c)
+    count = np.maximum(1.0, np.ceil((c.layers + c.first + c.last) / np.maximum(c.d, 1.0)))
+    return np.where(layout.first_end >= layout.partition, 1.0, count)
 
 
 def _gather_in_first_forward_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, emb: LayerTimes,
                                block: LayerTimes, data_parallel, message_bytes) -> np.ndarray:
     """Seconds the chunked post-step all-gather adds before and within the next first forward
     (mist_ds/runtime/gather.py), from where the stage's layers lie in its flat weights (embedding on the
-    first stage, l blocks, head on the last; W elements, partitions of P = W / d, K = gather_chunk_count
-    chunks of C = P / K each, issued back to back at the step, chunk k done at (k + 1) T / K, T the K
-    all-gathers). A layer runs once the chunks holding it are done. The first layer waits for chunks
-    0 .. ceil(z0 / C) - 1 (z0: where it ends); the last chunk, [(K - 1) C, P) of every partition, is first
-    needed by the layer holding offset (K - 1) C of rank 0's partition, after the forward compute S* of the
-    layers before it (0 when a large embedding holds it: then the whole gather waits). Between them the
-    needed chunk and the compute grow together, so the worst wait is at one of the two:
-    exposed = max((need_0 + 1) T / K, T - S*), plus the interference of the window where both run."""
-    ev, first = c.shapes, c.first > 0
-    chunks = gather_chunk_count(c)
-    total = chunks * data_parallel.all_gather_time_s(message_bytes / chunks)
-    embedding = np.where(first, ev(costs.embedding, "params"), 0.0)
-    per_block = ev(costs.block, "params")
-    weights = embedding + c.layers * per_block + c.last * ev(costs.head, "params")
-    chunk = weights / np.maximum(c.d, 1.0) / chunks
-    first_end = np.where(first, embedding, per_block)
-    first_wait = np.minimum(np.ceil(first_end / chunk), chunks) * total / chunks
-    last_chunk_start = (chunks - 1) * chunk
+    first stage, l blocks, head on the last; W elements, partitions of P = W / d). K = gather_chunk_count
+    chunks run back to back from the step: the first holds the first layer's share of rank 0's partition
+    (it ends at z0; all of the partition when z0 >= P or K = 1), the other K - 1 split the rest equally.
+    A layer runs once the chunks holding it are done: the first layer after the first chunk, and the layer
+    holding the last chunk's start x* in rank 0's partition after the forward compute S* of the layers
+    before it (0 when the embedding holds it). Between them the needed chunk and the compute grow
+    together, so the worst wait is at one of the two: exposed = max(first chunk, T - S*), T the K
+    all-gathers, plus the interference of the window where both run."""
+    layout = _gather_layout(costs, c)
+    chunks = gather_chunk_count(costs, c)
+    embedding, per_block, partition, first_end = layout.embedding, layout.block, layout.partition, layout.first_end
+    single = chunks == 1
+    head_share = np.minimum(first_end / partition, 1.0)
+    rest = np.maximum(chunks - 1, 1.0)
+    first_wait = np.where(single, data_parallel.all_gather_time_s(message_bytes),
+                          data_parallel.all_gather_time_s(message_bytes * head_share))
+    total = np.where(single, first_wait,
+                     first_wait + (chunks - 1) * data_parallel.all_gather_time_s(message_bytes * (1 - head_share) / rest))
+    last_chunk_start = np.where(single, 0.0, first_end + (chunks - 2) / rest * (partition - first_end))
     before = np.floor((last_chunk_start - embedding) / per_block)  # blocks wholly before that offset
-    compute_before = np.where(first & (last_chunk_start < embedding), 0.0,
+    compute_before = np.where((c.first > 0) & (last_chunk_start < embedding), 0.0,
                               c.first * emb.fwd_compute_s + np.clip(before, 0, c.layers) * block.fwd_compute_s)
     exposed = np.maximum(first_wait, total - compute_before)
     window = np.clip(np.minimum(compute_before, total - first_wait), 0.0, None)

@@ -13,8 +13,10 @@ ranks' pieces of a chunk are not contiguous in the flat buffer, so torch's proce
 alike) gather each chunk into a flat receive buffer of d pieces and copy it out: these buffers, the
 stage's weights in all, live from the step until the chunk is waited for (the cost model prices them,
 mist_ds/cost/stage.py stage_memory). A forward pre-hook on each layer waits, in issue order, for the chunks
-that hold the layer's weights before it runs; at dp = d the chunk count is ceil(layers / d), so chunk k
-completes roughly the k-th layer of every rank's partition.
+that hold the layer's weights before it runs. At dp = d there are K = ceil(layers / d) chunks: the first
+holds what the stage's first layer needs (on the first stage a large embedding can be most of rank 0's
+partition: it waits for that one collective, not for several), the rest split the remainder equally, so
+each completes about one layer of every rank's partition.
 
 The chunks run on a communicator of their own over the same ranks (`group`, made by the caller): on
 NCCL, collectives of one communicator run in issue order, so the loss all-reduce DeepSpeed's last stage
@@ -38,11 +40,21 @@ import torch
 from deepspeed import comm as dist
 
 
-def gather_chunks(partition_elements: int, layers: int, dp: int, alignment: int) -> list[tuple[int, int]]:
-    """[start, stop) offsets within every rank's partition of each chunk: ceil(layers / dp) chunks of
-    equal size, starts rounded down to `alignment` elements (DeepSpeed's NCCL start alignment)."""
+def gather_chunks(partition_elements: int, layers: int, dp: int, alignment: int,
+                  first_layer_end: int = 0) -> list[tuple[int, int]]:
+    """[start, stop) offsets within every rank's partition of each chunk, K = ceil(layers / dp) in all:
+    the first covers what the stage's first layer (ending at element `first_layer_end` of the flat
+    buffer, inside rank 0's partition or beyond it) needs of rank 0's partition, so that layer waits for
+    one collective; the rest of the partition goes in K - 1 equal chunks. Starts are rounded down to
+    `alignment` elements (DeepSpeed's NCCL start alignment)."""
     count = max(1, min(math.ceil(layers / dp), partition_elements // max(alignment, 1)))
-    starts = sorted({(k * partition_elements // count) // alignment * alignment for k in range(count)})
+    head = -(-min(first_layer_end, partition_elements) // alignment) * alignment  # rounded up: all of the layer
+    if count == 1 or head >= partition_elements:
+        return [(0, partition_elements)]
+    rest = partition_elements - head
+    starts = [0] if head > 0 else []
+    starts += [head + k * rest // (count - len(starts)) for k in range(count - len(starts))]
+    starts = sorted({start // alignment * alignment for start in starts})
     return list(zip(starts, starts[1:] + [partition_elements]))
 
 
@@ -93,12 +105,14 @@ class ChunkedWeightGather:
                 raise RuntimeError(f"the gather's group {ranks} is not the optimizer's data-parallel group")
         by_param = {}
         for group, (params, flat) in enumerate(zip(optimizer.bf16_groups, optimizer.bf16_groups_flat)):
-            partition = optimizer.bf16_partitioned_groups[group][0].numel()
-            dp = len(optimizer.bf16_partitioned_groups[group])
-            self.chunks.append(gather_chunks(partition, len(self.layers), dp, optimizer.nccl_start_alignment_factor))
             for param in params:
                 offset = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
                 by_param[id(param)] = (group, offset, offset + param.numel())
+        first_spans = [by_param[id(p)] for p in self.layers[0].parameters() if id(p) in by_param]
+        for group, partitions in enumerate(optimizer.bf16_partitioned_groups):
+            first_end = max((stop for g, _, stop in first_spans if g == group), default=0)
+            self.chunks.append(gather_chunks(partitions[0].numel(), len(self.layers), len(partitions),
+                                             optimizer.nccl_start_alignment_factor, first_end))
         first_of_group = [sum(len(c) for c in self.chunks[:g]) for g in range(len(self.chunks))]
         for layer in self.layers:
             need = -1
