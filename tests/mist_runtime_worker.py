@@ -3,7 +3,6 @@ independently of mist_ds/runtime/overlap.py and gather.py, when the data-paralle
 all-gathers are issued, and which weights each layer runs its first forward of a step with."""
 from __future__ import annotations
 
-import gc
 import hashlib
 
 import torch
@@ -146,8 +145,6 @@ def run_case(case: dict) -> dict:
               "overlap": overlap_ran(planned),
               "activations_offloaded": offloaded}
     planned.close()
-    del planned
-    gc.collect()
     return result
 
 
@@ -172,8 +169,6 @@ def run_resume_case(case: dict) -> dict:
     start = planned.load(case["dir"])
     rest = losses(planned, range(start, case["steps"]))
     planned.close()
-    del planned
-    gc.collect()
     return {"case": case["name"], "whole": whole, "resumed_from": start, "rest": rest}
 
 

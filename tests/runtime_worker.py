@@ -3,7 +3,6 @@ its losses and what the engine did (read from the live engine)."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import torch
 
@@ -46,8 +45,6 @@ def run_case(case: dict) -> dict:
               "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                               for p in planned.engine.module.parameters()]}
     planned.close()
-    del planned
-    gc.collect()
     return result
 
 

@@ -45,11 +45,18 @@ ENGINES = {PIPELINE: ("PipelineEngine", "MistPipelineEngine"), FLAT_ZERO0: ("Dee
            FLAT_ZERO1: ("DeepSpeedEngine", "DeepSpeedEngine")}
 
 
+OVERLAP_FEATURES = ("overlap_grad_reduce", "gather_weights_in_first_forward")
+"""Runtime `mist`'s overlap features (activation offload is switched by the stages' ao instead)."""
+ALONE_AO = 0.5
+
+
 def features_without(runtime: str, off: str | None):
-    """The runtime's capabilities with overlap feature `off` switched off (None: as they are): what a plan
-    whose "mist" block switches it off is priced and emitted with."""
+    """The runtime's capabilities with the overlap features in `off` (comma-separated) switched off (None: as
+    they are): what a plan whose "mist" block switches them off is priced and emitted with."""
     caps = runtime_capabilities(runtime)
-    return caps if off is None else dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap, **{off: False}))
+    if off is None:
+        return caps
+    return dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap, **{f: False for f in off.split(",")}))
 
 
 def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0, layout=PIPELINE, off: str | None = None):
@@ -67,16 +74,19 @@ def run_pairs(variants: list[tuple], ao: float = 0.0, resume_dir=None, alone: tu
     offload `ao` on `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, precision,
     immediate, layout), by rank. With `resume_dir`, also a save-and-resume run of the first variant on
     `mist` (key "resume"); for each overlap feature in `alone`, the first variant on `mist` with that
-    feature switched off in its plan (key runtime "mist-without-<feature>")."""
+    feature switched off in its plan (key runtime "mist-without-<feature>"), and for "activations_offload",
+    with every overlap feature off and ao = ALONE_AO (key runtime "mist-offload-alone")."""
     keys, cases = [], []
     variants = [(p, i, *rest) if rest else (p, i, PIPELINE) for p, i, *rest in variants]
     runs = [(r, *v) for v in variants for r in ("deepspeed", "mist")]
     runs += [("mist-offload", *v) for v in variants if ao > 0]
-    runs += [(f"mist-without-{off}", *variants[0]) for off in alone]
+    runs += [("mist-offload-alone" if f == "activations_offload" else f"mist-without-{f}", *variants[0])
+             for f in alone]
     for runtime, precision, immediate, layout in runs:
-        off = runtime.removeprefix("mist-without-") if runtime.startswith("mist-without-") else None
-        specs, config = plan(runtime.split("-")[0], precision, immediate, ao if runtime == "mist-offload" else 0.0,
-                             layout, off)
+        off = {"mist-offload-alone": ",".join(OVERLAP_FEATURES)}.get(runtime, runtime.removeprefix("mist-without-")
+                                                                     if runtime.startswith("mist-without-") else None)
+        offload = {"mist-offload": ao, "mist-offload-alone": ALONE_AO}.get(runtime, 0.0)
+        specs, config = plan(runtime.split("-")[0], precision, immediate, offload, layout, off)
         keys.append((runtime, precision, immediate, layout))
         cases.append({"name": f"{runtime}-{precision}-{immediate}-{'-'.join(layout)}", "config": config,
                       "model": dataclasses.asdict(specs.model), "steps": STEPS})
@@ -171,14 +181,14 @@ def check_census(result: dict, precision: str, layout=PIPELINE) -> None:
         assert 0 <= extra <= CONTROL_BYTES, (key, census["comm_bytes"].get(key, 0), predicted.get(key, 0))
 
 
-def check_offload(results, precision: str, immediate: bool, ao: float) -> None:
+def check_offload(results, precision: str, immediate: bool, ao: float, key: str = "mist-offload") -> None:
     """Activation offload: losses bitwise equal to stock; the pack hook moved exactly the planned bytes
     (the cost model's offloaded activations of a micro-batch, times G) into distinct host storages, and
     every byte came back in backward."""
     from mist_ds.cost.stage import in_flight_micro_batches
 
     stock, offloaded = (results[("deepspeed", precision, immediate, PIPELINE)],
-                        results[("mist-offload", precision, immediate, PIPELINE)])
+                        results[(key, precision, immediate, PIPELINE)])
     specs, _ = plan("mist", precision, immediate, ao)
     par = specs.strategy.parallelism
     host = predict(specs).to_dict()["host_bytes_per_rank"]
@@ -218,12 +228,15 @@ def test_without_a_pipeline_mist_reduces_during_the_last_backward_at_zero0_and_z
 @pytest.mark.slow
 def test_mist_matches_stock_deepspeed_in_fp32_with_immediate_grad_update_and_with_each_feature_alone():
     """The bf16 pipeline (where both the reduction in the last backward and the gather in the first forward
-    apply) with each of the two switched off in its plan: the other alone, still bitwise stock's."""
-    features = ("overlap_grad_reduce", "gather_weights_in_first_forward")
+    apply) with each of the two switched off in its plan, and with both off and activation offload on: each
+    feature alone, still bitwise stock's (all together: the fast test)."""
     results = run_pairs([("bf16", True), ("fp32", False), ("fp32", False, FLAT_ZERO0), ("fp32", False, FLAT_ZERO1)],
-                        alone=features)
+                        alone=(*OVERLAP_FEATURES, "activations_offload"))
     stock = results[("deepspeed", "bf16", True, PIPELINE)]
-    for off in features:
+    check_offload(results, "bf16", True, ALONE_AO, "mist-offload-alone")
+    for ran in results[("mist-offload-alone", "bf16", True, PIPELINE)]:
+        assert not any(ran["overlap"][f] for f in OVERLAP_FEATURES)
+    for off in OVERLAP_FEATURES:
         for ran_stock, ran in zip(stock, results[(f"mist-without-{off}", "bf16", True, PIPELINE)]):
             assert ran["losses"] == ran_stock["losses"], off  # bitwise
             assert not ran["overlap"][off]

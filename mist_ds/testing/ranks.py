@@ -9,6 +9,8 @@ DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1, and no JIT-built ops (`init_cpu_distribut
 """
 from __future__ import annotations
 
+import gc
+
 import importlib
 import json
 import os
@@ -120,7 +122,11 @@ def run_cases_on_cpu_ranks(run_case, cases: list) -> list:
     of a worker that runs several engines one after another."""
     init_cpu_distributed()
     try:
-        return [run_case(case) for case in cases]
+        results = []
+        for case in cases:
+            results.append(run_case(case))
+            gc.collect()  # the case's engine (reference cycles) goes before the next one is built
+        return results
     finally:
         close_cpu_distributed()
 
