@@ -73,15 +73,15 @@ def run_pairs(variants: list[tuple], ao: float = 0.0, resume_dir=None, alone: tu
     """Each (precision, immediate[, layout]) under both runtimes, in one launch, and with activation
     offload `ao` on `mist` when ao > 0 (key runtime "mist-offload"); results by (runtime, precision,
     immediate, layout), by rank. With `resume_dir`, also a save-and-resume run of the first variant on
-    `mist` (key "resume"); for each overlap feature in `alone`, the first variant on `mist` with that
+    `mist` (key "resume"); for each overlap feature in `alone`, every pipeline variant on `mist` with that
     feature switched off in its plan (key runtime "mist-without-<feature>"), and for "activations_offload",
     with every overlap feature off and ao = ALONE_AO (key runtime "mist-offload-alone")."""
     keys, cases = [], []
     variants = [(p, i, *rest) if rest else (p, i, PIPELINE) for p, i, *rest in variants]
     runs = [(r, *v) for v in variants for r in ("deepspeed", "mist")]
     runs += [("mist-offload", *v) for v in variants if ao > 0]
-    runs += [("mist-offload-alone" if f == "activations_offload" else f"mist-without-{f}", *variants[0])
-             for f in alone]
+    runs += [("mist-offload-alone" if f == "activations_offload" else f"mist-without-{f}", *v)
+             for v in variants if v[2] == PIPELINE for f in alone]
     for runtime, precision, immediate, layout in runs:
         off = {"mist-offload-alone": ",".join(OVERLAP_FEATURES)}.get(runtime, runtime.removeprefix("mist-without-")
                                                                      if runtime.startswith("mist-without-") else None)
@@ -181,15 +181,15 @@ def check_census(result: dict, precision: str, layout=PIPELINE) -> None:
         assert 0 <= extra <= CONTROL_BYTES, (key, census["comm_bytes"].get(key, 0), predicted.get(key, 0))
 
 
-def check_offload(results, precision: str, immediate: bool, ao: float, key: str = "mist-offload") -> None:
+def check_offload(results, precision: str, immediate: bool, ao: float, key: str = "mist-offload",
+                  layout=PIPELINE) -> None:
     """Activation offload: losses bitwise equal to stock; the pack hook moved exactly the planned bytes
     (the cost model's offloaded activations of a micro-batch, times G) into distinct host storages, and
     every byte came back in backward."""
     from mist_ds.cost.stage import in_flight_micro_batches
 
-    stock, offloaded = (results[("deepspeed", precision, immediate, PIPELINE)],
-                        results[(key, precision, immediate, PIPELINE)])
-    specs, _ = plan("mist", precision, immediate, ao)
+    stock, offloaded = (results[("deepspeed", precision, immediate, layout)], results[(key, precision, immediate, layout)])
+    specs, _ = plan("mist", precision, immediate, ao, layout)
     par = specs.strategy.parallelism
     host = predict(specs).to_dict()["host_bytes_per_rank"]
     for ran_stock, ran in zip(stock, offloaded):
@@ -227,25 +227,29 @@ def test_without_a_pipeline_mist_reduces_during_the_last_backward_at_zero0_and_z
 
 @pytest.mark.slow
 def test_mist_matches_stock_deepspeed_in_fp32_with_immediate_grad_update_and_with_each_feature_alone():
-    """The bf16 pipeline (where both the reduction in the last backward and the gather in the first forward
-    apply) with each of the two switched off in its plan, and with both off and activation offload on: each
-    feature alone, still bitwise stock's (all together: the fast test)."""
+    """The bf16 and fp32 pipelines (in bf16 both the reduction in the last backward and the gather in the
+    first forward apply, in fp32 the reduction) with each overlap feature switched off in the plan, and with
+    both off and activation offload on, and (fp32) all together: each feature alone, still bitwise stock's
+    (bf16 all together: the fast test)."""
     results = run_pairs([("bf16", True), ("fp32", False), ("fp32", False, FLAT_ZERO0), ("fp32", False, FLAT_ZERO1)],
-                        alone=(*OVERLAP_FEATURES, "activations_offload"))
-    stock = results[("deepspeed", "bf16", True, PIPELINE)]
-    check_offload(results, "bf16", True, ALONE_AO, "mist-offload-alone")
-    for ran in results[("mist-offload-alone", "bf16", True, PIPELINE)]:
-        assert not any(ran["overlap"][f] for f in OVERLAP_FEATURES)
-    for off in OVERLAP_FEATURES:
-        for ran_stock, ran in zip(stock, results[(f"mist-without-{off}", "bf16", True, PIPELINE)]):
-            assert ran["losses"] == ran_stock["losses"], off  # bitwise
-            assert not ran["overlap"][off]
-            check_gather(ran_stock, ran, "bf16", PIPELINE, off)
-            if off == "overlap_grad_reduce":
-                assert not [e for e in ran["all_reduces"] if e["in_backward"]]
-            else:
-                assert ran["overlap"]["overlap_grad_reduce"]
-                check_overlap_observed(ran_stock, ran)
+                        ao=ALONE_AO, alone=(*OVERLAP_FEATURES, "activations_offload"))
+    for layout in (PIPELINE, FLAT_ZERO0, FLAT_ZERO1):  # fp32, all together: the reduction and the offload
+        check_offload(results, "fp32", False, ALONE_AO, layout=layout)
+    for precision, immediate in (("bf16", True), ("fp32", False)):
+        stock = results[("deepspeed", precision, immediate, PIPELINE)]
+        check_offload(results, precision, immediate, ALONE_AO, "mist-offload-alone")
+        for ran in results[("mist-offload-alone", precision, immediate, PIPELINE)]:
+            assert not any(ran["overlap"][f] for f in OVERLAP_FEATURES)
+        for off in OVERLAP_FEATURES:
+            for ran_stock, ran in zip(stock, results[(f"mist-without-{off}", precision, immediate, PIPELINE)]):
+                assert ran["losses"] == ran_stock["losses"], off  # bitwise
+                assert not ran["overlap"][off]
+                check_gather(ran_stock, ran, precision, PIPELINE, off)
+                if off == "overlap_grad_reduce":
+                    assert not [e for e in ran["all_reduces"] if e["in_backward"]]
+                else:
+                    assert ran["overlap"]["overlap_grad_reduce"]
+                    check_overlap_observed(ran_stock, ran)
     check_pair(results, "fp32", False)
     check_pair(results, "bf16", True)
     check_pair(results, "fp32", False, FLAT_ZERO0)
