@@ -21,6 +21,7 @@ ds_config.json, logs/rank<N>.log; with --autotune-mist also plan/ (the plan file
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -179,6 +180,10 @@ def train_job(cfg: DictConfig) -> int:
     finally:
         if planned is not None:
             planned.close()
+            # Free the engine (and the process groups it holds) now, while every rank's groups still exist:
+            # left to the interpreter's exit, a group's gloo threads may be torn down in any order.
+            planned = None
+            gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
