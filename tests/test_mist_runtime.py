@@ -59,7 +59,8 @@ def features_without(runtime: str, off: str | None):
     return dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap, **{f: False for f in off.split(",")}))
 
 
-def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0, layout=PIPELINE, off: str | None = None):
+def plan(runtime: str, precision: str, immediate: bool = False, ao: float = 0.0, layout=PIPELINE,
+         off: str | None = None):
     specs = compose([*PLAN, *layout, f"train.precision={precision}", f"strategy.runtime={runtime}",
                      f"strategy.offload.activations={ao}"])
     config = ds_config(specs.strategy, specs.train, specs.model, caps=features_without(runtime, off))
@@ -128,7 +129,7 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
     specs, _ = plan("mist", precision, layout=layout)
     caps, par = features_without("mist", off), specs.strategy.parallelism
     stage = mist["stage"]
-    if not weight_gather_overlapped(caps, caps.overlap, par.pp, 0, par.dp, precision == "bf16") or \
+    if not weight_gather_overlapped(caps.overlap, par.pp, 0, par.dp, precision == "bf16") or \
             specs.strategy.stages[stage].zero_stage != 0:
         assert not mist["overlap"]["gather_weights_in_first_forward"]
         assert [e["bytes"] for e in gathers(mist)] == [e["bytes"] for e in gathers(stock)]
@@ -188,7 +189,8 @@ def check_offload(results, precision: str, immediate: bool, ao: float, key: str 
     every byte came back in backward."""
     from mist_ds.cost.stage import in_flight_micro_batches
 
-    stock, offloaded = (results[("deepspeed", precision, immediate, layout)], results[(key, precision, immediate, layout)])
+    stock = results[("deepspeed", precision, immediate, layout)]
+    offloaded = results[(key, precision, immediate, layout)]
     specs, _ = plan("mist", precision, immediate, ao, layout)
     par = specs.strategy.parallelism
     host = predict(specs).to_dict()["host_bytes_per_rank"]
@@ -379,11 +381,11 @@ def test_the_post_step_gather_moves_into_the_first_forward_where_bf16_optimizer_
     caps = runtime_capabilities("mist")
     without = dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap,
                                                                     gather_weights_in_first_forward=False))
-    assert weight_gather_overlapped(caps, caps.overlap, 2, 0, 2, True)
-    assert not weight_gather_overlapped(caps, caps.overlap, 2, 0, 1, True)
-    assert not weight_gather_overlapped(caps, caps.overlap, 2, 0, 2, False)
-    assert not weight_gather_overlapped(caps, caps.overlap, 1, 0, 2, True)
-    assert not weight_gather_overlapped(caps, caps.overlap, 2, 1, 2, True)
+    assert weight_gather_overlapped(caps.overlap, 2, 0, 2, True)
+    assert not weight_gather_overlapped(caps.overlap, 2, 0, 1, True)
+    assert not weight_gather_overlapped(caps.overlap, 2, 0, 2, False)
+    assert not weight_gather_overlapped(caps.overlap, 1, 0, 2, True)
+    assert not weight_gather_overlapped(caps.overlap, 2, 1, 2, True)
     specs, _ = plan("mist", "bf16")
     gathered, stock = predict(specs).to_dict(), predict(specs, caps=without).to_dict()
     assert gathered["stage_stable_s"] == stock["stage_stable_s"]

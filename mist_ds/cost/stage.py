@@ -400,7 +400,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         end = np.zeros_like(stable)
     elif overlap.overlap_grad_reduce or overlap.gather_weights_in_first_forward:
         layerwise = grad_reduce_overlapped(caps, overlap, c.pp, c.zero)
-        gathered = weight_gather_overlapped(caps, overlap, c.pp, c.zero, c.d, train.precision == "bf16") & (
+        gathered = weight_gather_overlapped(overlap, c.pp, c.zero, c.d, train.precision == "bf16") & (
             moves.step_gather > 0)
         first_extra = np.where(gathered, _gather_in_first_forward_s(costs, hw, c, emb, block, data_parallel,
                                                                      moves.step_gather_bytes), 0.0)
@@ -575,7 +575,8 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabil
     embedding_last = (c.first > 0) & (embedding > 0)  # the stage's first layer to finish last has parameters
     block_reduce = pieces * ran(data_parallel.all_reduce_time_s, block / pieces)
     return {
-        "reduce_hidden": (c.layers - 1 + embedding_last) * block_reduce + c.last * ran(data_parallel.all_reduce_time_s, head),
+        "reduce_hidden": (c.layers - 1 + embedding_last) * block_reduce
+        + c.last * ran(data_parallel.all_reduce_time_s, head),
         "reduce_exposed": np.where(embedding_last, ran(data_parallel.all_reduce_time_s, embedding), block_reduce),
         "reduce_rest": (ran(data_parallel.all_reduce_time_s,
                             np.where(tied & ((c.first + c.last) > 0), vocab_bytes, 0.0))
@@ -607,7 +608,10 @@ def gather_chunk_count(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
     """Chunks of the post-step all-gather in the first forward (mist_ds/runtime/gather.py gather_chunks):
     ceil(layers / d), the stage's layers (blocks, embedding, head) over the data-parallel ranks; one where
     the first layer holds all of rank 0's partition."""
-    layout = _gather_layout(costs, c)
+    return _chunk_count(c, _gather_layout(costs, c))
+
+
+def _chunk_count(c: StageCandidates, layout: _GatherLayout) -> np.ndarray:
     count = np.maximum(1.0, np.ceil((c.layers + c.first + c.last) / np.maximum(c.d, 1.0)))
     return np.where(layout.first_end >= layout.partition, 1.0, count)
 
@@ -625,15 +629,15 @@ def _gather_in_first_forward_s(costs: ModelCosts, hw: HardwareModel, c: StageCan
     together, so the worst wait is at one of the two: exposed = max(first chunk, T - S*), T the K
     all-gathers, plus the interference of the window where both run."""
     layout = _gather_layout(costs, c)
-    chunks = gather_chunk_count(costs, c)
+    chunks = _chunk_count(c, layout)
     embedding, per_block, partition, first_end = layout.embedding, layout.block, layout.partition, layout.first_end
     single = chunks == 1
     head_share = np.minimum(first_end / partition, 1.0)
     rest = np.maximum(chunks - 1, 1.0)
     first_wait = np.where(single, data_parallel.all_gather_time_s(message_bytes),
                           data_parallel.all_gather_time_s(message_bytes * head_share))
-    total = np.where(single, first_wait,
-                     first_wait + (chunks - 1) * data_parallel.all_gather_time_s(message_bytes * (1 - head_share) / rest))
+    each_other = data_parallel.all_gather_time_s(message_bytes * (1 - head_share) / rest)
+    total = np.where(single, first_wait, first_wait + (chunks - 1) * each_other)
     last_chunk_start = np.where(single, 0.0, first_end + (chunks - 2) / rest * (partition - first_end))
     before = np.floor((last_chunk_start - embedding) / per_block)  # blocks wholly before that offset
     compute_before = np.where((c.first > 0) & (last_chunk_start < embedding), 0.0,
@@ -707,8 +711,8 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     # Runtime `mist`'s chunked post-step gather (mist_ds/runtime/gather.py): its receive buffers, the stage's
     # weights in all, live from the step into the next first forward, beside the model states' own buffers
     # and the pipe buffers, before any activation is saved.
-    gather_buffers = np.where(weight_gather_overlapped(caps, caps.overlap, c.pp, c.zero, c.d, train.precision == "bf16"),
-                              hw.dtype_bytes * params, 0.0)
+    gathered = weight_gather_overlapped(caps.overlap, c.pp, c.zero, c.d, train.precision == "bf16")
+    gather_buffers = np.where(gathered, hw.dtype_bytes * params, 0.0)
     buffers = buffers + np.maximum(states.buffers + p2p_buffers + gather_buffers - (activations + transient + buffers),
                                    0.0)
     peak = states.weights + states.grads + states.optimizer + activations + transient + buffers

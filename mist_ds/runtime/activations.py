@@ -3,8 +3,8 @@
 A stage with activation offload ao runs its first round(ao x l) blocks (half up) under
 torch.autograd.graph.saved_tensors_hooks: every tensor autograd saves in such a block's forward goes to
 host memory, allocated pinned where DeepSpeed's accelerator is not the CPU (CPU-only torch refuses
-`pin_memory=True`; on the CPU accelerator nothing is pinned), and comes back in backward. The first blocks are the ones whose
-backward comes last, so their copies have the most compute to hide behind. Left on the device:
+`pin_memory=True`; on the CPU accelerator nothing is pinned), and comes back in backward. The first
+blocks are the ones whose backward comes last, so their copies have the most compute to hide behind. Left on the device:
 parameters (and views of them, as a linear layer saves its weight transposed) and the block's input
 when it is a leaf: the activation DeepSpeed's pipeline rebuilds from TP parts into its buffers (t > 1,
 pipe/engine.py:715-721), which stays there anyway; with t = 1 the stage's input is a clone of the

@@ -342,8 +342,8 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         else:
             reducer = reduce_in_last_backward(engine, by_layer)
     gather = None
-    gathered = [bool(weight_gather_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp,
-                                              s.zero_stage, par.dp, dtype == torch.bfloat16)) for s in strategy.stages]
+    gathered = [bool(weight_gather_overlapped(plan.overlap, par.pp, s.zero_stage, par.dp, dtype == torch.bfloat16))
+                for s in strategy.stages]
     if any(gathered):
         group = own_communicator(topology.get_axis_comm_lists("data"), dist.get_rank())  # collective: every rank
         if gathered[coord.pipe]:

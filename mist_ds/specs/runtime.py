@@ -151,12 +151,11 @@ def runs_bf16_optimizer(zero, pipeline, bf16: bool) -> np.ndarray:
     return (np.asarray(zero) == 0) & (np.asarray(pipeline) > 0) & bool(bf16)
 
 
-def weight_gather_overlapped(caps: RuntimeCapabilities, overlap: OverlapFeatures, pp, zero, d,
-                             bf16: bool) -> np.ndarray:
+def weight_gather_overlapped(overlap: OverlapFeatures, pp, zero, d, bf16: bool) -> np.ndarray:
     """True where a stage's post-step all-gather of the updated weights runs in chunks during the next
-    first forward (overlap.gather_weights_in_first_forward): built for BF16_Optimizer, whose all-gather
-    DeepSpeed calls through an overridable method (mist_ds/runtime/gather.py), with d > 1 (at d = 1
-    nothing is gathered). Arrays broadcast."""
+    first forward (overlap.gather_weights_in_first_forward, the plan's): built for BF16_Optimizer, whose
+    all-gather DeepSpeed calls through an overridable method (mist_ds/runtime/gather.py), with d > 1 (at
+    d = 1 nothing is gathered); no capability narrows it further. Arrays broadcast."""
     return overlap.gather_weights_in_first_forward & runs_bf16_optimizer(zero, np.asarray(pp) > 1, bf16) & \
         (np.asarray(d) > 1)
 
@@ -173,7 +172,8 @@ def reduce_bucket_elements_of(caps: RuntimeCapabilities, overlap: OverlapFeature
     of parameters (at most the planned bucket) where DeepSpeed's own hooks reduce it during the last
     backward (grad_reduce_overlapped at ZeRO >= 1), so that each block's gradients leave as the block's
     backward ends; the planned bucket elsewhere. Arrays broadcast."""
-    return np.where(reduced_by_deepspeed_hooks(caps, overlap, pp, zero), np.minimum(block_elements, PLANNED_REDUCE_BUCKET_ELEMENTS), PLANNED_REDUCE_BUCKET_ELEMENTS)
+    return np.where(reduced_by_deepspeed_hooks(caps, overlap, pp, zero),
+                    np.minimum(block_elements, PLANNED_REDUCE_BUCKET_ELEMENTS), PLANNED_REDUCE_BUCKET_ELEMENTS)
 
 
 def _runtimes() -> Mapping[str, RuntimeCapabilities]:
@@ -182,9 +182,10 @@ def _runtimes() -> Mapping[str, RuntimeCapabilities]:
     # its numerics equal stock DeepSpeed's (tests/test_mist_runtime.py). Built: the gradient reduction in
     # the last backward, per layer at ZeRO-0 (any S), per block-sized bucket at ZeRO-1 without a
     # pipeline; the post-step all-gather in chunks during the next first forward where BF16_Optimizer
-    # steps (bf16 ZeRO-0 pipelines, d > 1; mist_ds/runtime/gather.py). It runs two communicators at once (the data-parallel reduction beside the pipeline's
-    # sends and the tied sum): checked on gloo only, so tuner.runtime stays `deepspeed` by default until
-    # a GPU (NCCL) run has checked it.
+    # steps (bf16 ZeRO-0 pipelines, d > 1; mist_ds/runtime/gather.py). It runs several communicators at
+    # once (the data-parallel reduction beside the pipeline's sends and the tied sum, the gather's own):
+    # checked on gloo only, so tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has
+    # checked it.
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),

@@ -10,7 +10,6 @@ DS_ACCELERATOR=cpu, OMP_NUM_THREADS=1, and no JIT-built ops (`init_cpu_distribut
 from __future__ import annotations
 
 import gc
-
 import importlib
 import json
 import os
