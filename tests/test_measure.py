@@ -26,5 +26,59 @@ def test_measure_reports_predicted_beside_measured_per_rank(tmp_path):
     assert record["measured_flops"] == record["predicted_flops"]  # the step census, counted in the engine
     assert all(set(m) >= set(p) for m, p in zip(record["measured_comm_bytes"], record["predicted_comm_bytes"]))
     assert all(t > 0 for t in record["measured_iteration_time_s"]) and all(p > 0 for p in record["measured_peak_memory_bytes"])
+    for states, peak in zip(record["measured_model_state_bytes"], record["measured_peak_memory_bytes"]):
+        # a step's peak holds at least the weights, gradients and optimizer states the engine keeps throughout
+        # (it was once read from the profiler's running total alone, which starts at 0: below the weights)
+        assert peak >= states["weights"] + states["grads"] + states["optimizer"] > 0
     assert json.loads((tmp_path / "run" / "measure.json").read_text()) == record
     assert json.loads(table.read_text().splitlines()[-1]) == record and "| tiny | 2 |" in table.with_suffix(".md").read_text()
+
+
+class _Engine:
+    device = "cpu"
+
+
+class _Planned:
+    """What step_peak_bytes reads of a PlannedEngine: its device and `sync_weights`, here recording whether
+    torch's profiler was running each time the runtime's in-flight collectives were waited for."""
+
+    engine = _Engine()
+
+    def __init__(self) -> None:
+        self.syncs_while_profiling: list[bool] = []
+
+    def sync_weights(self) -> None:
+        import torch
+
+        self.syncs_while_profiling.append(torch.autograd._profiler_enabled())
+
+
+def test_the_peak_step_waits_for_its_collectives_before_the_profiler_stops():
+    """Torch's profiler stopped with a collective it saw issued still in flight crashes the rank (runtime
+    `mist`'s post-step gather, mist_ds/runtime/measure.py allocator_rise_bytes): what the step leaves in
+    flight is waited for inside the profiled span, and what an earlier step left, before it starts."""
+    from mist_ds.runtime.measure import step_peak_bytes
+
+    planned = _Planned()
+    step_peak_bytes(planned, lambda: None)
+    assert planned.syncs_while_profiling == [False, True]
+
+
+def test_a_cpu_step_peak_is_the_live_tensors_plus_the_allocator_rise():
+    """The CPU peak starts from the tensors alive before the step (not from 0 as the profiler's running total
+    does) and adds what the step allocates at its highest."""
+    import torch
+
+    from mist_ds.runtime.measure import live_tensor_bytes, step_peak_bytes
+
+    held = torch.zeros(1 << 20, dtype=torch.uint8)  # 1 MiB alive before the step
+    step_bytes = 4 << 20
+
+    def step() -> None:
+        scratch = torch.ones(step_bytes, dtype=torch.uint8)  # 4 MiB at the step's peak, freed by its end
+        del scratch
+
+    before = live_tensor_bytes()
+    assert before >= held.numel()
+    peak = step_peak_bytes(_Planned(), step)
+    assert before + step_bytes <= peak < before + 2 * step_bytes

@@ -201,9 +201,18 @@ class PlannedEngine:
         return int(client_state["step"])
 
     def close(self) -> None:
-        if self.weight_gather is not None:
-            self.weight_gather.remove()
-        self.engine.destroy()
+        """Tear down in a defined order, before the caller destroys the process group: every collective the
+        runtime left in flight is waited for while its buffers and groups exist (the post-step gather, then
+        its own communicator; the reducer's buckets), then DeepSpeed's engine goes. Activation offload issues
+        no collective: its copies are plain copies on a CPU and, on a GPU, queued on the compute stream in
+        order with every kernel that reads them, and its host buffers live as long as the graph holding them."""
+        try:
+            if self.weight_gather is not None:
+                self.weight_gather.remove()
+            if self.grad_reducer is not None:
+                self.grad_reducer.close()
+        finally:
+            self.engine.destroy()
 
 
 def load_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 Per rank: the median iteration time of the timed steps (after warm-up steps; never a counted step), the
 step census (FLOPs and collective payload bytes, one extra step, mist_ds/runtime/counting.py), the
-model-state bytes of the engine census (one more step), and the peak memory of a timed step: the
-allocator's peak on a GPU (max_memory_allocated), on a CPU the CPU allocator's peak as torch's profiler
-records it (its running total after each allocation; never RSS).
+model-state bytes of the engine census (one more step), and the peak memory of a step (`step_peak_bytes`):
+the allocator's peak on a GPU (max_memory_allocated), on a CPU what the tensors alive at the step's start
+hold plus the largest rise of the CPU allocator's running total during the step (never RSS, which holds
+the interpreter, torch and DeepSpeed).
 """
 from __future__ import annotations
 
@@ -32,21 +33,70 @@ def _step(planned, data: DataSpec, step: int, **kwargs):
     return planned.train_batch(_batches(planned, data, step), **kwargs)
 
 
-def _cpu_peak_bytes(run) -> int:
-    """The CPU allocator's peak while `run()` runs: the largest running total torch's profiler records."""
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct storage held by a tensor Python tracks now (deduplicated by storage; meta
+    tensors and empty storages hold nothing): what a CPU rank's tensors occupy before a step."""
+    from mist_ds.runtime.census import _storage_key
+
+    sizes = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                key = _storage_key(obj)
+            except RuntimeError:  # tensor subclasses without a storage
+                continue
+            if key is not None:
+                sizes[key] = obj.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def allocator_rise_bytes(run) -> int:
+    """The largest rise of the CPU allocator's running total while `run()` runs, as torch's profiler records
+    it (the total after each allocation, from 0 when profiling starts; a block allocated before and freed
+    during the run is not subtracted, so the rise is never under the truth).
+
+    Torch's profiler ends the record of an asynchronous collective on the thread that completes it (gloo's
+    worker thread, at the work's completion): a collective issued while it profiles and still in flight
+    when it stops ends its record in the profiler's freed state, which crashes the rank (SIGSEGV at
+    `__exit__`, or later in whatever touches that memory: seen with runtime `mist`'s post-step gather, which
+    a step leaves in flight on purpose). `run` must therefore return with nothing it issued in flight."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    peak = 0
+    rise = 0
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         if event.tag == _EventType.Allocation:
-            peak = max(peak, int(event.extra_fields.total_allocated))
-    return peak
+            rise = max(rise, int(event.extra_fields.total_allocated))
+    return rise
+
+
+def step_peak_bytes(planned, step) -> int:
+    """Peak memory of one step `step()` of `planned`, in bytes, comparable to the prediction's peak.
+
+    GPU: the allocator's peak (max_memory_allocated) over the step. CPU: the live tensor storages at the
+    step's start plus the largest rise of the allocator's running total during it. Either way, what a step
+    left in flight before it is waited for first (runtime `mist`'s post-step gather: its receive buffers are
+    gloo's, invisible to Python, so the start is a defined one) and what the step itself leaves in flight
+    is waited for inside the measured span (`allocator_rise_bytes`: the profiler must not stop with a
+    collective it saw issued still running); the gather's receive buffers are counted at the step's end."""
+    device = torch.device(planned.engine.device)
+
+    def step_and_settle() -> None:
+        step()
+        planned.sync_weights()
+
+    planned.sync_weights()
+    gc.collect()  # the previous step's garbage is not this step's memory
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        step_and_settle()
+        return int(torch.cuda.max_memory_allocated(device))
+    return live_tensor_bytes() + allocator_rise_bytes(step_and_settle)
 
 
 def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: int = 0) -> dict[str, Any]:
@@ -67,12 +117,7 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
             synchronize_compute(device)
             times.append(time.perf_counter() - start)
         step = warmup + steps
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            _step(planned, data, step)
-            peak = int(torch.cuda.max_memory_allocated(device))
-        else:
-            peak = _cpu_peak_bytes(lambda: _step(planned, data, step))
+        peak = step_peak_bytes(planned, lambda: _step(planned, data, step))
         _, census = planned.count_step(_batches(planned, data, step + 1))
         planned.watch_model_states()
         _step(planned, data, step + 2)

@@ -190,6 +190,19 @@ class GradReducer:
         self.ready.clear()
         self.issued.clear()
 
+    def close(self) -> None:
+        """Wait for any bucket still in flight (a backward that raised before `finish`), so no collective
+        outlives its buffers or the process group; unhook the parameters. Disarms."""
+        self.armed = False
+        try:
+            for bucket in self.buckets:
+                bucket.work.wait()
+        finally:
+            self.buckets.clear()
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks.clear()
+
 
 def layer_reducer(engine, layers: list[list[torch.nn.Parameter]], tied: list[torch.nn.Parameter]) -> GradReducer:
     """An installed GradReducer of `engine` over `layers` (parameters by layer, in forward order). A
