@@ -1,0 +1,181 @@
+"""Soak: every runtime-`mist` case of the tests, launched again and again on CPU ranks as `mist-ds measure` runs
+it; crashes, hangs and census mismatches counted (issue 25).
+
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py 6 pp2-dp2-bf16-all   # some, for development
+
+The first argument is the number of launches in all (default 50), spread round-robin over the cases (the
+rest: names of cases to run). Each launch is one real DeepSpeed job on local gloo ranks through
+mist_ds.runtime.measure's worker, the path every `mist-ds measure` takes and the one that crashed: warm-up,
+timed steps, the peak-memory step under torch's profiler, the step census (FLOPs and collective bytes, counted
+at the dispatcher), a step with the model-state census, what ran, and the teardown (`PlannedEngine.close`,
+then the process group).
+
+Counted per launch:
+- crash: the job exited non-zero (a signal such as SIGSEGV, or an exception), with the first line that names it;
+- hang: the job ran past LAUNCH_TIMEOUT_S (its whole process group is killed);
+- census mismatch: any rank whose FLOPs differ from the prediction's, whose bytes of a collective kind and
+  group differ from the prediction's by more than the scalar control messages (CONTROL_BYTES), or whose
+  model-state bytes of a field differ from the prediction's.
+The plan's overlap features as the engine ran them (from what ran, not the plan: the gather's chunks, the
+reduction's buckets in the last backward) are reported per case.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import source_tree  # noqa: E402
+from cpu_constants import machine_text  # noqa: E402
+
+from mist_ds.config import compose  # noqa: E402
+from mist_ds.cost.accounting import CONTROL_BYTES  # noqa: E402
+from mist_ds.cost.predict import predict  # noqa: E402
+from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
+from mist_ds.specs.groups import stage_of  # noqa: E402
+from mist_ds.testing.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
+
+COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md"
+LAUNCHES = 50
+WARMUP_STEPS = 1
+TIMED_STEPS = 2
+LAUNCH_TIMEOUT_S = 300.0
+"""A launch takes 15-40 s on the loaded 2-core VM; past this it is a hang."""
+TINY = ("model=tiny", "cluster=cpu", "strategy.runtime=mist", "strategy.micro_batch_size=1")
+
+# name -> (ranks, overrides): the runtime-`mist` cases of tests/test_mist_runtime.py and tests/test_runtime.py,
+# and the layout that crashed (pp 2 dp 2, [5, 3] blocks, every feature on)
+CASES = {
+    "pp2-dp2-bf16-all": (4, ("model.num_layers=8", "strategy.pp=2", "strategy.layers_per_stage=[5,3]",
+                             "strategy.zero_stage=0", "train.precision=bf16", "train.global_batch_size=8",
+                             "strategy.offload.activations=0.5")),
+    "pp2-dp2-bf16": (4, ("model.num_layers=4", "strategy.pp=2", "strategy.zero_stage=0", "train.precision=bf16",
+                         "train.global_batch_size=4")),
+    "pp2-dp2-fp32-ao": (4, ("model.num_layers=4", "strategy.pp=2", "strategy.zero_stage=0", "train.precision=fp32",
+                            "train.global_batch_size=4", "strategy.offload.activations=0.5")),
+    "pp1-tp2-dp2-zero0-bf16": (4, ("model.num_layers=4", "strategy.pp=1", "strategy.tp=2", "strategy.zero_stage=0",
+                                   "train.precision=bf16", "train.global_batch_size=4")),
+    "pp1-tp2-dp2-zero1-bf16": (4, ("model.num_layers=4", "strategy.pp=1", "strategy.tp=2", "strategy.zero_stage=1",
+                                   "train.precision=bf16", "train.global_batch_size=4")),
+    "pp1-dp2-zero1-offload": (2, ("strategy.pp=1", "strategy.zero_stage=1", "train.precision=bf16",
+                                  "train.global_batch_size=8", "strategy.offload.grads=1",
+                                  "strategy.offload.optimizer=1", "strategy.offload.activations=1")),
+}
+
+
+def case_specs(name: str):
+    ranks, overrides = CASES[name]
+    return compose([*TINY, f"cluster.gpus_per_node={ranks}", *overrides])
+
+
+def census_mismatches(specs, prediction, results: list[dict]) -> list[str]:
+    """What the engines counted against what the cost model prices, per rank (module docstring)."""
+    par = specs.strategy.parallelism
+    found = []
+    for rank, result in enumerate(results):
+        stage = stage_of(par, rank)
+        if result["flops"] != prediction.flops_per_rank[stage]:
+            found.append(f"rank {rank} FLOPs {result['flops']} != {prediction.flops_per_rank[stage]:.0f}")
+        predicted = prediction.comm_bytes_per_rank[stage]
+        for key in sorted(set(predicted) | set(result["comm_bytes"])):
+            extra = result["comm_bytes"].get(key, 0) - predicted.get(key, 0)
+            if not 0 <= extra <= CONTROL_BYTES:
+                found.append(f"rank {rank} {key} {result['comm_bytes'].get(key, 0)} != {predicted.get(key, 0):.0f}")
+        states = prediction.model_state_bytes[stage]
+        for field, counted in result["model_state_bytes"].items():
+            if field in states and counted != states[field]:
+                found.append(f"rank {rank} {field} {counted} B != {states[field]:.0f} B")
+    return found
+
+
+def features_ran(results: list[dict]) -> str:
+    """The overlap features as the engines report them (what ran)."""
+    overlaps = [r["what_ran"]["overlap"] for r in results]
+    chunks = sorted({o["gather_chunks"] for o in overlaps if o["gather_weights_in_first_forward"]})
+    reduced = sorted({o["reduced_in_backward"] for o in overlaps if o["overlap_grad_reduce"]})
+    parts = [f"gather chunks {chunks}" if chunks else "no gather",
+             f"reduced in backward {reduced}" if reduced else "no reduction in backward"]
+    return "; ".join(parts)
+
+
+@dataclasses.dataclass
+class Tally:
+    launches: int = 0
+    crashes: list[str] = dataclasses.field(default_factory=list)
+    hangs: int = 0
+    mismatches: list[str] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    ran: str = ""
+
+
+def first_failure_line(log: str) -> str:
+    for needle in ("SIGSEGV", "SIGABRT", "signal", "Fatal Python error", "Error", "error"):
+        for line in log.splitlines():
+            if needle in line:
+                return line.strip()[:160]
+    return log.strip().splitlines()[-1][:160] if log.strip() else "no output"
+
+
+def soak(names: list[str], launches: int) -> dict[str, Tally]:
+    tallies = {name: Tally() for name in names}
+    specs = {name: case_specs(name) for name in names}
+    predictions = {name: predict(specs[name]) for name in names}
+    for index in range(launches):
+        name = names[index % len(names)]
+        tally, ranks = tallies[name], CASES[name][0]
+        tally.launches += 1
+        start = time.perf_counter()
+        try:
+            results = launch(MEASURE_WORKER, ranks, measure_payload(specs[name], WARMUP_STEPS, TIMED_STEPS),
+                             timeout_s=LAUNCH_TIMEOUT_S, env=CPU_ENV)
+        except LaunchTimeout:
+            tally.hangs += 1
+            continue
+        except RuntimeError as error:
+            tally.crashes.append(first_failure_line(str(error)))
+            continue
+        finally:
+            tally.seconds.append(time.perf_counter() - start)
+            print(f"launch {index + 1}/{launches} {name}: {tally.seconds[-1]:.0f} s", file=sys.stderr, flush=True)
+        tally.mismatches += census_mismatches(specs[name], predictions[name], results)
+        tally.ran = features_ran(results)
+    return tallies
+
+
+def main() -> None:
+    launches = int(sys.argv[1]) if len(sys.argv) > 1 else LAUNCHES
+    names = sys.argv[2:] or list(CASES)
+    started, machine = time.perf_counter(), machine_text()
+    tallies = soak(names, launches)
+    load_end = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    total = lambda attr: sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)  # noqa: E731
+                             for t in tallies.values())
+    print("# Soak: runtime `mist` launched again and again on CPU ranks\n")
+    print(f"Command: `{COMMAND}`  ")
+    print(f"Machine: {machine}; load average at the end {load_end}. Source: {source_tree()}. "
+          f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "
+          f"steps, the peak-memory step, the step census and the model-state census, as `mist-ds measure` runs them.\n")
+    print(f"**{total('launches')} launches: {total('crashes')} crashes, {total('hangs')} hangs, "
+          f"{total('mismatches')} census mismatches.**\n")
+    print("| case | ranks | launches | crashes | hangs | census mismatches | median s | what ran (from the engines) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, t in tallies.items():
+        print(f"| {name} | {CASES[name][0]} | {t.launches} | {len(t.crashes)} | {t.hangs} | {len(t.mismatches)} | "
+              f"{statistics.median(t.seconds):.0f} | {t.ran or 'no launch finished'} |")
+    problems = [(name, line) for name, t in tallies.items() for line in collections.Counter(t.crashes + t.mismatches)]
+    if problems:
+        print("\nWhat failed (distinct lines):\n")
+        for name, line in problems:
+            print(f"- {name}: {line}")
+    print("\nCases: " + "; ".join(f"{name}: {' '.join(CASES[name][1])}" for name in tallies) + ".")
+
+
+if __name__ == "__main__":
+    main()
