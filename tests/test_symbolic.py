@@ -375,3 +375,44 @@ def test_user_layers_module_and_layer_spec(cache_dir):
         assert module_cost("fwd_flops", b, s, 1) == counter.get_total_flops() == spec_cost("fwd_flops", b, s, 1)
         assert module_cost("saved_bytes", b, s, 1) == saved
     assert module_cost("params", 1, 1, 1) == sum(p.numel() for p in _UserBlock(width).parameters())
+
+
+class _SdpaAttention(torch.nn.Module):
+    """Causal attention through PyTorch's scaled_dot_product_attention with grouped KV heads, as a Hugging Face
+    model under `sdpa` calls it."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q = torch.nn.Linear(width, width, bias=False)
+        self.kv = torch.nn.Linear(width, 2 * kv_heads * self.head_dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # b, N, s, K
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # b, M, s, K each
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_pytorch_cpu_attention_kernel_is_counted(cache_dir):
+    """PyTorch's CPU attention kernel (`_scaled_dot_product_flash_attention_for_cpu`, which torch's FlopCounterMode
+    registry lacks: a traced nn.TransformerEncoderLayer or HF model had no s^2 term) is counted by the closed form:
+    forward QK^T and PV, 4 b N s^2 K; backward the recomputed QK^T, dV, dP, dQ, dK, 10 b N s^2 K (no causal
+    discount: torch's own rule for its GPU kernels), with grouped KV heads expanded to the query heads. The runtime's census counts it the same
+    way on a real CPU run."""
+    from mist_ds.models.attention import flop_counter_mapping
+
+    width, heads, kv_heads = 64, 4, 2
+    (cost,) = analyze_layers([_SdpaAttention(width, heads, kv_heads)], input_shape=("b", "s", width),
+                             dtype=torch.float32, cache_dir=cache_dir)
+    linears_fwd = lambda b, s: 2 * b * s * width * (width + 2 * kv_heads * width // heads)  # noqa: E731
+    for b, s in ((2, 8), (3, 32)):
+        attention = 4 * b * heads * s * s * (width // heads)
+        assert cost("fwd_attention_flops", b, s, 1) == attention
+        assert cost("bwd_attention_flops", b, s, 1) == 5 * attention // 2
+        assert cost("fwd_flops", b, s, 1) == linears_fwd(b, s) + attention
+        real, x = _SdpaAttention(width, heads, kv_heads), torch.randn(b, s, width)
+        with FlopCounterMode(display=False, custom_mapping=flop_counter_mapping()) as counter:
+            real(x)
+        assert counter.get_total_flops() == linears_fwd(b, s) + attention

@@ -153,6 +153,11 @@ def attention_flop_rule(forward: bool):
 
 
 def flop_counter_mapping() -> dict:
-    """`custom_mapping` for torch's FlopCounterMode so that it counts mist_ds's fused attention."""
+    """`custom_mapping` for torch's FlopCounterMode so that it counts mist_ds's fused attention and PyTorch's CPU
+    attention kernel."""
     return {torch.ops.mist_ds.flash_attention: attention_flop_rule(True),
-            torch.ops.mist_ds.flash_attention_backward: attention_flop_rule(False)}
+            torch.ops.mist_ds.flash_attention_backward: attention_flop_rule(False),
+            # PyTorch's CPU kernel of scaled_dot_product_attention (a Hugging Face model under `sdpa` on CPU
+            # ranks), which the registry lacks; grouped KV heads arrive unexpanded there too
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention_flop_rule(True),
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_flop_rule(False)}

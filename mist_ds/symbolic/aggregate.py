@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from mist_ds.symbolic.rules import (ATTENTION_BWD, ATTENTION_FWD, COLLECTIVE_OPS, WAIT_OPS, collective_bytes,
+from mist_ds.symbolic.rules import (ATTENTION_OPS, COLLECTIVE_OPS, WAIT_OPS, collective_bytes,
                                     is_view, memory_traffic_bytes)
 from mist_ds.symbolic.trace import BACKWARD, FORWARD, Trace
 
@@ -108,7 +108,7 @@ def _launches_kernel(op) -> bool:
 
 
 def _memory_bound(op) -> bool:
-    return _launches_kernel(op) and op.gemm is None and op.name not in (ATTENTION_FWD, ATTENTION_BWD)
+    return _launches_kernel(op) and op.gemm is None and op.name not in ATTENTION_OPS
 
 
 def fusion_groups(trace: Trace, phase: str) -> list[list[int]]:
@@ -207,7 +207,7 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     gemms = []
     for op in trace.ops:
         sums[f"{op.phase}_flops"] += op.flops
-        if op.name in (ATTENTION_FWD, ATTENTION_BWD):
+        if op.name in ATTENTION_OPS:
             sums[f"{op.phase}_attention_flops"] += op.flops
         if op.gemm is not None:
             gemms.append(Gemm(op.phase, *op.gemm))

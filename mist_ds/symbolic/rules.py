@@ -22,8 +22,17 @@ def as_expr(value) -> sympy.Expr:
     return sympy.Integer(int(value))
 
 GEMM_OPS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
-ATTENTION_FWD = "mist_ds.flash_attention.default"
-ATTENTION_BWD = "mist_ds.flash_attention_backward.default"
+# Fused attention ops: one op stands for the whole attention core. mist_ds's own op (the zoo's fused path) and
+# the CPU kernel PyTorch's scaled_dot_product_attention dispatches to (the path of a Hugging Face model under
+# `sdpa`), which torch's FlopCounterMode registry lacks, are counted by `attention_flop_rule`; the GPU kernels
+# are in the registry. The CPU kernel takes grouped KV heads unexpanded (enable_gqa), as mist_ds's op does.
+OWN_RULE_ATTENTION_FWD = frozenset({"mist_ds.flash_attention.default",
+                                    "aten._scaled_dot_product_flash_attention_for_cpu.default"})
+OWN_RULE_ATTENTION_BWD = frozenset({"mist_ds.flash_attention_backward.default",
+                                    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"})
+ATTENTION_OPS = OWN_RULE_ATTENTION_FWD | OWN_RULE_ATTENTION_BWD | frozenset(
+    f"aten._scaled_dot_product_{kind}_attention{suffix}.default"
+    for kind in ("flash", "efficient", "cudnn") for suffix in ("", "_backward"))
 COLLECTIVE_OPS = {"_c10d_functional.all_reduce.default"}
 WAIT_OPS = {"_c10d_functional.wait_tensor.default"}
 
@@ -34,10 +43,10 @@ def _shape(tensor: torch.Tensor) -> tuple:
 
 def op_flops(name: str, args: tuple, kwargs: dict, out) -> sympy.Expr:
     """FLOPs of one op (2 per multiply-add), from its (fake) arguments."""
-    if name in (ATTENTION_FWD, ATTENTION_BWD):
-        count = 3 if name == ATTENTION_FWD else 4  # (q, k, v) or (grad_out, q, k, v)
-        shapes = [_shape(x) for x in args[:count]]
-        return as_expr(attention_flop_rule(name == ATTENTION_FWD)(*shapes))
+    if name in OWN_RULE_ATTENTION_FWD or name in OWN_RULE_ATTENTION_BWD:
+        forward = name in OWN_RULE_ATTENTION_FWD
+        shapes = [_shape(x) for x in args[:3 if forward else 4]]  # (q, k, v) or (grad_out, q, k, v)
+        return as_expr(attention_flop_rule(forward)(*shapes))
     packet = _packet(name)
     if packet is None or packet not in flop_registry:
         return sympy.Integer(0)
@@ -74,7 +83,7 @@ def is_view(op) -> bool:
 
 def memory_traffic_bytes(op) -> sympy.Expr:
     """HBM bytes a memory-bound op reads and writes (views and GEMM / attention / collectives: 0)."""
-    if op.name in GEMM_OPS or op.name in (ATTENTION_FWD, ATTENTION_BWD) or op.name in COLLECTIVE_OPS \
+    if op.name in GEMM_OPS or op.name in ATTENTION_OPS or op.name in COLLECTIVE_OPS \
             or op.name in WAIT_OPS or is_view(op):
         return sympy.Integer(0)
     return sympy.Add(*[t.nbytes for t in op.inputs]) + sympy.Add(*[t.nbytes for t in op.outputs])
