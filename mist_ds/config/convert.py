@@ -5,18 +5,59 @@ from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, Stra
 from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
                            TunerSpec, runtime_capabilities)
 from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
-from mist_ds.specs.model import default_ffn_hidden_size
+from mist_ds.specs.errors import require
+from mist_ds.specs.model import HF, default_ffn_hidden_size
 from mist_ds.specs.strategy import resolve_strategy
 
 
 
+ZOO_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+                    "tie_embeddings")
+"""The shape a zoo model's YAML gives; an hf model reads them from its config."""
+HF_ONLY_FIELDS = ("name_or_path",)
+
+
 def model_spec(cfg: ModelConfig) -> ModelSpec:
+    if cfg.family == HF:
+        return hf_model_spec(cfg)
+    for field in HF_ONLY_FIELDS:
+        require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
+                f"only a Hugging Face model takes it: use model=hf (this model's family is {cfg.family})")
+    require(not cfg.hf, "model.hf", dict(cfg.hf), f"only a Hugging Face model takes it: use model=hf (this model's "
+                                                  f"family is {cfg.family})")
+    for field in ZOO_SHAPE_FIELDS:
+        require(field in ("num_kv_heads", "ffn_hidden_size") or getattr(cfg, field) is not None, f"model.{field}",
+                None, f"required for a {cfg.family} model: give it in the model's YAML or as model.{field}=...")
+    require(cfg.name is not None, "model.name", None, "required for a zoo-family model: name it (model.name=...)")
     ffn = cfg.ffn_hidden_size if cfg.ffn_hidden_size is not None else default_ffn_hidden_size(cfg.family, cfg.hidden_size)
     return ModelSpec(
         name=cfg.name, family=cfg.family, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads if cfg.num_kv_heads is not None else cfg.num_heads,
         ffn_hidden_size=ffn, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings,
         flash_attention=cfg.flash_attention, dropout=cfg.dropout)
+
+
+def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
+    """A Hugging Face model's spec: its shape read from its config (mist_ds/specs/hf.py), overridden through
+    model.hf; the zoo's shape fields are refused (they would be silently ignored)."""
+    from mist_ds.specs.hf import ffn_width, kv_heads, read_hf_model
+
+    require(cfg.name_or_path is not None, "model.name_or_path", None,
+            "required with model=hf: a folder holding config.json, a config.json, or a model id in the local "
+            "Hugging Face cache")
+    for field in ZOO_SHAPE_FIELDS:
+        hf_name = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                   "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
+                   "tie_embeddings": "tie_word_embeddings"}.get(field, field)
+        require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
+                f"a Hugging Face model takes its shape from its config: override it as model.hf.{hf_name}=...")
+    config, source = read_hf_model(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation)
+    name = cfg.name or cfg.name_or_path.rstrip("/").split("/")[-1].removesuffix(".json")
+    return ModelSpec(
+        name=name, family=HF, hidden_size=int(config.hidden_size), num_layers=int(config.num_hidden_layers),
+        num_heads=int(config.num_attention_heads), num_kv_heads=kv_heads(config), ffn_hidden_size=ffn_width(config, source),
+        vocab_size=int(config.vocab_size), seq_len=cfg.seq_len, tie_embeddings=source.tied,
+        flash_attention=cfg.attn_implementation != "eager", dropout=cfg.dropout, hf=source)
 
 
 def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:

@@ -18,18 +18,21 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # zoo name, e.g. gpt3-1.3b; free text for your own model
-    family: str = MISSING  # gpt | llama | falcon: which reference layers describe the model
-    hidden_size: int = MISSING  # model width h
-    num_layers: int = MISSING  # transformer blocks L
-    num_heads: int = MISSING  # query heads a
+    name: Optional[str] = None  # zoo name, e.g. gpt3-1.3b; free text for your own model; null (hf) = its folder or id
+    family: str = MISSING  # gpt | llama | falcon: the zoo's reference layers; hf: a Hugging Face config (model=hf)
+    hidden_size: Optional[int] = None  # model width h (zoo: required; hf: from its config)
+    num_layers: Optional[int] = None  # transformer blocks L (zoo: required; hf: from its config)
+    num_heads: Optional[int] = None  # query heads a (zoo: required; hf: from its config)
     num_kv_heads: Optional[int] = None  # KV heads for grouped / multi-query attention; null = num_heads
     ffn_hidden_size: Optional[int] = None  # MLP width; null = 4h (gpt, falcon) or 8h/3 rounded up to 256 (llama)
-    vocab_size: int = MISSING  # embedding rows V (pad to a multiple of 128 x tp as Megatron-LM does)
+    vocab_size: Optional[int] = None  # embedding rows V (zoo: required; pad to 128 x tp as Megatron-LM does)
     seq_len: int = MISSING  # tokens per sequence s; also the size of gpt's learned position table
-    tie_embeddings: bool = MISSING  # LM head shares the token-embedding weight
+    tie_embeddings: Optional[bool] = None  # LM head shares the token-embedding weight (zoo: required; hf: its config)
     flash_attention: bool = True  # fused attention (saves q, k, v, out, logsumexp) instead of explicit softmax
     dropout: float = 0.0  # dropout probability after attention probs, attention out and MLP out
+    name_or_path: Optional[str] = None  # hf: a folder holding config.json, a config.json, or a model id in the HF cache
+    attn_implementation: str = "sdpa"  # hf: the attention your model runs: sdpa | eager | flash_attention_2
+    hf: Dict[str, Any] = field(default_factory=dict)  # hf: fields of its config to change, e.g. model.hf.num_hidden_layers=4
 
 
 @dataclass

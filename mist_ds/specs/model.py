@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mist_ds.specs.errors import require, require_positive
+from mist_ds.specs.errors import ConfigError, require, require_positive
+from mist_ds.specs.hf import HfParam, HfSource
 
-Family = Literal["gpt", "llama", "falcon"]
+Family = Literal["gpt", "llama", "falcon", "hf"]
 FAMILIES: tuple[str, ...] = ("gpt", "llama", "falcon")
+"""The zoo's families (reference layers of mist_ds.models); `hf` models come from a Hugging Face config."""
+HF = "hf"
 
 # LLaMA rounds its SwiGLU width 8h/3 up to a multiple of 256 (Touvron et al. 2023, `multiple_of`).
 LLAMA_FFN_MULTIPLE = 256
@@ -42,13 +45,19 @@ class ModelSpec:
     tie_embeddings: bool
     flash_attention: bool
     dropout: float
+    hf: HfSource | None = None
+    """A Hugging Face model's source and parameters (family hf; mist_ds/specs/hf.py), else None."""
 
     def __post_init__(self) -> None:
-        require(self.family in FAMILIES, "model.family", self.family, f"use one of {', '.join(FAMILIES)}")
+        if isinstance(self.hf, dict):  # a spec sent as JSON (dataclasses.asdict) comes back whole
+            params = tuple(HfParam(**{**p, "shape": tuple(p["shape"])}) for p in self.hf["params"])
+            object.__setattr__(self, "hf", HfSource(**{**self.hf, "params": params}))
+        require(self.family in FAMILIES or (self.family == HF and self.hf is not None), "model.family", self.family,
+                f"use one of {', '.join(FAMILIES)}, or model=hf for a Hugging Face config")
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                       "vocab_size", "seq_len"):
             require_positive(f"model.{field}", getattr(self, field))
-        require(self.hidden_size % self.num_heads == 0, "model.hidden_size", self.hidden_size,
+        require(self.hf is not None or self.hidden_size % self.num_heads == 0, "model.hidden_size", self.hidden_size,
                 f"must be a multiple of model.num_heads={self.num_heads} (head dim = hidden / heads)")
         require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
                 f"must divide model.num_heads={self.num_heads} (each KV head serves a group of query heads)")
@@ -59,10 +68,13 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.hf.head_dim if self.hf is not None else self.hidden_size // self.num_heads
 
     def check_tensor_parallel(self, t: int, field: str = "strategy.tp") -> None:
         """Megatron-style TP splits query heads, KV heads (or replicates them), FFN width and vocab."""
+        if self.hf is not None and t > 1:
+            raise ConfigError(field, t, "tensor parallelism of a Hugging Face model (DeepSpeed AutoTP) is not priced "
+                                        "yet: plan it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.autotp")
         require(self.num_heads % t == 0, field, t, f"must divide model.num_heads={self.num_heads}")
         kv = self.num_kv_heads
         require(kv % t == 0 or t % kv == 0, field, t,
@@ -78,14 +90,21 @@ class ModelSpec:
         return max(1, self.num_kv_heads // t)
 
     # --- parameter counts (elements), per TP rank with degree t -------------------------------------
+    def _hf_elements(self, part: str, linear_only: bool = False) -> int:
+        return sum(p.numel for p in self.hf.part_params(part) if p.linear or not linear_only)
+
     def embedding_params(self, t: int = 1) -> int:
         """Token embedding (vocab-parallel: V/t rows) plus, for gpt, learned positions (replicated)."""
+        if self.hf is not None:
+            return self._hf_elements("embedding")
         token = (self.vocab_size // t) * self.hidden_size
         positions = self.seq_len * self.hidden_size if self.family == "gpt" else 0
         return token + positions
 
     def block_params(self, t: int = 1) -> int:
         """One transformer block on one TP rank: sharded GEMM weights/biases + replicated norms/biases."""
+        if self.hf is not None:
+            return self._hf_elements("block")
         h, d = self.hidden_size, self.head_dim
         q_rank = (self.num_heads // t) * d
         kv_rank = self.kv_heads_per_rank(t) * d
@@ -104,6 +123,8 @@ class ModelSpec:
         """Elements of a block's largest single parameter tensor on one TP rank (the fused qkv weight or
         the MLP's input weight, fused gate+up for llama): DeepSpeed's ZeRO-1/2 gradient partitions hold
         whole tensors, so it bounds how far a partition overshoots its share."""
+        if self.hf is not None:
+            return max(p.numel for p in self.hf.part_params("block"))
         h, d = self.hidden_size, self.head_dim
         qkv = h * ((self.num_heads // t) + 2 * self.kv_heads_per_rank(t)) * d
         mlp_in = h * (self.ffn_hidden_size // t) * (2 if self.family == "llama" else 1)
@@ -115,6 +136,8 @@ class ModelSpec:
 
     def head_params(self, t: int = 1) -> int:
         """Final norm plus the LM head (V/t rows); the head holds its own copy even when tied."""
+        if self.hf is not None:
+            return self._hf_elements("head")
         norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
         return norm + (self.vocab_size // t) * self.hidden_size
 
@@ -130,8 +153,13 @@ class ModelSpec:
 
         GEMMs from the real shapes (GQA projections, SwiGLU's three matrices) plus attention scores
         and values: 2 * 2 * s * h per layer (QK^T and AV over the full sequence, causal mask ignored,
-        as in Narayanan et al. SC'21 eq. 3). For gpt this equals 24h^2 + 4sh per layer + 2hV.
+        as in Narayanan et al. SC'21 eq. 3). For gpt this equals 24h^2 + 4sh per layer + 2hV. For an hf model
+        the GEMMs are its Linear layers' weights (biases and norms left out, as here).
         """
+        if self.hf is not None:
+            attention_macs = 2 * self.seq_len * self.num_heads * self.head_dim
+            return 2 * (self.num_layers * (self._hf_elements("block", True) + attention_macs)
+                        + self._hf_elements("head", True))
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         f = self.ffn_hidden_size

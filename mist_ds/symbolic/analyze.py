@@ -16,6 +16,9 @@ LAYER_KINDS = ("embedding", "block", "head")
 
 def layer_fields(model: ModelSpec, precision: str) -> dict:
     """What the layers' costs depend on (not num_layers, not the name)."""
+    if model.hf is not None:  # the config as read and overridden, traced at the model's sequence length
+        return {"family": model.family, "hf_config_sha256": model.hf.config_sha256, "seq_len": model.seq_len,
+                "attn_implementation": model.hf.attn_implementation, "precision": precision}
     return {"family": model.family, "hidden_size": model.hidden_size, "num_heads": model.num_heads,
             "num_kv_heads": model.num_kv_heads, "ffn_hidden_size": model.ffn_hidden_size,
             "vocab_size": model.vocab_size, "max_positions": model.seq_len, "dropout_on": model.dropout > 0,
@@ -31,7 +34,12 @@ def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = Non
         return {kind: LayerCost.from_dict(data) for kind, data in cached["layers"].items()}
     from mist_ds.symbolic import tracing
 
-    costs = {kind: tracing.layer_cost(kind, tracing.trace_layer(model, kind, precision)) for kind in LAYER_KINDS}
+    if model.hf is not None:
+        from mist_ds.symbolic.hf_trace import trace_hf_layer
+
+        costs = {kind: tracing.layer_cost(kind, trace_hf_layer(model, kind, precision)) for kind in LAYER_KINDS}
+    else:
+        costs = {kind: tracing.layer_cost(kind, tracing.trace_layer(model, kind, precision)) for kind in LAYER_KINDS}
     cache.store(directory, key, {"fields": layer_fields(model, precision),
                                  "layers": {kind: c.to_dict() for kind, c in costs.items()}})
     return costs

@@ -1,0 +1,189 @@
+"""A Hugging Face causal LM cut into the zoo's three layer kinds, from the real transformers modules.
+
+- `HfEmbedding`: everything the model's forward runs before its first block (token and position embeddings,
+  scaling, dropout, rotary tables, the attention mask), by running the base model's own forward with its
+  blocks replaced by one that stops it; its output is what the first block receives.
+- `HfBlock`: one decoder block, called as the base model calls it (the side inputs its forward hands every
+  block: rotary cos / sin, mask, positions, captured from that same run).
+- `HfHead`: the modules of the base model after the blocks (the final norm), the LM head, the logit soft-cap
+  where the config has one, and the loss by the model's own `loss_function`.
+
+Each holds, as parameters, only its part's (mist_ds/specs/hf.py `read_params` counts the same). Shapes: B batch,
+S sequence, D hidden.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from mist_ds.specs.hf import HfSource, build_meta_model
+
+
+class _Stopped(Exception):
+    """Raised by the stand-in first block: carries what the base model's forward handed it."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("stopped at the first block")
+        self.args, self.kwargs = args, kwargs
+
+
+class _StopAtBlock(nn.Module):
+    def forward(self, *args, **kwargs):
+        raise _Stopped(args, kwargs)
+
+
+def config_of(source: HfSource):
+    """The transformers config `source` was read with (overrides applied)."""
+    from transformers import AutoConfig
+
+    fields = json.loads(source.config_json)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def meta_model(source: HfSource, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of `source` on the meta device, in `dtype`, in training mode. flash_attention_2 (CUDA only)
+    is built as sdpa: the same attention core (one fused op saving q, k, v, the output and the logsumexp)."""
+    implementation = "sdpa" if source.attn_implementation == "flash_attention_2" else source.attn_implementation
+    return build_meta_model(config_of(source), implementation, dtype)
+
+
+def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, name = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
+
+
+@contextlib.contextmanager
+def _blocks_replaced(model: nn.Module, blocks_attr: str, stand_in: nn.ModuleList):
+    parent, name = _parent_and_name(model, blocks_attr)
+    blocks = getattr(parent, name)
+    setattr(parent, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(parent, name, blocks)
+
+
+@contextlib.contextmanager
+def _masks_as_in_a_real_run():
+    """transformers decides whether sdpa needs a materialized causal mask from the tensors it sees, and takes
+    fake tensors (the symbolic analysis) for a graph being exported, where it never skips the mask. A training run
+    on real tensors without padding skips it (sdpa's is_causal instead: masking_utils `_ignore_causal_mask_sdpa`):
+    the analysis must see what that run does. Likewise its positions are 0..S-1 in every row, so it finds no
+    packed sequences (`find_packed_sequence_indices` returns None), which fake tensors cannot read."""
+    import transformers.masking_utils as masking
+
+    saved = masking.is_tracing, masking.find_packed_sequence_indices
+    masking.is_tracing = lambda tensor=None: False
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.is_tracing, masking.find_packed_sequence_indices = saved
+
+
+def run_to_first_block(model: nn.Module, source: HfSource, tokens_BS: torch.Tensor) -> tuple[tuple, dict]:
+    """(args, kwargs) the base model's forward hands its first block for `tokens_BS`: the hidden states
+    (B, S, D) and the side inputs every block receives."""
+    base, _ = _parent_and_name(model, source.blocks_attr)
+    with _blocks_replaced(model, source.blocks_attr, nn.ModuleList([_StopAtBlock()])), _masks_as_in_a_real_run():
+        try:
+            base(input_ids=tokens_BS, use_cache=False)
+        except _Stopped as stopped:
+            return stopped.args, stopped.kwargs
+    raise RuntimeError(f"{source.architecture}'s forward never reached its blocks ({source.blocks_attr})")
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class HfEmbedding(nn.Module):
+    """What the model runs before its first block: tokens (B, S) -> hidden states (B, S, D)."""
+
+    def __init__(self, model: nn.Module, source: HfSource) -> None:
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a submodule: this part owns only its own parameters
+        object.__setattr__(self, "source", source)
+        block_ids = {id(p) for p in model.get_submodule(source.blocks_attr).parameters()}
+        head = _head_modules(model, source)
+        head_ids = {id(p) for module in head for p in module.parameters()}
+        input_weight = model.get_input_embeddings().weight
+        own = [(name, p) for name, p in model.named_parameters()
+               if id(p) not in block_ids and (id(p) not in head_ids or p is input_weight)]
+        self.own = nn.ParameterList([p for _, p in own])
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        args, kwargs = run_to_first_block(self.model, self.source, tokens_BS)
+        return _hidden_of(args, kwargs)
+
+
+class HfBlock(nn.Module):
+    """One decoder block, called with the side inputs the base model hands every block (`side_inputs`)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.side_args: tuple = ()
+        self.side_kwargs: dict[str, Any] = {}
+
+    def side_inputs(self, args: tuple, kwargs: dict) -> None:
+        """The first block's call as captured (run_to_first_block), the hidden states left out."""
+        self.side_args = args[1:]
+        self.side_kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        out = self.block(x_BSD, *self.side_args, **self.side_kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _head_modules(model: nn.Module, source: HfSource) -> list[nn.Module]:
+    """The base model's modules after its blocks that hold parameters (the final norm), then the LM head."""
+    base, name = _parent_and_name(model, source.blocks_attr)
+    blocks, after, found = getattr(base, name), False, []
+    for child in base.children():
+        if child is blocks:
+            after = True
+        elif after and any(True for _ in child.parameters()):
+            found.append(child)
+    output = model.get_output_embeddings()
+    return found + ([output] if output is not None else [])
+
+
+class HfHead(nn.Module):
+    """Final norm, LM head and logit soft-cap: hidden states (B, S, D) -> logits (B, S, V); `loss` is the model's
+    own loss function on them."""
+
+    def __init__(self, model: nn.Module, source: HfSource) -> None:
+        super().__init__()
+        modules = _head_modules(model, source)
+        self.norms = nn.ModuleList(modules[:-1])
+        self.lm_head = modules[-1]
+        config = model.config
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.vocab_size = config.vocab_size
+        object.__setattr__(self, "loss_function", model.loss_function)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        for norm in self.norms:
+            x_BSD = norm(x_BSD)
+        logits_BSV = self.lm_head(x_BSD)
+        if self.softcap:  # Gemma 2: as its forward does, before the loss
+            logits_BSV = torch.tanh(logits_BSV / self.softcap) * self.softcap
+        return logits_BSV
+
+    def loss(self, logits_BSV: torch.Tensor, shift_labels_BS: torch.Tensor) -> torch.Tensor:
+        """The model's own loss on labels already shifted by one (label i is token i + 1's id, the last ignored):
+        its unshifted path pads the labels (`nn.functional.pad` on int64), which fake tensors can only trace
+        with b and s fixed; the pad moves b s int64 ids, nothing the plan prices."""
+        return self.loss_function(logits=logits_BSV, labels=None, vocab_size=self.vocab_size,
+                                  shift_labels=shift_labels_BS)
+
+
+def parts(model: nn.Module, source: HfSource) -> dict[str, nn.Module]:
+    """The embedding, the first block and the head of `model` as modules of their own (sharing its tensors)."""
+    return {"embedding": HfEmbedding(model, source), "block": HfBlock(model.get_submodule(source.blocks_attr)[0]),
+            "head": HfHead(model, source)}

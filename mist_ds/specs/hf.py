@@ -1,0 +1,302 @@
+"""A Hugging Face causal LM as a ModelSpec: its config read offline, checked, and its parameters read from the
+real transformers class built on the meta device (no weights, no memory).
+
+    model=hf model.name_or_path=PATH model.seq_len=4096 [model.hf.num_hidden_layers=4 ...]
+
+PATH: a directory holding `config.json`, a `config.json` itself, or a model id already in the local Hugging Face
+cache (mist_ds never downloads). `model.hf` overrides fields of the config; each must be a field of the
+architecture's config class. Accepted: decoder-only causal LMs whose blocks are one repeated class (Llama,
+Mistral, Qwen2/3, GPT-2, GPT-NeoX, Phi-3, Gemma 2, Falcon, ...); refused with the reason: encoder-decoder models,
+models without a causal-LM class, mixtures of experts (docs/design.md, Your own model).
+
+transformers and torch are imported only when an HF model is read (the zoo never loads them here).
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mist_ds.specs.errors import ConfigError
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+"""What the user's model runs; each priced as such (docs/design.md, Your own model)."""
+MIXTURE_OF_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                             "num_experts_per_tok")
+"""Config fields that mark a mixture-of-experts model (Mixtral, Qwen2-MoE, DeepSeek, ...)."""
+PARTS = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True)
+class HfParam:
+    """One parameter tensor of the model as transformers builds it: which part holds it (embedding: what runs
+    before the blocks; block: the first block, every block alike; head: the final norm and the LM head), its
+    name in the module, shape, and whether it is a Linear layer's weight (a GEMM's operand)."""
+
+    part: str
+    name: str
+    shape: tuple[int, ...]
+    linear: bool
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """Where an HF model's description comes from and what mist_ds read of it: enough to rebuild the same
+    module (symbolic analysis, the plan's record) and to count its parameters without rebuilding it."""
+
+    name_or_path: str
+    """As the user gave it."""
+    config_path: str
+    """The config.json read (absolute)."""
+    config_sha256: str
+    """Hash of the config as read and overridden (the model's identity in plans and caches)."""
+    architecture: str
+    """The causal-LM class, e.g. LlamaForCausalLM."""
+    config_json: str
+    """The config's fields after `model.hf` overrides (to_dict of the config class, JSON): rebuilds the module."""
+    attn_implementation: str
+    params: tuple[HfParam, ...]
+    blocks_attr: str
+    """Attribute path of the repeated blocks (a ModuleList) inside the model, e.g. model.layers."""
+    head_dim: int
+    tied: bool
+
+    def part_params(self, part: str) -> tuple[HfParam, ...]:
+        return tuple(p for p in self.params if p.part == part)
+
+
+def _config_file(name_or_path: str) -> Path:
+    """The config.json that `name_or_path` names, offline: a file, a directory holding one, or a model id in the
+    local Hugging Face cache."""
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_file():
+        return path.resolve()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return (path / "config.json").resolve()
+        raise ConfigError("model.name_or_path", name_or_path, "this directory holds no config.json; give the folder "
+                                                              "of a Hugging Face model or its config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError as error:  # transformers brings huggingface_hub
+        raise ConfigError("model.name_or_path", name_or_path, "is no file or directory here, and transformers is "
+                                                              "not installed to look in the Hugging Face cache") from error
+    cached = try_to_load_from_cache(name_or_path, "config.json") if "/" in name_or_path else None
+    if isinstance(cached, str):
+        return Path(cached).resolve()
+    raise ConfigError("model.name_or_path", name_or_path,
+                      "is no file or directory here and no model id in the local Hugging Face cache (mist_ds never "
+                      "downloads): give a folder holding config.json, or fetch the config first, e.g. "
+                      f"`huggingface-cli download {name_or_path} config.json`")
+
+
+def _read_config(config_file: Path, overrides: dict[str, Any], name_or_path: str):
+    """The transformers config object of `config_file` with `overrides` applied (each checked against the
+    class's fields)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as error:
+        raise ConfigError("model", "hf", "Hugging Face models need transformers: run launch/setup.sh (it installs "
+                                         "the tested range)") from error
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError("model.name_or_path", name_or_path, f"{config_file} is not a readable JSON config ({error})")
+    model_type = raw.get("model_type")
+    if not model_type:
+        raise ConfigError("model.name_or_path", name_or_path, f"{config_file} has no `model_type`: not a Hugging "
+                                                              "Face model config")
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as error:
+        raise ConfigError("model.name_or_path", name_or_path,
+                          f"transformers does not know model_type {model_type!r} ({error}); upgrade transformers "
+                          "within the tested range or give another model") from error
+    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    for key, value in overrides.items():
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean model.hf.{near[0]}? " if near else ""
+            raise ConfigError(f"model.hf.{key}", value, f"{hint}{type(config).__name__} has no field {key!r} "
+                                                        f"({config_file})")
+        setattr(config, key, value)
+    return config
+
+
+def _refuse_unpriceable(config, name_or_path: str) -> str:
+    """The causal-LM class name of `config`, or a ConfigError naming why it cannot be priced."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError("model.name_or_path", name_or_path, f"{model_type} is an encoder-decoder model: mist_ds "
+                                                              "prices decoder-only causal LMs")
+    experts = {f: getattr(config, f) for f in MIXTURE_OF_EXPERTS_FIELDS if getattr(config, f, None)}
+    if experts:
+        raise ConfigError("model.name_or_path", name_or_path,
+                          f"{model_type} is a mixture-of-experts model ({', '.join(f'{k}={v}' for k, v in experts.items())}):"
+                          " expert parallelism and routed FLOPs are not priced")
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if architecture is None:
+        raise ConfigError("model.name_or_path", name_or_path, f"{model_type} has no causal-LM class in transformers: "
+                                                              "mist_ds prices decoder-only causal LMs")
+    return architecture
+
+
+def build_meta_model(config, attn_implementation: str, dtype=None):
+    """The transformers causal LM of `config` on the meta device (no memory), in training mode; parameters in
+    `dtype` (a torch dtype; None: the config's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
+    return model.train()
+
+
+def find_blocks(model) -> tuple[str, Any]:
+    """(attribute path, ModuleList) of the model's repeated blocks: its longest ModuleList."""
+    import torch
+
+    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of blocks")
+    return max(lists, key=lambda item: len(item[1]))
+
+
+def _linear_weights(module) -> set[int]:
+    """ids of the 2-D weights Linear-like layers multiply by (nn.Linear, and GPT-2's Conv1D)."""
+    import torch
+
+    found = set()
+    for sub in module.modules():
+        weight = getattr(sub, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and not isinstance(sub, torch.nn.Embedding):
+            found.add(id(weight))
+    return found
+
+
+def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
+    """The model's parameters by part: the first block's; the final norm and LM head (modules of the base model
+    registered after the blocks, and the output embeddings); the rest is the embedding part."""
+    first = list(blocks[0].named_parameters())
+    shapes = [tuple(p.shape) for _, p in first]
+    for index, block in enumerate(blocks):
+        if type(block) is not type(blocks[0]) or [tuple(p.shape) for p in block.parameters()] != shapes:
+            raise ValueError(f"block {index} differs from block 0 in class or parameter shapes")
+    linear = _linear_weights(model)
+    head_modules = []
+    parent = model.get_submodule(blocks_attr.rsplit(".", 1)[0]) if "." in blocks_attr else model
+    after = False
+    for name, child in parent.named_children():
+        if child is blocks:
+            after = True
+        elif after and any(True for _ in child.parameters()):
+            head_modules.append(child)
+    output = model.get_output_embeddings()
+    if output is not None:
+        head_modules.append(output)
+    head_ids = {id(p) for module in head_modules for p in module.parameters()}
+    block_ids = {id(p) for block in blocks for p in block.parameters()}
+    records = [HfParam("block", f"{blocks_attr}.0.{name}", tuple(p.shape), id(p) in linear, p.requires_grad)
+               for name, p in first]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in block_ids:
+            continue
+        part = "head" if id(p) in head_ids and not _is_input_embedding(model, p) else "embedding"
+        records.append(HfParam(part, name, tuple(p.shape), id(p) in linear and part == "head", p.requires_grad))
+    tied = _tied(model)
+    if tied:  # the LM head shares the input embedding's weight: the head part holds it too (DESIGN's convention)
+        weight = model.get_input_embeddings().weight
+        records.append(HfParam("head", "lm_head.weight (tied)", tuple(weight.shape), True, weight.requires_grad))
+    return tuple(records)
+
+
+def _is_input_embedding(model, param) -> bool:
+    return param is model.get_input_embeddings().weight
+
+
+def _tied(model) -> bool:
+    output = model.get_output_embeddings()
+    return output is not None and output.weight is model.get_input_embeddings().weight
+
+
+def config_json(config) -> str:
+    """The config's fields as canonical JSON (sorted keys)."""
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def config_hash(config) -> str:
+    return hashlib.sha256(config_json(config).encode()).hexdigest()
+
+
+def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementation: str):
+    """(transformers config, HfSource) of the model `name_or_path` names, with `overrides` applied; a
+    ConfigError names any reason it cannot be priced."""
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError("model.attn_implementation", attn_implementation,
+                          f"use one of {', '.join(ATTENTION_IMPLEMENTATIONS)} (what your model runs)")
+    config_file = _config_file(name_or_path)
+    config = _read_config(config_file, overrides, name_or_path)
+    architecture = _refuse_unpriceable(config, name_or_path)
+    try:
+        model = build_meta_model(config, "sdpa" if attn_implementation == "flash_attention_2" else attn_implementation)
+    except ValueError as error:  # transformers refuses an attention implementation the architecture lacks
+        raise ConfigError("model.attn_implementation", attn_implementation,
+                          f"{architecture} cannot be built with it ({str(error).split('. ')[0]}); give the one your "
+                          f"model runs (one of {', '.join(ATTENTION_IMPLEMENTATIONS)})") from error
+    except (AssertionError, TypeError) as error:  # the config is inconsistent (e.g. pad_token_id past the vocabulary)
+        raise ConfigError("model.name_or_path", name_or_path, f"transformers cannot build {architecture} from "
+                                                              f"{config_file}: {error}") from error
+    try:
+        blocks_attr, blocks = find_blocks(model)
+        params = read_params(model, blocks_attr, blocks)
+    except ValueError as error:
+        raise ConfigError("model.name_or_path", name_or_path, f"{architecture}: {error}; mist_ds prices models whose "
+                                                              "blocks are one repeated class") from error
+    if len(blocks) != config.num_hidden_layers:
+        raise ConfigError("model.name_or_path", name_or_path, f"{architecture} builds {len(blocks)} blocks in "
+                                                              f"{blocks_attr}, its config says {config.num_hidden_layers}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    source = HfSource(name_or_path=name_or_path, config_path=str(config_file), config_sha256=config_hash(config),
+                      architecture=architecture, config_json=config_json(config), attn_implementation=attn_implementation,
+                      params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model))
+    return config, source
+
+
+def kv_heads(config) -> int:
+    """Key-value heads: grouped-query fields under their several names (Llama's num_key_value_heads, Falcon's
+    num_kv_heads or multi_query), else one per query head."""
+    for field in ("num_key_value_heads", "num_kv_heads"):
+        value = getattr(config, field, None)
+        if value:
+            return int(value)
+    if getattr(config, "multi_query", False):
+        return 1
+    return int(config.num_attention_heads)
+
+
+def ffn_width(config, source: HfSource) -> int:
+    """The MLP's inner width: intermediate_size, GPT-2's n_inner (null: 4h), else the largest Linear dimension of
+    a block that is not the hidden size."""
+    for field in ("intermediate_size", "n_inner", "ffn_hidden_size"):
+        value = getattr(config, field, None)
+        if value:
+            return int(value)
+    widths = [size for p in source.part_params("block") if p.linear for size in p.shape if size != config.hidden_size]
+    return max(widths) if widths else 4 * int(config.hidden_size)
