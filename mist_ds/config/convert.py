@@ -50,7 +50,7 @@ def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
                    "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
                    "tie_embeddings": "tie_word_embeddings"}.get(field, field)
         require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
-                f"a Hugging Face model takes its shape from its config: override it as model.hf.{hf_name}=...")
+                f"a Hugging Face model takes its shape from its config: override it as +model.hf.{hf_name}=...")
     config, source = read_hf_model(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation)
     name = cfg.name or cfg.name_or_path.rstrip("/").split("/")[-1].removesuffix(".json")
     return ModelSpec(

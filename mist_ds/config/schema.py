@@ -32,7 +32,7 @@ class ModelConfig:
     dropout: float = 0.0  # dropout probability after attention probs, attention out and MLP out
     name_or_path: Optional[str] = None  # hf: a folder holding config.json, a config.json, or a model id in the HF cache
     attn_implementation: str = "sdpa"  # hf: the attention your model runs: sdpa | eager | flash_attention_2
-    hf: Dict[str, Any] = field(default_factory=dict)  # hf: fields of its config to change, e.g. model.hf.num_hidden_layers=4
+    hf: Dict[str, Any] = field(default_factory=dict)  # hf: fields of its config to change, e.g. +model.hf.num_hidden_layers=4
 
 
 @dataclass

@@ -129,11 +129,15 @@ def _read_config(config_file: Path, overrides: dict[str, Any], name_or_path: str
     for key, value in overrides.items():
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean model.hf.{near[0]}? " if near else ""
+            hint = f"did you mean +model.hf.{near[0]}? " if near else ""
             raise ConfigError(f"model.hf.{key}", value, f"{hint}{type(config).__name__} has no field {key!r} "
                                                         f"({config_file})")
-        setattr(config, key, value)
-    return config
+    if not overrides:
+        return config
+    merged = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        merged.pop("layer_types", None)  # per-layer kinds follow the new count, as the class derives them
+    return AutoConfig.for_model(model_type, **{**merged, **overrides})
 
 
 def _refuse_unpriceable(config, name_or_path: str) -> str:
@@ -214,7 +218,7 @@ def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
     block_ids = {id(p) for block in blocks for p in block.parameters()}
     records = [HfParam("block", f"{blocks_attr}.0.{name}", tuple(p.shape), id(p) in linear, p.requires_grad)
                for name, p in first]
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in model.named_parameters():  # a tied weight once, under the input embedding's name
         if id(p) in block_ids:
             continue
         part = "head" if id(p) in head_ids and not _is_input_embedding(model, p) else "embedding"

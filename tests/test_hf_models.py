@@ -1,0 +1,152 @@
+"""Your own model (docs/design.md, Your own model): Hugging Face causal LMs from configs written here with the real
+transformers config classes (no download), planned as the zoo's models are. The same shapes as a zoo model give the
+same parameters and FLOPs, and the same time where both run the same program; where the programs differ (HF's
+fp32 norms, unfused projections, its own activation functions: memory-bound ops and kernel launches) the difference
+is those terms alone."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import transformers
+
+from mist_ds.config import compose
+from mist_ds.cost.predict import model_costs, predict
+from mist_ds.specs import ConfigError
+from tests.conftest import REPO
+
+SAME_PROGRAM = ("cluster.gpu.hbm_gbps=1e9", "cluster.gpu.kernel_overhead_us=0")
+"""Memory-bound ops and per-kernel costs priced at nothing: what is left is GEMMs, attention and communication."""
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """Folders holding config.json, one per architecture, written by transformers' own config classes."""
+    root = tmp_path_factory.mktemp("hf_configs")
+    made = {
+        "llama2-7b": transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                              num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                              max_position_embeddings=4096),
+        "gpt2-1.3b": transformers.GPT2Config(n_embd=2048, n_layer=24, n_head=16, vocab_size=51200, n_positions=2048,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "qwen2": transformers.Qwen2Config(**TINY),
+        "mistral": transformers.MistralConfig(**TINY, sliding_window=64),
+        "phi3": transformers.Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "gemma2": transformers.Gemma2Config(**TINY, head_dim=32),
+        "mixtral": transformers.MixtralConfig(**TINY),
+        "t5": transformers.T5Config(d_model=128, num_layers=2, num_heads=4, vocab_size=512),
+    }
+    for name, config in made.items():
+        config.save_pretrained(root / name)
+    return {name: root / name for name in made}
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIST_DS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def hf(path, *overrides: str):
+    return compose(["model=hf", f"model.name_or_path={path}", *overrides])
+
+
+LLAMA_ZOO = ("model=llama2-7b",)
+GPT_ZOO = ("model=gpt3-1.3b", "model.vocab_size=51200")  # GPT-2's vocabulary, unpadded, in both
+RUN = ("cluster=a100-80g", "train.global_batch_size=64")
+LAYOUTS = ((), ("strategy.pp=4", "strategy.ckpt_layers=full"))
+"""tp 1: pp 1 (data parallel on 8 GPUs), and pp 4 with every block recomputed."""
+
+
+def assert_same_model(ours, theirs) -> None:
+    for t_part in ("embedding_params", "block_params", "head_params", "total_params", "forward_flops_per_token"):
+        assert getattr(ours, t_part)() == getattr(theirs, t_part)(), t_part
+
+
+@pytest.mark.parametrize("zoo, name, seq", [(LLAMA_ZOO, "llama2-7b", 4096), (GPT_ZOO, "gpt2-1.3b", 2048)])
+def test_an_hf_config_prices_as_the_zoo_model_of_its_shapes(configs, zoo, name, seq):
+    """LlamaForCausalLM as the zoo's llama2-7b, GPT2LMHeadModel as the zoo's GPT block: parameters by part and
+    FLOPs per token equal, every traced layer's FLOPs equal, the plan's FLOPs per rank equal; iteration time within
+    1% once memory-bound ops and kernel launches (where the two programs differ) are priced at nothing."""
+    for layout in LAYOUTS:
+        ours = hf(configs[name], f"model.seq_len={seq}", *RUN, *layout)
+        theirs = compose([*zoo, *RUN, *layout])
+        assert_same_model(ours.model, theirs.model)
+        mine, zoo_costs = model_costs(ours), model_costs(theirs)
+        for kind in ("embedding", "block", "head"):
+            for key in ("params", "fwd_flops", "bwd_flops"):
+                for b in (1, 2, 4):
+                    assert getattr(mine, kind)(key, b, seq, 1) == getattr(zoo_costs, kind)(key, b, seq, 1), (kind, key)
+        assert predict(ours).flops_per_rank == predict(theirs).flops_per_rank
+        same = [predict(compose(list(args) + list(SAME_PROGRAM))).iteration_time_s for args in (
+            ["model=hf", f"model.name_or_path={configs[name]}", f"model.seq_len={seq}", *RUN, *layout],
+            [*zoo, *RUN, *layout])]
+        assert same[0] == pytest.approx(same[1], rel=0.01), layout
+
+
+def test_hf_fields_are_overridden_and_checked(configs):
+    specs = hf(configs["qwen2"], "model.seq_len=64", "+model.hf.num_hidden_layers=3")
+    assert specs.model.num_layers == 3 and specs.model.hf.config_sha256 != hf(configs["qwen2"], "model.seq_len=64").model.hf.config_sha256
+    with pytest.raises(ConfigError, match=r"did you mean \+model.hf.num_hidden_layers"):
+        hf(configs["qwen2"], "model.seq_len=64", "+model.hf.num_hidden_layer=3")
+    with pytest.raises(ConfigError, match="model.hf.num_hidden_layers"):  # the zoo's name for it is refused
+        hf(configs["qwen2"], "model.seq_len=64", "model.num_layers=3")
+    with pytest.raises(ConfigError, match="model.seq_len"):
+        hf(configs["qwen2"])
+
+
+def test_an_unknown_path_says_mist_ds_never_downloads(tmp_path):
+    with pytest.raises(ConfigError, match="never downloads"):
+        hf("someone/not-a-cached-model", "model.seq_len=64")
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf(tmp_path, "model.seq_len=64")
+
+
+@pytest.mark.parametrize("name, overrides", [("qwen2", ()), ("mistral", ()), ("phi3", ()),
+                                             ("gemma2", ("model.attn_implementation=eager",))])
+def test_architectures_tune(configs, name, overrides):
+    """Qwen2 (biases on q, k, v), Mistral (sliding window), Phi-3 (fused qkv and gate-up) and Gemma 2 (eager, soft-
+    capped logits) plan end to end."""
+    import mist_ds
+
+    plan = mist_ds.tune(["model=hf", f"model.name_or_path={configs[name]}", "model.seq_len=128", "cluster=a100-80g",
+                         "train.global_batch_size=8", "tuner.compare_baselines=false", *overrides])
+    assert plan.prediction["iteration_time_s"] > 0
+
+
+def test_a_sliding_window_under_sdpa_is_a_mask_over_the_whole_sequence(configs):
+    """Mistral under sdpa: a window shorter than the sequence materializes a mask (transformers' masking_utils) and
+    sdpa still computes every score: attention FLOPs as full causal attention, plus the mask's bytes; a window as
+    long as the sequence changes nothing (sdpa's is_causal, no mask)."""
+    def block(seq: int, *extra: str):
+        return model_costs(hf(configs["mistral"], f"model.seq_len={seq}", *extra)).block
+
+    heads, head_dim = TINY["num_attention_heads"], TINY["hidden_size"] // TINY["num_attention_heads"]
+    windowed, unwindowed = block(128), block(128, "+model.hf.sliding_window=null")
+    assert windowed("fwd_attention_flops", 2, 128, 1) == unwindowed("fwd_attention_flops", 2, 128, 1) \
+        == 4 * 2 * heads * 128 * 128 * head_dim
+    assert windowed("fwd_memory_bytes", 2, 128, 1) > unwindowed("fwd_memory_bytes", 2, 128, 1)  # the mask
+    assert block(32)("fwd_memory_bytes", 2, 32, 1) == block(32, "+model.hf.sliding_window=null")("fwd_memory_bytes", 2, 32, 1)
+
+
+@pytest.mark.parametrize("name, reason", [("mixtral", "mixture-of-experts"), ("t5", "encoder-decoder")])
+def test_unpriceable_models_are_refused_with_exit_2(configs, name, reason):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "show", "model=hf",
+                           f"model.name_or_path={configs[name]}", "model.seq_len=64"],
+                          capture_output=True, text=True, cwd=REPO, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert reason in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_architecture_without_the_attention_asked_for_is_refused(configs):
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        hf(configs["gemma2"], "model.seq_len=64")  # Gemma 2 has no sdpa path in transformers 5.x
+
+
+def test_tensor_parallelism_of_an_hf_model_is_refused_until_priced(configs):
+    with pytest.raises(ConfigError, match="AutoTP"):
+        hf(configs["qwen2"], "model.seq_len=64", "cluster.gpus_per_node=2", "strategy.tp=2")
