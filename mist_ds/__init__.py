@@ -6,6 +6,12 @@ Python API (the same override strings as the `mist-ds` CLI):
     mist_ds.predict([...]) -> Prediction                                 # `mist-ds predict`
     mist_ds.predict_many([[...], [...]]) -> [Prediction]                 # `mist-ds predict-many`
     mist_ds.tune([...]) -> Plan                                          # `mist-ds tune` (no files)
+    mist_ds.predict([...], model=my_module), mist_ds.tune([...], model=my_module)  # your own nn.Module
+
+Your own nn.Module (docs/design.md, Your own model): `model=` takes a module whose forward maps token ids (b, s) to
+logits (b, s, V), `loss=` its loss(logits, labels) (default: next-token cross entropy); give model.seq_len (and
+model.num_heads where its blocks carry no head count) in the overrides. It is traced once, from the module itself,
+into the analysis cache the cost model reads.
 
 Imports are lazy so that `import mist_ds` stays cheap (torch and DeepSpeed load only when needed).
 """
@@ -16,25 +22,37 @@ from typing import Any, Sequence
 __version__ = "0.1.0"
 
 
-def compose(overrides: Sequence[str] = (), with_strategy: bool = True):
-    """Validated, frozen `Specs` for Hydra `overrides`; raises ConfigError naming a bad field."""
+def compose(overrides: Sequence[str] = (), with_strategy: bool = True, model=None, loss=None):
+    """Validated, frozen `Specs` for Hydra `overrides`; raises ConfigError naming a bad field. `model`: your own
+    nn.Module (and `loss` its loss function), read on the meta device."""
     from mist_ds.config import compose as _compose
 
-    return _compose(overrides, with_strategy=with_strategy)
+    return _compose(overrides, with_strategy=with_strategy, module=model, loss=loss)
 
 
-def show(overrides: Sequence[str] = ()) -> dict[str, Any]:
+def _compose_traced(overrides: Sequence[str], with_strategy: bool, model, loss):
+    """compose(); a module given is traced now (once: cached), so that the cost model reads its analysis."""
+    specs = compose(overrides, with_strategy=with_strategy, model=model, loss=loss)
+    if model is not None:
+        from mist_ds.symbolic import analyze_model
+
+        analyze_model(specs.model, specs.train.precision, module=model, loss=loss)
+    return specs
+
+
+def show(overrides: Sequence[str] = (), model=None, loss=None) -> dict[str, Any]:
     """The facts `mist-ds show --json` prints: parameters, FLOPs per token, model-state bytes per GPU."""
     from mist_ds.report.show import show_facts
 
-    return show_facts(compose(overrides))
+    return show_facts(compose(overrides, model=model, loss=loss))
 
 
-def predict(overrides: Sequence[str] = ()):
-    """Time and memory of the strategy in `overrides` (the `strategy` group) -> Prediction."""
+def predict(overrides: Sequence[str] = (), model=None, loss=None):
+    """Time and memory of the strategy in `overrides` (the `strategy` group) -> Prediction. `model`: your own
+    nn.Module, `loss` its loss function (this module's docstring)."""
     from mist_ds.cost.predict import predict as _predict
 
-    return _predict(compose(overrides))
+    return _predict(_compose_traced(overrides, True, model, loss))
 
 
 def predict_many(override_lists: Sequence[Sequence[str]]):
@@ -47,12 +65,13 @@ def predict_many(override_lists: Sequence[Sequence[str]]):
     return predict_specs_many(compose_many(override_lists))
 
 
-def tune(overrides: Sequence[str] = ()):
-    """The best plan for `overrides` -> Plan; raises mist_ds.tuner.NoPlanFits when nothing fits."""
+def tune(overrides: Sequence[str] = (), model=None, loss=None):
+    """The best plan for `overrides` -> Plan; raises mist_ds.tuner.NoPlanFits when nothing fits. `model`: your own
+    nn.Module, `loss` its loss function (this module's docstring)."""
     from mist_ds.report.tune import plan_from_result
     from mist_ds.tuner import tune_specs
 
-    specs = compose(overrides, with_strategy=False)
+    specs = _compose_traced(overrides, False, model, loss)
     return plan_from_result(tune_specs(specs, progress=False), overrides)
 
 

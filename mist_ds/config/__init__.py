@@ -22,6 +22,8 @@ from mist_ds.specs import ConfigError, Specs, check_runtime
 
 CONFIG_MODULE = "mist_ds.conf"
 PRIMARY_CONFIG = "config"
+MODULE_OPTION = "model=module"
+"""The model option of a module handed to Python (conf/model/module.yaml)."""
 LOGGING_OPTION = "mist_ds"
 """The option of `hydra/job_logging` and `hydra/hydra_logging` that conf/config.yaml selects."""
 
@@ -114,24 +116,28 @@ def job_overrides(exclude_keys: Sequence[str]) -> list[str]:
     return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in exclude_keys]
 
 
-def specs_from_config(cfg: DictConfig, with_strategy: bool = True) -> Specs:
+def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Validate a composed config into frozen SI specs (ConfigError names the first bad field).
 
-    with_strategy=False skips the `strategy` group (the tuner chooses the strategy itself).
+    with_strategy=False skips the `strategy` group (the tuner chooses the strategy itself). `module`, `loss`: your
+    own nn.Module and loss function, from Python (model=module; docs/design.md, Your own model).
     """
     try:
         schema: MistDsConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except Exception as error:
         raise as_config_error(error) from error
-    specs = to_specs(schema, with_strategy=with_strategy)
+    specs = to_specs(schema, with_strategy=with_strategy, module=module, loss=loss)
     if specs.strategy is not None:
         check_runtime(specs.strategy, model=specs.model)
     return specs
 
 
-def compose(overrides: Sequence[str] = (), with_strategy: bool = True) -> Specs:
-    """Compose mist_ds's config with `overrides` (e.g. ["model=llama2-7b", "cluster.nodes=2"])."""
-    return specs_from_config(compose_config(overrides), with_strategy=with_strategy)
+def compose(overrides: Sequence[str] = (), with_strategy: bool = True, module=None, loss=None) -> Specs:
+    """Compose mist_ds's config with `overrides` (e.g. ["model=llama2-7b", "cluster.nodes=2"]). Given `module` (your
+    own nn.Module; `loss` its loss function, optional), the model is that module: `model=module` is selected."""
+    if module is not None:
+        overrides = [MODULE_OPTION, *(o for o in overrides if o != MODULE_OPTION)]
+    return specs_from_config(compose_config(overrides), with_strategy=with_strategy, module=module, loss=loss)
 
 
 __all__ = ["ConfigError", "compose", "job_overrides", "compose_config", "recompose_in_app", "register_configs",

@@ -6,7 +6,7 @@ from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Sp
                            TunerSpec, runtime_capabilities)
 from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
 from mist_ds.specs.errors import require
-from mist_ds.specs.model import HF, default_ffn_hidden_size
+from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
 from mist_ds.specs.strategy import resolve_strategy
 
 
@@ -14,17 +14,29 @@ from mist_ds.specs.strategy import resolve_strategy
 ZOO_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
                     "tie_embeddings")
 """The shape a zoo model's YAML gives; an hf model reads them from its config."""
-HF_ONLY_FIELDS = ("name_or_path",)
+FAMILY_ONLY_FIELDS = {HF: ("name_or_path", "hf"), MODULE: ("_target_", "kwargs", "blocks_attr", "loss")}
+"""Fields only that family reads: refused for the others (they would be silently ignored)."""
+MODULE_READ_FIELDS = ("hidden_size", "num_layers", "vocab_size", "tie_embeddings")
+"""What one run of a module's forward shows (mist_ds/specs/module.py); given, each must agree with the module."""
 
 
-def model_spec(cfg: ModelConfig) -> ModelSpec:
+def _refuse_other_families_fields(cfg: ModelConfig) -> None:
+    for family, fields in FAMILY_ONLY_FIELDS.items():
+        for field in fields if cfg.family != family else ():
+            value = getattr(cfg, field)
+            require(not value, f"model.{field}", dict(value) if isinstance(value, dict) else value,
+                    f"only model={family} takes it (this model's family is {cfg.family})")
+
+
+def model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
+    """The model's spec; `module` (an nn.Module) and `loss` (a callable) come from Python with family module."""
+    require(module is None or cfg.family == MODULE, "model", cfg.family,
+            "a module handed to mist_ds is its own model: drop the model= override (or give model=module)")
+    _refuse_other_families_fields(cfg)
     if cfg.family == HF:
         return hf_model_spec(cfg)
-    for field in HF_ONLY_FIELDS:
-        require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
-                f"only a Hugging Face model takes it: use model=hf (this model's family is {cfg.family})")
-    require(not cfg.hf, "model.hf", dict(cfg.hf), f"only a Hugging Face model takes it: use model=hf (this model's "
-                                                  f"family is {cfg.family})")
+    if cfg.family == MODULE:
+        return module_model_spec(cfg, module, loss)
     for field in ZOO_SHAPE_FIELDS:
         require(field in ("num_kv_heads", "ffn_hidden_size") or getattr(cfg, field) is not None, f"model.{field}",
                 None, f"required for a {cfg.family} model: give it in the model's YAML or as model.{field}=...")
@@ -58,6 +70,41 @@ def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
         num_heads=int(config.num_attention_heads), num_kv_heads=kv_heads(config), ffn_hidden_size=ffn_width(config, source),
         vocab_size=int(config.vocab_size), seq_len=cfg.seq_len, tie_embeddings=source.tied,
         flash_attention=cfg.attn_implementation != "eager", dropout=cfg.dropout, hf=source)
+
+
+def module_model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
+    """Your own nn.Module's spec (mist_ds/specs/module.py): `module`, or the one model._target_ builds; its shape read
+    from one run of its forward, the fields it cannot show given by the user."""
+    from mist_ds.specs.module import build_target, import_object, read_module
+
+    if module is None:
+        require(cfg._target_ is not None, "model._target_", None,
+                "required with model=module: the import path of a function returning your nn.Module (from Python: "
+                "mist_ds.predict(overrides, model=module))")
+        module = build_target(cfg._target_, dict(cfg.kwargs))
+    else:
+        require(cfg._target_ is None and not cfg.kwargs, "model._target_", cfg._target_,
+                "a module handed to mist_ds is the model: drop model._target_ and model.kwargs")
+    require(loss is None or cfg.loss is None, "model.loss", cfg.loss, "give the loss once: as loss= or as model.loss")
+    if cfg.loss is not None:
+        loss = import_object(cfg.loss, "model.loss")
+    require(cfg.dropout == 0.0, "model.dropout", cfg.dropout, "your module's own dropout layers are what is priced: "
+                                                              "leave model.dropout at 0")
+    read = read_module(module, cfg.seq_len, blocks_attr=cfg.blocks_attr, loss=loss, num_heads=cfg.num_heads,
+                       num_kv_heads=cfg.num_kv_heads, ffn_hidden_size=cfg.ffn_hidden_size, target=cfg._target_,
+                       target_kwargs=dict(cfg.kwargs))
+    source = read.source
+    shown = {"hidden_size": read.hidden_size, "num_layers": source.num_blocks, "vocab_size": read.vocab_size,
+             "tie_embeddings": source.tied}
+    for field in MODULE_READ_FIELDS:
+        given = getattr(cfg, field)
+        require(given is None or given == shown[field], f"model.{field}", given,
+                f"{source.class_name} has {shown[field]}; change the module (or model.kwargs), not this field")
+    return ModelSpec(
+        name=cfg.name or source.class_name.rsplit(".", 1)[-1], family=MODULE, hidden_size=read.hidden_size,
+        num_layers=source.num_blocks, num_heads=read.num_heads, num_kv_heads=read.num_kv_heads,
+        ffn_hidden_size=read.ffn_hidden_size, vocab_size=read.vocab_size, seq_len=cfg.seq_len,
+        tie_embeddings=source.tied, flash_attention=cfg.flash_attention, dropout=0.0, module=source)
 
 
 def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
@@ -112,9 +159,10 @@ def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, t
         schedule=cfg.schedule, allow_cross_node_tp=cfg.allow_cross_node_tp, virtual_stages=cfg.virtual_stages)
 
 
-def to_specs(cfg: MistDsConfig, with_strategy: bool = True) -> Specs:
-    """Validate and convert a whole config; raises ConfigError naming the first bad field."""
-    return specs_of(model_spec(cfg.model), cluster_spec(cfg.cluster), train_spec(cfg.train), tuner_spec(cfg.tuner),
+def to_specs(cfg: MistDsConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:
+    """Validate and convert a whole config; raises ConfigError naming the first bad field. `module`, `loss`: a
+    user's nn.Module and loss function handed to Python (model=module)."""
+    return specs_of(model_spec(cfg.model, module, loss), cluster_spec(cfg.cluster), train_spec(cfg.train), tuner_spec(cfg.tuner),
                     cfg.strategy if with_strategy else None)
 
 

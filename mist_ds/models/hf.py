@@ -1,10 +1,10 @@
 """A Hugging Face causal LM cut into the zoo's three layer kinds, from the real transformers modules.
 
 - `HfEmbedding`: everything the model's forward runs before its first block (token and position embeddings,
-  scaling, dropout, rotary tables, the attention mask), by running the base model's own forward with its
-  blocks replaced by one that stops it; its output is what the first block receives.
+  scaling, dropout, rotary tables, the attention mask), by running the base model's own forward until its first
+  block is called (mist_ds/models/parts.py); its output is what the first block receives.
 - `HfBlock`: one decoder block, called as the base model calls it (the side inputs its forward hands every
-  block: rotary cos / sin, mask, positions, captured from that same run).
+  block: rotary cos / sin, mask, positions, captured from that same run; parts.BlockCall).
 - `HfHead`: the modules of the base model after the blocks (the final norm), the LM head, the logit soft-cap
   where the config has one, and the loss by the model's own `loss_function`.
 
@@ -15,25 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any
 
 import torch
 from torch import nn
 
+from mist_ds.models.parts import BlockCall, run_to_first_block as run_to_block
 from mist_ds.specs.hf import HfSource, build_meta_model
-
-
-class _Stopped(Exception):
-    """Raised by the stand-in first block: carries what the base model's forward handed it."""
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__("stopped at the first block")
-        self.args, self.kwargs = args, kwargs
-
-
-class _StopAtBlock(nn.Module):
-    def forward(self, *args, **kwargs):
-        raise _Stopped(args, kwargs)
+from mist_ds.specs.module import hidden_input
 
 
 def config_of(source: HfSource):
@@ -54,17 +42,6 @@ def meta_model(source: HfSource, dtype: torch.dtype) -> nn.Module:
 def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     parent, _, name = path.rpartition(".")
     return (model.get_submodule(parent) if parent else model), name
-
-
-@contextlib.contextmanager
-def _blocks_replaced(model: nn.Module, blocks_attr: str, stand_in: nn.ModuleList):
-    parent, name = _parent_and_name(model, blocks_attr)
-    blocks = getattr(parent, name)
-    setattr(parent, name, stand_in)
-    try:
-        yield
-    finally:
-        setattr(parent, name, blocks)
 
 
 @contextlib.contextmanager
@@ -89,16 +66,9 @@ def run_to_first_block(model: nn.Module, source: HfSource, tokens_BS: torch.Tens
     """(args, kwargs) the base model's forward hands its first block for `tokens_BS`: the hidden states
     (B, S, D) and the side inputs every block receives."""
     base, _ = _parent_and_name(model, source.blocks_attr)
-    with _blocks_replaced(model, source.blocks_attr, nn.ModuleList([_StopAtBlock()])), _masks_as_in_a_real_run():
-        try:
-            base(input_ids=tokens_BS, use_cache=False)
-        except _Stopped as stopped:
-            return stopped.args, stopped.kwargs
-    raise RuntimeError(f"{source.architecture}'s forward never reached its blocks ({source.blocks_attr})")
-
-
-def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+    with _masks_as_in_a_real_run():
+        return run_to_block(model.get_submodule(source.blocks_attr)[0],
+                            lambda: base(input_ids=tokens_BS, use_cache=False))
 
 
 class HfEmbedding(nn.Module):
@@ -118,26 +88,11 @@ class HfEmbedding(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         args, kwargs = run_to_first_block(self.model, self.source, tokens_BS)
-        return _hidden_of(args, kwargs)
+        return hidden_input(args, kwargs)[1]
 
 
-class HfBlock(nn.Module):
-    """One decoder block, called with the side inputs the base model hands every block (`side_inputs`)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-        self.side_args: tuple = ()
-        self.side_kwargs: dict[str, Any] = {}
-
-    def side_inputs(self, args: tuple, kwargs: dict) -> None:
-        """The first block's call as captured (run_to_first_block), the hidden states left out."""
-        self.side_args = args[1:]
-        self.side_kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        out = self.block(x_BSD, *self.side_args, **self.side_kwargs)
-        return out[0] if isinstance(out, tuple) else out
+HfBlock = BlockCall
+"""One decoder block, called with the side inputs the base model hands every block."""
 
 
 def _head_modules(model: nn.Module, source: HfSource) -> list[nn.Module]:

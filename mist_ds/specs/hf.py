@@ -182,7 +182,7 @@ def find_blocks(model) -> tuple[str, Any]:
     return max(lists, key=lambda item: len(item[1]))
 
 
-def _linear_weights(module) -> set[int]:
+def linear_weights(module) -> set[int]:
     """ids of the 2-D weights Linear-like layers multiply by (nn.Linear, and GPT-2's Conv1D)."""
     import torch
 
@@ -194,15 +194,20 @@ def _linear_weights(module) -> set[int]:
     return found
 
 
+def check_blocks_alike(blocks) -> None:
+    """ValueError unless every block has block 0's class and parameter shapes."""
+    shapes = [tuple(p.shape) for p in blocks[0].parameters()]
+    for index, block in enumerate(blocks):
+        if type(block) is not type(blocks[0]) or [tuple(p.shape) for p in block.parameters()] != shapes:
+            raise ValueError(f"block {index} differs from block 0 in class or parameter shapes")
+
+
 def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
     """The model's parameters by part: the first block's; the final norm and LM head (modules of the base model
     registered after the blocks, and the output embeddings); the rest is the embedding part."""
     first = list(blocks[0].named_parameters())
-    shapes = [tuple(p.shape) for _, p in first]
-    for index, block in enumerate(blocks):
-        if type(block) is not type(blocks[0]) or [tuple(p.shape) for p in block.parameters()] != shapes:
-            raise ValueError(f"block {index} differs from block 0 in class or parameter shapes")
-    linear = _linear_weights(model)
+    check_blocks_alike(blocks)
+    linear = linear_weights(model)
     head_modules = []
     parent = model.get_submodule(blocks_attr.rsplit(".", 1)[0]) if "." in blocks_attr else model
     after = False

@@ -11,11 +11,14 @@ from typing import Literal
 
 from mist_ds.specs.errors import ConfigError, require, require_positive
 from mist_ds.specs.hf import HfParam, HfSource
+from mist_ds.specs.module import ModuleSource
 
-Family = Literal["gpt", "llama", "falcon", "hf"]
+Family = Literal["gpt", "llama", "falcon", "hf", "module"]
 FAMILIES: tuple[str, ...] = ("gpt", "llama", "falcon")
-"""The zoo's families (reference layers of mist_ds.models); `hf` models come from a Hugging Face config."""
+"""The zoo's families (reference layers of mist_ds.models); `hf` models come from a Hugging Face config, `module`
+models from the user's own nn.Module."""
 HF = "hf"
+MODULE = "module"
 
 # LLaMA rounds its SwiGLU width 8h/3 up to a multiple of 256 (Touvron et al. 2023, `multiple_of`).
 LLAMA_FFN_MULTIPLE = 256
@@ -47,17 +50,23 @@ class ModelSpec:
     dropout: float
     hf: HfSource | None = None
     """A Hugging Face model's source and parameters (family hf; mist_ds/specs/hf.py), else None."""
+    module: ModuleSource | None = None
+    """A user's nn.Module's source and parameters (family module; mist_ds/specs/module.py), else None."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.hf, dict):  # a spec sent as JSON (dataclasses.asdict) comes back whole
-            params = tuple(HfParam(**{**p, "shape": tuple(p["shape"])}) for p in self.hf["params"])
-            object.__setattr__(self, "hf", HfSource(**{**self.hf, "params": params}))
-        require(self.family in FAMILIES or (self.family == HF and self.hf is not None), "model.family", self.family,
-                f"use one of {', '.join(FAMILIES)}, or model=hf for a Hugging Face config")
+        for name, kind in (("hf", HfSource), ("module", ModuleSource)):
+            read = getattr(self, name)
+            if isinstance(read, dict):  # a spec sent as JSON (dataclasses.asdict) comes back whole
+                params = tuple(HfParam(**{**p, "shape": tuple(p["shape"])}) for p in read["params"])
+                object.__setattr__(self, name, kind(**{**read, "params": params}))
+        require(self.family in FAMILIES or (self.family == HF and self.hf is not None)
+                or (self.family == MODULE and self.module is not None), "model.family", self.family,
+                f"use one of {', '.join(FAMILIES)}, model=hf for a Hugging Face config, or model=module for your "
+                "own nn.Module")
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                       "vocab_size", "seq_len"):
             require_positive(f"model.{field}", getattr(self, field))
-        require(self.hf is not None or self.hidden_size % self.num_heads == 0, "model.hidden_size", self.hidden_size,
+        require(self.read_model is not None or self.hidden_size % self.num_heads == 0, "model.hidden_size", self.hidden_size,
                 f"must be a multiple of model.num_heads={self.num_heads} (head dim = hidden / heads)")
         require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
                 f"must divide model.num_heads={self.num_heads} (each KV head serves a group of query heads)")
@@ -67,14 +76,22 @@ class ModelSpec:
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be in [0, 1)")
 
     @property
+    def read_model(self) -> HfSource | ModuleSource | None:
+        """The model as read from its own module (family hf or module): parameters by part, head dim; else None."""
+        return self.hf if self.hf is not None else self.module
+
+    @property
     def head_dim(self) -> int:
-        return self.hf.head_dim if self.hf is not None else self.hidden_size // self.num_heads
+        return self.read_model.head_dim if self.read_model is not None else self.hidden_size // self.num_heads
 
     def check_tensor_parallel(self, t: int, field: str = "strategy.tp") -> None:
         """Megatron-style TP splits query heads, KV heads (or replicates them), FFN width and vocab."""
         if self.hf is not None and t > 1:
             raise ConfigError(field, t, "tensor parallelism of a Hugging Face model (DeepSpeed AutoTP) is not priced "
                                         "yet: plan it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.autotp")
+        if self.module is not None and t > 1:
+            raise ConfigError(field, t, "tensor parallelism of your own nn.Module is not priced: plan it with "
+                                        "strategy.tp=1 (tune: tuner.tp=[1])", rule="module.tp")
         require(self.num_heads % t == 0, field, t, f"must divide model.num_heads={self.num_heads}")
         kv = self.num_kv_heads
         require(kv % t == 0 or t % kv == 0, field, t,
@@ -90,21 +107,21 @@ class ModelSpec:
         return max(1, self.num_kv_heads // t)
 
     # --- parameter counts (elements), per TP rank with degree t -------------------------------------
-    def _hf_elements(self, part: str, linear_only: bool = False) -> int:
-        return sum(p.numel for p in self.hf.part_params(part) if p.linear or not linear_only)
+    def _part_elements(self, part: str, linear_only: bool = False) -> int:
+        return sum(p.numel for p in self.read_model.part_params(part) if p.linear or not linear_only)
 
     def embedding_params(self, t: int = 1) -> int:
         """Token embedding (vocab-parallel: V/t rows) plus, for gpt, learned positions (replicated)."""
-        if self.hf is not None:
-            return self._hf_elements("embedding")
+        if self.read_model is not None:
+            return self._part_elements("embedding")
         token = (self.vocab_size // t) * self.hidden_size
         positions = self.seq_len * self.hidden_size if self.family == "gpt" else 0
         return token + positions
 
     def block_params(self, t: int = 1) -> int:
         """One transformer block on one TP rank: sharded GEMM weights/biases + replicated norms/biases."""
-        if self.hf is not None:
-            return self._hf_elements("block")
+        if self.read_model is not None:
+            return self._part_elements("block")
         h, d = self.hidden_size, self.head_dim
         q_rank = (self.num_heads // t) * d
         kv_rank = self.kv_heads_per_rank(t) * d
@@ -123,8 +140,8 @@ class ModelSpec:
         """Elements of a block's largest single parameter tensor on one TP rank (the fused qkv weight or
         the MLP's input weight, fused gate+up for llama): DeepSpeed's ZeRO-1/2 gradient partitions hold
         whole tensors, so it bounds how far a partition overshoots its share."""
-        if self.hf is not None:
-            return max(p.numel for p in self.hf.part_params("block"))
+        if self.read_model is not None:
+            return max(p.numel for p in self.read_model.part_params("block"))
         h, d = self.hidden_size, self.head_dim
         qkv = h * ((self.num_heads // t) + 2 * self.kv_heads_per_rank(t)) * d
         mlp_in = h * (self.ffn_hidden_size // t) * (2 if self.family == "llama" else 1)
@@ -136,8 +153,8 @@ class ModelSpec:
 
     def head_params(self, t: int = 1) -> int:
         """Final norm plus the LM head (V/t rows); the head holds its own copy even when tied."""
-        if self.hf is not None:
-            return self._hf_elements("head")
+        if self.read_model is not None:
+            return self._part_elements("head")
         norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
         return norm + (self.vocab_size // t) * self.hidden_size
 
@@ -153,13 +170,13 @@ class ModelSpec:
 
         GEMMs from the real shapes (GQA projections, SwiGLU's three matrices) plus attention scores
         and values: 2 * 2 * s * h per layer (QK^T and AV over the full sequence, causal mask ignored,
-        as in Narayanan et al. SC'21 eq. 3). For gpt this equals 24h^2 + 4sh per layer + 2hV. For an hf model
-        the GEMMs are its Linear layers' weights (biases and norms left out, as here).
+        as in Narayanan et al. SC'21 eq. 3). For gpt this equals 24h^2 + 4sh per layer + 2hV. For an hf or a
+        module model the GEMMs are its Linear layers' weights (biases and norms left out, as here).
         """
-        if self.hf is not None:
+        if self.read_model is not None:
             attention_macs = 2 * self.seq_len * self.num_heads * self.head_dim
-            return 2 * (self.num_layers * (self._hf_elements("block", True) + attention_macs)
-                        + self._hf_elements("head", True))
+            return 2 * (self.num_layers * (self._part_elements("block", True) + attention_macs)
+                        + self._part_elements("head", True))
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         f = self.ffn_hidden_size

@@ -16,6 +16,9 @@ LAYER_KINDS = ("embedding", "block", "head")
 
 def layer_fields(model: ModelSpec, precision: str) -> dict:
     """What the layers' costs depend on (not num_layers, not the name)."""
+    if model.module is not None:  # the module's structure, code and loss, traced at the model's sequence length
+        return {"family": model.family, "module_sha256": model.module.module_sha256,
+                "blocks_attr": model.module.blocks_attr, "seq_len": model.seq_len, "precision": precision}
     if model.hf is not None:  # the config as read and overridden, traced at the model's sequence length
         return {"family": model.family, "hf_config_sha256": model.hf.config_sha256, "seq_len": model.seq_len,
                 "attn_implementation": model.hf.attn_implementation, "precision": precision}
@@ -25,8 +28,11 @@ def layer_fields(model: ModelSpec, precision: str) -> dict:
             "flash_attention": model.flash_attention, "precision": precision}
 
 
-def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = None) -> dict[str, LayerCost]:
-    """LayerCost of the model's embedding, block and head; traced once, then read from the cache."""
+def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = None, module=None,
+                  loss=None) -> dict[str, LayerCost]:
+    """LayerCost of the model's embedding, block and head; traced once, then read from the cache. `module`, `loss`:
+    a user's nn.Module and loss function the spec was read from (family module; else its model._target_ builds
+    it again)."""
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(layer_fields(model, precision))
     cached = cache.load(directory, key)
@@ -38,6 +44,12 @@ def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = Non
         from mist_ds.symbolic.hf_trace import trace_hf_layer
 
         costs = {kind: tracing.layer_cost(kind, trace_hf_layer(model, kind, precision)) for kind in LAYER_KINDS}
+    elif model.module is not None:
+        from mist_ds.symbolic.module_trace import module_of, trace_module_layer
+
+        module, loss = module_of(model, module, loss)
+        costs = {kind: tracing.layer_cost(kind, trace_module_layer(model, kind, precision, module, loss))
+                 for kind in LAYER_KINDS}
     else:
         costs = {kind: tracing.layer_cost(kind, tracing.trace_layer(model, kind, precision)) for kind in LAYER_KINDS}
     cache.store(directory, key, {"fields": layer_fields(model, precision),

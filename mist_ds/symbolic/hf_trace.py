@@ -1,60 +1,19 @@
-"""Tracing a Hugging Face model's layers (mist_ds/models/hf.py) into expressions in (b, s): the same op rules and
-saved / peak accounting as the zoo's, with the real transformers modules run on fake tensors.
+"""Tracing a Hugging Face model's layers (mist_ds/models/hf.py) into expressions in (b, s), with the real
+transformers modules run on fake tensors (mist_ds/symbolic/cut_trace.py).
 
 Imports torch, sympy and transformers; `mist_ds.symbolic.analyze` loads it only on a cache miss. Tensor
 parallelism is not traced here (an hf model is priced at t = 1 only: ModelSpec.check_tensor_parallel)."""
 from __future__ import annotations
 
-import torch
-
 from mist_ds.models.hf import meta_model, parts, run_to_first_block
 from mist_ds.specs import ModelSpec
-from mist_ds.symbolic.aggregate import Gemm, aggregate
+from mist_ds.symbolic.cut_trace import trace_cut_layer
 from mist_ds.symbolic.layers import DTYPES
-from mist_ds.symbolic.trace import run_trace
-from mist_ds.symbolic.tracing import TracedLayer, _rename, _tidy
-from mist_ds.symbolic.user_layers import _to_fake
-
-BATCH_HINTS = (3, 5)
-"""Example micro-batch sizes while tracing (the first that differs from the sequence's)."""
-
-
-def trace_hints(model: ModelSpec) -> dict[str, int]:
-    """Example sizes: the sequence at the model's own length. transformers' forward branches on it (a sliding
-    window or a local attention span shorter than the sequence materializes a mask, masking_utils
-    `_ignore_causal_mask_sdpa`), and fake tensors take each branch as the example size decides, recording the
-    condition as a guard: the expressions hold on that side of every such threshold, i.e. at s = model.seq_len,
-    the one sequence length the cost model evaluates (the analysis is cached per seq_len)."""
-    return {"b": next(b for b in BATCH_HINTS if b != model.seq_len), "s": model.seq_len}
+from mist_ds.symbolic.tracing import TracedLayer
 
 
 def trace_hf_layer(model: ModelSpec, kind: str, precision: str) -> TracedLayer:
     """One layer kind (embedding, block, head) of an hf model, traced with symbolic b and s."""
-    dtype = DTYPES[precision]
-    built: dict = {}
-    meta = meta_model(model.hf, dtype)  # built outside the fake mode: some modules make tensors in __init__
-
-    def build(sizes):
-        whole = _to_fake(meta)
-        built["model"], built["part"] = whole, parts(whole, model.hf)[kind]
-        return built["part"]
-
-    def make_inputs(sizes):
-        tokens_BS = torch.zeros(sizes["b"], sizes["s"], dtype=torch.int64)
-        if kind == "embedding":
-            return (tokens_BS,)
-        if kind == "block":  # the side inputs every block gets, made outside the recorded ops (the embedding's)
-            with torch.no_grad():
-                args, kwargs = run_to_first_block(built["model"], model.hf, tokens_BS)
-            built["part"].side_inputs(args, kwargs)
-        return (torch.empty(sizes["b"], sizes["s"], model.hidden_size, dtype=dtype, requires_grad=True),)
-
-    def head_loss(logits, inputs):
-        labels_BS = torch.zeros(logits.shape[0], logits.shape[1], dtype=torch.int64)
-        return built["part"].loss(logits, labels_BS)
-
-    trace, rename = run_trace(build, make_inputs, head_loss if kind == "head" else None, trace_hints(model))
-    exprs, gemms = aggregate(trace)
-    exprs = {k: _tidy(_rename(v, rename)) for k, v in exprs.items()}
-    gemms = [Gemm(g.phase, *(_tidy(_rename(x, rename)) for x in (g.batch, g.m, g.n, g.k))) for g in gemms]
-    return TracedLayer(exprs=exprs, gemms=tuple(gemms), guards=tuple(trace.guards))
+    meta = meta_model(model.hf, DTYPES[precision])  # built outside the fake mode: some modules make tensors in __init__
+    return trace_cut_layer(model, kind, precision, meta, lambda whole: parts(whole, model.hf),
+                           lambda whole, tokens_BS: run_to_first_block(whole, model.hf, tokens_BS), head_marked=False)

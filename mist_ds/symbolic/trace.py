@@ -97,10 +97,12 @@ def tensor_info(tensor: torch.Tensor, serial: int | None = None) -> TensorInfo:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, record_from: str | None = None) -> None:
         super().__init__()
         self.trace = trace
         self.phase = FORWARD
+        self.waiting_for = record_from
+        """The op after which recording starts (None: recording)."""
         self.unreleased: dict[int, int] = {}
         """Storage address -> serial of the live storage at that address."""
 
@@ -133,6 +135,10 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = str(func)
+        if self.waiting_for is not None:
+            if name == self.waiting_for:
+                self.waiting_for = None
+            return out
         if name in IGNORED_OPS:
             return out
         index = len(self.trace.ops)
@@ -162,19 +168,21 @@ def make_symint(env: ShapeEnv, name: str, hint: int, rename: dict) -> torch.SymI
 def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
               make_inputs: Callable[[dict[str, Any]], tuple],
               loss_of: Callable[[Any, tuple], torch.Tensor] | None,
-              hints: dict[str, int]) -> tuple[Trace, dict[sympy.Symbol, str]]:
+              hints: dict[str, int], record_from: str | None = None) -> tuple[Trace, dict[sympy.Symbol, str]]:
     """Build a layer with symbolic sizes, run forward and backward, return what was recorded.
 
     build(sizes) -> module; make_inputs(sizes) -> tuple of inputs (the first requires grad when the
     layer's input gradient is real); loss_of(output, inputs) -> scalar to backpropagate (None: the
     output's gradient is an incoming tensor like it). `sizes` maps each name of `hints` to a SymInt.
-    Returns the trace and ShapeEnv-symbol -> name, to rename expressions afterwards.
+    record_from: an op name; the forward's ops up to and including its first call are not recorded (the part of
+    a whole model's forward after its blocks: mist_ds/models/parts.py). Returns the trace and
+    ShapeEnv-symbol -> name, to rename expressions afterwards.
     """
     env = ShapeEnv()
     rename: dict = {}
     trace = Trace()
     with _no_cyclic_gc():
-        _run(build, make_inputs, loss_of, hints, env, rename, trace)
+        _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from)
     return trace, rename
 
 
@@ -192,7 +200,7 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _run(build, make_inputs, loss_of, hints, env, rename, trace) -> None:
+def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) -> None:
     import torch._dynamo.config as dynamo_config
 
     # FakeTensor's dispatch cache costs more than it saves on one pass with symbolic shapes.
@@ -201,7 +209,7 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace) -> None:
         module = build(sizes)
         module.train()
         params = list(module.parameters())
-        recorder = _Recorder(trace)
+        recorder = _Recorder(trace, record_from)
         trace.param_storages = {recorder.track(p, -1) for p in params}
         for param in params:
             # DeepSpeed moves each gradient into its bucket / partition as soon as it is accumulated
@@ -215,11 +223,14 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace) -> None:
         trace.input_bytes = sympy.Add(*[tensor_info(x).nbytes for x in tensor_inputs[:1]])
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            trace.saved.add(recorder.track(tensor, len(trace.ops) - 1))
+            if recorder.waiting_for is None:
+                trace.saved.add(recorder.track(tensor, len(trace.ops) - 1))
             return tensor
 
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             output = module(*inputs)
+            if recorder.waiting_for is not None:
+                raise RuntimeError(f"the layer's forward never ran {record_from}: nothing was recorded")
             target = loss_of(output, inputs) if loss_of else output
         trace.output_storages = {recorder.track(output, len(trace.ops) - 1)}
         trace.output_bytes = tensor_info(output).nbytes

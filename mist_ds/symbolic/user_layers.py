@@ -11,7 +11,6 @@ layers there are no TP collectives, so the expressions do not depend on t.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mist_ds.specs.module import meta_copy
 from mist_ds.symbolic import cache
 from mist_ds.symbolic.aggregate import aggregate
 from mist_ds.symbolic.tracing import NAME_TO_SYMBOL, TracedLayer, _rename, _tidy, layer_cost
@@ -35,22 +35,20 @@ def _is_layer_spec(layer: Any) -> bool:
     return hasattr(layer, "typename") and hasattr(layer, "build") and not isinstance(layer, torch.nn.Module)
 
 
-def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the module on the meta device, made without copying any parameter data."""
-    memo: dict[int, Any] = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                            for p in module.parameters()}
-    memo.update({id(x): torch.empty_like(x, device="meta") for x in module.buffers()})
-    return copy.deepcopy(module, memo)
-
-
 def _to_fake(clone: torch.nn.Module) -> torch.nn.Module:
-    """Replace a meta module's parameters and buffers by fake tensors of the current fake mode."""
+    """Replace a meta module's parameters and buffers by fake tensors of the current fake mode; a tensor two
+    modules share (a tied LM head) stays one tensor."""
+    made: dict[int, torch.Tensor] = {}
     for sub in clone.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
-            setattr(sub, name, torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
-                                                  requires_grad=param.requires_grad))
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                     requires_grad=param.requires_grad)
+            setattr(sub, name, made[id(param)])
         for name, buffer in list(sub.named_buffers(recurse=False)):
-            sub.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype))
+            if id(buffer) not in made:
+                made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype)
+            sub.register_buffer(name, made[id(buffer)])
     return clone
 
 
@@ -72,7 +70,7 @@ def _trace_user_layer(layer: Any, input_shape: tuple, dtype: torch.dtype, input_
         with torch.device("meta"):
             meta = layer.build()
     else:
-        meta = _meta_copy(layer)
+        meta = meta_copy(layer)
     meta = meta.to(dtype)
 
     def build(symints):
