@@ -11,13 +11,14 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "mist_ds" / "conf"
 
 
-NOT_ZOO = {"hf"}
-"""Options that read the model from elsewhere (model=hf: a Hugging Face config), not the zoo's own."""
+NOT_ZOO = {"hf", "module"}
+"""Options that read the model from elsewhere (model=hf: a Hugging Face config; model=module: your nn.Module), not
+the zoo's own."""
 
 
 def zoo(group: str) -> list[str]:
-    """Selectable options of a config group (the `base_*` files are schemas, not choices; model=hf is no zoo
-    model)."""
+    """Selectable options of a config group (the `base_*` files are schemas, not choices; model=hf and model=module
+    are no zoo models)."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("base_")
                   and p.stem not in NOT_ZOO)
 

@@ -89,6 +89,11 @@ BAD_INPUTS = [
     (["model.hiden_size=4"], "model.hiden_size"),
     (["model.hidden_size=abc"], "model.hidden_size"),
     (["model=nope"], "model"),
+    (["model.blocks_attr=transformer.h"], "model.blocks_attr"),  # model=module's fields, on a zoo model
+    (["+model.kwargs.n_layer=4"], "model.kwargs"),
+    (["model=module", "model.seq_len=64"], "model._target_"),
+    (["model=module", "model.seq_len=64", "model._target_=no_such_package.make_model"], "model._target_"),
+    (["model=module", "model.seq_len=64", "model._target_=make_model"], "model._target_"),
     (["train.precision=fp8"], "train.precision"),
     (["train.global_batch_size=0"], "train.global_batch_size"),
     (["train.global_batch_size=100"], "train.global_batch_size"),

@@ -183,14 +183,18 @@ def find_blocks(model) -> tuple[str, Any]:
 
 
 def linear_weights(module) -> set[int]:
-    """ids of the 2-D weights Linear-like layers multiply by (nn.Linear, and GPT-2's Conv1D)."""
+    """ids of the 2-D weights Linear-like layers multiply by (nn.Linear, GPT-2's Conv1D, nn.MultiheadAttention's input
+    projections)."""
     import torch
 
     found = set()
     for sub in module.modules():
-        weight = getattr(sub, "weight", None)
-        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and not isinstance(sub, torch.nn.Embedding):
-            found.add(id(weight))
+        names = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "weight") \
+            if isinstance(sub, torch.nn.MultiheadAttention) else ("weight",)
+        for name in names:
+            weight = getattr(sub, name, None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and not isinstance(sub, torch.nn.Embedding):
+                found.add(id(weight))
     return found
 
 

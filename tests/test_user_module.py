@@ -1,0 +1,242 @@
+"""Your own nn.Module (docs/design.md, Your own model): a module written here, priced through mist_ds.predict / tune
+(model=module) and the command line (model._target_), as the zoo's models are. A GPT written as users write one gives
+the zoo's GPT of the same shapes its parameters by part, FLOPs per token and every layer's FLOPs; the time differs only
+where the two programs differ (memory-bound ops: the zoo fuses q, k, v in one head-split view and computes its own
+cross entropy)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mist_ds
+from mist_ds.cost.predict import model_costs
+from mist_ds.specs import ConfigError
+from mist_ds.symbolic import analyze_model
+from tests.conftest import REPO
+
+SEQ, HIDDEN, HEADS, VOCAB, LAYERS = 128, 128, 4, 4096, 2
+RUN = (f"model.seq_len={SEQ}", "cluster=a100-80g", "train.global_batch_size=16")
+ZOO = ("model=tiny", f"model.num_layers={LAYERS}")  # gpt: h 128, 4 heads, V 4096, s 128, tied head
+SAME_PROGRAM = ("cluster.gpu.hbm_gbps=1e9", "cluster.gpu.kernel_overhead_us=0", "cluster.gpu.host_dispatch_us=0")
+"""Memory-bound ops and per-kernel costs (on the GPU and the host) priced at nothing: what is left is GEMMs, attention
+and communication."""
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_count_attribute: bool = True) -> None:
+        super().__init__()
+        if head_count_attribute:
+            self.n_head = heads
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x_BSD):
+        b, s, h = x_BSD.shape
+        q, k, v = self.qkv(x_BSD).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.proj(o.transpose(1, 2).reshape(b, s, h))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_count_attribute: bool = True) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, head_count_attribute)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.fc_in = nn.Linear(hidden, 4 * hidden)
+        self.fc_out = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x_BSD):
+        x_BSD = x_BSD + self.attn(self.ln_1(x_BSD))
+        return x_BSD + self.fc_out(F.gelu(self.fc_in(self.ln_2(x_BSD))))
+
+
+class Gpt(nn.Module):
+    """A GPT as users write one: token embedding, learned positions, a ModuleList of blocks, final LayerNorm, output
+    Linear tied to the token embedding."""
+
+    def __init__(self, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS, vocab: int = VOCAB,
+                 head_count_attribute: bool = True) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.positions = nn.Embedding(SEQ, hidden)
+        self.blocks = nn.ModuleList([Block(hidden, heads, head_count_attribute) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.tokens.weight
+
+    def forward(self, tokens_BS):
+        x_BSD = self.tokens(tokens_BS) + self.positions(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+        for block in self.blocks:
+            x_BSD = block(x_BSD)
+        return self.lm_head(self.ln_f(x_BSD))
+
+
+class TwoLists(Gpt):
+    """A GPT with a second, shorter ModuleList (per-block scales used after the blocks)."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        super().__init__(layers)
+        self.scales = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers - 1)])
+
+    def forward(self, tokens_BS):
+        x_BSD = self.tokens(tokens_BS) + self.positions(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+        for block in self.blocks:
+            x_BSD = block(x_BSD)
+        for scale in self.scales:
+            x_BSD = scale(x_BSD)
+        return self.lm_head(self.ln_f(x_BSD))
+
+
+def make_gpt(layers: int = LAYERS) -> nn.Module:
+    """The command line's model._target_ (tests.test_user_module.make_gpt)."""
+    return Gpt(layers)
+
+
+def make_no_module() -> dict:
+    return {"not": "a module"}
+
+
+class NeedsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x_BSD, mask):
+        return x_BSD
+
+
+def make_needs_mask() -> nn.Module:
+    return NeedsMask()
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIST_DS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def traced(overrides, module: nn.Module, loss=None):
+    """(specs, costs) of `module`: traced into the cache as mist_ds.predict does, then read as the cost model reads."""
+    specs = mist_ds.compose(list(overrides), model=module, loss=loss)
+    analyze_model(specs.model, specs.train.precision, module=module, loss=loss)
+    return specs, model_costs(specs)
+
+
+def test_a_gpt_module_prices_as_the_zoo_gpt_of_its_shapes():
+    """Parameters by part, FLOPs per token, every traced layer's FLOPs and the FLOPs per rank equal the zoo's; the
+    iteration time within 1% once memory-bound ops and kernel launches (where the programs differ) cost nothing."""
+    module = Gpt()
+    ours, theirs = mist_ds.compose(list(RUN), model=module), mist_ds.compose([*ZOO, *RUN])
+    for count in ("embedding_params", "block_params", "head_params", "total_params", "forward_flops_per_token"):
+        assert getattr(ours.model, count)() == getattr(theirs.model, count)(), count
+    assert (ours.model.hidden_size, ours.model.num_heads, ours.model.vocab_size, ours.model.num_layers,
+            ours.model.tie_embeddings) == (HIDDEN, HEADS, VOCAB, LAYERS, True)
+    prediction = mist_ds.predict(list(RUN), model=module)
+    mine, zoo = model_costs(ours), model_costs(theirs)
+    for kind in ("embedding", "block", "head"):
+        for key in ("params", "fwd_flops", "bwd_flops", "fwd_attention_flops", "bwd_attention_flops", "input_bytes",
+                    "output_bytes"):
+            for b in (1, 2, 4):
+                assert getattr(mine, kind)(key, b, SEQ, 1) == getattr(zoo, kind)(key, b, SEQ, 1), (kind, key, b)
+    assert prediction.flops_per_rank == mist_ds.predict([*ZOO, *RUN]).flops_per_rank
+    same = [mist_ds.predict([*RUN, *SAME_PROGRAM], model=module).iteration_time_s,
+            mist_ds.predict([*ZOO, *RUN, *SAME_PROGRAM]).iteration_time_s]
+    assert same[0] == pytest.approx(same[1], rel=0.01)
+    assert mine.head("saved_bytes", 2, SEQ, 1) < zoo.head("saved_bytes", 2, SEQ, 1)  # F.cross_entropy saves less
+
+
+def test_tune_returns_a_plan():
+    plan = mist_ds.tune([*RUN, "tuner.compare_baselines=false"], model=Gpt())
+    assert plan.prediction["iteration_time_s"] > 0 and plan.strategy.parallelism.tp == 1
+
+
+def test_the_head_is_what_the_forward_does_after_the_blocks():
+    """The head's trace records from the marker after the last block: no block or embedding op, and a second
+    ModuleList used after the blocks is in it (priced by its GEMMs)."""
+    specs, costs = traced(RUN, TwoLists())
+    assert specs.model.module.blocks_attr == "blocks"  # the longest ModuleList
+    zoo = model_costs(mist_ds.compose([*ZOO, *RUN]))
+    extra = (LAYERS - 1) * 2 * HIDDEN * HIDDEN  # FLOPs per token of the scales, forward
+    assert costs.head("fwd_flops", 2, SEQ, 1) == zoo.head("fwd_flops", 2, SEQ, 1) + 2 * SEQ * extra
+    assert costs.embedding("fwd_flops", 2, SEQ, 1) == 0 and costs.block("fwd_flops", 2, SEQ, 1) == zoo.block(
+        "fwd_flops", 2, SEQ, 1)
+    assert specs.model.head_params() == mist_ds.compose([*ZOO, *RUN]).model.head_params() + (LAYERS - 1) * HIDDEN**2
+
+
+def test_the_blocks_are_the_longest_module_list_or_the_named_one():
+    specs = mist_ds.compose([*RUN, "model.blocks_attr=scales", "model.num_heads=1"], model=TwoLists(layers=3))
+    assert specs.model.num_layers == 2 and specs.model.module.blocks_attr == "scales"
+    with pytest.raises(ConfigError, match="several ModuleLists of 2 blocks"):
+        mist_ds.compose(list(RUN), model=_equal_lists())
+    with pytest.raises(ConfigError, match="model.blocks_attr"):
+        mist_ds.compose([*RUN, "model.blocks_attr=nothing.here"], model=Gpt())
+
+
+def _equal_lists() -> nn.Module:
+    model = TwoLists(layers=LAYERS)
+    model.scales.append(nn.Linear(HIDDEN, HIDDEN, bias=False))
+    return model
+
+
+def test_what_the_module_cannot_show_is_required_and_what_it_shows_is_checked():
+    with pytest.raises(ConfigError, match="model.num_heads"):
+        mist_ds.compose(list(RUN), model=Gpt(head_count_attribute=False))
+    assert mist_ds.compose([*RUN, f"model.num_heads={HEADS}"], model=Gpt(head_count_attribute=False)).model.num_heads \
+        == HEADS
+    with pytest.raises(ConfigError, match="model.hidden_size"):
+        mist_ds.compose([*RUN, "model.hidden_size=64"], model=Gpt())
+    with pytest.raises(ConfigError, match="strategy.tp"):
+        mist_ds.compose([*RUN, "strategy.tp=2"], model=Gpt())
+
+
+def test_frozen_parameters_are_recorded_as_not_trainable():
+    module = Gpt()
+    module.tokens.weight.requires_grad_(False)
+    for parameter in module.blocks.parameters():
+        parameter.requires_grad_(False)
+    source = mist_ds.compose(list(RUN), model=module).model.module
+    frozen = {p.name for p in source.params if not p.trainable}
+    assert "tokens.weight" in frozen and "tokens.weight (tied)" in frozen
+    assert all(not p.trainable for p in source.part_params("block")) and "positions.weight" not in frozen
+
+
+def upcast_cross_entropy(logits_BSV, labels_BS):
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+
+
+def test_the_loss_is_next_token_cross_entropy_unless_the_user_gives_one():
+    module = Gpt()
+    default, plain = traced(RUN, module)
+    given, upcast = traced(RUN, module, loss=upcast_cross_entropy)
+    assert default.model.module.module_sha256 != given.model.module.module_sha256
+    plain, upcast = plain.head, upcast.head
+    assert upcast("fwd_memory_bytes", 2, SEQ, 1) > plain("fwd_memory_bytes", 2, SEQ, 1)  # the fp32 copy of the logits
+    assert upcast("fwd_flops", 2, SEQ, 1) == plain("fwd_flops", 2, SEQ, 1)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mist_ds.cli.main", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
+def test_the_command_line_builds_the_module_from_its_target():
+    done = cli("analyze", "model=module", "model._target_=tests.test_user_module.make_gpt", "+model.kwargs.layers=3",
+               *RUN, "json=true")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"block"' in done.stdout and "Gpt" in done.stdout
+
+
+@pytest.mark.parametrize("target, reason", [("tests.no_such_module.make", "cannot be imported"),
+                                            ("tests.test_user_module.make_no_module", "not a torch.nn.Module"),
+                                            ("tests.test_user_module.make_needs_mask", "token ids")])
+def test_a_bad_target_exits_2_with_the_reason(target, reason):
+    done = cli("show", "model=module", f"model._target_={target}", *RUN)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert reason in done.stderr and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
