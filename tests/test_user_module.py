@@ -5,6 +5,8 @@ where the two programs differ (memory-bound ops: the zoo fuses q, k, v in one he
 cross entropy)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from torch import nn
 
 import mist_ds
 from mist_ds.cost.predict import model_costs
-from mist_ds.specs import ConfigError
+from mist_ds.specs import ConfigError, ModelSpec
 from mist_ds.symbolic import analyze_model
 from tests.conftest import REPO
 
@@ -95,6 +97,25 @@ class TwoLists(Gpt):
         return self.lm_head(self.ln_f(x_BSD))
 
 
+class EncoderLm(nn.Module):
+    """A causal LM of torch's own TransformerEncoderLayer blocks, a causal mask handed to every block, untied."""
+
+    def __init__(self, hidden: int = 64, heads: int = 4, vocab: int = 512, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0,
+                                                                batch_first=True, norm_first=True) for _ in range(layers)])
+        self.norm = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens_BS):
+        mask_SS = nn.Transformer.generate_square_subsequent_mask(tokens_BS.shape[1], device=tokens_BS.device)
+        x_BSD = self.embed(tokens_BS)
+        for layer in self.layers:
+            x_BSD = layer(x_BSD, src_mask=mask_SS, is_causal=True)
+        return self.out(self.norm(x_BSD))
+
+
 def make_gpt(layers: int = LAYERS) -> nn.Module:
     """The command line's model._target_ (tests.test_user_module.make_gpt)."""
     return Gpt(layers)
@@ -152,9 +173,26 @@ def test_a_gpt_module_prices_as_the_zoo_gpt_of_its_shapes():
     assert mine.head("saved_bytes", 2, SEQ, 1) < zoo.head("saved_bytes", 2, SEQ, 1)  # F.cross_entropy saves less
 
 
-def test_tune_returns_a_plan():
-    plan = mist_ds.tune([*RUN, "tuner.compare_baselines=false"], model=Gpt())
+def test_tune_returns_a_plan_and_the_spec_travels_as_data():
+    module = Gpt()
+    plan = mist_ds.tune([*RUN, "tuner.compare_baselines=false"], model=module)
     assert plan.prediction["iteration_time_s"] > 0 and plan.strategy.parallelism.tp == 1
+    spec = mist_ds.compose(list(RUN), model=module).model  # no module object in it: JSON, pickles to tuner workers
+    assert ModelSpec(**json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
+
+
+def test_torch_transformer_encoder_layers_with_a_mask_handed_to_each_block():
+    """nn.TransformerEncoderLayer blocks: the heads read from their nn.MultiheadAttention, its packed input projection
+    counted in the model FLOPs, the mask the forward hands every block captured: the traced block is the closed form
+    24 b s h^2 + 4 b s^2 h forward."""
+    h, s, vocab = 64, 64, 512
+    specs, costs = traced((f"model.seq_len={s}", "cluster=a100-80g", "train.global_batch_size=16"), EncoderLm())
+    model = specs.model
+    assert (model.num_heads, model.hidden_size, model.vocab_size, model.tie_embeddings) == (4, h, vocab, False)
+    assert model.forward_flops_per_token() == 2 * (LAYERS * (12 * h * h + 2 * s * h) + h * vocab)
+    for b in (1, 2):
+        assert costs.block("fwd_flops", b, s, 1) == 24 * b * s * h * h + 4 * b * s * s * h
+        assert costs.head("fwd_flops", b, s, 1) == 2 * b * s * h * vocab
 
 
 def test_the_head_is_what_the_forward_does_after_the_blocks():
