@@ -335,6 +335,9 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     heads_value = num_heads if num_heads is not None else heads.pop()
     kv = _attribute(blocks, KV_HEAD_FIELDS)
     head_dims = _attribute(blocks, HEAD_DIM_FIELDS)
+    if len(head_dims) != 1 and hidden % heads_value:
+        raise ConfigError("model.num_heads", heads_value, f"must divide the hidden size {hidden} of "
+                                                          f"{type(meta).__qualname__} (its blocks carry no head_dim)")
     head_dim = head_dims.pop() if len(head_dims) == 1 else hidden // heads_value
     widths = [size for p in params if p.part == "block" and p.linear for size in p.shape if size != hidden]
     source = ModuleSource(class_name=f"{type(module).__module__}.{type(module).__qualname__}",
