@@ -124,6 +124,26 @@ def test_a_users_config_dir_composes_with_the_zoo(tmp_path):
     assert _names(tmp_path) == {"mine"}
 
 
+def test_a_typo_in_a_users_config_file_names_the_file_the_key_and_the_nearest_key(tmp_path):
+    """Issue 25, defect 1: a misspelt key in a file of a user's -cd DIR (or -cp DIR) is one stderr line naming
+    the file, the key and the nearest valid key, as a misspelt override on the command line is."""
+    (tmp_path / "myconf" / "model").mkdir(parents=True)
+    (tmp_path / "myconf" / "model" / "typo.yaml").write_text(
+        "defaults:\n  - base_gpt\n  - _self_\nname: typo\nhidden_size: 128\nnum_layer: 4\nnum_heads: 4\n"
+        "vocab_size: 4096\nseq_len: 128\n")
+    (tmp_path / "myconf" / "cluster").mkdir()
+    (tmp_path / "myconf" / "cluster" / "mycpu.yaml").write_text(
+        "defaults:\n  - cpu\n  - _self_\nname: mycpu\ngpu:\n  memory_gb: 4\n")
+    for flag, choice, file, key, nearest in (
+            ("-cd", "model=typo", "myconf/model/typo.yaml", "model.num_layer", "num_layers"),
+            ("-cd", "cluster=mycpu", "myconf/cluster/mycpu.yaml", "cluster.gpu.memory_gb", "memory_gib"),
+            ("-cp", "model=typo", str(tmp_path / "myconf" / "model" / "typo.yaml"), "model.num_layer", "num_layers")):
+        run = mist_ds("show", flag, "myconf", choice, cwd=tmp_path)
+        assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+        assert all(word in run.stderr for word in (file, key, f"did you mean {nearest}?")), run.stderr
+    assert _names(tmp_path) == {"myconf"}
+
+
 BAD_INPUTS = [
     (["show", "model.hidden_size=-1"], "model.hidden_size"),
     (["show", "model=nope"], "model"),

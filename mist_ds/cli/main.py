@@ -427,16 +427,16 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = saved
 
 
-def _input_error(error: Exception) -> ConfigError | None:
+def _input_error(error: Exception, config_dirs: Sequence[str]) -> ConfigError | None:
     """The ConfigError of what Hydra or the pre-parser refused in the user's input (composition, flags,
-    search path); None for anything else, a bug to re-raise."""
+    search path; a file of the user's `config_dirs` named); None for anything else, a bug to re-raise."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from mist_ds.config.errors import as_config_error
 
     if isinstance(error, (ConfigError, HydraException, OmegaConfBaseException)):
-        return as_config_error(error)
+        return as_config_error(error, config_dirs)
     if isinstance(error, ValueError):  # Hydra's rules on its flags (one of --run, --multirun, --cfg, ...)
         return ConfigError("command line", NO_VALUE, str(error).splitlines()[0])
     return None
@@ -469,14 +469,15 @@ def run_command(command: str, args: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mist-ds-") as scratch:
         # The sweep callback writes the sweep's status here: it counts the jobs of any launcher,
         # also those run in other processes, which leave no status in `jobs`.
-        sweep_status = Path(scratch) / "sweep_status"
+        sweep_status, config_dirs = Path(scratch) / "sweep_status", []
         try:
             parser, parsed = parse_hydra_args(command, args)
+            config_dirs = [d for d in (parsed.config_dir, parsed.config_path) if d is not None]
             if COMMANDS[command].summarizes_sweeps:
                 parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
             _run_hydra_app(jobs, parser, parsed)
         except Exception as error:
-            bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error)
+            bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error, config_dirs)
             if bad_input is None:
                 raise
             report(command, bad_input)
