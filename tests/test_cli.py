@@ -103,16 +103,22 @@ def test_cfg_job_prints_the_composed_config_and_creates_nothing(tmp_path):
     assert _names(tmp_path) == set()
 
 
+def user_config_dir(directory, model: str, layers_line: str, cluster: str, cluster_lines: str) -> None:
+    """A user's config dir: model/<model>.yaml (a small GPT with `layers_line`) and cluster/<cluster>.yaml
+    (the zoo's cpu with `cluster_lines`)."""
+    (directory / "model").mkdir(parents=True)
+    (directory / "model" / f"{model}.yaml").write_text(
+        f"defaults:\n  - base_gpt\n  - _self_\nname: {model}\nhidden_size: 128\n{layers_line}\nnum_heads: 4\n"
+        "vocab_size: 4096\nseq_len: 128\n")
+    (directory / "cluster").mkdir()
+    (directory / "cluster" / f"{cluster}.yaml").write_text(
+        f"defaults:\n  - cpu\n  - _self_\nname: {cluster}\n{cluster_lines}\n")
+
+
 def test_a_users_config_dir_composes_with_the_zoo(tmp_path):
     """-cd DIR adds DIR to the search path; -cp DIR (relative to the cwd) makes it the primary config
     path, and the search-path plugin still brings the zoo and the primary config `config`."""
-    (tmp_path / "mine" / "model").mkdir(parents=True)
-    (tmp_path / "mine" / "model" / "mymodel.yaml").write_text(
-        "defaults:\n  - base_gpt\n  - _self_\nname: mymodel\nhidden_size: 128\nnum_layers: 4\nnum_heads: 4\n"
-        "vocab_size: 4096\nseq_len: 128\n")
-    (tmp_path / "mine" / "cluster").mkdir()
-    (tmp_path / "mine" / "cluster" / "mycpu.yaml").write_text(
-        "defaults:\n  - cpu\n  - _self_\nname: mycpu\ngpus_per_node: 4\n")
+    user_config_dir(tmp_path / "mine", "mymodel", "num_layers: 4", "mycpu", "gpus_per_node: 4")
     expected = compose(["model=tiny", "model.num_layers=4"], with_strategy=False).model.total_params()
     for flag, cluster, gpus in (("-cd", "a100-80g", 8), ("-cd", "mycpu", 4), ("-cp", "mycpu", 4)):
         run = mist_ds("show", flag, "mine", "model=mymodel", f"cluster={cluster}", "train.global_batch_size=16",
@@ -127,13 +133,7 @@ def test_a_users_config_dir_composes_with_the_zoo(tmp_path):
 def test_a_typo_in_a_users_config_file_names_the_file_the_key_and_the_nearest_key(tmp_path):
     """Issue 25, defect 1: a misspelt key in a file of a user's -cd DIR (or -cp DIR) is one stderr line naming
     the file, the key and the nearest valid key, as a misspelt override on the command line is."""
-    (tmp_path / "myconf" / "model").mkdir(parents=True)
-    (tmp_path / "myconf" / "model" / "typo.yaml").write_text(
-        "defaults:\n  - base_gpt\n  - _self_\nname: typo\nhidden_size: 128\nnum_layer: 4\nnum_heads: 4\n"
-        "vocab_size: 4096\nseq_len: 128\n")
-    (tmp_path / "myconf" / "cluster").mkdir()
-    (tmp_path / "myconf" / "cluster" / "mycpu.yaml").write_text(
-        "defaults:\n  - cpu\n  - _self_\nname: mycpu\ngpu:\n  memory_gb: 4\n")
+    user_config_dir(tmp_path / "myconf", "typo", "num_layer: 4", "mycpu", "gpu:\n  memory_gb: 4")
     for flag, choice, file, key, nearest in (
             ("-cd", "model=typo", "myconf/model/typo.yaml", "model.num_layer", "num_layers"),
             ("-cd", "cluster=mycpu", "myconf/cluster/mycpu.yaml", "cluster.gpu.memory_gb", "memory_gib"),
