@@ -92,11 +92,15 @@ def test_tune_mode_writes_the_plan_and_the_command_without_launching(tmp_path):
     (["--autotune-mist", "sometimes", "--num_gpus", "2", "train.py"], "--autotune-mist=sometimes"),
     (["--plan", "p.json", "--num_gpus", "2", "train.py"], "--plan needs --autotune-mist"),
     (["--autotune-mist", "run", "--plan", "missing.json", "--num_gpus", "2", "train.py"], "no such file"),
+    # issue 25, defect 2: DeepSpeed's own autotuner and mist_ds's are refused together, before planning
+    (["--autotune-mist", "run", "--autotuning", "tune", "--num_gpus", "2", "train.py", "model=tiny", "cluster=cpu"],
+     "--autotuning=tune"),
 ])
 def test_bad_launcher_arguments_exit_2_with_one_line(tmp_path, args, message):
     code, out = run(mist_deepspeed(*args), tmp_path, timeout_s=60)
     errors = [line for line in out.splitlines() if "error" in line]
     assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+    assert not any(tmp_path.iterdir())  # refused before planning: nothing written
 
 
 def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):

@@ -22,7 +22,9 @@ With --autotune-mist it:
 The run dir is the script's `hydra.run.dir=D` when given, else outputs/mist-deepspeed/<date>/<time>.
 A plan is fixed for a run: changing the layout between runs (resharding a checkpoint) is not supported.
 
-Exit codes: those of `mist-ds tune` when planning fails (2 bad input, 3 no plan fits); else DeepSpeed's.
+Exit codes: 2 for a mistake in its own arguments (also DeepSpeed's --autotuning beside --autotune-mist: one
+autotuner at a time), found before planning; those of `mist-ds tune` when planning fails (2 bad input, 3 no
+plan fits); else DeepSpeed's.
 """
 from __future__ import annotations
 
@@ -151,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LauncherUsageError("--plan needs --autotune-mist run (or tune)")
             return runner.main(argv) or 0
         args = runner.parse_args([*launcher_args, script, *user_args])
+        if args.autotuning:
+            raise LauncherUsageError(f"--autotuning={args.autotuning} with --autotune-mist: two autotuners; "
+                                     "drop --autotuning (DeepSpeed's) or --autotune-mist (mist_ds's)")
         run_dir = run_dir_of(user_args).resolve()
         if plan is None:
             nodes, gpus = resources(args)
