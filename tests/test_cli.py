@@ -169,6 +169,19 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, args, field)
     assert result.stdout == ""
 
 
+def test_a_run_dir_that_cannot_be_made_exits_2_naming_it(tmp_path):
+    """Issue 25, defect 3: an unwritable hydra.run.dir (hydra.sweep.dir in a multirun) is bad input, not two
+    tracebacks and exit 1. A path under a plain file cannot be made, whoever runs the test."""
+    (tmp_path / "plain.txt").write_text("")
+    blocked = tmp_path / "plain.txt" / "run"
+    for args, key in ((["tune", *SMALL, f"hydra.run.dir={blocked}"], "hydra.run.dir"),
+                      (["tune", "-m", *SMALL, f"hydra.sweep.dir={blocked}"], "hydra.sweep.dir")):
+        run = mist_ds(*args, cwd=tmp_path)
+        assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+        assert key in run.stderr and str(blocked) in run.stderr and "Traceback" not in run.stderr
+    assert _names(tmp_path) == {"plain.txt"}
+
+
 def test_hydra_full_error_set_by_the_user_gives_the_traceback(tmp_path):
     result = mist_ds("show", "model=nope", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
     assert result.returncode != 0 and "Traceback" in result.stderr

@@ -19,7 +19,8 @@ Before Hydra sees them, the pre-parser maps the old spellings (`rewrite_options`
 and makes a relative -cp DIR absolute (Hydra would take it relative to this file).
 
 Exit codes: 0 done; 2 bad input: one stderr line naming the field and the fix, no traceback, also for
-what Hydra refuses while composing (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
+what Hydra refuses while composing (a key of a user's config file: the file named) and for an output dir
+it cannot make (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
 fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status;
 for tune the statuses are read from the jobs' result.json (mist_ds/cli/sweep.py), so the same holds
 under launchers that run jobs in other processes (hydra/launcher=joblib, submitit_local); a job dir
@@ -427,9 +428,11 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = saved
 
 
-def _input_error(error: Exception, config_dirs: Sequence[str]) -> ConfigError | None:
+def _input_error(error: Exception, config_dirs: Sequence[str], output_key: str) -> ConfigError | None:
     """The ConfigError of what Hydra or the pre-parser refused in the user's input (composition, flags,
-    search path; a file of the user's `config_dirs` named); None for anything else, a bug to re-raise."""
+    search path; a file of the user's `config_dirs` named), or of an output dir Hydra could not make or
+    write (`output_key`: hydra.run.dir, or hydra.sweep.dir in a multirun); None for anything else, a bug
+    to re-raise. Only what fails outside the jobs comes here: a job's own OSError is a crash."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -437,6 +440,9 @@ def _input_error(error: Exception, config_dirs: Sequence[str]) -> ConfigError | 
 
     if isinstance(error, (ConfigError, HydraException, OmegaConfBaseException)):
         return as_config_error(error, config_dirs)
+    if isinstance(error, OSError) and error.filename is not None:
+        return ConfigError(output_key, str(error.filename), f"cannot be written ({error.strerror}); give a "
+                                                            "directory you can create and write")
     if isinstance(error, ValueError):  # Hydra's rules on its flags (one of --run, --multirun, --cfg, ...)
         return ConfigError("command line", NO_VALUE, str(error).splitlines()[0])
     return None
@@ -469,15 +475,17 @@ def run_command(command: str, args: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mist-ds-") as scratch:
         # The sweep callback writes the sweep's status here: it counts the jobs of any launcher,
         # also those run in other processes, which leave no status in `jobs`.
-        sweep_status, config_dirs = Path(scratch) / "sweep_status", []
+        sweep_status, config_dirs, output_key = Path(scratch) / "sweep_status", [], "hydra.run.dir"
         try:
             parser, parsed = parse_hydra_args(command, args)
             config_dirs = [d for d in (parsed.config_dir, parsed.config_path) if d is not None]
+            output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             if COMMANDS[command].summarizes_sweeps:
                 parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
             _run_hydra_app(jobs, parser, parsed)
         except Exception as error:
-            bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error, config_dirs)
+            crashed = jobs.full_error or error in jobs.crashed
+            bad_input = None if crashed else _input_error(error, config_dirs, output_key)
             if bad_input is None:
                 raise
             report(command, bad_input)
