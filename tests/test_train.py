@@ -195,6 +195,21 @@ def test_the_shim_leaves_plain_deepspeed_commands_to_deepspeed(tmp_path):
     assert strip(shimmed[1]) == strip(direct[1])
 
 
+def test_the_shim_finds_the_repository_s_environment_off_path(tmp_path):
+    """Issue 25, defect 4: the README's shim form works with only launch/ on PATH (no .venv/bin): the shim
+    finds mist-deepspeed, and DeepSpeed's own script, in the repository's .venv. Refused arguments show that
+    mist-deepspeed ran (exit 2, not the shell's 127), without planning or launching anything."""
+    venv_bin = SHIM.parent.parent / ".venv" / "bin"
+    if not (venv_bin / "mist-deepspeed").is_file():
+        pytest.skip("no .venv in the repository (launch/setup.sh makes it)")
+    env = {**os.environ, **CPU_ENV, "PATH": os.pathsep.join([str(SHIM.parent), "/usr/bin", "/bin"])}
+    ours = run_in_session(["deepspeed", "--autotune-mist", "sometimes", "--num_gpus", "2", "train.py"], tmp_path, env,
+                          60.0, "shim, mist-deepspeed")
+    assert ours[0] == 2 and "--autotune-mist=sometimes" in ours[1], ours[1]
+    theirs = run_in_session(["deepspeed", "--help"], tmp_path, env, 60.0, "shim, deepspeed")
+    assert theirs[0] == 0 and "--num_gpus" in theirs[1], theirs[1]
+
+
 # --- slow lane -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_in_script_autotune_with_the_stock_launcher(tmp_path):
