@@ -103,6 +103,14 @@ def test_bad_launcher_arguments_exit_2_with_one_line(tmp_path, args, message):
     assert not any(tmp_path.iterdir())  # refused before planning: nothing written
 
 
+def test_help_lists_mist_deepspeed_s_own_flags_first(tmp_path):
+    """Issue 25, defect 5: `mist-deepspeed --help` shows --autotune-mist and --plan before DeepSpeed's options."""
+    code, out = run(mist_deepspeed("--help"), tmp_path, timeout_s=60)
+    assert code == 0, out
+    ours = [out.find(flag) for flag in ("--autotune-mist", "--plan")]
+    assert -1 not in ours and max(ours) < out.find("--num_gpus"), out
+
+
 def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
     plan = tmp_path / "plan" / "plan.json"
     hydra_launcher, hydra_args = launcher.hand_over(["--num_gpus", "2"], ["model=tiny", "hydra.run.dir=old"], plan, tmp_path)

@@ -28,7 +28,9 @@ plan fits); else DeepSpeed's.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import shlex
 import subprocess
 import sys
@@ -42,6 +44,19 @@ RUN_DIR_KEY = "hydra.run.dir="
 CONFIG_FLAG = "--deepspeed_config"
 """The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch)."""
 EXIT_BAD_INPUT = 2
+USAGE = """usage: mist-deepspeed [--autotune-mist {tune,run}] [--plan PLAN_JSON] [DeepSpeed's launcher arguments]
+                      user_script [user_args ...]
+
+mist_ds's arguments (before the script):
+  --autotune-mist {tune,run}
+                        plan for the launcher's resources (hostfile, --num_nodes, --num_gpus) with the script's
+                        key=value overrides, write <run dir>/plan/ and <run dir>/cmd.txt, then train the plan
+                        (run) or stop (tune); the run dir is the script's hydra.run.dir=D, else
+                        outputs/mist-deepspeed/<date>/<time>
+  --plan PLAN_JSON      with --autotune-mist: train this plan.json from `mist-ds tune` instead of planning
+Without --autotune-mist this is DeepSpeed's launcher as is. DeepSpeed's launcher and its arguments:
+
+"""
 
 
 class LauncherUsageError(ValueError):
@@ -138,13 +153,31 @@ def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, r
     return launcher, [*pinned, f"mist.plan={plan_json}", f"{RUN_DIR_KEY}{run_dir}"]
 
 
+def _user_script(argv: Sequence[str]) -> str | None:
+    """The user script, found by DeepSpeed's own parser; None when the arguments asked for help, which is
+    printed with mist-deepspeed's own flags first (argparse prints DeepSpeed's help to stdout, then exits 0)."""
+    from deepspeed.launcher import runner
+
+    deepspeed_help = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(deepspeed_help):
+            return runner.parse_args(split_mist_args(argv, strict=False)[2]).user_script
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+        print(USAGE + deepspeed_help.getvalue(), end="")
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from deepspeed.launcher import runner
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # Where the user script starts, from DeepSpeed's own parser; only arguments before it are ours.
-        script = runner.parse_args(split_mist_args(argv, strict=False)[2]).user_script
+        script = _user_script(argv)
+        if script is None:
+            return 0
         at = argv.index(script)
         mode, plan, launcher_args = split_mist_args(argv[:at])
         user_args = argv[at + 1:]
