@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -80,12 +81,16 @@ def test_mist_deepspeed_tunes_then_trains_the_plan(tmp_path):
 
 
 def test_tune_mode_writes_the_plan_and_the_command_without_launching(tmp_path):
+    """The script given relative to the cwd: cmd.txt names it by its absolute path, after DeepSpeed's CPU
+    environment (issue 25, defect 6: cmd.txt ran only from where it was made)."""
     run_dir = tmp_path / "run"
-    code, out = run(mist_deepspeed("--autotune-mist", "tune", "--num_gpus", "2", str(TRAIN), *PLANNED,
-                                   f"hydra.run.dir={run_dir}"), tmp_path, timeout_s=120)
+    code, out = run(mist_deepspeed("--autotune-mist", "tune", "--num_gpus", "2", os.path.relpath(TRAIN, tmp_path),
+                                   *PLANNED, f"hydra.run.dir={run_dir}"), tmp_path, timeout_s=120)
     assert code == 0, out[-4000:]
     assert (run_dir / "plan" / "plan.json").is_file() and not (run_dir / "run.json").exists()
     assert "cluster.gpus_per_node=2" in json.loads((run_dir / "plan" / "plan.json").read_text())["user_overrides"]
+    command = shlex.split((run_dir / "cmd.txt").read_text(), comments=True)
+    assert command[:3] == ["DS_ACCELERATOR=cpu", "OMP_NUM_THREADS=1", "deepspeed"] and str(TRAIN) in command
 
 
 @pytest.mark.parametrize("args, message", [

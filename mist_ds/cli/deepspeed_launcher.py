@@ -17,8 +17,9 @@ With --autotune-mist it:
    `hydra.run.dir=<run dir>` and the launcher's --no_local_rank; a script of deepspeed's argparse
    arguments (`--deepspeed --deepspeed_config P`) gets the plan's ds_config.json as P. The ranks read
    these paths: across nodes the run dir must be on a shared file system;
-4. prints the exact command, writes it to <run dir>/cmd.txt, and runs DeepSpeed's launcher (`run`) or
-   stops there (`tune`).
+4. prints the exact command, writes it to <run dir>/cmd.txt (the script by its absolute path, and
+   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 before it when DS_ACCELERATOR=cpu: it runs from any directory), and runs
+   DeepSpeed's launcher (`run`) or stops there (`tune`).
 The run dir is the script's `hydra.run.dir=D` when given, else outputs/mist-deepspeed/<date>/<time>.
 A plan is fixed for a run: changing the layout between runs (resharding a checkpoint) is not supported.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import os
 import shlex
 import subprocess
 import sys
@@ -38,12 +40,15 @@ from pathlib import Path
 from typing import Sequence
 
 from mist_ds.files import write_atomic
+from mist_ds.report.tune import command_file
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
 CONFIG_FLAG = "--deepspeed_config"
 """The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch)."""
 EXIT_BAD_INPUT = 2
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+"""DeepSpeed's accelerator choice: `cpu` runs CPU ranks, and cmd.txt then sets it with OMP_NUM_THREADS=1."""
 USAGE = """usage: mist-deepspeed [--autotune-mist {tune,run}] [--plan PLAN_JSON] [DeepSpeed's launcher arguments]
                       user_script [user_args ...]
 
@@ -207,9 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mist-deepspeed: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     launcher_args, user_args = hand_over(launcher_args, user_args, plan_json, run_dir)
-    command = [*launcher_args, args.user_script, *user_args]
+    script = Path(args.user_script)  # by its absolute path, so that cmd.txt runs from any directory
+    command = [*launcher_args, str(script.resolve()) if script.is_file() else args.user_script, *user_args]
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "cmd.txt", shlex.join(["deepspeed", *command]) + "\n")
+    write_atomic(run_dir / "cmd.txt", command_file(["deepspeed", *command], os.environ.get(ACCELERATOR_ENV) == "cpu"))
     print("mist-deepspeed: " + shlex.join(["deepspeed", *command]), file=sys.stderr)
     if mode == "tune":
         return 0
