@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mist_ds.files import write_atomic
-from mist_ds.report.tune import command_file
+from mist_ds.report.command import command_file
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="

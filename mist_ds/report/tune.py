@@ -3,15 +3,15 @@ times, memory and its margin; the iteration; the baselines) and the files of a p
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
 from mist_ds.emit import ds_config
 from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan
+from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
-from mist_ds.specs.cluster import CPU_RANKS_ENV, GIB
+from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import RuntimeCapabilities
 from mist_ds.tuner import TuneResult
 from mist_ds.tuner.runner_ups import runner_up_record
@@ -128,34 +128,6 @@ def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str,
         files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps,
                                                       host_bytes_per_rank=plan.prediction.get("host_bytes_per_rank")))
     return files
-
-
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
-"""The repository's training script, by its absolute path (cmd.txt runs from any directory)."""
-HOSTFILE = "hostfile"
-"""cmd.txt's placeholder for DeepSpeed's hostfile when a plan spans nodes (a comment says what to put there)."""
-
-
-def train_command(plan_json: Path, nodes: int, gpus_per_node: int, run_dir: Path) -> list[str]:
-    """DeepSpeed's launcher training the plan in `plan_json` with launch/train.py into `run_dir` (docs/design.md,
-    Launching and training): --no_local_rank for the Hydra script, the run dir pinned for its ranks. More than
-    one node needs DeepSpeed's hostfile: --hostfile HOSTFILE, a placeholder."""
-    hosts = ["--hostfile", HOSTFILE] if nodes > 1 else []
-    return ["deepspeed", *hosts, "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node), "--no_local_rank",
-            str(TRAIN_SCRIPT), f"mist.plan={plan_json}", f"hydra.run.dir={run_dir}"]
-
-
-def command_file(command: Sequence[str], cpu_ranks: bool, nodes: int = 1, gpus_per_node: int = 0) -> str:
-    """cmd.txt: `command` as one shell line, DeepSpeed's CPU environment before it for CPU ranks, after
-    comments saying what to fill in (the hostfile of a plan spanning `nodes` > 1)."""
-    comments, env = [], []
-    if cpu_ranks:
-        comments.append("# CPU ranks: DeepSpeed's CPU accelerator (gloo), one thread per rank")
-        env = [f"{key}={value}" for key, value in CPU_RANKS_ENV.items()]
-    if nodes > 1:
-        comments.append(f"# {nodes} nodes: replace `{HOSTFILE}` by DeepSpeed's hostfile, one line per node "
-                        f"(`<host> slots={gpus_per_node}`); the paths below must be on a file system every node sees")
-    return "\n".join([*comments, " ".join([*env, shlex.join(command)])]) + "\n"
 
 
 def plan_pictures(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, bytes]:
