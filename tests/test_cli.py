@@ -53,6 +53,10 @@ def test_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
     slower = mist_ds("predict", "plan=plan/plan.json", "cluster.intra_node_gbps=0.001", "json=true", cwd=tmp_path)
     assert slower.returncode == 0, slower.stderr  # the user's overrides come after the plan's: they win
     assert json.loads(slower.stdout)["iteration_time_s"] > plan["prediction"]["iteration_time_s"]
+    other = mist_ds("predict", "plan=plan/plan.json", "model.num_layers=5", cwd=tmp_path)  # issue 25, defect 12
+    assert other.returncode == 2 and "must add up to model.num_layers=5" in other.stderr, other.stderr
+    assert "plan/plan.json is a plan for model=tiny model.num_layers=7, run here with model.num_layers=5" in \
+        other.stderr
     assert _names(tmp_path) == {"plan"}  # predict wrote nothing
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,6 +107,30 @@ def test_bad_launcher_arguments_exit_2_with_one_line(tmp_path, args, message):
     errors = [line for line in out.splitlines() if "error" in line]
     assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
     assert not any(tmp_path.iterdir())  # refused before planning: nothing written
+
+
+def test_the_launcher_refuses_bad_input_before_any_rank_starts(tmp_path):
+    """Issue 25, defects 7 and 12: a missing tokens file, a plan for another world size, a plan run with another
+    model= are each refused by mist-deepspeed itself: one line, exit 2, before planning or starting ranks, and
+    nothing written (the ranks refused them after starting, once per rank, leaving ds_config.json and logs)."""
+    plan_dir = tmp_path / "plan4"
+    tuned = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "tune", "model=tiny", "cluster=cpu",
+                            "cluster.gpus_per_node=4", "tuner.compare_baselines=false", "tuner.quiet=true",
+                            f"hydra.run.dir={plan_dir}"], capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr
+    plan = ["--plan", str(plan_dir / "plan.json")]
+    work = tmp_path / "work"
+    work.mkdir()
+    for args, words in (
+            (["--num_gpus", "2", str(TRAIN), "model=tiny", "cluster=cpu", "run.data=tokens", "run.tokens_file=no.bin"],
+             ["run.tokens_file", "no.bin", "no such file"]),
+            ([*plan, "--num_gpus", "2", str(TRAIN)], ["4 ranks", "2 ranks"]),
+            ([*plan, "--num_gpus", "4", str(TRAIN), "model=gpt3-1.3b"], ["model=tiny", "model=gpt3-1.3b"])):
+        code, out = run(mist_deepspeed("--autotune-mist", "run", *args, "hydra.run.dir=run"), work, timeout_s=120)
+        errors = [line for line in out.splitlines() if "error" in line]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in out, out
+        assert all(word in errors[0] for word in words), errors[0]
+        assert "planning" not in out and not any(work.iterdir()), out
 
 
 def test_help_lists_mist_deepspeed_s_own_flags_first(tmp_path):

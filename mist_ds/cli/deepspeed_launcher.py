@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mist_ds.files import write_atomic
+from mist_ds.specs import ConfigError
 from mist_ds.report.command import command_file
 
 MODES = ("tune", "run")
@@ -142,6 +143,56 @@ def plan_for(user_args: Sequence[str], nodes: int, gpus_per_node: int, plan_dir:
     return subprocess.run(command).returncode
 
 
+def script_settings(user_args: Sequence[str], group: str) -> dict[str, str]:
+    """The script's `group.key=value` overrides as {key: value} (the last one of a key; quotes dropped)."""
+    settings = {}
+    for arg in user_args:
+        key, is_override, value = arg.lstrip("+").partition("=")
+        if is_override and key.startswith(group + "."):
+            settings[key[len(group) + 1:]] = value.strip("'\"")
+    return settings
+
+
+def check_tokens(user_args: Sequence[str], overrides: Sequence[str]) -> None:
+    """With run.data=tokens, the script's token file read as its ranks will read it, for the model of
+    `overrides` (ConfigError naming run.tokens_file): refused here, once, before planning or any rank."""
+    settings = script_settings(user_args, "run")
+    if settings.get("data") != "tokens":
+        return
+    from mist_ds.config import compose
+    from mist_ds.runtime.data import DataSpec, TokenFile
+
+    model = compose(overrides, with_strategy=False).model
+    dtype = {"tokens_dtype": settings["tokens_dtype"]} if "tokens_dtype" in settings else {}
+    TokenFile(DataSpec("tokens", model.vocab_size, model.seq_len, tokens_file=settings.get("tokens_file"), **dtype))
+
+
+def checked_plan(plan: str, user_args: Sequence[str], world_size: int) -> Path:
+    """--plan P as the ranks will take it: a plan.json with its ds_config.json, for `world_size` ranks,
+    composed with the script's overrides (another model= is refused naming the plan's), and the script's
+    token file (LauncherUsageError, ConfigError)."""
+    from mist_ds.config import compose
+    from mist_ds.plan import load_plan, naming_the_plans_model
+
+    plan_json = Path(plan).resolve()
+    if not plan_json.is_file():
+        raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
+    if not (plan_json.parent / "ds_config.json").is_file():
+        raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
+                                 "`mist-ds tune` wrote for a DeepSpeed runtime")
+    loaded, overrides = load_plan(plan_json), hydra_overrides(user_args)
+    par = loaded.strategy.parallelism
+    if par.num_gpus != world_size:
+        raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks (tp {par.tp} x pp {par.pp} x dp "
+                                 f"{par.dp}) and the launcher's resources give {world_size} ranks; ask for "
+                                 f"{par.num_gpus} (--num_nodes, --num_gpus, a hostfile) or drop --plan to plan for "
+                                 f"{world_size}")
+    with naming_the_plans_model(loaded, plan, overrides):
+        compose(loaded.overrides(overrides))
+    check_tokens(user_args, loaded.overrides(overrides))
+    return plan_json
+
+
 def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, run_dir: Path
               ) -> tuple[list[str], list[str]]:
     """(launcher args, user args) that give the script the plan (module docstring, step 3)."""
@@ -194,21 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.autotuning:
             raise LauncherUsageError(f"--autotuning={args.autotuning} with --autotune-mist: two autotuners; "
                                      "drop --autotuning (DeepSpeed's) or --autotune-mist (mist_ds's)")
-        run_dir = run_dir_of(user_args).resolve()
+        run_dir, (nodes, gpus) = run_dir_of(user_args).resolve(), resources(args)
         if plan is None:
-            nodes, gpus = resources(args)
+            check_tokens(user_args, hydra_overrides(user_args))
             code = plan_for(user_args, nodes, gpus, run_dir / "plan")
             if code != 0:
                 return code
             plan_json = run_dir / "plan" / "plan.json"
         else:
-            plan_json = Path(plan).resolve()
-            if not plan_json.is_file():
-                raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
-            if not (plan_json.parent / "ds_config.json").is_file():
-                raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
-                                         "`mist-ds tune` wrote for a DeepSpeed runtime")
-    except LauncherUsageError as error:
+            plan_json = checked_plan(plan, user_args, nodes * gpus)
+    except (LauncherUsageError, ConfigError) as error:
         print(f"mist-deepspeed: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     launcher_args, user_args = hand_over(launcher_args, user_args, plan_json, run_dir)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from mist_ds.specs import ConfigError
+from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.errors import NO_VALUE
 
 EXIT_OK = 0
@@ -84,23 +84,27 @@ def task_overrides() -> list[str]:
     return job_overrides(CLI_KEYS)
 
 
-def _with_plan(cfg: DictConfig) -> DictConfig:
-    """The job's config; given plan=P, the config of P's overrides with the job's own after them.
+def _specs_with_plan(cfg: DictConfig) -> Specs:
+    """The job's specs; given plan=P, those of P's overrides with the job's own after them (a job's
+    model= other than the plan's is refused naming the plan's).
 
     The CLI's one second compose: which plan, and so which overrides go under the user's, is known
     only once Hydra has composed the job (plan= may come from a sweep, -m plan=a.json,b.json, or a
     config file), and the user's overrides must win over the plan's (later overrides win).
     """
+    from mist_ds.config import specs_from_config
+
     path = OmegaConf.select(cfg, "plan")
     if path is None:
-        return cfg
+        return specs_from_config(cfg)
     from hydra.utils import to_absolute_path
 
     from mist_ds.config import recompose_in_app
-    from mist_ds.plan import load_plan
+    from mist_ds.plan import load_plan, naming_the_plans_model
 
-    plan = load_plan(to_absolute_path(path))  # relative to where mist-ds ran, even with hydra.job.chdir
-    return recompose_in_app(plan.overrides(task_overrides()))
+    plan, overrides = load_plan(to_absolute_path(path)), task_overrides()  # relative to where mist-ds ran
+    with naming_the_plans_model(plan, path, overrides):
+        return specs_from_config(recompose_in_app(plan.overrides(overrides)))
 
 
 def _show(cfg: DictConfig) -> int:
@@ -122,11 +126,10 @@ def _analyze(cfg: DictConfig) -> int:
 
 
 def _predict(cfg: DictConfig) -> int:
-    from mist_ds.config import specs_from_config
     from mist_ds.cost.predict import predict
     from mist_ds.report.predict import render_prediction
 
-    prediction = predict(specs_from_config(_with_plan(cfg)))
+    prediction = predict(_specs_with_plan(cfg))
     _emit(cfg, prediction.to_dict(), lambda: render_prediction(prediction))
     return EXIT_OK
 
@@ -135,13 +138,12 @@ def _explain(cfg: DictConfig) -> int:
     """Where plan=P's (or the strategy group's) time and memory go, what bounds it, why its runner-ups lost."""
     from hydra.utils import to_absolute_path
 
-    from mist_ds.config import specs_from_config
     from mist_ds.plan import load_plan
     from mist_ds.report.explain import explain_facts, render_explain
 
     path = OmegaConf.select(cfg, "plan")
     plan = load_plan(to_absolute_path(path)) if path is not None else None
-    facts = explain_facts(specs_from_config(_with_plan(cfg)), plan)
+    facts = explain_facts(_specs_with_plan(cfg), plan)
     _emit(cfg, facts, lambda: render_explain(facts))
     return EXIT_OK
 
@@ -214,14 +216,13 @@ def _measure(cfg: DictConfig) -> int:
     import torch
     from hydra.core.hydra_config import HydraConfig
 
-    from mist_ds.config import specs_from_config
     from mist_ds.cost.predict import predict
     from mist_ds.files import write_json_atomic
     from mist_ds.report.measure import append_to_table, measure_record, render_measure
     from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload
     from mist_ds.testing.ranks import CPU_ENV, launch
 
-    specs = specs_from_config(_with_plan(cfg))
+    specs = _specs_with_plan(cfg)
     if specs.cluster.nodes != 1:
         raise ConfigError("cluster.nodes", specs.cluster.nodes, "measure runs on this machine: use cluster.nodes=1")
     settings = cfg.measure
