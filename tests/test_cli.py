@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,10 @@ def test_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout) == plan["prediction"]
     assert "| stage | layers |" in (out / "summary.md").read_text()
+    # issue 25, defect 8: the closing hint works when copied (stdout: relative to the cwd; summary.md: absolute)
+    assert f"`mist-ds predict plan={out / 'plan.json'}`" in (out / "summary.md").read_text()
+    hint = re.search(r"`mist-ds (predict plan=\S+)`", run.stdout).group(1)
+    assert hint == "predict plan=plan/plan.json" and mist_ds(*hint.split(), cwd=tmp_path).returncode == 0
     slower = mist_ds("predict", "plan=plan/plan.json", "cluster.intra_node_gbps=0.001", "json=true", cwd=tmp_path)
     assert slower.returncode == 0, slower.stderr  # the user's overrides come after the plan's: they win
     assert json.loads(slower.stdout)["iteration_time_s"] > plan["prediction"]["iteration_time_s"]

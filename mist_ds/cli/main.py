@@ -194,8 +194,18 @@ def _tune(cfg: DictConfig) -> int:
     plan = plan_from_result(result, overrides)
     written = write_plan(out, plan, specs, result.caps)
     write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_OK, None, specs, plan))
-    _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs) + "\nwrote " + ", ".join(map(str, written)))
+    _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs, _as_typed_here(out / "plan.json")) + "\nwrote "
+          + ", ".join(map(str, written)))
     return EXIT_OK
+
+
+def _as_typed_here(path: Path) -> str:
+    """`path` as a command run where mist-ds ran can take it: relative to that directory when inside it,
+    else absolute (a printed hint works when copied)."""
+    from hydra.utils import get_original_cwd
+
+    absolute, here = path.resolve(), Path(get_original_cwd()).resolve()
+    return str(absolute.relative_to(here)) if absolute.is_relative_to(here) else str(absolute)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def render_summary(plan: Plan, specs: Specs) -> str:
+def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> str:
+    """summary.md; its closing hint names the plan as `plan_json` (a path that works where it is read)."""
     p, search, strategy = plan.prediction, plan.search, plan.strategy
     par = strategy.parallelism
     usable = specs.cluster.gpu.usable_memory_bytes
@@ -88,7 +89,7 @@ def render_summary(plan: Plan, specs: Specs) -> str:
                          f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
                          f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
     lines += runner_up_lines(plan.runner_ups)
-    lines += ["", "Reproduce the prediction: `mist-ds predict plan=plan.json`."]
+    lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
     return "\n".join(lines) + "\n"
 
 
@@ -121,9 +122,10 @@ def _interleaving(strategy: dict) -> str:
     return f" interleaved x{chunks}" if chunks > 1 else ""
 
 
-def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, str]:
-    """plan.json, summary.md, and ds_config.json where the plan runs on DeepSpeed (`caps`: its runtime)."""
-    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs)}
+def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities, plan_json: str = "plan.json") -> dict[str, str]:
+    """plan.json, summary.md (its hint naming the plan as `plan_json`), and ds_config.json where the plan runs on
+    DeepSpeed (`caps`: its runtime)."""
+    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, plan_json)}
     if caps.executes_on_deepspeed:
         files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps,
                                                       host_bytes_per_rank=plan.prediction.get("host_bytes_per_rank")))
@@ -147,9 +149,10 @@ def write_plan(directory: Path, plan: Plan, specs: Specs, caps: RuntimeCapabilit
     """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs, cmd.txt: the command
     that trains it."""
     directory.mkdir(parents=True, exist_ok=True)
-    files: dict[str, str | bytes] = {**plan_files(plan, specs, caps), **plan_pictures(plan, specs, caps)}
+    absolute = directory.resolve()  # summary.md's hint works wherever it is read from
+    files: dict[str, str | bytes] = {**plan_files(plan, specs, caps, str(absolute / "plan.json")),
+                                     **plan_pictures(plan, specs, caps)}
     if caps.executes_on_deepspeed:
-        absolute = directory.resolve()
         cluster = specs.cluster
         command = train_command(absolute / "plan.json", cluster.nodes, cluster.gpus_per_node, absolute / "train")
         files["cmd.txt"] = command_file(command, cluster.gpu.is_cpu_process, cluster.nodes, cluster.gpus_per_node)
