@@ -93,17 +93,17 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
     return "\n".join(lines) + "\n"
 
 
-def _value_text(value) -> str:
+def value_text(value) -> str:
     """A strategy value as text; a per-stage list with one value on every stage as that value."""
     if isinstance(value, list) and value and all(v == value[0] for v in value):
         value = value[0]
-    return ",".join(map(_value_text, value)) if isinstance(value, list) else (
+    return ",".join(map(value_text, value)) if isinstance(value, list) else (
         f"{value:g}" if isinstance(value, float) else str(value))
 
 
 def differences_text(differs: dict[str, list]) -> str:
     """`tp 2 -> 1, pp 1 -> 2`: the plan's value, then the runner-up's, per differing strategy key."""
-    return ", ".join(f"{key} {_value_text(mine)} -> {_value_text(theirs)}" for key, (mine, theirs) in differs.items())
+    return ", ".join(f"{key} {value_text(mine)} -> {value_text(theirs)}" for key, (mine, theirs) in differs.items())
 
 
 def runner_up_lines(runner_ups: list[dict]) -> list[str]:
