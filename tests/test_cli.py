@@ -191,6 +191,14 @@ def test_a_run_dir_that_cannot_be_made_exits_2_naming_it(tmp_path):
     assert _names(tmp_path) == {"plain.txt"}
 
 
+def test_profile_into_a_folder_of_its_own_leaves_no_run_dir(tmp_path):
+    """Issue 25, defect 10: `profile profile.out_dir=calib` left an empty outputs/<date>/<time>/ (Hydra's run
+    dir, unused); refused here before measuring anything, so the test is fast: nothing may be written."""
+    run = mist_ds("profile", "model=tiny", "cluster=cpu", "train.precision=fp16", "profile.out_dir=calib", cwd=tmp_path)
+    assert run.returncode == 2 and "train.precision" in run.stderr, run.stderr
+    assert _names(tmp_path) == set()
+
+
 def test_hydra_full_error_set_by_the_user_gives_the_traceback(tmp_path):
     result = mist_ds("show", "model=nope", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
     assert result.returncode != 0 and "Traceback" in result.stderr

@@ -31,9 +31,9 @@ timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; 
 into Hydra's output dir (hydra.run.dir; in a multirun each job's dir under hydra.sweep.dir), next to
 Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir.
 measure writes measure.json there; profile writes profile.db, cluster/<name>.yaml, measurements.json and
-profile.json into profile.out_dir (default the same dir). show, predict, predict-many, explain and analyze
-write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go to stderr
-(conf/config.yaml): stdout carries only the results.
+profile.json into profile.out_dir (default the same dir; given one, Hydra makes no run dir). show, predict,
+predict-many, explain and analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in
+hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 
@@ -219,6 +219,8 @@ class Command:
     reads_plan: bool = False
     summarizes_sweeps: bool = False
     """A multirun ends with sweep.csv / sweep.md from the jobs' result.json (mist_ds/cli/sweep.py)."""
+    out_dir_key: str | None = None
+    """The key of a folder the command writes into instead of Hydra's run dir: given one, Hydra writes nothing."""
 
 
 def _measure(cfg: DictConfig) -> int:
@@ -286,7 +288,8 @@ COMMANDS: dict[str, Command] = {
     "measure": Command(_measure, "run the strategy (or plan=PLAN_JSON) on this machine and measure it beside "
                                  "its prediction", writes_files=True, reads_plan=True),
     "profile": Command(_profile, "measure this machine at the tuner's shapes: write profile.db and "
-                                 "cluster/<name>.yaml (use: -cd DIR cluster=<name>)", writes_files=True),
+                                 "cluster/<name>.yaml (use: -cd DIR cluster=<name>)", writes_files=True,
+                       out_dir_key="profile.out_dir"),
 }
 
 USAGE = f"""usage: {PROG} <command> [Hydra's arguments]
@@ -354,12 +357,21 @@ def rewrite_options(args: Sequence[str]) -> list[str]:
     return rewritten
 
 
-def hydra_settings(command: str) -> list[str]:
-    """Overrides put before the user's, so that theirs (later) still win."""
+def _names_own_out_dir(command: str, overrides: Sequence[str]) -> bool:
+    """The user's overrides give the command's own output folder (Command.out_dir_key), not null."""
+    key = COMMANDS[command].out_dir_key
+    values = [o.partition("=")[2] for o in overrides if key is not None and o.lstrip("+").partition("=")[0] == key]
+    return bool(values) and values[-1] not in ("", "null")
+
+
+def hydra_settings(command: str, overrides: Sequence[str] = ()) -> list[str]:
+    """Overrides put before the user's (`overrides`), so that theirs (later) still win."""
     settings = [f"hydra.job.name={command}", f"hydra.help.app_name={_quoted(f'{PROG} {command}')}"]
     if COMMANDS[command].summarizes_sweeps:
         settings.append(f"++{SWEEP_CALLBACK}._target_={SWEEP_SUMMARY}")
-    return settings if COMMANDS[command].writes_files else [*settings, *NO_FILES]
+    if COMMANDS[command].writes_files and not _names_own_out_dir(command, overrides):
+        return settings
+    return [*settings, *NO_FILES]
 
 
 def parse_hydra_args(command: str, args: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -379,7 +391,7 @@ def parse_hydra_args(command: str, args: Sequence[str]) -> tuple[argparse.Argume
     if parsed.experimental_rerun is not None:
         raise ConfigError("--experimental-rerun", parsed.experimental_rerun,
                           f"not supported by {PROG}; rerun with the overrides in the job's .hydra/overrides.yaml")
-    parsed.overrides = [*hydra_settings(command), *parsed.overrides]
+    parsed.overrides = [*hydra_settings(command, parsed.overrides), *parsed.overrides]
     return parser, parsed
 
 
