@@ -153,7 +153,7 @@ def _predict_many(cfg: DictConfig) -> int:
     import mist_ds
     from hydra.utils import to_absolute_path
 
-    from mist_ds.report.batch import CASES_FIELD, many_records, read_cases, render_many
+    from mist_ds.report.batch import CASES_FIELD, case_error, many_records, read_cases, render_many
 
     path = OmegaConf.select(cfg, CASES_FIELD)
     if path is None:
@@ -161,10 +161,9 @@ def _predict_many(cfg: DictConfig) -> int:
     cases = read_cases(Path(to_absolute_path(path)))
     common = task_overrides()
     try:
-        predictions = mist_ds.predict_many([[*common, *case] for case in cases])
-    except ConfigError as error:  # name the case: its note says which (specs/errors.py, noting_case)
-        raise ConfigError(" ".join([CASES_FIELD, *getattr(error, "__notes__", []), error.field]), error.value,
-                          error.fix, error.rule) from error
+        predictions = mist_ds.predict_many([[*common, *case] for case in cases.values()])
+    except ConfigError as error:  # name the case by its line in the file
+        raise case_error(cases, error) from error
     _emit(cfg, many_records(cases, predictions), lambda: render_many(cases, predictions))
     return EXIT_OK
 
