@@ -2,7 +2,8 @@
 
 FILE holds one case a line: Hydra overrides separated by blanks, quoted as in a shell
 (`strategy.tp=2 strategy.pp=2 model.name='my model'`); blank lines and lines starting with # are skipped.
-The command's own overrides go before every case's (a case's win)."""
+The command's own overrides go before every case's (a case's win). Rows, JSON records and errors name a case
+by its line in FILE."""
 from __future__ import annotations
 
 import shlex
