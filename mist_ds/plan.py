@@ -9,10 +9,11 @@ input: `plan_from_dict` validates it as data and names the bad key.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from mist_ds.specs import ConfigError, StrategySpec
 from mist_ds.specs.strategy import strategy_from_dict, strategy_overrides
@@ -98,6 +99,28 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
                 runner_ups=list(runner_ups))
 
 
+def model_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides among `overrides` that choose or change the model (`model=...`, `model.*=...`)."""
+    return [o for o in overrides if o.lstrip("+~").partition("=")[0].split(".")[0] == "model"]
+
+
+@contextlib.contextmanager
+def naming_the_plans_model(plan: Plan, source: str, extra: Sequence[str]) -> Iterator[None]:
+    """Run the block that composes `plan` with `extra` (a job's own overrides after the plan's); a ConfigError
+    it raises while `extra` changes the plan's model (e.g. layers that no longer add up) also says which
+    model the plan is for and how to run it."""
+    try:
+        yield
+    except ConfigError as error:
+        theirs, ours = model_overrides(plan.user_overrides), model_overrides(extra)
+        if not ours or set(ours) <= set(theirs):
+            raise
+        planned = " ".join(theirs) or "the default model"
+        raise ConfigError(error.field, error.value, f"{error.fix}; {source} is a plan for {planned}, run here with "
+                                                    f"{' '.join(ours)}: drop it, or tune a plan for that model",
+                          error.rule) from error
+
+
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     try:
@@ -111,4 +134,4 @@ def load_plan(path: str | Path) -> Plan:
     return plan_from_dict(data, str(path))
 
 
-__all__ = ["PLAN_VERSION", "Plan", "load_plan", "plan_from_dict"]
+__all__ = ["PLAN_VERSION", "Plan", "load_plan", "model_overrides", "naming_the_plans_model", "plan_from_dict"]
