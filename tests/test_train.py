@@ -158,8 +158,9 @@ def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
 
 
 def test_only_arguments_before_the_script_are_the_launchers():
-    mode, plan, rest = launcher.split_mist_args(["--autotune-mist=run", "--num_gpus", "2", "--plan", "p.json"])
-    assert (mode, plan, rest) == ("run", "p.json", ["--num_gpus", "2"])
+    mode, plan, rest, mist = launcher.split_mist_args(["--autotune-mist=run", "--num_gpus", "2", "--plan", "p.json",
+                                                       "--mist", "model=hf", "--mist=model.seq_len=64"])
+    assert (mode, plan, rest, mist) == ("run", "p.json", ["--num_gpus", "2"], ["model=hf", "model.seq_len=64"])
     assert launcher.hydra_overrides(["model=tiny", "run.steps=3", "--flag", "mist.plan=x", "hydra.run.dir=d",
                                      "+tuner.tp=[1]"]) == ["model=tiny", "+tuner.tp=[1]"]
 
@@ -189,7 +190,7 @@ def test_the_in_script_flag_through_mist_deepspeed_is_the_script_s():
     """`deepspeed train.py --autotune-mist ...` reaches mist-deepspeed through the shim: the flag after
     the script is left to the script."""
     argv = ["--num_gpus", "2", "train.py", "--autotune-mist", "model=tiny"]
-    assert launcher.split_mist_args(argv, strict=False) == (None, None, argv)
+    assert launcher.split_mist_args(argv, strict=False) == (None, None, argv, [])
     assert launcher.split_mist_args(["--num_gpus", "2", "train.py", "--autotune-mist"], strict=False)[2][-1] == \
         "--autotune-mist"
 
@@ -299,3 +300,18 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
     rest = json.loads((resumed / "run.json").read_text())["steps"]  # the plan given: no plan/ in this run dir
     assert [s["step"] for s in rest] == [4, 5]
     assert [s["loss"] for s in rest] == [s["loss"] for s in whole[3:]]
+
+
+def test_a_script_of_your_own_is_never_planned_as_the_default_model(tmp_path):
+    """`--autotune-mist` on a user's DeepSpeed script with no model named stops before anything is planned or
+    started (it was planned, silently, as the embedded default gpt3-2.7b); `--mist model=...` names it."""
+    script = tmp_path / "my_train.py"
+    script.write_text("import deepspeed\n")
+    argv = ["--autotune-mist", "tune", "--num_gpus", "1", str(script), "--deepspeed", "--deepspeed_config", "ds.json"]
+    code, out = run(mist_deepspeed(*argv), tmp_path, timeout_s=60)
+    assert code == 2 and "none is named" in out and "--mist model=" in out and "Traceback" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_train.py"]  # nothing planned, nothing written
+    with pytest.raises(launcher.LauncherUsageError):
+        launcher.check_model_named(str(script), ["cluster=cpu"])
+    launcher.check_model_named(str(script), ["model=llama3-8b"])
+    launcher.check_model_named(str(TRAIN), [])  # mist_ds's own script plans its documented default

@@ -41,7 +41,7 @@ from typing import Sequence
 
 from mist_ds.files import write_atomic
 from mist_ds.specs import ConfigError
-from mist_ds.report.command import command_file
+from mist_ds.report.command import TRAIN_SCRIPT, command_file
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
@@ -60,6 +60,9 @@ mist_ds's arguments (before the script):
                         (run) or stop (tune); the run dir is the script's hydra.run.dir=D, else
                         outputs/mist-deepspeed/<date>/<time>
   --plan PLAN_JSON      with --autotune-mist: train this plan.json from `mist-ds tune` instead of planning
+  --mist OVERRIDE       a mist_ds setting for the planner, not the script (repeatable; Hydra syntax), e.g.
+                        --mist model=hf --mist model.name_or_path=DIR --mist model.seq_len=4096. Your own script
+                        must name its model this way (mist_ds's launch/train.py takes key=value arguments)
 Without --autotune-mist this is DeepSpeed's launcher as is. DeepSpeed's launcher and its arguments:
 
 """
@@ -69,20 +72,32 @@ class LauncherUsageError(ValueError):
     """A mistake in mist-deepspeed's own arguments."""
 
 
-def split_mist_args(argv: Sequence[str], strict: bool = True) -> tuple[str | None, str | None, list[str]]:
-    """(--autotune-mist mode, --plan path, the rest) from the arguments before the user script.
+def split_mist_args(argv: Sequence[str], strict: bool = True
+                    ) -> tuple[str | None, str | None, list[str], list[str]]:
+    """(--autotune-mist mode, --plan path, the rest, the --mist overrides) from the arguments before the user
+    script.
 
     strict=False (a first look at the whole command line, to find the script) leaves in place a flag
     whose value looks like a script argument (a Hydra override `k=v` or an option), as a script's own
     `--autotune-mist` after it is, and a flag that ends the line."""
     mode = plan = None
     rest: list[str] = []
+    overrides: list[str] = []
     items = list(argv)
     i = 0
     while i < len(items):
         arg = items[i]
         name, _, value = arg.partition("=")
-        if name in ("--autotune-mist", "--plan"):
+        if name == "--mist":
+            if not value and i + 1 >= len(items):
+                if strict:
+                    raise LauncherUsageError("--mist needs an override, e.g. --mist model=llama3-8b")
+                rest.append(arg)
+                break
+            if not value:
+                i, value = i + 1, items[i + 1]
+            overrides.append(value)
+        elif name in ("--autotune-mist", "--plan"):
             if not value:
                 if i + 1 >= len(items) and not strict:
                     rest.append(arg)
@@ -103,7 +118,7 @@ def split_mist_args(argv: Sequence[str], strict: bool = True) -> tuple[str | Non
         else:
             rest.append(arg)
         i += 1
-    return mode, plan, rest
+    return mode, plan, rest, overrides
 
 
 def resources(args) -> tuple[int, int]:
@@ -134,9 +149,21 @@ def hydra_overrides(user_args: Sequence[str]) -> list[str]:
             and a.split("=")[0].lstrip("+~").split(".")[0] not in ("mist", "run", "hydra")]
 
 
-def plan_for(user_args: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
-    """`mist-ds tune` in its own process; its exit code."""
-    command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *hydra_overrides(user_args),
+def check_model_named(script: str, overrides: Sequence[str]) -> None:
+    """A script other than mist_ds's own launch/train.py trains a model of its own: planning it as the embedded
+    default model would hand it a plan for another model, silently. Refused unless the planner is told the model
+    (`--mist model=...`)."""
+    if Path(script).resolve() == TRAIN_SCRIPT or any(o.lstrip("+").split("=")[0] == "model" for o in overrides):
+        return
+    raise LauncherUsageError(
+        f"--autotune-mist plans the model {script} trains, and none is named: give it to the planner before the "
+        "script, e.g. --mist model=hf --mist model.name_or_path=DIR --mist model.seq_len=4096 (a Hugging Face "
+        "config) or --mist model=llama3-8b (the zoo); mist_ds's own launch/train.py takes model=... itself")
+
+
+def plan_for(overrides: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
+    """`mist-ds tune` in its own process with the planner's overrides; its exit code."""
+    command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *overrides,
                f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}", "tuner.quiet=true",
                f"{RUN_DIR_KEY}{plan_dir}"]
     print("mist-deepspeed: planning: " + shlex.join(command), file=sys.stderr)
@@ -235,11 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if script is None:
             return 0
         at = argv.index(script)
-        mode, plan, launcher_args = split_mist_args(argv[:at])
+        mode, plan, launcher_args, mist_overrides = split_mist_args(argv[:at])
         user_args = argv[at + 1:]
         if mode is None:
-            if plan is not None:
-                raise LauncherUsageError("--plan needs --autotune-mist run (or tune)")
+            if plan is not None or mist_overrides:
+                raise LauncherUsageError(f"{'--plan' if plan is not None else '--mist'} needs --autotune-mist run "
+                                         "(or tune)")
             return runner.main(argv) or 0
         args = runner.parse_args([*launcher_args, script, *user_args])
         if args.autotuning:
@@ -247,8 +275,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "drop --autotuning (DeepSpeed's) or --autotune-mist (mist_ds's)")
         run_dir, (nodes, gpus) = run_dir_of(user_args).resolve(), resources(args)
         if plan is None:
-            check_tokens(user_args, hydra_overrides(user_args))
-            code = plan_for(user_args, nodes, gpus, run_dir / "plan")
+            planner = [*mist_overrides, *hydra_overrides(user_args)]
+            check_model_named(script, planner)
+            check_tokens(user_args, planner)
+            code = plan_for(planner, nodes, gpus, run_dir / "plan")
             if code != 0:
                 return code
             plan_json = run_dir / "plan" / "plan.json"
