@@ -199,7 +199,7 @@ def checked_plan(plan: str, user_args: Sequence[str], world_size: int) -> Path:
     composed with the script's overrides (another model= is refused naming the plan's), and the script's
     token file (LauncherUsageError, ConfigError)."""
     from mist_ds.config import compose
-    from mist_ds.plan import load_plan, naming_the_plans_model
+    from mist_ds.plan import check_model_source, load_plan, model_overrides, naming_the_plans_model
 
     plan_json = Path(plan).resolve()
     if not plan_json.is_file():
@@ -215,7 +215,9 @@ def checked_plan(plan: str, user_args: Sequence[str], world_size: int) -> Path:
                                  f"{par.num_gpus} (--num_nodes, --num_gpus, a hostfile) or drop --plan to plan for "
                                  f"{world_size}")
     with naming_the_plans_model(loaded, plan, overrides):
-        compose(loaded.overrides(overrides))
+        specs = compose(loaded.overrides(overrides))
+    if not model_overrides(overrides):
+        check_model_source(loaded, specs.model, plan)
     check_tokens(user_args, loaded.overrides(overrides))
     return plan_json
 

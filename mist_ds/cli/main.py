@@ -100,11 +100,14 @@ def _specs_with_plan(cfg: DictConfig) -> Specs:
     from hydra.utils import to_absolute_path
 
     from mist_ds.config import recompose_in_app
-    from mist_ds.plan import load_plan, naming_the_plans_model
+    from mist_ds.plan import check_model_source, load_plan, model_overrides, naming_the_plans_model
 
     plan, overrides = load_plan(to_absolute_path(path)), task_overrides()  # relative to where mist-ds ran
     with naming_the_plans_model(plan, path, overrides):
-        return specs_from_config(recompose_in_app(plan.overrides(overrides)))
+        specs = specs_from_config(recompose_in_app(plan.overrides(overrides)))
+    if not model_overrides(overrides):  # the plan's own model: it must still be the one it was tuned for
+        check_model_source(plan, specs.model, path)
+    return specs
 
 
 def _show(cfg: DictConfig) -> int:

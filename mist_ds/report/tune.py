@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from mist_ds.emit import ds_config
 from mist_ds.files import json_text, write_files_atomic
-from mist_ds.plan import Plan
+from mist_ds.plan import Plan, model_source_of
 from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
 from mist_ds.specs.cluster import GIB
@@ -41,7 +41,7 @@ def plan_from_result(result: TuneResult, user_overrides: Sequence[str]) -> Plan:
                   for rank, (point, prediction) in enumerate(result.runner_ups, start=1)]
     return Plan(user_overrides=list(user_overrides), strategy=result.strategy,
                 prediction=result.prediction.to_dict(), search=search_summary(result.search), baselines=baselines,
-                runner_ups=runner_ups)
+                runner_ups=runner_ups, model_source=model_source_of(result.specs.model))
 
 
 def _gib(n: float) -> str:
