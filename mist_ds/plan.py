@@ -9,12 +9,13 @@ input: `plan_from_dict` validates it as data and names the bad key.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from mist_ds.specs import ConfigError, StrategySpec
+from mist_ds.specs import ConfigError, ModelSpec, StrategySpec
 from mist_ds.specs.strategy import strategy_from_dict, strategy_overrides
 
 PLAN_VERSION = 2
@@ -37,6 +38,8 @@ class Plan:
     runner_ups: list[dict[str, Any]] = field(default_factory=list)
     """The best plans of the next-best global points, fastest first (tuner/runner_ups.py): rank,
     iteration_time_s, objective_s, slower_by, differs (strategy key -> [plan's, runner-up's]), strategy."""
+    model_source: dict[str, Any] = field(default_factory=dict)
+    """Which model the plan is for (model_source_of): a plan is refused for another (check_model_source)."""
     version: int = PLAN_VERSION
 
     def overrides(self, extra: Sequence[str] = ()) -> list[str]:
@@ -46,7 +49,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "user_overrides": list(self.user_overrides),
                 "strategy": self.strategy.to_dict(), "prediction": self.prediction, "search": self.search,
-                "baselines": self.baselines, "runner_ups": self.runner_ups}
+                "baselines": self.baselines, "runner_ups": self.runner_ups, "model_source": self.model_source}
 
     @property
     def iteration_time_s(self) -> float:
@@ -91,11 +94,65 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         raise ConfigError(f"{PLAN_FIELD}.baselines", type(baselines).__name__, "must be a list")
     runner_ups = data.get("runner_ups", [])
     _check_runner_ups(runner_ups)
+    model_source = data.get("model_source", {})
+    if not isinstance(model_source, dict):
+        raise ConfigError(f"{PLAN_FIELD}.model_source", type(model_source).__name__, "must be an object")
     return Plan(user_overrides=list(overrides),
                 strategy=strategy_from_dict(_required(data, "strategy", dict, source), f"{PLAN_FIELD}.strategy"),
                 prediction=dict(_required(data, "prediction", dict, source)),
                 search=dict(_required(data, "search", dict, source)), baselines=list(baselines),
-                runner_ups=list(runner_ups))
+                runner_ups=list(runner_ups), model_source=dict(model_source))
+
+
+def model_source_of(model: ModelSpec) -> dict[str, Any]:
+    """What identifies a model: the zoo's name and family, a Hugging Face model's path, architecture and the hash of
+    its config as read and overridden, or a user's module's class, the function that built it and its hash."""
+    if model.module is not None:
+        return {"kind": "module", "class": model.module.class_name, "target": model.module.target,
+                "module_sha256": model.module.module_sha256}
+    if model.hf is None:
+        return {"kind": "zoo", "name": model.name, "family": model.family}
+    return {"kind": "hf", "name_or_path": model.hf.name_or_path, "architecture": model.hf.architecture,
+            "config_sha256": model.hf.config_sha256}
+
+
+def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
+    """A plan composed again must describe the model it was tuned for: a Hugging Face config changed on disk since
+    (or another model) is refused, naming both (a plan without a record, from before it existed, is taken as is)."""
+    if not plan.model_source or plan.model_source == model_source_of(model):
+        return
+    planned, now = plan.model_source, model_source_of(model)
+    if planned.get("kind") == now["kind"] == "hf" and planned.get("name_or_path") == now["name_or_path"]:
+        fix = (f"the config at {now['name_or_path']} changed since the plan was tuned (sha256 "
+               f"{planned.get('config_sha256', '?')[:12]} then, {now['config_sha256'][:12]} now): re-run `mist-ds tune`")
+    elif planned.get("kind") == now["kind"] == "module" and planned.get("class") == now["class"]:
+        fix = (f"{now['class']} changed since the plan was tuned (its structure, code, kwargs or loss: sha256 "
+               f"{planned.get('module_sha256', '?')[:12]} then, {now['module_sha256'][:12]} now): re-run `mist-ds tune`")
+    else:
+        fix = f"it is a plan for {planned}, and the model here is {now}: tune a plan for this model"
+    raise ConfigError(PLAN_FIELD, source, fix, rule="plan.model-source")
+
+
+def model_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides among `overrides` that choose or change the model (`model=...`, `model.*=...`)."""
+    return [o for o in overrides if o.lstrip("+~").partition("=")[0].split(".")[0] == "model"]
+
+
+@contextlib.contextmanager
+def naming_the_plans_model(plan: Plan, source: str, extra: Sequence[str]) -> Iterator[None]:
+    """Run the block that composes `plan` with `extra` (a job's own overrides after the plan's); a ConfigError
+    it raises while `extra` changes the plan's model (e.g. layers that no longer add up) also says which
+    model the plan is for and how to run it."""
+    try:
+        yield
+    except ConfigError as error:
+        theirs, ours = model_overrides(plan.user_overrides), model_overrides(extra)
+        if not ours or set(ours) <= set(theirs):
+            raise
+        planned = " ".join(theirs) or "the default model"
+        raise ConfigError(error.field, error.value, f"{error.fix}; {source} is a plan for {planned}, run here with "
+                                                    f"{' '.join(ours)}: drop it, or tune a plan for that model",
+                          error.rule) from error
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -111,4 +168,5 @@ def load_plan(path: str | Path) -> Plan:
     return plan_from_dict(data, str(path))
 
 
-__all__ = ["PLAN_VERSION", "Plan", "load_plan", "plan_from_dict"]
+__all__ = ["PLAN_VERSION", "Plan", "check_model_source", "load_plan", "model_overrides", "model_source_of",
+           "naming_the_plans_model", "plan_from_dict"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,9 +51,17 @@ def test_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout) == plan["prediction"]
     assert "| stage | layers |" in (out / "summary.md").read_text()
+    # issue 25, defect 8: the closing hint works when copied (stdout: relative to the cwd; summary.md: absolute)
+    assert f"`mist-ds predict plan={out / 'plan.json'}`" in (out / "summary.md").read_text()
+    hint = re.search(r"`mist-ds (predict plan=\S+)`", run.stdout).group(1)
+    assert hint == "predict plan=plan/plan.json" and mist_ds(*hint.split(), cwd=tmp_path).returncode == 0
     slower = mist_ds("predict", "plan=plan/plan.json", "cluster.intra_node_gbps=0.001", "json=true", cwd=tmp_path)
     assert slower.returncode == 0, slower.stderr  # the user's overrides come after the plan's: they win
     assert json.loads(slower.stdout)["iteration_time_s"] > plan["prediction"]["iteration_time_s"]
+    other = mist_ds("predict", "plan=plan/plan.json", "model.num_layers=5", cwd=tmp_path)  # issue 25, defect 12
+    assert other.returncode == 2 and "must add up to model.num_layers=5" in other.stderr, other.stderr
+    assert "plan/plan.json is a plan for model=tiny model.num_layers=7, run here with model.num_layers=5" in \
+        other.stderr
     assert _names(tmp_path) == {"plan"}  # predict wrote nothing
 
 
@@ -103,16 +112,22 @@ def test_cfg_job_prints_the_composed_config_and_creates_nothing(tmp_path):
     assert _names(tmp_path) == set()
 
 
+def user_config_dir(directory, model: str, layers_line: str, cluster: str, cluster_lines: str) -> None:
+    """A user's config dir: model/<model>.yaml (a small GPT with `layers_line`) and cluster/<cluster>.yaml
+    (the zoo's cpu with `cluster_lines`)."""
+    (directory / "model").mkdir(parents=True)
+    (directory / "model" / f"{model}.yaml").write_text(
+        f"defaults:\n  - base_gpt\n  - _self_\nname: {model}\nhidden_size: 128\n{layers_line}\nnum_heads: 4\n"
+        "vocab_size: 4096\nseq_len: 128\n")
+    (directory / "cluster").mkdir()
+    (directory / "cluster" / f"{cluster}.yaml").write_text(
+        f"defaults:\n  - cpu\n  - _self_\nname: {cluster}\n{cluster_lines}\n")
+
+
 def test_a_users_config_dir_composes_with_the_zoo(tmp_path):
     """-cd DIR adds DIR to the search path; -cp DIR (relative to the cwd) makes it the primary config
     path, and the search-path plugin still brings the zoo and the primary config `config`."""
-    (tmp_path / "mine" / "model").mkdir(parents=True)
-    (tmp_path / "mine" / "model" / "mymodel.yaml").write_text(
-        "defaults:\n  - base_gpt\n  - _self_\nname: mymodel\nhidden_size: 128\nnum_layers: 4\nnum_heads: 4\n"
-        "vocab_size: 4096\nseq_len: 128\n")
-    (tmp_path / "mine" / "cluster").mkdir()
-    (tmp_path / "mine" / "cluster" / "mycpu.yaml").write_text(
-        "defaults:\n  - cpu\n  - _self_\nname: mycpu\ngpus_per_node: 4\n")
+    user_config_dir(tmp_path / "mine", "mymodel", "num_layers: 4", "mycpu", "gpus_per_node: 4")
     expected = compose(["model=tiny", "model.num_layers=4"], with_strategy=False).model.total_params()
     for flag, cluster, gpus in (("-cd", "a100-80g", 8), ("-cd", "mycpu", 4), ("-cp", "mycpu", 4)):
         run = mist_ds("show", flag, "mine", "model=mymodel", f"cluster={cluster}", "train.global_batch_size=16",
@@ -122,6 +137,20 @@ def test_a_users_config_dir_composes_with_the_zoo(tmp_path):
         assert facts["model"]["name"] == "mymodel" and facts["params_total"] == expected
         assert facts["cluster"]["name"] == cluster and facts["gpus"] == gpus
     assert _names(tmp_path) == {"mine"}
+
+
+def test_a_typo_in_a_users_config_file_names_the_file_the_key_and_the_nearest_key(tmp_path):
+    """Issue 25, defect 1: a misspelt key in a file of a user's -cd DIR (or -cp DIR) is one stderr line naming
+    the file, the key and the nearest valid key, as a misspelt override on the command line is."""
+    user_config_dir(tmp_path / "myconf", "typo", "num_layer: 4", "mycpu", "gpu:\n  memory_gb: 4")
+    for flag, choice, file, key, nearest in (
+            ("-cd", "model=typo", "myconf/model/typo.yaml", "model.num_layer", "num_layers"),
+            ("-cd", "cluster=mycpu", "myconf/cluster/mycpu.yaml", "cluster.gpu.memory_gb", "memory_gib"),
+            ("-cp", "model=typo", str(tmp_path / "myconf" / "model" / "typo.yaml"), "model.num_layer", "num_layers")):
+        run = mist_ds("show", flag, "myconf", choice, cwd=tmp_path)
+        assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+        assert all(word in run.stderr for word in (file, key, f"did you mean {nearest}?")), run.stderr
+    assert _names(tmp_path) == {"myconf"}
 
 
 BAD_INPUTS = [
@@ -147,6 +176,27 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(tmp_path, args, field)
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert field in result.stderr and "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_a_run_dir_that_cannot_be_made_exits_2_naming_it(tmp_path):
+    """Issue 25, defect 3: an unwritable hydra.run.dir (hydra.sweep.dir in a multirun) is bad input, not two
+    tracebacks and exit 1. A path under a plain file cannot be made, whoever runs the test."""
+    (tmp_path / "plain.txt").write_text("")
+    blocked = tmp_path / "plain.txt" / "run"
+    for args, key in ((["tune", *SMALL, f"hydra.run.dir={blocked}"], "hydra.run.dir"),
+                      (["tune", "-m", *SMALL, f"hydra.sweep.dir={blocked}"], "hydra.sweep.dir")):
+        run = mist_ds(*args, cwd=tmp_path)
+        assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+        assert key in run.stderr and str(blocked) in run.stderr and "Traceback" not in run.stderr
+    assert _names(tmp_path) == {"plain.txt"}
+
+
+def test_profile_into_a_folder_of_its_own_leaves_no_run_dir(tmp_path):
+    """Issue 25, defect 10: `profile profile.out_dir=calib` left an empty outputs/<date>/<time>/ (Hydra's run
+    dir, unused); refused here before measuring anything, so the test is fast: nothing may be written."""
+    run = mist_ds("profile", "model=tiny", "cluster=cpu", "train.precision=fp16", "profile.out_dir=calib", cwd=tmp_path)
+    assert run.returncode == 2 and "train.precision" in run.stderr, run.stderr
+    assert _names(tmp_path) == set()
 
 
 def test_hydra_full_error_set_by_the_user_gives_the_traceback(tmp_path):

@@ -150,3 +150,27 @@ def test_an_architecture_without_the_attention_asked_for_is_refused(configs):
 def test_tensor_parallelism_of_an_hf_model_is_refused_until_priced(configs):
     with pytest.raises(ConfigError, match="AutoTP"):
         hf(configs["qwen2"], "model.seq_len=64", "cluster.gpus_per_node=2", "strategy.tp=2")
+
+
+def test_a_plan_records_its_model_and_is_refused_once_the_config_changed(configs, tmp_path):
+    """plan.json records the model's source (path, architecture, config hash); composed again after the config
+    changed on disk, the plan is refused with exit 2 naming both hashes."""
+    import json
+    import shutil
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(configs["qwen2"], folder)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    run_dir = tmp_path / "run"
+    tune = [sys.executable, "-m", "mist_ds.cli.main", "tune", "model=hf", f"model.name_or_path={folder}",
+            "model.seq_len=64", "cluster=a100-80g", "cluster.gpus_per_node=1", "train.global_batch_size=4",
+            "tuner.compare_baselines=false", f"hydra.run.dir={run_dir}"]
+    assert subprocess.run(tune, capture_output=True, text=True, cwd=REPO, env=env).returncode == 0
+    source = json.loads((run_dir / "plan.json").read_text())["model_source"]
+    assert source["kind"] == "hf" and source["architecture"] == "Qwen2ForCausalLM" and len(source["config_sha256"]) == 64
+    predict = [sys.executable, "-m", "mist_ds.cli.main", "predict", f"plan={run_dir / 'plan.json'}"]
+    assert subprocess.run(predict, capture_output=True, text=True, cwd=REPO, env=env).returncode == 0
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
+    done = subprocess.run(predict, capture_output=True, text=True, cwd=REPO, env=env)
+    assert done.returncode == 2 and "changed since the plan was tuned" in done.stderr, done.stderr[-2000:]

@@ -55,10 +55,14 @@ def test_the_cli_prices_a_cases_file(tmp_path):
     assert result.returncode == 0, result.stderr
     records = json.loads(result.stdout)
     assert [r["overrides"] for r in records] == [["strategy.tp=2"], ["strategy.pp=2", "strategy.micro_batch_size=2"]]
+    assert [r["line"] for r in records] == [2, 4]  # the file's line numbers (comment and blank lines count)
     for record in records:
         assert record["prediction"] == json.loads(json.dumps(mist_ds.predict(common + record["overrides"]).to_dict()))
     (tmp_path / "bad.txt").write_text("strategy.tp=2\nstrategy.tp=3\n")
     bad = run_cli("predict-many", "cases=bad.txt", *common, cwd=tmp_path)
-    assert bad.returncode == 2 and "cases case 1 strategy.tp=3" in bad.stderr, bad.stderr
+    # issue 25, defect 11: the file's line number, not the case's index from 0 ("case 1" for line 2)
+    assert bad.returncode == 2 and "cases line 2 (strategy.tp=3): strategy.tp=3" in bad.stderr, bad.stderr
+    text = run_cli("predict-many", "cases=cases.txt", *common, cwd=tmp_path)
+    assert [row.split()[0] for row in text.stdout.splitlines()] == ["line", "2", "4"], text.stdout
     missing = run_cli("predict-many", "cases=nothing.txt", cwd=tmp_path)
     assert missing.returncode == 2 and "cases=" in missing.stderr and "Traceback" not in missing.stderr

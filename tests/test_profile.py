@@ -45,6 +45,7 @@ def test_profile_writes_a_database_and_a_cluster_config_that_load(profiled):
     assert db.holds("gemm") and db.holds("attention_fwd") and db.holds("attention_bwd")
     assert set(specs.cluster.interference.factors) == set(CONCURRENT_SETS)
     assert (out / "profile.json").is_file() and (out / "measurements.json").is_file()
+    assert not (out / "outputs").exists()  # profile.out_dir given: Hydra made no run dir (issue 25, defect 10)
 
 
 def test_the_database_sets_the_times_of_the_ops_it_holds(profiled):

@@ -62,14 +62,22 @@ def test_a_2x2_sweep_gives_a_plan_per_job_and_a_summary_row_each(basic_sweep):
 
 
 def test_each_plan_dir_has_the_command_that_trains_it(basic_sweep):
+    """cmd.txt runs from any directory (issue 25, defect 6): the script by its absolute path, DeepSpeed's CPU
+    environment for a plan of CPU ranks, and for 2 nodes a --hostfile placeholder a comment explains."""
     for job in ("0", "3"):
         plan_dir = (basic_sweep / job).resolve()
         overrides = json.loads((plan_dir / "plan.json").read_text())["user_overrides"]
         nodes = 2 if "cluster.nodes=2" in overrides else 1
-        command = shlex.split((plan_dir / "cmd.txt").read_text())
-        assert command[:7] == ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", "2", "--no_local_rank",
-                               "launch/train.py"]
-        assert command[7:] == [f"mist.plan={plan_dir / 'plan.json'}", f"hydra.run.dir={plan_dir / 'train'}"]
+        text = (plan_dir / "cmd.txt").read_text()
+        command = shlex.split(text, comments=True)
+        hosts = ["--hostfile", "hostfile"] if nodes == 2 else []
+        assert command[:3 + len(hosts)] == ["DS_ACCELERATOR=cpu", "OMP_NUM_THREADS=1", "deepspeed", *hosts]
+        script = Path(command[8 + len(hosts)])
+        assert script.is_absolute() and script == Path(__file__).resolve().parents[1] / "launch" / "train.py"
+        launcher, plan = command[3 + len(hosts):8 + len(hosts)], command[9 + len(hosts):]
+        assert launcher == ["--num_nodes", str(nodes), "--num_gpus", "2", "--no_local_rank"]
+        assert plan == [f"mist.plan={plan_dir / 'plan.json'}", f"hydra.run.dir={plan_dir / 'train'}"]
+        assert ("# 2 nodes: replace `hostfile` by DeepSpeed's hostfile" in text) == (nodes == 2), text
 
 
 def test_the_same_sweep_under_joblib_gives_the_same_plans(basic_sweep, tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -80,23 +82,63 @@ def test_mist_deepspeed_tunes_then_trains_the_plan(tmp_path):
 
 
 def test_tune_mode_writes_the_plan_and_the_command_without_launching(tmp_path):
+    """The script given relative to the cwd: cmd.txt names it by its absolute path, after DeepSpeed's CPU
+    environment (issue 25, defect 6: cmd.txt ran only from where it was made)."""
     run_dir = tmp_path / "run"
-    code, out = run(mist_deepspeed("--autotune-mist", "tune", "--num_gpus", "2", str(TRAIN), *PLANNED,
-                                   f"hydra.run.dir={run_dir}"), tmp_path, timeout_s=120)
+    code, out = run(mist_deepspeed("--autotune-mist", "tune", "--num_gpus", "2", os.path.relpath(TRAIN, tmp_path),
+                                   *PLANNED, f"hydra.run.dir={run_dir}"), tmp_path, timeout_s=120)
     assert code == 0, out[-4000:]
     assert (run_dir / "plan" / "plan.json").is_file() and not (run_dir / "run.json").exists()
     assert "cluster.gpus_per_node=2" in json.loads((run_dir / "plan" / "plan.json").read_text())["user_overrides"]
+    command = shlex.split((run_dir / "cmd.txt").read_text(), comments=True)
+    assert command[:3] == ["DS_ACCELERATOR=cpu", "OMP_NUM_THREADS=1", "deepspeed"] and str(TRAIN) in command
 
 
 @pytest.mark.parametrize("args, message", [
     (["--autotune-mist", "sometimes", "--num_gpus", "2", "train.py"], "--autotune-mist=sometimes"),
     (["--plan", "p.json", "--num_gpus", "2", "train.py"], "--plan needs --autotune-mist"),
     (["--autotune-mist", "run", "--plan", "missing.json", "--num_gpus", "2", "train.py"], "no such file"),
+    # issue 25, defect 2: DeepSpeed's own autotuner and mist_ds's are refused together, before planning
+    (["--autotune-mist", "run", "--autotuning", "tune", "--num_gpus", "2", "train.py", "model=tiny", "cluster=cpu"],
+     "--autotuning=tune"),
 ])
 def test_bad_launcher_arguments_exit_2_with_one_line(tmp_path, args, message):
     code, out = run(mist_deepspeed(*args), tmp_path, timeout_s=60)
     errors = [line for line in out.splitlines() if "error" in line]
     assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+    assert not any(tmp_path.iterdir())  # refused before planning: nothing written
+
+
+def test_the_launcher_refuses_bad_input_before_any_rank_starts(tmp_path):
+    """Issue 25, defects 7 and 12: a missing tokens file, a plan for another world size, a plan run with another
+    model= are each refused by mist-deepspeed itself: one line, exit 2, before planning or starting ranks, and
+    nothing written (the ranks refused them after starting, once per rank, leaving ds_config.json and logs)."""
+    plan_dir = tmp_path / "plan4"
+    tuned = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", "tune", "model=tiny", "cluster=cpu",
+                            "cluster.gpus_per_node=4", "tuner.compare_baselines=false", "tuner.quiet=true",
+                            f"hydra.run.dir={plan_dir}"], capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr
+    plan = ["--plan", str(plan_dir / "plan.json")]
+    work = tmp_path / "work"
+    work.mkdir()
+    for args, words in (
+            (["--num_gpus", "2", str(TRAIN), "model=tiny", "cluster=cpu", "run.data=tokens", "run.tokens_file=no.bin"],
+             ["run.tokens_file", "no.bin", "no such file"]),
+            ([*plan, "--num_gpus", "2", str(TRAIN)], ["4 ranks", "2 ranks"]),
+            ([*plan, "--num_gpus", "4", str(TRAIN), "model=gpt3-1.3b"], ["model=tiny", "model=gpt3-1.3b"])):
+        code, out = run(mist_deepspeed("--autotune-mist", "run", *args, "hydra.run.dir=run"), work, timeout_s=120)
+        errors = [line for line in out.splitlines() if "error" in line]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in out, out
+        assert all(word in errors[0] for word in words), errors[0]
+        assert "planning" not in out and not any(work.iterdir()), out
+
+
+def test_help_lists_mist_deepspeed_s_own_flags_first(tmp_path):
+    """Issue 25, defect 5: `mist-deepspeed --help` shows --autotune-mist and --plan before DeepSpeed's options."""
+    code, out = run(mist_deepspeed("--help"), tmp_path, timeout_s=60)
+    assert code == 0, out
+    ours = [out.find(flag) for flag in ("--autotune-mist", "--plan")]
+    assert -1 not in ours and max(ours) < out.find("--num_gpus"), out
 
 
 def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
@@ -116,8 +158,9 @@ def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
 
 
 def test_only_arguments_before_the_script_are_the_launchers():
-    mode, plan, rest = launcher.split_mist_args(["--autotune-mist=run", "--num_gpus", "2", "--plan", "p.json"])
-    assert (mode, plan, rest) == ("run", "p.json", ["--num_gpus", "2"])
+    mode, plan, rest, mist = launcher.split_mist_args(["--autotune-mist=run", "--num_gpus", "2", "--plan", "p.json",
+                                                       "--mist", "model=hf", "--mist=model.seq_len=64"])
+    assert (mode, plan, rest, mist) == ("run", "p.json", ["--num_gpus", "2"], ["model=hf", "model.seq_len=64"])
     assert launcher.hydra_overrides(["model=tiny", "run.steps=3", "--flag", "mist.plan=x", "hydra.run.dir=d",
                                      "+tuner.tp=[1]"]) == ["model=tiny", "+tuner.tp=[1]"]
 
@@ -147,7 +190,7 @@ def test_the_in_script_flag_through_mist_deepspeed_is_the_script_s():
     """`deepspeed train.py --autotune-mist ...` reaches mist-deepspeed through the shim: the flag after
     the script is left to the script."""
     argv = ["--num_gpus", "2", "train.py", "--autotune-mist", "model=tiny"]
-    assert launcher.split_mist_args(argv, strict=False) == (None, None, argv)
+    assert launcher.split_mist_args(argv, strict=False) == (None, None, argv, [])
     assert launcher.split_mist_args(["--num_gpus", "2", "train.py", "--autotune-mist"], strict=False)[2][-1] == \
         "--autotune-mist"
 
@@ -189,6 +232,21 @@ def test_the_shim_leaves_plain_deepspeed_commands_to_deepspeed(tmp_path):
     assert shimmed[0] == direct[0] == 0
     strip = lambda text: [line for line in text.splitlines() if "[WARNING]" not in line and "[INFO]" not in line]  # noqa: E731
     assert strip(shimmed[1]) == strip(direct[1])
+
+
+def test_the_shim_finds_the_repository_s_environment_off_path(tmp_path):
+    """Issue 25, defect 4: the README's shim form works with only launch/ on PATH (no .venv/bin): the shim
+    finds mist-deepspeed, and DeepSpeed's own script, in the repository's .venv. Refused arguments show that
+    mist-deepspeed ran (exit 2, not the shell's 127), without planning or launching anything."""
+    venv_bin = SHIM.parent.parent / ".venv" / "bin"
+    if not (venv_bin / "mist-deepspeed").is_file():
+        pytest.skip("no .venv in the repository (launch/setup.sh makes it)")
+    env = {**os.environ, **CPU_ENV, "PATH": os.pathsep.join([str(SHIM.parent), "/usr/bin", "/bin"])}
+    ours = run_in_session(["deepspeed", "--autotune-mist", "sometimes", "--num_gpus", "2", "train.py"], tmp_path, env,
+                          60.0, "shim, mist-deepspeed")
+    assert ours[0] == 2 and "--autotune-mist=sometimes" in ours[1], ours[1]
+    theirs = run_in_session(["deepspeed", "--help"], tmp_path, env, 60.0, "shim, deepspeed")
+    assert theirs[0] == 0 and "--num_gpus" in theirs[1], theirs[1]
 
 
 # --- slow lane -----------------------------------------------------------------------------------------
@@ -242,3 +300,18 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path):
     rest = json.loads((resumed / "run.json").read_text())["steps"]  # the plan given: no plan/ in this run dir
     assert [s["step"] for s in rest] == [4, 5]
     assert [s["loss"] for s in rest] == [s["loss"] for s in whole[3:]]
+
+
+def test_a_script_of_your_own_is_never_planned_as_the_default_model(tmp_path):
+    """`--autotune-mist` on a user's DeepSpeed script with no model named stops before anything is planned or
+    started (it was planned, silently, as the embedded default gpt3-2.7b); `--mist model=...` names it."""
+    script = tmp_path / "my_train.py"
+    script.write_text("import deepspeed\n")
+    argv = ["--autotune-mist", "tune", "--num_gpus", "1", str(script), "--deepspeed", "--deepspeed_config", "ds.json"]
+    code, out = run(mist_deepspeed(*argv), tmp_path, timeout_s=60)
+    assert code == 2 and "none is named" in out and "--mist model=" in out and "Traceback" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_train.py"]  # nothing planned, nothing written
+    with pytest.raises(launcher.LauncherUsageError):
+        launcher.check_model_named(str(script), ["cluster=cpu"])
+    launcher.check_model_named(str(script), ["model=llama3-8b"])
+    launcher.check_model_named(str(TRAIN), [])  # mist_ds's own script plans its documented default

@@ -264,11 +264,17 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
 
 
-def test_the_command_line_builds_the_module_from_its_target():
-    done = cli("analyze", "model=module", "model._target_=tests.test_user_module.make_gpt", "+model.kwargs.layers=3",
-               *RUN, "json=true")
+def test_the_command_line_builds_the_module_from_its_target(tmp_path):
+    """tune with model._target_ (and model.kwargs) writes a plan that records the module (its class, target and
+    hash) and that predict reads back, the module built again from its target."""
+    done = cli("tune", "model=module", "model._target_=tests.test_user_module.make_gpt", "+model.kwargs.layers=3",
+               *RUN, "tuner.compare_baselines=false", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert '"block"' in done.stdout and "Gpt" in done.stdout
+    source = json.loads((tmp_path / "plan.json").read_text())["model_source"]
+    assert source["kind"] == "module" and source["class"] == "tests.test_user_module.Gpt"
+    assert source["target"] == "tests.test_user_module.make_gpt" and len(source["module_sha256"]) == 64
+    again = cli("predict", f"plan={tmp_path / 'plan.json'}", "json=true")
+    assert again.returncode == 0 and json.loads(again.stdout)["iteration_time_s"] > 0, again.stderr[-2000:]
 
 
 @pytest.mark.parametrize("target, reason", [("tests.no_such_module.make", "cannot be imported"),

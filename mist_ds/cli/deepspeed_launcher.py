@@ -17,16 +17,22 @@ With --autotune-mist it:
    `hydra.run.dir=<run dir>` and the launcher's --no_local_rank; a script of deepspeed's argparse
    arguments (`--deepspeed --deepspeed_config P`) gets the plan's ds_config.json as P. The ranks read
    these paths: across nodes the run dir must be on a shared file system;
-4. prints the exact command, writes it to <run dir>/cmd.txt, and runs DeepSpeed's launcher (`run`) or
-   stops there (`tune`).
+4. prints the exact command, writes it to <run dir>/cmd.txt (the script by its absolute path, and
+   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 before it when DS_ACCELERATOR=cpu: it runs from any directory), and runs
+   DeepSpeed's launcher (`run`) or stops there (`tune`).
 The run dir is the script's `hydra.run.dir=D` when given, else outputs/mist-deepspeed/<date>/<time>.
 A plan is fixed for a run: changing the layout between runs (resharding a checkpoint) is not supported.
 
-Exit codes: those of `mist-ds tune` when planning fails (2 bad input, 3 no plan fits); else DeepSpeed's.
+Exit codes: 2 for a mistake in its own arguments (also DeepSpeed's --autotuning beside --autotune-mist: one
+autotuner at a time), found before planning; those of `mist-ds tune` when planning fails (2 bad input, 3 no
+plan fits); else DeepSpeed's.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
+import os
 import shlex
 import subprocess
 import sys
@@ -34,32 +40,64 @@ from pathlib import Path
 from typing import Sequence
 
 from mist_ds.files import write_atomic
+from mist_ds.specs import ConfigError
+from mist_ds.report.command import TRAIN_SCRIPT, command_file
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
 CONFIG_FLAG = "--deepspeed_config"
 """The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch)."""
 EXIT_BAD_INPUT = 2
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+"""DeepSpeed's accelerator choice: `cpu` runs CPU ranks, and cmd.txt then sets it with OMP_NUM_THREADS=1."""
+USAGE = """usage: mist-deepspeed [--autotune-mist {tune,run}] [--plan PLAN_JSON] [DeepSpeed's launcher arguments]
+                      user_script [user_args ...]
+
+mist_ds's arguments (before the script):
+  --autotune-mist {tune,run}
+                        plan for the launcher's resources (hostfile, --num_nodes, --num_gpus) with the script's
+                        key=value overrides, write <run dir>/plan/ and <run dir>/cmd.txt, then train the plan
+                        (run) or stop (tune); the run dir is the script's hydra.run.dir=D, else
+                        outputs/mist-deepspeed/<date>/<time>
+  --plan PLAN_JSON      with --autotune-mist: train this plan.json from `mist-ds tune` instead of planning
+  --mist OVERRIDE       a mist_ds setting for the planner, not the script (repeatable; Hydra syntax), e.g.
+                        --mist model=hf --mist model.name_or_path=DIR --mist model.seq_len=4096. Your own script
+                        must name its model this way (mist_ds's launch/train.py takes key=value arguments)
+Without --autotune-mist this is DeepSpeed's launcher as is. DeepSpeed's launcher and its arguments:
+
+"""
 
 
 class LauncherUsageError(ValueError):
     """A mistake in mist-deepspeed's own arguments."""
 
 
-def split_mist_args(argv: Sequence[str], strict: bool = True) -> tuple[str | None, str | None, list[str]]:
-    """(--autotune-mist mode, --plan path, the rest) from the arguments before the user script.
+def split_mist_args(argv: Sequence[str], strict: bool = True
+                    ) -> tuple[str | None, str | None, list[str], list[str]]:
+    """(--autotune-mist mode, --plan path, the rest, the --mist overrides) from the arguments before the user
+    script.
 
     strict=False (a first look at the whole command line, to find the script) leaves in place a flag
     whose value looks like a script argument (a Hydra override `k=v` or an option), as a script's own
     `--autotune-mist` after it is, and a flag that ends the line."""
     mode = plan = None
     rest: list[str] = []
+    overrides: list[str] = []
     items = list(argv)
     i = 0
     while i < len(items):
         arg = items[i]
         name, _, value = arg.partition("=")
-        if name in ("--autotune-mist", "--plan"):
+        if name == "--mist":
+            if not value and i + 1 >= len(items):
+                if strict:
+                    raise LauncherUsageError("--mist needs an override, e.g. --mist model=llama3-8b")
+                rest.append(arg)
+                break
+            if not value:
+                i, value = i + 1, items[i + 1]
+            overrides.append(value)
+        elif name in ("--autotune-mist", "--plan"):
             if not value:
                 if i + 1 >= len(items) and not strict:
                     rest.append(arg)
@@ -80,7 +118,7 @@ def split_mist_args(argv: Sequence[str], strict: bool = True) -> tuple[str | Non
         else:
             rest.append(arg)
         i += 1
-    return mode, plan, rest
+    return mode, plan, rest, overrides
 
 
 def resources(args) -> tuple[int, int]:
@@ -111,13 +149,77 @@ def hydra_overrides(user_args: Sequence[str]) -> list[str]:
             and a.split("=")[0].lstrip("+~").split(".")[0] not in ("mist", "run", "hydra")]
 
 
-def plan_for(user_args: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
-    """`mist-ds tune` in its own process; its exit code."""
-    command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *hydra_overrides(user_args),
+def check_model_named(script: str, overrides: Sequence[str]) -> None:
+    """A script other than mist_ds's own launch/train.py trains a model of its own: planning it as the embedded
+    default model would hand it a plan for another model, silently. Refused unless the planner is told the model
+    (`--mist model=...`)."""
+    if Path(script).resolve() == TRAIN_SCRIPT or any(o.lstrip("+").split("=")[0] == "model" for o in overrides):
+        return
+    raise LauncherUsageError(
+        f"--autotune-mist plans the model {script} trains, and none is named: give it to the planner before the "
+        "script, e.g. --mist model=hf --mist model.name_or_path=DIR --mist model.seq_len=4096 (a Hugging Face "
+        "config) or --mist model=llama3-8b (the zoo); mist_ds's own launch/train.py takes model=... itself")
+
+
+def plan_for(overrides: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
+    """`mist-ds tune` in its own process with the planner's overrides; its exit code."""
+    command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *overrides,
                f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}", "tuner.quiet=true",
                f"{RUN_DIR_KEY}{plan_dir}"]
     print("mist-deepspeed: planning: " + shlex.join(command), file=sys.stderr)
     return subprocess.run(command).returncode
+
+
+def script_settings(user_args: Sequence[str], group: str) -> dict[str, str]:
+    """The script's `group.key=value` overrides as {key: value} (the last one of a key; quotes dropped)."""
+    settings = {}
+    for arg in user_args:
+        key, is_override, value = arg.lstrip("+").partition("=")
+        if is_override and key.startswith(group + "."):
+            settings[key[len(group) + 1:]] = value.strip("'\"")
+    return settings
+
+
+def check_tokens(user_args: Sequence[str], overrides: Sequence[str]) -> None:
+    """With run.data=tokens, the script's token file read as its ranks will read it, for the model of
+    `overrides` (ConfigError naming run.tokens_file): refused here, once, before planning or any rank."""
+    settings = script_settings(user_args, "run")
+    if settings.get("data") != "tokens":
+        return
+    from mist_ds.config import compose
+    from mist_ds.runtime.data import DataSpec, TokenFile
+
+    model = compose(overrides, with_strategy=False).model
+    dtype = {"tokens_dtype": settings["tokens_dtype"]} if "tokens_dtype" in settings else {}
+    TokenFile(DataSpec("tokens", model.vocab_size, model.seq_len, tokens_file=settings.get("tokens_file"), **dtype))
+
+
+def checked_plan(plan: str, user_args: Sequence[str], world_size: int) -> Path:
+    """--plan P as the ranks will take it: a plan.json with its ds_config.json, for `world_size` ranks,
+    composed with the script's overrides (another model= is refused naming the plan's), and the script's
+    token file (LauncherUsageError, ConfigError)."""
+    from mist_ds.config import compose
+    from mist_ds.plan import check_model_source, load_plan, model_overrides, naming_the_plans_model
+
+    plan_json = Path(plan).resolve()
+    if not plan_json.is_file():
+        raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
+    if not (plan_json.parent / "ds_config.json").is_file():
+        raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
+                                 "`mist-ds tune` wrote for a DeepSpeed runtime")
+    loaded, overrides = load_plan(plan_json), hydra_overrides(user_args)
+    par = loaded.strategy.parallelism
+    if par.num_gpus != world_size:
+        raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks (tp {par.tp} x pp {par.pp} x dp "
+                                 f"{par.dp}) and the launcher's resources give {world_size} ranks; ask for "
+                                 f"{par.num_gpus} (--num_nodes, --num_gpus, a hostfile) or drop --plan to plan for "
+                                 f"{world_size}")
+    with naming_the_plans_model(loaded, plan, overrides):
+        specs = compose(loaded.overrides(overrides))
+    if not model_overrides(overrides):
+        check_model_source(loaded, specs.model, plan)
+    check_tokens(user_args, loaded.overrides(overrides))
+    return plan_json
 
 
 def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, run_dir: Path
@@ -136,42 +238,62 @@ def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, r
     return launcher, [*pinned, f"mist.plan={plan_json}", f"{RUN_DIR_KEY}{run_dir}"]
 
 
+def _user_script(argv: Sequence[str]) -> str | None:
+    """The user script, found by DeepSpeed's own parser; None when the arguments asked for help, which is
+    printed with mist-deepspeed's own flags first (argparse prints DeepSpeed's help to stdout, then exits 0)."""
+    from deepspeed.launcher import runner
+
+    deepspeed_help = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(deepspeed_help):
+            return runner.parse_args(split_mist_args(argv, strict=False)[2]).user_script
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+        print(USAGE + deepspeed_help.getvalue(), end="")
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from deepspeed.launcher import runner
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # Where the user script starts, from DeepSpeed's own parser; only arguments before it are ours.
-        script = runner.parse_args(split_mist_args(argv, strict=False)[2]).user_script
+        script = _user_script(argv)
+        if script is None:
+            return 0
         at = argv.index(script)
-        mode, plan, launcher_args = split_mist_args(argv[:at])
+        mode, plan, launcher_args, mist_overrides = split_mist_args(argv[:at])
         user_args = argv[at + 1:]
         if mode is None:
-            if plan is not None:
-                raise LauncherUsageError("--plan needs --autotune-mist run (or tune)")
+            if plan is not None or mist_overrides:
+                raise LauncherUsageError(f"{'--plan' if plan is not None else '--mist'} needs --autotune-mist run "
+                                         "(or tune)")
             return runner.main(argv) or 0
         args = runner.parse_args([*launcher_args, script, *user_args])
-        run_dir = run_dir_of(user_args).resolve()
+        if args.autotuning:
+            raise LauncherUsageError(f"--autotuning={args.autotuning} with --autotune-mist: two autotuners; "
+                                     "drop --autotuning (DeepSpeed's) or --autotune-mist (mist_ds's)")
+        run_dir, (nodes, gpus) = run_dir_of(user_args).resolve(), resources(args)
         if plan is None:
-            nodes, gpus = resources(args)
-            code = plan_for(user_args, nodes, gpus, run_dir / "plan")
+            planner = [*mist_overrides, *hydra_overrides(user_args)]
+            check_model_named(script, planner)
+            check_tokens(user_args, planner)
+            code = plan_for(planner, nodes, gpus, run_dir / "plan")
             if code != 0:
                 return code
             plan_json = run_dir / "plan" / "plan.json"
         else:
-            plan_json = Path(plan).resolve()
-            if not plan_json.is_file():
-                raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
-            if not (plan_json.parent / "ds_config.json").is_file():
-                raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
-                                         "`mist-ds tune` wrote for a DeepSpeed runtime")
-    except LauncherUsageError as error:
+            plan_json = checked_plan(plan, user_args, nodes * gpus)
+    except (LauncherUsageError, ConfigError) as error:
         print(f"mist-deepspeed: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     launcher_args, user_args = hand_over(launcher_args, user_args, plan_json, run_dir)
-    command = [*launcher_args, args.user_script, *user_args]
+    script = Path(args.user_script)  # by its absolute path, so that cmd.txt runs from any directory
+    command = [*launcher_args, str(script.resolve()) if script.is_file() else args.user_script, *user_args]
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "cmd.txt", shlex.join(["deepspeed", *command]) + "\n")
+    write_atomic(run_dir / "cmd.txt", command_file(["deepspeed", *command], os.environ.get(ACCELERATOR_ENV) == "cpu"))
     print("mist-deepspeed: " + shlex.join(["deepspeed", *command]), file=sys.stderr)
     if mode == "tune":
         return 0

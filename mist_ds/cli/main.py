@@ -19,7 +19,8 @@ Before Hydra sees them, the pre-parser maps the old spellings (`rewrite_options`
 and makes a relative -cp DIR absolute (Hydra would take it relative to this file).
 
 Exit codes: 0 done; 2 bad input: one stderr line naming the field and the fix, no traceback, also for
-what Hydra refuses while composing (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
+what Hydra refuses while composing (a key of a user's config file: the file named) and for an output dir
+it cannot make (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
 fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status;
 for tune the statuses are read from the jobs' result.json (mist_ds/cli/sweep.py), so the same holds
 under launchers that run jobs in other processes (hydra/launcher=joblib, submitit_local); a job dir
@@ -30,9 +31,9 @@ timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; 
 into Hydra's output dir (hydra.run.dir; in a multirun each job's dir under hydra.sweep.dir), next to
 Hydra's .hydra/; a tune multirun ends with sweep.csv, sweep.md and sweep.json in hydra.sweep.dir.
 measure writes measure.json there; profile writes profile.db, cluster/<name>.yaml, measurements.json and
-profile.json into profile.out_dir (default the same dir). show, predict, predict-many, explain and analyze
-write nothing (a multirun of them leaves Hydra's multirun.yaml in hydra.sweep.dir). Logs go to stderr
-(conf/config.yaml): stdout carries only the results.
+profile.json into profile.out_dir (default the same dir; given one, Hydra makes no run dir). show, predict,
+predict-many, explain and analyze write nothing (a multirun of them leaves Hydra's multirun.yaml in
+hydra.sweep.dir). Logs go to stderr (conf/config.yaml): stdout carries only the results.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from mist_ds.specs import ConfigError
+from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.errors import NO_VALUE
 
 EXIT_OK = 0
@@ -83,23 +84,30 @@ def task_overrides() -> list[str]:
     return job_overrides(CLI_KEYS)
 
 
-def _with_plan(cfg: DictConfig) -> DictConfig:
-    """The job's config; given plan=P, the config of P's overrides with the job's own after them.
+def _specs_with_plan(cfg: DictConfig) -> Specs:
+    """The job's specs; given plan=P, those of P's overrides with the job's own after them (a job's
+    model= other than the plan's is refused naming the plan's).
 
     The CLI's one second compose: which plan, and so which overrides go under the user's, is known
     only once Hydra has composed the job (plan= may come from a sweep, -m plan=a.json,b.json, or a
     config file), and the user's overrides must win over the plan's (later overrides win).
     """
+    from mist_ds.config import specs_from_config
+
     path = OmegaConf.select(cfg, "plan")
     if path is None:
-        return cfg
+        return specs_from_config(cfg)
     from hydra.utils import to_absolute_path
 
     from mist_ds.config import recompose_in_app
-    from mist_ds.plan import load_plan
+    from mist_ds.plan import check_model_source, load_plan, model_overrides, naming_the_plans_model
 
-    plan = load_plan(to_absolute_path(path))  # relative to where mist-ds ran, even with hydra.job.chdir
-    return recompose_in_app(plan.overrides(task_overrides()))
+    plan, overrides = load_plan(to_absolute_path(path)), task_overrides()  # relative to where mist-ds ran
+    with naming_the_plans_model(plan, path, overrides):
+        specs = specs_from_config(recompose_in_app(plan.overrides(overrides)))
+    if not model_overrides(overrides):  # the plan's own model: it must still be the one it was tuned for
+        check_model_source(plan, specs.model, path)
+    return specs
 
 
 def _show(cfg: DictConfig) -> int:
@@ -121,11 +129,10 @@ def _analyze(cfg: DictConfig) -> int:
 
 
 def _predict(cfg: DictConfig) -> int:
-    from mist_ds.config import specs_from_config
     from mist_ds.cost.predict import predict
     from mist_ds.report.predict import render_prediction
 
-    prediction = predict(specs_from_config(_with_plan(cfg)))
+    prediction = predict(_specs_with_plan(cfg))
     _emit(cfg, prediction.to_dict(), lambda: render_prediction(prediction))
     return EXIT_OK
 
@@ -134,13 +141,12 @@ def _explain(cfg: DictConfig) -> int:
     """Where plan=P's (or the strategy group's) time and memory go, what bounds it, why its runner-ups lost."""
     from hydra.utils import to_absolute_path
 
-    from mist_ds.config import specs_from_config
     from mist_ds.plan import load_plan
     from mist_ds.report.explain import explain_facts, render_explain
 
     path = OmegaConf.select(cfg, "plan")
     plan = load_plan(to_absolute_path(path)) if path is not None else None
-    facts = explain_facts(specs_from_config(_with_plan(cfg)), plan)
+    facts = explain_facts(_specs_with_plan(cfg), plan)
     _emit(cfg, facts, lambda: render_explain(facts))
     return EXIT_OK
 
@@ -150,7 +156,7 @@ def _predict_many(cfg: DictConfig) -> int:
     import mist_ds
     from hydra.utils import to_absolute_path
 
-    from mist_ds.report.batch import CASES_FIELD, many_records, read_cases, render_many
+    from mist_ds.report.batch import CASES_FIELD, case_error, many_records, read_cases, render_many
 
     path = OmegaConf.select(cfg, CASES_FIELD)
     if path is None:
@@ -158,10 +164,9 @@ def _predict_many(cfg: DictConfig) -> int:
     cases = read_cases(Path(to_absolute_path(path)))
     common = task_overrides()
     try:
-        predictions = mist_ds.predict_many([[*common, *case] for case in cases])
-    except ConfigError as error:  # name the case: its note says which (specs/errors.py, noting_case)
-        raise ConfigError(" ".join([CASES_FIELD, *getattr(error, "__notes__", []), error.field]), error.value,
-                          error.fix, error.rule) from error
+        predictions = mist_ds.predict_many([[*common, *case] for case in cases.values()])
+    except ConfigError as error:  # name the case by its line in the file
+        raise case_error(cases, error) from error
     _emit(cfg, many_records(cases, predictions), lambda: render_many(cases, predictions))
     return EXIT_OK
 
@@ -191,8 +196,18 @@ def _tune(cfg: DictConfig) -> int:
     plan = plan_from_result(result, overrides)
     written = write_plan(out, plan, specs, result.caps)
     write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_OK, None, specs, plan))
-    _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs) + "\nwrote " + ", ".join(map(str, written)))
+    _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs, _as_typed_here(out / "plan.json")) + "\nwrote "
+          + ", ".join(map(str, written)))
     return EXIT_OK
+
+
+def _as_typed_here(path: Path) -> str:
+    """`path` as a command run where mist-ds ran can take it: relative to that directory when inside it,
+    else absolute (a printed hint works when copied)."""
+    from hydra.utils import get_original_cwd
+
+    absolute, here = path.resolve(), Path(get_original_cwd()).resolve()
+    return str(absolute.relative_to(here)) if absolute.is_relative_to(here) else str(absolute)
 
 
 @dataclass(frozen=True)
@@ -206,6 +221,8 @@ class Command:
     reads_plan: bool = False
     summarizes_sweeps: bool = False
     """A multirun ends with sweep.csv / sweep.md from the jobs' result.json (mist_ds/cli/sweep.py)."""
+    out_dir_key: str | None = None
+    """The key of a folder the command writes into instead of Hydra's run dir: given one, Hydra writes nothing."""
 
 
 def _measure(cfg: DictConfig) -> int:
@@ -213,14 +230,13 @@ def _measure(cfg: DictConfig) -> int:
     import torch
     from hydra.core.hydra_config import HydraConfig
 
-    from mist_ds.config import specs_from_config
     from mist_ds.cost.predict import predict
     from mist_ds.files import write_json_atomic
     from mist_ds.report.measure import append_to_table, measure_record, render_measure
     from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload
     from mist_ds.testing.ranks import CPU_ENV, launch
 
-    specs = specs_from_config(_with_plan(cfg))
+    specs = _specs_with_plan(cfg)
     if specs.cluster.nodes != 1:
         raise ConfigError("cluster.nodes", specs.cluster.nodes, "measure runs on this machine: use cluster.nodes=1")
     settings = cfg.measure
@@ -274,7 +290,8 @@ COMMANDS: dict[str, Command] = {
     "measure": Command(_measure, "run the strategy (or plan=PLAN_JSON) on this machine and measure it beside "
                                  "its prediction", writes_files=True, reads_plan=True),
     "profile": Command(_profile, "measure this machine at the tuner's shapes: write profile.db and "
-                                 "cluster/<name>.yaml (use: -cd DIR cluster=<name>)", writes_files=True),
+                                 "cluster/<name>.yaml (use: -cd DIR cluster=<name>)", writes_files=True,
+                       out_dir_key="profile.out_dir"),
 }
 
 USAGE = f"""usage: {PROG} <command> [Hydra's arguments]
@@ -342,12 +359,21 @@ def rewrite_options(args: Sequence[str]) -> list[str]:
     return rewritten
 
 
-def hydra_settings(command: str) -> list[str]:
-    """Overrides put before the user's, so that theirs (later) still win."""
+def _names_own_out_dir(command: str, overrides: Sequence[str]) -> bool:
+    """The user's overrides give the command's own output folder (Command.out_dir_key), not null."""
+    key = COMMANDS[command].out_dir_key
+    values = [o.partition("=")[2] for o in overrides if key is not None and o.lstrip("+").partition("=")[0] == key]
+    return bool(values) and values[-1] not in ("", "null")
+
+
+def hydra_settings(command: str, overrides: Sequence[str] = ()) -> list[str]:
+    """Overrides put before the user's (`overrides`), so that theirs (later) still win."""
     settings = [f"hydra.job.name={command}", f"hydra.help.app_name={_quoted(f'{PROG} {command}')}"]
     if COMMANDS[command].summarizes_sweeps:
         settings.append(f"++{SWEEP_CALLBACK}._target_={SWEEP_SUMMARY}")
-    return settings if COMMANDS[command].writes_files else [*settings, *NO_FILES]
+    if COMMANDS[command].writes_files and not _names_own_out_dir(command, overrides):
+        return settings
+    return [*settings, *NO_FILES]
 
 
 def parse_hydra_args(command: str, args: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -367,7 +393,7 @@ def parse_hydra_args(command: str, args: Sequence[str]) -> tuple[argparse.Argume
     if parsed.experimental_rerun is not None:
         raise ConfigError("--experimental-rerun", parsed.experimental_rerun,
                           f"not supported by {PROG}; rerun with the overrides in the job's .hydra/overrides.yaml")
-    parsed.overrides = [*hydra_settings(command), *parsed.overrides]
+    parsed.overrides = [*hydra_settings(command, parsed.overrides), *parsed.overrides]
     return parser, parsed
 
 
@@ -427,16 +453,21 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = saved
 
 
-def _input_error(error: Exception) -> ConfigError | None:
+def _input_error(error: Exception, config_dirs: Sequence[str], output_key: str) -> ConfigError | None:
     """The ConfigError of what Hydra or the pre-parser refused in the user's input (composition, flags,
-    search path); None for anything else, a bug to re-raise."""
+    search path; a file of the user's `config_dirs` named), or of an output dir Hydra could not make or
+    write (`output_key`: hydra.run.dir, or hydra.sweep.dir in a multirun); None for anything else, a bug
+    to re-raise. Only what fails outside the jobs comes here: a job's own OSError is a crash."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from mist_ds.config.errors import as_config_error
 
     if isinstance(error, (ConfigError, HydraException, OmegaConfBaseException)):
-        return as_config_error(error)
+        return as_config_error(error, config_dirs)
+    if isinstance(error, OSError) and error.filename is not None:
+        return ConfigError(output_key, str(error.filename), f"cannot be written ({error.strerror}); give a "
+                                                            "directory you can create and write")
     if isinstance(error, ValueError):  # Hydra's rules on its flags (one of --run, --multirun, --cfg, ...)
         return ConfigError("command line", NO_VALUE, str(error).splitlines()[0])
     return None
@@ -469,14 +500,17 @@ def run_command(command: str, args: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mist-ds-") as scratch:
         # The sweep callback writes the sweep's status here: it counts the jobs of any launcher,
         # also those run in other processes, which leave no status in `jobs`.
-        sweep_status = Path(scratch) / "sweep_status"
+        sweep_status, config_dirs, output_key = Path(scratch) / "sweep_status", [], "hydra.run.dir"
         try:
             parser, parsed = parse_hydra_args(command, args)
+            config_dirs = [d for d in (parsed.config_dir, parsed.config_path) if d is not None]
+            output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             if COMMANDS[command].summarizes_sweeps:
                 parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
             _run_hydra_app(jobs, parser, parsed)
         except Exception as error:
-            bad_input = None if jobs.full_error or error in jobs.crashed else _input_error(error)
+            crashed = jobs.full_error or error in jobs.crashed
+            bad_input = None if crashed else _input_error(error, config_dirs, output_key)
             if bad_input is None:
                 raise
             report(command, bad_input)

@@ -71,12 +71,13 @@ def _hydra_context() -> Iterator[None]:
             global_hydra.initialize(saved)
 
 
-def _translated(compose_fn: Callable[[], DictConfig]) -> DictConfig:
-    """compose_fn(), with Hydra / OmegaConf errors translated: never a traceback for a typo."""
+def _translated(compose_fn: Callable[[], DictConfig], config_dirs: Sequence[str] = ()) -> DictConfig:
+    """compose_fn(), with Hydra / OmegaConf errors translated (a bad file looked up in `config_dirs`):
+    never a traceback for a typo."""
     try:
         return compose_fn()
     except Exception as error:
-        raise as_config_error(error) from error
+        raise as_config_error(error, config_dirs) from error
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
@@ -101,8 +102,12 @@ def recompose_in_app(overrides: Sequence[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra.core.hydra_config import HydraConfig
 
-    config_name = HydraConfig.get().job.config_name
-    return _translated(lambda: hydra_compose(config_name=config_name, overrides=list(overrides)))
+    hydra_config = HydraConfig.get()
+    config_name = hydra_config.job.config_name
+    file_prefix = "file://"
+    config_dirs = [s.path[len(file_prefix):] for s in hydra_config.runtime.config_sources
+                   if s.path.startswith(file_prefix)]
+    return _translated(lambda: hydra_compose(config_name=config_name, overrides=list(overrides)), config_dirs)
 
 
 def job_overrides(exclude_keys: Sequence[str]) -> list[str]:

@@ -2,36 +2,58 @@
 from __future__ import annotations
 
 import difflib
+import re
+from pathlib import Path
+from typing import Sequence
 
-from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
+from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException,
+                          SearchPathException)
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from mist_ds.specs import ConfigError
 from mist_ds.specs.errors import NO_VALUE
 
 HIDDEN_OPTION_PREFIX = "base_"  # schema-backed bases (base_model, base_gpt, ...) are not choices
+MERGING_FILE = re.compile(r"In '([^']+)': ")
+"""How Hydra's ConfigCompositionException names the config file whose merge failed (hydra/_internal/
+config_loader_impl.py, _compose_config_from_defaults_list, Hydra 1.3): `In 'model/typo': ...`."""
 
 
 def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
+    """The OmegaConf error under `error`. Hydra raises its composition error inside the `except` of the
+    merge's error without `from`, so that one is the composition error's context, not its cause."""
     while error is not None and not isinstance(error, OmegaConfBaseException):
-        error = error.__cause__
+        error = error.__cause__ or (error.__context__ if isinstance(error, ConfigCompositionException) else None)
     return error
 
 
-def _unknown_key(cause: OmegaConfBaseException) -> ConfigError:
+def _source_file(error: BaseException, config_dirs: Sequence[str]) -> str | None:
+    """The file whose merge failed, when Hydra names one: found in `config_dirs` (the user's -cd / -cp
+    directories, as the user wrote them), else as Hydra names it (a file of the zoo, or of a search path)."""
+    named = MERGING_FILE.match(str(error)) if isinstance(error, ConfigCompositionException) else None
+    if named is None:
+        return None
+    relative = f"{named.group(1)}.yaml"
+    found = [Path(d) / relative for d in config_dirs if (Path(d) / relative).is_file()]
+    return str(found[0]) if found else relative
+
+
+def _unknown_key(cause: OmegaConfBaseException, source: str | None) -> ConfigError:
     field = cause.full_key or str(cause.key)
+    where = f" in {source}" if source else ""
     parent = cause.object_type
     known = [f for f in getattr(parent, "__dataclass_fields__", {})]
     if not known:
-        return ConfigError(field, NO_VALUE, f"not in the config; a new entry of a mapping needs a leading +: "
+        return ConfigError(field, NO_VALUE, f"not in the config{where}; a new entry of a mapping needs a leading +: "
                                             f"+{field}=...")
     close = difflib.get_close_matches(str(cause.key), known, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    return ConfigError(field, NO_VALUE, f"unknown field; {hint}fields here: {', '.join(known)}")
+    return ConfigError(field, NO_VALUE, f"unknown field{where}; {hint}fields here: {', '.join(known)}")
 
 
-def as_config_error(error: BaseException) -> ConfigError:
-    """ConfigError for a composition failure, naming the field when the library knows it."""
+def as_config_error(error: BaseException, config_dirs: Sequence[str] = ()) -> ConfigError:
+    """ConfigError for a composition failure, naming the field when the library knows it, and the file
+    when the failure is in a config file (looked up in `config_dirs`, the user's own config directories)."""
     if isinstance(error, ConfigError):
         return error
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and "/" in error.missing_cfg_file:
@@ -47,12 +69,13 @@ def as_config_error(error: BaseException) -> ConfigError:
     if isinstance(error, OverrideParseException):
         first_line = str(error).split("\n")[0]
         return ConfigError("overrides", NO_VALUE, f"{first_line}; write key=value or group=option")
-    cause = _omegaconf_cause(error)
+    cause, source = _omegaconf_cause(error), _source_file(error, config_dirs)
+    where = f" (in {source})" if source else ""
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        return _unknown_key(cause)
+        return _unknown_key(cause, source)
     if isinstance(cause, ValidationError):
         expected = str(cause).split("\n")[0]
-        return ConfigError(cause.full_key or "config", NO_VALUE, f"{expected}; give a value of the field's type")
+        return ConfigError(cause.full_key or "config", NO_VALUE, f"{expected}{where}; give a value of the field's type")
     if cause is not None:
-        return ConfigError(cause.full_key or "config", NO_VALUE, str(cause).split("\n")[0])
+        return ConfigError(cause.full_key or "config", NO_VALUE, str(cause).split("\n")[0] + where)
     return ConfigError("overrides", NO_VALUE, str(error).split("\n")[0])

@@ -55,10 +55,12 @@ def stage_flops(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
     return c.G * per_micro
 
 
-def _tp_bytes(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
-    both = lambda layer: _layer(layer, "tp_comm_bytes_fwd", c) + _layer(layer, "tp_comm_bytes_bwd", c)  # noqa: E731
+def _tp_bytes(costs: ModelCosts, c: StageCandidates, key: str = "tp_comm_bytes") -> np.ndarray:
+    """TP collective bytes of an iteration, by the LayerCost key's family: tp_comm_bytes (all-reduced) or
+    tp_gather_bytes (contributed to all-gathers); a recomputed block's forward issues its collectives again."""
+    both = lambda layer: _layer(layer, f"{key}_fwd", c) + _layer(layer, f"{key}_bwd", c)  # noqa: E731
     per_micro = (c.layers * both(costs.block) + c.first * both(costs.embedding) + c.last * both(costs.head)
-                 + c.ckpt * _layer(costs.block, "tp_comm_bytes_fwd", c))
+                 + c.ckpt * _layer(costs.block, f"{key}_fwd", c))
     return c.G * per_micro
 
 
@@ -101,6 +103,7 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
     par, model = strategy.parallelism, costs.model
     params = stage_params(costs, c, c.shapes)
     tp, activation = _tp_bytes(costs, c), _layer(costs.block, "output_bytes", c)
+    tp_gathered = _tp_bytes(costs, c, "tp_gather_bytes")
     tied_across = model.tie_embeddings and par.pp > 1
     out = []
     for i, stage in enumerate(strategy.stages):
@@ -108,7 +111,10 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
         terms: dict[tuple[str, str], float] = defaultdict(float)
         if par.tp > 1:
             terms[("all_reduce", "tensor")] += float(tp[i])
-        tied_vocab = model.vocab_size * model.hidden_size / par.tp if model.tie_embeddings and par.pp == 1 else 0.0
+            if tp_gathered[i] > 0:
+                terms[("all_gather", "tensor")] += float(tp_gathered[i])
+        vocab_shard = model.vocab_tensor(par.tp)
+        tied_vocab = vocab_shard if model.tie_embeddings and par.pp == 1 else 0.0
         for key, value in _data_parallel(stage.zero_stage, par.pp > 1, train.precision == "bf16", dtype_bytes,
                                          float(params[i]), par.dp, par.grad_accum, tied_vocab).items():
             terms[key] += value
@@ -116,7 +122,7 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
             for key, value in _pipeline(c, i, float(activation[i]), par.tp, par.grad_accum).items():
                 terms[key] += value
             if tied_across and i in (0, par.pp - 1):
-                terms[("all_reduce", "tied")] += dtype_bytes * model.vocab_size * model.hidden_size / par.tp
+                terms[("all_reduce", "tied")] += dtype_bytes * vocab_shard
         named: dict[str, float] = defaultdict(float)
         for (kind, role), value in terms.items():
             group = role if role in ("next", "prev") else group_name(roles, role)

@@ -31,14 +31,18 @@ def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, fus
     kernels = cost(f"{phase}{kind}_kernels", b, s, t)
     total = total + kernels * hw.cluster.gpu.kernel_overhead_s
     total = total + hw.memory_bound_time_s(cost(f"{phase}{kind}_memory_bytes", b, s, t))
-    launches = kernels + cost(f"tp_collectives_{phase}", b, s, t)
+    launches = kernels + cost(f"tp_collectives_{phase}", b, s, t) + cost(f"tp_gathers_{phase}", b, s, t)
     return np.maximum(total, launches * hw.cluster.gpu.host_dispatch_s - tp_s)
 
 
 def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.ndarray:
+    """The pass's TP all-reduces, and its TP all-gathers (each gathering t times the shard a rank gives)."""
     count = cost(f"tp_collectives_{phase}", b, s, t)
     message = np.divide(cost(f"tp_comm_bytes_{phase}", b, s, t), count, out=np.zeros_like(count), where=count > 0)
-    return count * hw.all_reduce_time_s(message, t, 1)
+    gathers = cost(f"tp_gathers_{phase}", b, s, t)
+    shard = np.divide(cost(f"tp_gather_bytes_{phase}", b, s, t), gathers, out=np.zeros_like(gathers),
+                      where=gathers > 0)
+    return count * hw.all_reduce_time_s(message, t, 1) + gathers * hw.all_gather_time_s(shard * t, t, 1)
 
 
 def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False) -> LayerTimes:

@@ -218,7 +218,7 @@ def _stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.n
     params = (c.layers * ev(costs.block, "params") + c.first * ev(costs.embedding, "params")
               + c.last * ev(costs.head, "params"))
     if costs.model.tie_embeddings:
-        params = params - np.where((c.pp == 1), costs.model.vocab_size * costs.model.hidden_size / c.t, 0.0)
+        params = params - np.where((c.pp == 1), vocab_shard_elements(costs.model, c), 0.0)
     return params
 
 
@@ -377,7 +377,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
                                                                           * partition * c.oo)
     step = gpu_step + cpu_step + moves.step_copies_s
     tied = np.where((c.pp > 1) & costs.model.tie_embeddings & ((c.first + c.last) > 0),
-                    hw.all_reduce_time_s(b_w * costs.model.vocab_size * costs.model.hidden_size / c.t, 2,
+                    hw.all_reduce_time_s(b_w * vocab_shard_elements(costs.model, c), 2,
                                          c.t * c.d * (c.pp - 1)), 0.0)
 
     if overlap.optimizer_in_first_forward:
@@ -507,7 +507,7 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabili
     """
     b_w, ev = hw.dtype_bytes, c.shapes
     model = costs.model
-    shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * model.vocab_size * model.hidden_size / c.t, 0.0)
+    shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * vocab_shard_elements(model, c), 0.0)
     traffic = data_parallel_traffic(c.zero, c.pp > 1, train.precision == "bf16", weight_bytes, shared)
     layer_bytes = b_w * ev(costs.block, "params")
     zero3 = c.zero == 3
@@ -566,7 +566,7 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabil
     pieces = np.where(c.zero >= 1, np.ceil(block_elements / np.maximum(
         reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, block_elements), 1.0)), 1.0)
     tied = (c.pp > 1) & model.tie_embeddings
-    vocab_bytes = b_w * model.vocab_size * model.hidden_size / c.t
+    vocab_bytes = b_w * vocab_shard_elements(model, c)
     block = b_w * ev(costs.block, "params")
     embedding = np.where(tied, b_w * ev(costs.embedding, "params") - vocab_bytes, b_w * ev(costs.embedding, "params"))
     # At S = 1 the tied weight is one parameter, complete once the embedding's backward has run: it is
@@ -657,6 +657,13 @@ def tail_s(hw: HardwareModel, train: TrainSpec, end_max_s, world) -> np.ndarray:
     step) and then the gradient-norm sync; 0 on runtimes that leave no end work."""
     end_max_s = np.asarray(end_max_s, dtype=np.float64)
     return np.where(end_max_s > 0, end_max_s + norm_sync_s(hw, train, world), 0.0)
+
+
+def vocab_shard_elements(model: ModelSpec, c: StageCandidates) -> np.ndarray:
+    """Elements of one TP rank's token-embedding tensor (a tied LM head's too): the zoo's V / t rows, or what
+    DeepSpeed AutoTP leaves on a rank of a Hugging Face model (the whole table where it keeps it replicated)."""
+    ev = c.shapes
+    return ev.spread(np.array([model.vocab_tensor(int(t)) for t in ev.t], dtype=np.float64))
 
 
 def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:

@@ -14,29 +14,20 @@ S sequence, D hidden.
 from __future__ import annotations
 
 import contextlib
-import json
 
 import torch
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_to_first_block as run_to_block
-from mist_ds.specs.hf import HfSource, build_meta_model
+from mist_ds.specs.hf import HfSource, build_meta_model, config_from_json, head_modules, split_parameters
 from mist_ds.specs.module import hidden_input
-
-
-def config_of(source: HfSource):
-    """The transformers config `source` was read with (overrides applied)."""
-    from transformers import AutoConfig
-
-    fields = json.loads(source.config_json)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def meta_model(source: HfSource, dtype: torch.dtype) -> nn.Module:
     """The causal LM of `source` on the meta device, in `dtype`, in training mode. flash_attention_2 (CUDA only)
     is built as sdpa: the same attention core (one fused op saving q, k, v, the output and the logsumexp)."""
     implementation = "sdpa" if source.attn_implementation == "flash_attention_2" else source.attn_implementation
-    return build_meta_model(config_of(source), implementation, dtype)
+    return build_meta_model(config_from_json(source.config_json), implementation, dtype)
 
 
 def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -78,13 +69,7 @@ class HfEmbedding(nn.Module):
         super().__init__()
         object.__setattr__(self, "model", model)  # not a submodule: this part owns only its own parameters
         object.__setattr__(self, "source", source)
-        block_ids = {id(p) for p in model.get_submodule(source.blocks_attr).parameters()}
-        head = _head_modules(model, source)
-        head_ids = {id(p) for module in head for p in module.parameters()}
-        input_weight = model.get_input_embeddings().weight
-        own = [(name, p) for name, p in model.named_parameters()
-               if id(p) not in block_ids and (id(p) not in head_ids or p is input_weight)]
-        self.own = nn.ParameterList([p for _, p in own])
+        self.own = nn.ParameterList([p for _, p in split_parameters(model, source.blocks_attr)["embedding"]])
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         args, kwargs = run_to_first_block(self.model, self.source, tokens_BS)
@@ -95,26 +80,13 @@ HfBlock = BlockCall
 """One decoder block, called with the side inputs the base model hands every block."""
 
 
-def _head_modules(model: nn.Module, source: HfSource) -> list[nn.Module]:
-    """The base model's modules after its blocks that hold parameters (the final norm), then the LM head."""
-    base, name = _parent_and_name(model, source.blocks_attr)
-    blocks, after, found = getattr(base, name), False, []
-    for child in base.children():
-        if child is blocks:
-            after = True
-        elif after and any(True for _ in child.parameters()):
-            found.append(child)
-    output = model.get_output_embeddings()
-    return found + ([output] if output is not None else [])
-
-
 class HfHead(nn.Module):
     """Final norm, LM head and logit soft-cap: hidden states (B, S, D) -> logits (B, S, V); `loss` is the model's
     own loss function on them."""
 
     def __init__(self, model: nn.Module, source: HfSource) -> None:
         super().__init__()
-        modules = _head_modules(model, source)
+        modules = head_modules(model, source.blocks_attr)
         self.norms = nn.ModuleList(modules[:-1])
         self.lm_head = modules[-1]
         config = model.config

@@ -2,7 +2,8 @@
 
 FILE holds one case a line: Hydra overrides separated by blanks, quoted as in a shell
 (`strategy.tp=2 strategy.pp=2 model.name='my model'`); blank lines and lines starting with # are skipped.
-The command's own overrides go before every case's (a case's win)."""
+The command's own overrides go before every case's (a case's win). Rows, JSON records and errors name a case
+by its line in FILE."""
 from __future__ import annotations
 
 import shlex
@@ -15,8 +16,9 @@ from mist_ds.specs import ConfigError
 CASES_FIELD = "cases"
 
 
-def read_cases(path: Path) -> list[list[str]]:
-    """The override lists of a cases file (module docstring); ConfigError naming the file or the line."""
+def read_cases(path: Path) -> dict[int, list[str]]:
+    """The override lists of a cases file by their line numbers (module docstring); ConfigError naming the
+    file or the line."""
     try:
         text = path.read_text()
     except FileNotFoundError as error:
@@ -24,12 +26,12 @@ def read_cases(path: Path) -> list[list[str]]:
             from error
     except (IsADirectoryError, UnicodeDecodeError) as error:
         raise ConfigError(CASES_FIELD, str(path), "not a text file of overrides, one case a line") from error
-    cases = []
+    cases = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:
-            cases.append(shlex.split(line))
+            cases[number] = shlex.split(line)
         except ValueError as error:
             raise ConfigError(f"{CASES_FIELD} line {number}", line, f"{error}: quote values as in a shell") from error
     if not cases:
@@ -37,14 +39,26 @@ def read_cases(path: Path) -> list[list[str]]:
     return cases
 
 
-def many_records(cases: Sequence[Sequence[str]], predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
-    """`predict-many --json`: per case its overrides and `predict --json` of it."""
-    return [{"overrides": list(case), "prediction": p.to_dict()} for case, p in zip(cases, predictions)]
+def case_error(cases: dict[int, list[str]], error: ConfigError) -> ConfigError:
+    """The ConfigError of a batch of `cases` naming the file's line of the case that failed (its `case`,
+    set by specs/errors.py noting_case, is the index in the batch)."""
+    index = getattr(error, "case", None)
+    if index is None:
+        return error
+    line = list(cases)[index]
+    return ConfigError(f"{CASES_FIELD} line {line} ({' '.join(cases[line])}): {error.field}", error.value, error.fix,
+                       error.rule)
 
 
-def render_many(cases: Sequence[Sequence[str]], predictions: Sequence[Prediction]) -> str:
-    lines = ["case  iteration s  tokens/s      MFU  fits  peak GiB  overrides"]
-    for i, (case, p) in enumerate(zip(cases, predictions)):
-        lines.append(f"{i:>4}  {p.iteration_time_s:11.4f}  {p.tokens_per_s:10,.0f}  {p.mfu:6.1%}  "
+def many_records(cases: dict[int, list[str]], predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
+    """`predict-many --json`: per case its line in the file, its overrides and `predict --json` of it."""
+    return [{"line": line, "overrides": list(case), "prediction": p.to_dict()}
+            for (line, case), p in zip(cases.items(), predictions)]
+
+
+def render_many(cases: dict[int, list[str]], predictions: Sequence[Prediction]) -> str:
+    lines = ["line  iteration s  tokens/s      MFU  fits  peak GiB  overrides"]
+    for (line, case), p in zip(cases.items(), predictions):
+        lines.append(f"{line:>4}  {p.iteration_time_s:11.4f}  {p.tokens_per_s:10,.0f}  {p.mfu:6.1%}  "
                      f"{'yes' if p.fits else 'NO':>4}  {max(p.peak_memory_bytes) / 2**30:8.2f}  {' '.join(case)}")
     return "\n".join(lines)

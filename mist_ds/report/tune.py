@@ -3,13 +3,13 @@ times, memory and its margin; the iteration; the baselines) and the files of a p
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
 from mist_ds.emit import ds_config
 from mist_ds.files import json_text, write_files_atomic
-from mist_ds.plan import Plan
+from mist_ds.plan import Plan, model_source_of
+from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import RuntimeCapabilities
@@ -41,14 +41,15 @@ def plan_from_result(result: TuneResult, user_overrides: Sequence[str]) -> Plan:
                   for rank, (point, prediction) in enumerate(result.runner_ups, start=1)]
     return Plan(user_overrides=list(user_overrides), strategy=result.strategy,
                 prediction=result.prediction.to_dict(), search=search_summary(result.search), baselines=baselines,
-                runner_ups=runner_ups)
+                runner_ups=runner_ups, model_source=model_source_of(result.specs.model))
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def render_summary(plan: Plan, specs: Specs) -> str:
+def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> str:
+    """summary.md; its closing hint names the plan as `plan_json` (a path that works where it is read)."""
     p, search, strategy = plan.prediction, plan.search, plan.strategy
     par = strategy.parallelism
     usable = specs.cluster.gpu.usable_memory_bytes
@@ -88,21 +89,21 @@ def render_summary(plan: Plan, specs: Specs) -> str:
                          f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
                          f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
     lines += runner_up_lines(plan.runner_ups)
-    lines += ["", "Reproduce the prediction: `mist-ds predict plan=plan.json`."]
+    lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
     return "\n".join(lines) + "\n"
 
 
-def _value_text(value) -> str:
+def value_text(value) -> str:
     """A strategy value as text; a per-stage list with one value on every stage as that value."""
     if isinstance(value, list) and value and all(v == value[0] for v in value):
         value = value[0]
-    return ",".join(map(_value_text, value)) if isinstance(value, list) else (
+    return ",".join(map(value_text, value)) if isinstance(value, list) else (
         f"{value:g}" if isinstance(value, float) else str(value))
 
 
 def differences_text(differs: dict[str, list]) -> str:
     """`tp 2 -> 1, pp 1 -> 2`: the plan's value, then the runner-up's, per differing strategy key."""
-    return ", ".join(f"{key} {_value_text(mine)} -> {_value_text(theirs)}" for key, (mine, theirs) in differs.items())
+    return ", ".join(f"{key} {value_text(mine)} -> {value_text(theirs)}" for key, (mine, theirs) in differs.items())
 
 
 def runner_up_lines(runner_ups: list[dict]) -> list[str]:
@@ -121,25 +122,14 @@ def _interleaving(strategy: dict) -> str:
     return f" interleaved x{chunks}" if chunks > 1 else ""
 
 
-def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, str]:
-    """plan.json, summary.md, and ds_config.json where the plan runs on DeepSpeed (`caps`: its runtime)."""
-    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs)}
+def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities, plan_json: str = "plan.json") -> dict[str, str]:
+    """plan.json, summary.md (its hint naming the plan as `plan_json`), and ds_config.json where the plan runs on
+    DeepSpeed (`caps`: its runtime)."""
+    files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, plan_json)}
     if caps.executes_on_deepspeed:
         files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps,
                                                       host_bytes_per_rank=plan.prediction.get("host_bytes_per_rank")))
     return files
-
-
-TRAIN_SCRIPT = "launch/train.py"
-"""The training script of the repository (relative to its root, where cmd.txt's command runs)."""
-
-
-def train_command(plan_json: Path, nodes: int, gpus_per_node: int, run_dir: Path) -> list[str]:
-    """DeepSpeed's launcher training the plan in `plan_json` with launch/train.py into `run_dir` (docs/design.md,
-    Launching and training): --no_local_rank for the Hydra script, the run dir pinned for its ranks. More than
-    one node needs DeepSpeed's hostfile (its default /job/hostfile, or --hostfile)."""
-    return ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node), "--no_local_rank",
-            TRAIN_SCRIPT, f"mist.plan={plan_json}", f"hydra.run.dir={run_dir}"]
 
 
 def plan_pictures(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, bytes]:
@@ -159,10 +149,11 @@ def write_plan(directory: Path, plan: Plan, specs: Specs, caps: RuntimeCapabilit
     """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs, cmd.txt: the command
     that trains it."""
     directory.mkdir(parents=True, exist_ok=True)
-    files: dict[str, str | bytes] = {**plan_files(plan, specs, caps), **plan_pictures(plan, specs, caps)}
+    absolute = directory.resolve()  # summary.md's hint works wherever it is read from
+    files: dict[str, str | bytes] = {**plan_files(plan, specs, caps, str(absolute / "plan.json")),
+                                     **plan_pictures(plan, specs, caps)}
     if caps.executes_on_deepspeed:
-        absolute = directory.resolve()
-        command = train_command(absolute / "plan.json", specs.cluster.nodes, specs.cluster.gpus_per_node,
-                                absolute / "train")
-        files["cmd.txt"] = shlex.join(command) + "\n"
+        cluster = specs.cluster
+        command = train_command(absolute / "plan.json", cluster.nodes, cluster.gpus_per_node, absolute / "train")
+        files["cmd.txt"] = command_file(command, cluster.gpu.is_cpu_process, cluster.nodes, cluster.gpus_per_node)
     return write_files_atomic(directory, files)

@@ -12,6 +12,12 @@ from mist_ds.specs.errors import ConfigError, require, require_positive
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 
+CPU_PROCESS = "cpu-process"
+"""`cluster.gpu.name` of conf/cluster/cpu.yaml (and of the clusters `mist-ds profile` derives from it): the
+plan's ranks are CPU processes, which DeepSpeed runs only with CPU_RANKS_ENV set (docs/design.md)."""
+CPU_RANKS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+"""DeepSpeed's CPU accelerator (gloo, no GPU) and one thread per rank."""
+
 # Datasheet units the config fields are named in (error messages quote values in them).
 GIB = 2**30
 GB = 1e9
@@ -103,6 +109,11 @@ class GpuSpec:
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes - self.reserve_bytes
+
+    @property
+    def is_cpu_process(self) -> bool:
+        """The ranks are CPU processes standing in for GPUs (CPU_PROCESS)."""
+        return self.name == CPU_PROCESS
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for dtype; ConfigError naming the missing entry if absent."""

@@ -32,12 +32,13 @@ CASE_NOTE = "case {index}"
 
 
 def noting_case(index: int, function, *args):
-    """function(*args); a ConfigError it raises carries CASE_NOTE for `index` (a batch names the case
-    that failed, the error itself staying what one-by-one work raises)."""
+    """function(*args); a ConfigError it raises carries CASE_NOTE for `index`, and `index` as its `case`
+    attribute (a batch names the case that failed, the error itself staying what one-by-one work raises)."""
     try:
         return function(*args)
     except ConfigError as error:
         error.add_note(CASE_NOTE.format(index=index))
+        error.case = index
         raise
 
 

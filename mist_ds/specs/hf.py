@@ -17,7 +17,7 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +72,25 @@ class HfSource:
     """Attribute path of the repeated blocks (a ModuleList) inside the model, e.g. model.layers."""
     head_dim: int
     tied: bool
+    autotp_memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """AutoTpShapes by degree, read on first use (specs/autotp.py: a process per degree, cached on disk)."""
 
     def part_params(self, part: str) -> tuple[HfParam, ...]:
         return tuple(p for p in self.params if p.part == part)
+
+    def autotp(self, degree: int):
+        """Rank 0's parameter elements under DeepSpeed AutoTP at `degree` (an AutoTpShapes), or None where the
+        degree is not priced (specs/autotp.py AUTOTP_DEGREES)."""
+        from mist_ds.specs.autotp import AUTOTP_DEGREES, AutoTpShapes, cached_autotp_shapes
+
+        if degree not in AUTOTP_DEGREES:
+            return None
+        if not self.autotp_memo:
+            implementation = "sdpa" if self.attn_implementation == "flash_attention_2" else self.attn_implementation
+            for shapes in cached_autotp_shapes(self.config_json, implementation, self.blocks_attr):
+                self.autotp_memo[shapes.degree] = shapes
+        shapes = self.autotp_memo[degree]
+        return shapes if isinstance(shapes, AutoTpShapes) else AutoTpShapes(**shapes)
 
 
 def _config_file(name_or_path: str) -> Path:
@@ -206,46 +222,60 @@ def check_blocks_alike(blocks) -> None:
             raise ValueError(f"block {index} differs from block 0 in class or parameter shapes")
 
 
-def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
-    """The model's parameters by part: the first block's; the final norm and LM head (modules of the base model
-    registered after the blocks, and the output embeddings); the rest is the embedding part."""
-    first = list(blocks[0].named_parameters())
-    check_blocks_alike(blocks)
-    linear = linear_weights(model)
-    head_modules = []
-    parent = model.get_submodule(blocks_attr.rsplit(".", 1)[0]) if "." in blocks_attr else model
-    after = False
-    for name, child in parent.named_children():
+def head_modules(model, blocks_attr: str) -> list:
+    """The modules of the base model registered after the blocks that hold parameters (the final norm), then the
+    output embeddings (the LM head)."""
+    parent_path, _, name = blocks_attr.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    blocks, after, found = getattr(parent, name), False, []
+    for child in parent.children():
         if child is blocks:
             after = True
         elif after and any(True for _ in child.parameters()):
-            head_modules.append(child)
+            found.append(child)
     output = model.get_output_embeddings()
-    if output is not None:
-        head_modules.append(output)
-    head_ids = {id(p) for module in head_modules for p in module.parameters()}
+    return found + ([output] if output is not None else [])
+
+
+def split_parameters(model, blocks_attr: str) -> dict[str, list]:
+    """(name, parameter) by part, each tensor once: the first block's; the head's (head_modules); the rest, the
+    embedding part, which holds a tied LM head's weight (it is the input embedding's)."""
+    blocks = model.get_submodule(blocks_attr)
     block_ids = {id(p) for block in blocks for p in block.parameters()}
-    records = [HfParam("block", f"{blocks_attr}.0.{name}", tuple(p.shape), id(p) in linear, p.requires_grad)
-               for name, p in first]
+    head_ids = {id(p) for module in head_modules(model, blocks_attr) for p in module.parameters()}
+    input_weight = model.get_input_embeddings().weight
+    parts = {"embedding": [], "block": [(f"{blocks_attr}.0.{n}", p) for n, p in blocks[0].named_parameters()],
+             "head": []}
     for name, p in model.named_parameters():  # a tied weight once, under the input embedding's name
-        if id(p) in block_ids:
-            continue
-        part = "head" if id(p) in head_ids and not _is_input_embedding(model, p) else "embedding"
-        records.append(HfParam(part, name, tuple(p.shape), id(p) in linear and part == "head", p.requires_grad))
-    tied = _tied(model)
-    if tied:  # the LM head shares the input embedding's weight: the head part holds it too (DESIGN's convention)
+        if id(p) not in block_ids:
+            parts["head" if id(p) in head_ids and p is not input_weight else "embedding"].append((name, p))
+    return parts
+
+
+def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
+    """The model's parameters by part (split_parameters); every block must be block 0's class and shapes. A tied
+    LM head's weight is also listed in the head part, which holds it as the zoo's tied head does."""
+    check_blocks_alike(blocks)
+    linear = linear_weights(model)
+    records = [HfParam(part, name, tuple(p.shape), id(p) in linear and part != "embedding", p.requires_grad)
+               for part, named in split_parameters(model, blocks_attr).items() for name, p in named]
+    if _tied(model):
         weight = model.get_input_embeddings().weight
         records.append(HfParam("head", "lm_head.weight (tied)", tuple(weight.shape), True, weight.requires_grad))
     return tuple(records)
 
 
-def _is_input_embedding(model, param) -> bool:
-    return param is model.get_input_embeddings().weight
-
-
 def _tied(model) -> bool:
     output = model.get_output_embeddings()
     return output is not None and output.weight is model.get_input_embeddings().weight
+
+
+def config_from_json(text: str):
+    """The transformers config whose fields `config_json` wrote."""
+    from transformers import AutoConfig
+
+    fields = json.loads(text)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def config_json(config) -> str:

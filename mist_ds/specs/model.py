@@ -86,9 +86,9 @@ class ModelSpec:
 
     def check_tensor_parallel(self, t: int, field: str = "strategy.tp") -> None:
         """Megatron-style TP splits query heads, KV heads (or replicates them), FFN width and vocab."""
-        if self.hf is not None and t > 1:
-            raise ConfigError(field, t, "tensor parallelism of a Hugging Face model (DeepSpeed AutoTP) is not priced "
-                                        "yet: plan it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.autotp")
+        if self.hf is not None:
+            self._hf_autotp(t, field)
+            return
         if self.module is not None and t > 1:
             raise ConfigError(field, t, "tensor parallelism of your own nn.Module is not priced: plan it with "
                                         "strategy.tp=1 (tune: tuner.tp=[1])", rule="module.tp")
@@ -110,10 +110,26 @@ class ModelSpec:
     def _part_elements(self, part: str, linear_only: bool = False) -> int:
         return sum(p.numel for p in self.read_model.part_params(part) if p.linear or not linear_only)
 
+    def _hf_autotp(self, t: int, field: str = "strategy.tp"):
+        """Rank 0's shards under DeepSpeed AutoTP at t > 1 (specs/autotp.py), None at t = 1; ConfigError where
+        AutoTP refuses the model or t is not a priced degree."""
+        if t == 1:
+            return None
+        shapes = self.hf.autotp(t)
+        if shapes is None:
+            from mist_ds.specs.autotp import AUTOTP_DEGREES
+
+            raise ConfigError(field, t, f"a Hugging Face model is priced under DeepSpeed AutoTP at t in "
+                                        f"{(1, *AUTOTP_DEGREES)}", rule="hf.autotp-degree")
+        if shapes.refused:
+            raise ConfigError(field, t, f"DeepSpeed AutoTP refuses {self.hf.architecture} ({shapes.refused}): plan "
+                                        "it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.autotp-refused")
+        return shapes
+
     def embedding_params(self, t: int = 1) -> int:
         """Token embedding (vocab-parallel: V/t rows) plus, for gpt, learned positions (replicated)."""
         if self.read_model is not None:
-            return self._part_elements("embedding")
+            return self._hf_autotp(t).embedding if self.hf is not None and t > 1 else self._part_elements("embedding")
         token = (self.vocab_size // t) * self.hidden_size
         positions = self.seq_len * self.hidden_size if self.family == "gpt" else 0
         return token + positions
@@ -121,7 +137,7 @@ class ModelSpec:
     def block_params(self, t: int = 1) -> int:
         """One transformer block on one TP rank: sharded GEMM weights/biases + replicated norms/biases."""
         if self.read_model is not None:
-            return self._part_elements("block")
+            return self._hf_autotp(t).block if self.hf is not None and t > 1 else self._part_elements("block")
         h, d = self.hidden_size, self.head_dim
         q_rank = (self.num_heads // t) * d
         kv_rank = self.kv_heads_per_rank(t) * d
@@ -141,6 +157,8 @@ class ModelSpec:
         the MLP's input weight, fused gate+up for llama): DeepSpeed's ZeRO-1/2 gradient partitions hold
         whole tensors, so it bounds how far a partition overshoots its share."""
         if self.read_model is not None:
+            if self.hf is not None and t > 1:
+                return self._hf_autotp(t).largest_block_tensor
             return max(p.numel for p in self.read_model.part_params("block"))
         h, d = self.hidden_size, self.head_dim
         qkv = h * ((self.num_heads // t) + 2 * self.kv_heads_per_rank(t)) * d
@@ -149,12 +167,14 @@ class ModelSpec:
 
     def vocab_tensor(self, t: int = 1) -> int:
         """Elements of the token embedding (or LM head) shard on one TP rank: one tensor."""
+        if self.hf is not None and t > 1:
+            return self._hf_autotp(t).vocab_tensor
         return (self.vocab_size // t) * self.hidden_size
 
     def head_params(self, t: int = 1) -> int:
         """Final norm plus the LM head (V/t rows); the head holds its own copy even when tied."""
         if self.read_model is not None:
-            return self._part_elements("head")
+            return self._hf_autotp(t).head if self.hf is not None and t > 1 else self._part_elements("head")
         norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
         return norm + (self.vocab_size // t) * self.hidden_size
 

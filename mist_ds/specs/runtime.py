@@ -243,7 +243,10 @@ def check_runtime(strategy: StrategySpec, caps: RuntimeCapabilities | None = Non
     something its runtime cannot execute."""
     caps = capabilities_of(caps or strategy.runtime)
     name = caps.name
-    if model is not None and not caps.replicates_kv_heads and model.num_kv_heads % strategy.parallelism.tp:
+    # a Hugging Face model is sharded by DeepSpeed AutoTP, whose own rules ModelSpec.check_tensor_parallel applies
+    # (beyond the KV heads it shards unevenly; rank 0, priced, holds the largest share)
+    if model is not None and model.hf is None and not caps.replicates_kv_heads and \
+            model.num_kv_heads % strategy.parallelism.tp:
         raise _refuse(f"{name}.kv-heads-split", "strategy.tp", strategy.parallelism.tp,
                       f"runtime {name} splits KV heads over TP ranks and does not replicate them: tp must "
                       f"divide model.num_kv_heads={model.num_kv_heads}")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from mist_ds.symbolic.rules import (ATTENTION_OPS, COLLECTIVE_OPS, WAIT_OPS, collective_bytes,
+from mist_ds.symbolic.rules import (ATTENTION_OPS, COLLECTIVE_OPS, GATHER_OPS, WAIT_OPS, collective_bytes, gather_bytes,
                                     is_view, memory_traffic_bytes)
 from mist_ds.symbolic.trace import BACKWARD, FORWARD, Trace
 
@@ -104,7 +104,7 @@ def saved_bytes(trace: Trace) -> sympy.Expr:
 
 
 def _launches_kernel(op) -> bool:
-    return not is_view(op) and op.name not in WAIT_OPS and op.name not in COLLECTIVE_OPS
+    return not is_view(op) and op.name not in WAIT_OPS and op.name not in COLLECTIVE_OPS and op.name not in GATHER_OPS
 
 
 def _memory_bound(op) -> bool:
@@ -203,7 +203,8 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     sums = {key: sympy.Integer(0) for key in ("fwd_flops", "bwd_flops", "fwd_attention_flops",
                                               "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
                                               "tp_comm_bytes_fwd", "tp_comm_bytes_bwd", "tp_collectives_fwd",
-                                              "tp_collectives_bwd", "fwd_kernels", "bwd_kernels")}
+                                              "tp_collectives_bwd", "tp_gather_bytes_fwd", "tp_gather_bytes_bwd",
+                                              "tp_gathers_fwd", "tp_gathers_bwd", "fwd_kernels", "bwd_kernels")}
     gemms = []
     for op in trace.ops:
         sums[f"{op.phase}_flops"] += op.flops
@@ -217,6 +218,9 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
         comm = collective_bytes(op)
         sums[f"tp_comm_bytes_{op.phase}"] += comm
         sums[f"tp_collectives_{op.phase}"] += 1 if comm != 0 else 0
+        gathered = gather_bytes(op)
+        sums[f"tp_gather_bytes_{op.phase}"] += gathered
+        sums[f"tp_gathers_{op.phase}"] += 1 if gathered != 0 else 0
     exprs = {
         "params": trace.params, "param_bytes": trace.param_bytes, **sums,
         "saved_bytes": saved_bytes(trace), "saved_bytes_fused": fused_saved_bytes(trace),

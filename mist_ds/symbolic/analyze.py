@@ -41,9 +41,9 @@ def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = Non
     from mist_ds.symbolic import tracing
 
     if model.hf is not None:
-        from mist_ds.symbolic.hf_trace import trace_hf_layer
+        from mist_ds.symbolic.hf_trace import trace_hf_layers
 
-        costs = {kind: tracing.layer_cost(kind, trace_hf_layer(model, kind, precision)) for kind in LAYER_KINDS}
+        costs = {kind: tracing.layer_cost(kind, traced) for kind, traced in trace_hf_layers(model, precision).items()}
     elif model.module is not None:
         from mist_ds.symbolic.module_trace import module_of, trace_module_layer
 

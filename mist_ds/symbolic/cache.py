@@ -3,27 +3,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from mist_ds.files import write_atomic
+from mist_ds.specs.cache_root import cache_root
 
-CACHE_ENV = "MIST_DS_CACHE_DIR"
 # Source files whose change invalidates every cached analysis (they define what is traced and how).
 _PACKAGE = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("models", "symbolic")
+CODE_FILES = ("specs/hf.py", "specs/autotp.py")
+"""Beyond CODE_DIRS: how a Hugging Face model is built and sharded for its trace."""
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mist_ds") / "symbolic"
+    return cache_root() / "symbolic"
 
 
 def code_fingerprint() -> str:
     digest = hashlib.sha256()
-    for folder in CODE_DIRS:
-        for path in sorted((_PACKAGE / folder).glob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
+    paths = [path for folder in CODE_DIRS for path in sorted((_PACKAGE / folder).glob("*.py"))]
+    for path in paths + [_PACKAGE / name for name in CODE_FILES]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

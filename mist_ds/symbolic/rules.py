@@ -33,7 +33,11 @@ OWN_RULE_ATTENTION_BWD = frozenset({"mist_ds.flash_attention_backward.default",
 ATTENTION_OPS = OWN_RULE_ATTENTION_FWD | OWN_RULE_ATTENTION_BWD | frozenset(
     f"aten._scaled_dot_product_{kind}_attention{suffix}.default"
     for kind in ("flash", "efficient", "cudnn") for suffix in ("", "_backward"))
-COLLECTIVE_OPS = {"_c10d_functional.all_reduce.default"}
+COLLECTIVE_OPS = {"_c10d_functional.all_reduce.default", "c10d.allreduce_.default"}
+"""TP all-reduces: the zoo's functional ones, and those DeepSpeed AutoTP's layers issue through torch.distributed."""
+GATHER_OPS = {"_c10d_functional.all_gather_into_tensor.default", "c10d._allgather_base_.default",
+              "c10d.allgather_into_tensor_coalesced_.default"}
+"""TP all-gathers (AutoTP's gathered LM head output)."""
 WAIT_OPS = {"_c10d_functional.wait_tensor.default"}
 
 
@@ -83,7 +87,7 @@ def is_view(op) -> bool:
 
 def memory_traffic_bytes(op) -> sympy.Expr:
     """HBM bytes a memory-bound op reads and writes (views and GEMM / attention / collectives: 0)."""
-    if op.name in GEMM_OPS or op.name in ATTENTION_OPS or op.name in COLLECTIVE_OPS \
+    if op.name in GEMM_OPS or op.name in ATTENTION_OPS or op.name in COLLECTIVE_OPS or op.name in GATHER_OPS \
             or op.name in WAIT_OPS or is_view(op):
         return sympy.Integer(0)
     return sympy.Add(*[t.nbytes for t in op.inputs]) + sympy.Add(*[t.nbytes for t in op.outputs])
@@ -92,3 +96,12 @@ def memory_traffic_bytes(op) -> sympy.Expr:
 def collective_bytes(op) -> sympy.Expr:
     """Message bytes of a TP all-reduce (the tensor reduced)."""
     return op.inputs[0].nbytes if op.name in COLLECTIVE_OPS else sympy.Integer(0)
+
+
+def gather_bytes(op) -> sympy.Expr:
+    """Bytes this rank contributes to a TP all-gather (its shard: the op's input, after the output it fills)."""
+    if op.name not in GATHER_OPS:
+        return sympy.Integer(0)
+    if op.name.startswith("_c10d_functional"):
+        return op.inputs[0].nbytes
+    return op.inputs[1].nbytes

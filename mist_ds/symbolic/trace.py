@@ -213,8 +213,10 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
         trace.param_storages = {recorder.track(p, -1) for p in params}
         for param in params:
             # DeepSpeed moves each gradient into its bucket / partition as soon as it is accumulated
-            # (its hooks); release it likewise, so that it counts only while it is transient.
-            param.register_post_accumulate_grad_hook(_drop_grad)
+            # (its hooks); release it likewise, so that it counts only while it is transient. A frozen
+            # parameter (requires_grad off) gets no gradient at all.
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(_drop_grad)
         trace.params = sympy.Add(*[as_expr(p.numel()) for p in params])
         trace.param_bytes = sympy.Add(*[as_expr(p.numel()) * p.element_size() for p in params])
         inputs = make_inputs(sizes)

@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 
 from mist_ds.runtime import free_port
+from mist_ds.specs.cluster import CPU_RANKS_ENV
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 """The folder holding the mist_ds package (the repository in a source checkout): on the ranks' path,
 and where JIT builds would land unless TORCH_EXTENSIONS_DIR says otherwise."""
 LAUNCH_TIMEOUT_S = 180.0  # one launch runs well under a minute on 2 cores; a hang is killed at this bound
-CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+CPU_ENV = CPU_RANKS_ENV
 
 
 class LaunchTimeout(TimeoutError):

@@ -58,7 +58,8 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
     for t in divisors(cluster.gpus_per_node):
         if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:
             continue
-        if (tuner.tp is not None and t not in tuner.tp) or (not caps.replicates_kv_heads and model.num_kv_heads % t):
+        if (tuner.tp is not None and t not in tuner.tp) or \
+                (model.hf is None and not caps.replicates_kv_heads and model.num_kv_heads % t):  # hf: AutoTP's rules
             continue
         for S in divisors(gpus // t):
             if S > model.num_layers or (tuner.pp is not None and S not in tuner.pp):

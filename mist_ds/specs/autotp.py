@@ -1,0 +1,162 @@
+"""DeepSpeed AutoTP applied to a Hugging Face model as DeepSpeed's training engine applies it, on the meta device,
+in a process of its own (docs/design.md, Your own model).
+
+`deepspeed.initialize` with `"tensor_parallel": {"autotp_size": t}` shards the model in
+`DeepSpeedEngine._apply_autotp_partitioning` (runtime/engine.py): by the config's `partition_config` if given, else
+by the model's Hugging Face `tp_plan`, else by AutoTP's heuristic (module_inject/auto_tp.py); column-parallel
+linears all-reduce their input gradient, row-parallel ones their output, an LM head sharded by column with gathered
+output all-gathers the logits, a tied embedding may become vocabulary-parallel. `shard_with_autotp` runs exactly
+that method on a meta model, in a process whose default group is torch's single-process "fake" backend of world
+size t (collectives are no-ops there; ranks are rank 0's view), after the same set-up the engine runs first
+(training mode, the tensor-parallel mesh, the runtime configuration). Every tensor then has rank 0's shape, the
+largest share where AutoTP shards unevenly (DeepSpeed gives the first ranks the remainders), so the cost of rank 0
+is the slowest rank's.
+
+That set-up is global to a process (torch's default group, DeepSpeed's groups and AutoTP mode), so it runs in a
+spawned process per degree: `autotp_shapes` (rank 0's parameter elements by part, read here for the specs) and
+mist_ds/symbolic/hf_trace.py (the trace of the sharded layers) both do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+AUTOTP_DEGREES = (2, 4, 8)
+"""The tensor-parallel degrees priced for a Hugging Face model (AutoTP keeps TP inside a node)."""
+
+
+class _EngineStandIn:
+    """What `DeepSpeedEngine._apply_autotp_partitioning` reads of its engine."""
+
+    local_rank = -1
+
+    def __init__(self, degree: int) -> None:
+        self.degree = degree
+
+    def autotp_size(self) -> int:
+        return self.degree
+
+    def is_deepcompile_enabled(self) -> bool:
+        return False
+
+    def compile_autotp(self) -> bool:
+        return False
+
+
+def shard_with_autotp(model, degree: int, tensor_parallel: dict[str, Any] | None = None):
+    """Shard `model` (a Hugging Face model, on the meta device) as DeepSpeed's training engine would at autotp_size
+    = `degree` with the config's `tensor_parallel` section, seen from rank 0. Joins a fake process group of world
+    size `degree` first: call it only in a process of its own."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+    import deepspeed.ops as dsops
+
+    dsops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's shared-memory op
+    from deepspeed import comm as ds_dist
+    from deepspeed.module_inject import set_autotp_mode
+    from deepspeed.module_inject.layers import configure_tensor_parallel_runtime
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+    from deepspeed.utils import groups
+
+    ds_dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    config = get_tensor_parallel_config({"tensor_parallel": {**(tensor_parallel or {}), "autotp_size": degree}})
+    set_autotp_mode(training=True)  # as deepspeed.initialize does before building the engine
+    groups._init_tp_mesh_device(tensor_model_parallel_size=degree)
+    configure_tensor_parallel_runtime(config)
+    DeepSpeedEngine._apply_autotp_partitioning(_EngineStandIn(degree), model, config)
+    return model
+
+
+@dataclass(frozen=True)
+class AutoTpShapes:
+    """Rank 0's parameter elements under AutoTP at one degree, or why AutoTP refused the model."""
+
+    degree: int
+    embedding: int = 0
+    block: int = 0
+    head: int = 0
+    largest_block_tensor: int = 0
+    vocab_tensor: int = 0
+    refused: str = ""
+    """AutoTP's own error (e.g. an architecture it does not support), empty when it shards the model."""
+
+
+def _shapes_in_this_process(config_json: str, attn_implementation: str, blocks_attr: str, degree: int) -> dict:
+    from mist_ds.specs.hf import build_meta_model, config_from_json, head_modules, split_parameters
+
+    model = build_meta_model(config_from_json(config_json), attn_implementation)
+    try:
+        shard_with_autotp(model, degree)
+    except (AssertionError, ValueError, NotImplementedError, RuntimeError) as error:
+        return {"degree": degree, "refused": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
+    parts = split_parameters(model, blocks_attr)
+    elements = lambda named: sum(p.numel() for _, p in named)  # noqa: E731
+    head = sum(p.numel() for module in head_modules(model, blocks_attr) for p in module.parameters())
+    return {"degree": degree, "embedding": elements(parts["embedding"]), "block": elements(parts["block"]),
+            "head": head, "largest_block_tensor": max(p.numel() for _, p in parts["block"]),
+            "vocab_tensor": model.get_input_embeddings().weight.numel()}
+
+
+def cached_autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str) -> tuple[AutoTpShapes, ...]:
+    """autotp_shapes at AUTOTP_DEGREES, read once per machine (the cache folder's `autotp/`, keyed by the config,
+    the attention implementation and the versions of DeepSpeed, transformers and torch)."""
+    import hashlib
+    from importlib.metadata import version
+
+    from mist_ds.specs.cache_root import cache_root
+
+    keyed = {"config": config_json, "attn_implementation": attn_implementation, "blocks_attr": blocks_attr,
+             "degrees": AUTOTP_DEGREES, **{name: version(name) for name in ("deepspeed", "transformers", "torch")},
+             "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+    path = cache_root() / "autotp" / (hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:24]
+                                      + ".json")
+    try:
+        return tuple(AutoTpShapes(**entry) for entry in json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass  # absent or damaged: read again
+    shapes = autotp_shapes(config_json, attn_implementation, blocks_attr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps([entry.__dict__ for entry in shapes]))
+    os.replace(temporary, path)  # atomic: a reader never sees half a file
+    return shapes
+
+
+def autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str,
+                  degrees: tuple[int, ...] = AUTOTP_DEGREES) -> tuple[AutoTpShapes, ...]:
+    """AutoTpShapes at each degree, each read in a spawned process of its own (module docstring)."""
+    environment = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+                   "OMP_NUM_THREADS": "1"}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mist_ds_autotp_") as tmp:
+        Path(tmp, "request.json").write_text(json.dumps({"config_json": config_json,
+                                                         "attn_implementation": attn_implementation,
+                                                         "blocks_attr": blocks_attr}))
+        processes = [subprocess.Popen([sys.executable, "-m", "mist_ds.specs.autotp", tmp, str(degree)],
+                                      env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for degree in degrees]
+        for degree, process in zip(degrees, processes):
+            log, _ = process.communicate()
+            answer = Path(tmp, f"shapes{degree}.json")
+            if process.returncode != 0 or not answer.exists():
+                raise RuntimeError(f"reading AutoTP's shards at degree {degree} failed:\n{log[-3000:]}")
+            results.append(AutoTpShapes(**json.loads(answer.read_text())))
+    return tuple(results)
+
+
+if __name__ == "__main__":
+    folder, degree_text = sys.argv[1], sys.argv[2]
+    request = json.loads(Path(folder, "request.json").read_text())
+    shapes = _shapes_in_this_process(request["config_json"], request["attn_implementation"], request["blocks_attr"],
+                                     int(degree_text))
+    Path(folder, f"shapes{degree_text}.json").write_text(json.dumps(shapes))
