@@ -33,6 +33,7 @@ def configs(tmp_path_factory):
                                               max_position_embeddings=4096),
         "gpt2-1.3b": transformers.GPT2Config(n_embd=2048, n_layer=24, n_head=16, vocab_size=51200, n_positions=2048,
                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "llama": transformers.LlamaConfig(**TINY),
         "qwen2": transformers.Qwen2Config(**TINY),
         "mistral": transformers.MistralConfig(**TINY, sliding_window=64),
         "phi3": transformers.Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -45,9 +46,12 @@ def configs(tmp_path_factory):
     return {name: root / name for name in made}
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MIST_DS_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache(tmp_path_factory):
+    """One cache for the module: AutoTP's shards and the traces of a config are read once (a process per degree)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MIST_DS_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 def hf(path, *overrides: str):
@@ -147,9 +151,37 @@ def test_an_architecture_without_the_attention_asked_for_is_refused(configs):
         hf(configs["gemma2"], "model.seq_len=64")  # Gemma 2 has no sdpa path in transformers 5.x
 
 
-def test_tensor_parallelism_of_an_hf_model_is_refused_until_priced(configs):
-    with pytest.raises(ConfigError, match="AutoTP"):
-        hf(configs["qwen2"], "model.seq_len=64", "cluster.gpus_per_node=2", "strategy.tp=2")
+def test_autotp_is_priced_as_deepspeed_shards_the_model(configs):
+    """At t = 2 DeepSpeed's own AutoTP shards the tiny Llama (its HF tp_plan): every Linear of a block split in two,
+    the RMSNorms and the input embedding whole, the LM head split by column with its output gathered. Traced on
+    rank 0: half the FLOPs; the all-reduces AutoTP's layers issue (the outputs of o_proj and down_proj in forward;
+    in backward the input gradient of each column layer: q, k, v, gate, up) and the head's logits all-gather; the
+    plan's ds_config asks DeepSpeed for the same AutoTP."""
+    from mist_ds.emit import ds_config
+
+    specs = hf(configs["llama"], "model.seq_len=64", "cluster=a100-80g", "cluster.gpus_per_node=2", "strategy.tp=2")
+    model, h, vocab = specs.model, TINY["hidden_size"], TINY["vocab_size"]
+    norms = 2 * h
+    assert model.block_params(2) == (model.block_params(1) - norms) // 2 + norms
+    assert model.embedding_params(2) == model.embedding_params(1) == vocab * h
+    assert model.head_params(2) == h + vocab * h // 2
+    costs, b, s, t = model_costs(specs), 2, 64, 2
+    activation = b * s * h * 2  # bf16
+    assert costs.block("fwd_flops", b, s, t) * 2 == costs.block("fwd_flops", b, s, 1)
+    assert costs.block("tp_collectives_fwd", b, s, t) == 2 and costs.block("tp_comm_bytes_fwd", b, s, t) == 2 * activation
+    assert costs.block("tp_collectives_bwd", b, s, t) == 5 and costs.block("tp_comm_bytes_bwd", b, s, t) == 5 * activation
+    assert costs.head("tp_gathers_fwd", b, s, t) == 1 and costs.head("tp_gather_bytes_fwd", b, s, t) == b * s * vocab // 2 * 2
+    assert costs.head("tp_collectives_bwd", b, s, t) == 1 and costs.embedding("tp_collectives_bwd", b, s, t) == 0
+    assert "all_gather/tensor" in predict(specs).comm_bytes_per_rank[0]
+    assert ds_config(specs.strategy, specs.train, specs.model)["tensor_parallel"] == {"autotp_size": 2}
+
+
+@pytest.mark.slow  # three processes read AutoTP's refusal
+def test_what_autotp_refuses_is_refused_with_its_reason(configs):
+    """DeepSpeed's AutoTP does not shard GPT-2 (its fused attention): the plan is refused with AutoTP's words."""
+    with pytest.raises(ConfigError, match="AutoTP refuses GPT2LMHeadModel") as refused:
+        hf(configs["gpt2-1.3b"], "model.seq_len=2048", "cluster=a100-80g", "cluster.gpus_per_node=2", "strategy.tp=2")
+    assert refused.value.rule == "hf.autotp-refused"
 
 
 def test_a_plan_records_its_model_and_is_refused_once_the_config_changed(configs, tmp_path):

@@ -244,6 +244,10 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+    if model is not None and model.hf is not None and par.tp > 1:
+        # A Hugging Face model is sharded by DeepSpeed's engine itself (AutoTP), as it was priced
+        # (mist_ds/specs/autotp.py); the data-parallel size DeepSpeed's batch rule uses is then world / tp.
+        config["tensor_parallel"] = {"autotp_size": par.tp}
     if any(s.optimizer_offload > 0 for s in strategy.stages):
         # Offloaded states are stepped by torch's AdamW on the host (torch_adam: the config's optimizer
         # resolves to it before any CPUAdam, deepspeed/runtime/engine.py:2378). DeepSpeed refuses a
