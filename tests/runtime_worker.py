@@ -20,6 +20,11 @@ def synthetic_batches(model: ModelSpec, micro_batch: int, count: int, seed: int)
         yield tokens, torch.roll(tokens, -1, dims=1)
 
 
+def param_sizes(planned) -> list[int]:
+    """Elements of each parameter of the rank's module, in DeepSpeed's flattening order (whole under ZeRO-3)."""
+    return [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in planned.engine.module.parameters()]
+
+
 def run_case(case: dict) -> dict:
     from mist_ds.runtime import initialize
 
@@ -41,9 +46,7 @@ def run_case(case: dict) -> dict:
     census_batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - dp_rank)
     _, census = planned.count_step(census_batches)
     result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": what_ran, "census": census,
-              "dp_rank": dp_rank,
-              "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                              for p in planned.engine.module.parameters()]}
+              "dp_rank": dp_rank, "param_sizes": param_sizes(planned)}
     planned.close()
     return result
 

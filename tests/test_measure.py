@@ -26,5 +26,11 @@ def test_measure_reports_predicted_beside_measured_per_rank(tmp_path):
     assert record["measured_flops"] == record["predicted_flops"]  # the step census, counted in the engine
     assert all(set(m) >= set(p) for m, p in zip(record["measured_comm_bytes"], record["predicted_comm_bytes"]))
     assert all(t > 0 for t in record["measured_iteration_time_s"]) and all(p > 0 for p in record["measured_peak_memory_bytes"])
+    # model states counted in the engine (never all zeros) equal the prediction; what ran, per rank
+    for measured, predicted, did in zip(record["measured_model_state_bytes"], record["predicted_model_state_bytes"],
+                                        record["what_ran"]):
+        assert measured["weights"] > 0 and all(measured[k] == predicted[k] for k in predicted), (measured, predicted)
+        assert did["engine"] == "PipelineEngine" and did["overlap"]["reduced_in_backward"] == 0
+        assert did["state_devices"]["module_params"]["bytes"] == measured["weights"]
     assert json.loads((tmp_path / "run" / "measure.json").read_text()) == record
     assert json.loads(table.read_text().splitlines()[-1]) == record and "| tiny | 2 |" in table.with_suffix(".md").read_text()
