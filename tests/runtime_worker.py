@@ -34,11 +34,12 @@ def run_case(case: dict) -> dict:
         planned.watch_model_states()
     par = planned.plan.strategy.parallelism
     dp_rank = planned.dp_rank
-    losses, norms = [], []
-    for step in range(case.get("steps", 3)):
+    losses, norms, steps = [], [], case.get("steps", 3)
+    for step in range(steps):
         # Each data-parallel rank reads its own shard of the step's samples.
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + dp_rank)
-        losses.append(planned.train_batch(batches))
+        # model states counted in the last step (Adam's states exist from the first step on)
+        losses.append(planned.train_batch(batches, count_model_states=step == steps - 1))
         norm = planned.engine.get_global_grad_norm()  # what clipping used (None when clipping is off)
         norms.append(None if norm is None else float(norm))
     what_ran = planned.what_ran()
