@@ -92,6 +92,13 @@ EXPLICIT = {
     # and a small vocabulary, so that the buckets, not the step's fp32 gradient partition, are the buffers' peak
     "zero1-dp2-bf16-mist": (2, ["model=tiny", "model.num_layers=1", "model.vocab_size=512",
                                 "train.global_batch_size=4", "strategy.zero_stage=1", "strategy.runtime=mist"]),
+    # the same at G = 1 (issue 25's numbers), with and without offload: no full .grad ever lives, only the
+    # embedding's gradient (larger than the one-block bucket) and, without offload, the partition copy
+    "zero1-offload-mist-g1": (2, ["model=tiny", "train.global_batch_size=8", "strategy.micro_batch_size=4",
+                                  "strategy.zero_stage=1", "strategy.offload.optimizer=1", "strategy.offload.grads=1",
+                                  "strategy.offload.activations=1", "strategy.runtime=mist"]),
+    "zero1-mist-g1": (2, ["model=tiny", "train.global_batch_size=8", "strategy.micro_batch_size=4",
+                          "strategy.zero_stage=1", "strategy.runtime=mist"]),
     "zero2-dp2-fp32": (2, ["model=tiny", "train.global_batch_size=4", "train.precision=fp32",
                            "strategy.zero_stage=2"]),
     "zero2-dp2-offload": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=2",

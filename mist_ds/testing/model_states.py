@@ -253,14 +253,31 @@ class Facts:
     def L(self) -> int:
         return max(self.sizes)
 
+    def _owned(self) -> list[bool]:
+        """Per parameter, whether it overlaps this rank's partition [r ps, (r + 1) ps)."""
+        lo, hi = self.rank * self.ps, (self.rank + 1) * self.ps
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        return [o < hi and o + n > lo for o, n in zip(offsets, self.sizes)]
+
     @property
     def touch(self) -> int:
         """Sizes of the parameters overlapping this rank's partition, and the padding inside it:
         ZeRO-1/2 copy whole parameters into the gradient partition (the padding as a zero tensor)."""
-        lo, hi = self.rank * self.ps, (self.rank + 1) * self.ps
-        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        whole = sum(n for o, n in zip(offsets, self.sizes) if o < hi and o + n > lo)
-        return whole + max(0, hi - max(lo, self.P))
+        whole = sum(n for n, owned in zip(self.sizes, self._owned()) if owned)
+        return whole + max(0, (self.rank + 1) * self.ps - max(self.rank * self.ps, self.P))
+
+    @property
+    def oversized(self) -> int:
+        """O: elements of the parameters larger than the reduce bucket (DeepSpeed reduces them outside it)."""
+        return sum(n for n in self.sizes if n > self.bucket)
+
+    @property
+    def oversized_cleared(self) -> int:
+        """Of O, the gradients ZeRO-1 with overlap_comm frees before its backward ends: this rank's own, once
+        copied to the host (stage_1_and_2.py:1912) or into the partition copy, all but the first parameter's,
+        reduced last in backward and still pending when the backward ends."""
+        owned = [n for i, (n, mine) in enumerate(zip(self.sizes, self._owned())) if n > self.bucket and mine and i]
+        return sum(owned)
 
     @property
     def p3(self) -> int:
@@ -290,7 +307,8 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
                                     1.0 if f.params_offload else 0.0,
                                     reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
                                     persistent_param_elements=f.persistent, bf16=f.bf16,
-                                    grad_accum=f.micro_batches, overlap_comm=f.overlap_comm)
+                                    grad_accum=f.micro_batches, overlap_comm=f.overlap_comm,
+                                    oversized_param_elements=f.oversized)
     return {field: float(getattr(states, field)) for field in FIELDS}
 
 
@@ -302,6 +320,14 @@ def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
             "-b P: BF16_Optimizer with bf16.immediate_grad_update drops each bf16 gradient once its hook has "
             "accumulated it (deepspeed/runtime/bf16_optimizer.py:707-716), leaving the accumulation buffer b Pa; "
             "memory.py prices the configs mist_ds emits, without it")
+    if f.zero == 1 and field == "grads" and f.overlap_comm and f.micro_batches == 1:
+        partition, bound = (0, 0) if f.offload else (f.touch, touch_bound)
+        held = min(max(f.P, f.touch), partition + f.oversized - f.oversized_cleared)
+        return f.b * (held - min(max(f.P, touch_bound), bound + f.oversized)), (
+            "b (min(max(P, touch), touch' + O - own) - min(max(P, U), U' + O)) <= 0 (touch', U': touch, U without "
+            "offload, else 0): the rank's own gradients larger than the bucket but the first parameter's leave "
+            "before the backward ends, to the host (deepspeed/runtime/zero/stage_1_and_2.py:1912) or into the "
+            "partition copy (:2184-2194); U bounds touch")
     if f.zero == 1 and field == "grads":
         return f.b * (max(f.P, f.touch) - max(f.P, touch_bound)), (
             "b (max(P, touch) - max(P, U)) <= 0: U bounds touch, the whole parameters DeepSpeed copies into a "
