@@ -8,10 +8,12 @@ import hashlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mist_ds.runtime.report import overlap_ran
 from mist_ds.specs import ModelSpec
 from mist_ds.testing.ranks import run_cases_on_cpu_ranks
-from tests.runtime_worker import DATA_SEED, synthetic_batches
+from tests.runtime_worker import DATA_SEED, param_sizes, synthetic_batches
+
+COUNTED_STEP = 1
+"""The step whose model states are counted (the optimizer's states exist from the first step on)."""
 
 
 GATHERS = ("c10d::allgather_", "c10d::_allgather_base_", "c10d::allgather_into_tensor_coalesced_")
@@ -20,7 +22,8 @@ GATHERS = ("c10d::allgather_", "c10d::_allgather_base_", "c10d::allgather_into_t
 class CollectiveTimeline(TorchDispatchMode):
     """Every c10d all-reduce, in issue order: its group's ranks, its bytes, and whether autograd was
     running a backward when it was issued (torch's current graph task); plus the count of aten ops
-    run inside a backward, so an all-reduce can be placed among them. Every c10d all-gather with its
+    run inside a backward, so an all-reduce can be placed among them, and of those run inside an autograd
+    node that computes (not the one accumulating a leaf's gradient, where gradient hooks run). Every c10d all-gather with its
     group's ranks, the bytes this rank contributes and the aten ops run before it (`ops_before`; the last
     backward op's index: `last_backward_op`). Each collective names its communicator (`group`)."""
 
@@ -29,6 +32,7 @@ class CollectiveTimeline(TorchDispatchMode):
         self.events: list[dict] = []
         self.gathers: list[dict] = []
         self.backward_ops = 0
+        self.compute_ops = 0
         self.ops = 0
         self.last_backward_op = -1
 
@@ -60,9 +64,12 @@ class CollectiveTimeline(TorchDispatchMode):
             nbytes = sum(t.numel() * t.element_size() for t in bound["tensors"])
             self.events.append({"ranks": sorted(dist.get_process_group_ranks(group)), "bytes": nbytes,
                                 "in_backward": in_backward, "backward_ops_before": self.backward_ops,
+                                "compute_ops_before": self.compute_ops,
                                 "ops_before": self.ops, "group": group.group_name})
         elif in_backward and not name.startswith("c10d::"):
             self.backward_ops += 1
+            node = torch._C._current_autograd_node()
+            self.compute_ops += node is not None and "AccumulateGrad" not in node.name()
         return out
 
 
@@ -105,6 +112,7 @@ def run_case(case: dict) -> dict:
 
     model = ModelSpec(**case["model"])
     planned = initialize(case["config"], model, seed=0)
+    planned.watch_model_states()
     par = planned.plan.strategy.parallelism
     losses = []
     first_use = FirstUse(planned.layers)
@@ -112,7 +120,7 @@ def run_case(case: dict) -> dict:
         seed = DATA_SEED + step * 1000 + planned.dp_rank
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, seed)
         first_use.new_step()
-        losses.append(planned.train_batch(batches))
+        losses.append(planned.train_batch(batches, count_model_states=step == COUNTED_STEP))
     offload = planned.activation_offload
     if offload is not None:
         offload.reset_counts()
@@ -121,7 +129,7 @@ def run_case(case: dict) -> dict:
     timeline, next_step = CollectiveTimeline(), CollectiveTimeline()
     first_use.new_step(timeline)
     with timeline:
-        planned.train_batch(batches)
+        planned.train_batch(batches, count_model_states=False)
     offloaded = None if offload is None else {
         "moved_bytes": offload.moved_bytes, "returned_bytes": offload.returned_bytes,
         "host_copies": len(offload.host_storages),
@@ -131,19 +139,21 @@ def run_case(case: dict) -> dict:
     first_use.new_step(next_step)  # the next step's first forward: where the gathers above are waited for
     with next_step:
         planned.train_batch(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
-                                              DATA_SEED - 3 - planned.dp_rank))
+                                              DATA_SEED - 3 - planned.dp_rank), count_model_states=False)
     first_use.remove()
     _, census = planned.count_step(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
                                                      DATA_SEED - 2 - planned.dp_rank))
+    did = planned.what_ran()
     result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(planned.engine).__name__,
               "data_ranks": sorted(torch.distributed.get_process_group_ranks(
                   planned.grid.get_data_parallel_group())),
-              "all_reduces": timeline.events, "backward_ops": timeline.backward_ops, "census": census,
+              "all_reduces": timeline.events, "backward_ops": timeline.backward_ops,
+              "backward_compute_ops": timeline.compute_ops, "census": census,
               "all_gathers": timeline.gathers, "last_backward_op": timeline.last_backward_op,
               "next_step_gathers": next_step.gathers, "first_use_ops": first_use.ops_at_first_use,
               "weights_at_first_use": first_use.digests,
-              "overlap": overlap_ran(planned),
-              "activations_offloaded": offloaded}
+              "overlap": did["overlap"], "what_ran": did, "dp_rank": planned.dp_rank,
+              "param_sizes": param_sizes(planned), "activations_offloaded": offloaded}
     planned.close()
     return result
 

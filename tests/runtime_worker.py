@@ -20,6 +20,11 @@ def synthetic_batches(model: ModelSpec, micro_batch: int, count: int, seed: int)
         yield tokens, torch.roll(tokens, -1, dims=1)
 
 
+def param_sizes(planned) -> list[int]:
+    """Elements of each parameter of the rank's module, in DeepSpeed's flattening order (whole under ZeRO-3)."""
+    return [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in planned.engine.module.parameters()]
+
+
 def run_case(case: dict) -> dict:
     from mist_ds.runtime import initialize
 
@@ -29,11 +34,12 @@ def run_case(case: dict) -> dict:
         planned.watch_model_states()
     par = planned.plan.strategy.parallelism
     dp_rank = planned.dp_rank
-    losses, norms = [], []
-    for step in range(case.get("steps", 3)):
+    losses, norms, steps = [], [], case.get("steps", 3)
+    for step in range(steps):
         # Each data-parallel rank reads its own shard of the step's samples.
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + dp_rank)
-        losses.append(planned.train_batch(batches))
+        # model states counted in the last step (Adam's states exist from the first step on)
+        losses.append(planned.train_batch(batches, count_model_states=step == steps - 1))
         norm = planned.engine.get_global_grad_norm()  # what clipping used (None when clipping is off)
         norms.append(None if norm is None else float(norm))
     what_ran = planned.what_ran()
@@ -41,9 +47,7 @@ def run_case(case: dict) -> dict:
     census_batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - dp_rank)
     _, census = planned.count_step(census_batches)
     result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": what_ran, "census": census,
-              "dp_rank": dp_rank,
-              "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                              for p in planned.engine.module.parameters()]}
+              "dp_rank": dp_rank, "param_sizes": param_sizes(planned)}
     planned.close()
     return result
 

@@ -30,6 +30,12 @@ def test_measure_reports_predicted_beside_measured_per_rank(tmp_path):
         # a step's peak holds at least the weights, gradients and optimizer states the engine keeps throughout
         # (it was once read from the profiler's running total alone, which starts at 0: below the weights)
         assert peak >= states["weights"] + states["grads"] + states["optimizer"] > 0
+    # model states counted in the engine (never all zeros) equal the prediction; what ran, per rank
+    for measured, predicted, did in zip(record["measured_model_state_bytes"], record["predicted_model_state_bytes"],
+                                        record["what_ran"]):
+        assert measured["weights"] > 0 and all(measured[k] == predicted[k] for k in predicted), (measured, predicted)
+        assert did["engine"] == "PipelineEngine" and did["overlap"]["reduced_in_backward"] == 0
+        assert did["state_devices"]["module_params"]["bytes"] == measured["weights"]
     assert json.loads((tmp_path / "run" / "measure.json").read_text()) == record
     assert json.loads(table.read_text().splitlines()[-1]) == record and "| tiny | 2 |" in table.with_suffix(".md").read_text()
 

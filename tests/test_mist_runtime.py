@@ -77,7 +77,7 @@ def run_pairs(variants: list[tuple], ao: float = 0.0, resume_dir=None, alone: tu
     `mist` (key "resume"); for each overlap feature in `alone`, every pipeline variant on `mist` with that
     feature switched off in its plan (key runtime "mist-without-<feature>"), and for "activations_offload",
     with every overlap feature off and ao = ALONE_AO (key runtime "mist-offload-alone")."""
-    keys, cases = [], []
+    keys, cases, priced = [], [], {}
     variants = [(p, i, *rest) if rest else (p, i, PIPELINE) for p, i, *rest in variants]
     runs = [(r, *v) for v in variants for r in ("deepspeed", "mist")]
     runs += [("mist-offload", *v) for v in variants if ao > 0]
@@ -89,13 +89,28 @@ def run_pairs(variants: list[tuple], ao: float = 0.0, resume_dir=None, alone: tu
         offload = {"mist-offload": ao, "mist-offload-alone": ALONE_AO}.get(runtime, 0.0)
         specs, config = plan(runtime.split("-")[0], precision, immediate, offload, layout, off)
         keys.append((runtime, precision, immediate, layout))
+        priced[keys[-1]] = (specs, config, features_without(runtime.split("-")[0], off))
         cases.append({"name": f"{runtime}-{precision}-{immediate}-{'-'.join(layout)}", "config": config,
                       "model": dataclasses.asdict(specs.model), "steps": STEPS})
     if resume_dir is not None:
         keys.append("resume")
         cases.append({**cases[1], "name": "resume", "save_at": 3, "dir": str(resume_dir)})
     by_rank = launch(WORKER, RANKS, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
-    return {key: [rank_results[i] for rank_results in by_rank] for i, key in enumerate(keys)}
+    results = {key: [rank_results[i] for rank_results in by_rank] for i, key in enumerate(keys)}
+    for key, (specs, config, caps) in priced.items():
+        check_model_states(results[key], specs, config, caps, key)
+    return results
+
+
+def check_model_states(results: list[dict], specs, config: dict, caps, key) -> None:
+    """Every case of a launch, stock or `mist` (PipelineEngine, MistPipelineEngine with its reducer and
+    post-step gather, DeepSpeed's engine with the reducer or overlap_comm, activation offload attached):
+    the census finds the engine's weights and its model states equal the case's prediction, field by field
+    (mist_ds/testing/model_states.py)."""
+    from mist_ds.testing.model_states import assert_model_states_are_predicted
+
+    prediction = predict(specs, caps=caps).to_dict()
+    assert_model_states_are_predicted(specs, config, prediction, results, "-".join(map(str, key)))
 
 
 def check_pair(results, precision: str, immediate: bool, layout=PIPELINE) -> None:
@@ -150,12 +165,21 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
     assert mist["overlap"]["chunks_waited_by_layers"] == chunks
 
 
+def reduced_during_backward(run: dict) -> int:
+    """Data-parallel all-reduces the timeline saw issued during a backward with more of its compute after."""
+    return sum(e["ranks"] == run["data_ranks"] and e["in_backward"] and
+               e["compute_ops_before"] < run["backward_compute_ops"] for e in run["all_reduces"])
+
+
 def check_overlap_observed(stock: dict, mist: dict) -> None:
     data = mist["data_ranks"]
     in_backward = [e for e in mist["all_reduces"] if e["ranks"] == data and e["in_backward"]]
     assert not [e for e in stock["all_reduces"] if e["in_backward"]]
     assert len(in_backward) >= 2, mist["all_reduces"]
     assert min(e["backward_ops_before"] for e in in_backward) < mist["backward_ops"]
+    # what_ran observes the same at the dispatcher (mist_ds/runtime/counting.py), in the step census's step
+    assert mist["overlap"]["reduced_in_backward"] == reduced_during_backward(mist) >= 1
+    assert stock["overlap"]["reduced_in_backward"] == 0
     # every gradient byte still crosses the data-parallel group exactly once (scalar control messages
     # aside: at S = 1 DeepSpeed's overflow check adds a one-byte max over the data-parallel group once the
     # engine's own reduction is off, runtime/utils.py CheckOverflow)
@@ -249,6 +273,7 @@ def test_mist_matches_stock_deepspeed_in_fp32_with_immediate_grad_update_and_wit
                 check_gather(ran_stock, ran, precision, PIPELINE, off)
                 if off == "overlap_grad_reduce":
                     assert not [e for e in ran["all_reduces"] if e["in_backward"]]
+                    assert ran["overlap"]["reduced_in_backward"] == 0
                 else:
                     assert ran["overlap"]["overlap_grad_reduce"]
                     check_overlap_observed(ran_stock, ran)

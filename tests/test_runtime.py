@@ -34,18 +34,17 @@ import torch
 
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
-from mist_ds.emit import ds_config, read_mist_block, stage_ds_config
+from mist_ds.emit import ds_config, read_mist_block
 from mist_ds.models.tp import TensorParallel
 from mist_ds.specs import ConfigError, runtime_capabilities
 from mist_ds.runtime.engine import PlannedModel
 from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
-from mist_ds.testing.model_states import Facts, predicted_bytes, residual_bytes
+from mist_ds.testing.model_states import assert_model_states_are_predicted
 from mist_ds.testing.ranks import launch
 from mist_ds.tuner import tune_specs
 from tests.runtime_worker import DATA_SEED, synthetic_batches
 
 WORKER = "tests.runtime_worker:runtime_worker"
-STATE_FIELDS = ("weights", "grads", "optimizer", "buffers", "host")
 NUMERIC_STEPS = 5
 RTOL = 1e-5
 CLIP = 0.05  # below every measured norm of these runs (checked): clipping always binds
@@ -71,6 +70,11 @@ CASES = {
                              *FP32_CLIPPED]),
     "pp2-tp2": (4, ["model=tiny", "train.global_batch_size=8", "tuner.pp=[2]", "tuner.tp=[2]"]),
     "tp2-dp2": (4, ["model=tiny", "train.global_batch_size=8", "tuner.pp=[1]", "tuner.tp=[2]"]),
+    # runtime mist under a cap where only ZeRO-1 with gradient and optimizer offload and activation offload fit
+    # (issue 25's plan, G = 2 here): the embedding's gradient is larger than the one-block reduce bucket, so
+    # DeepSpeed reduces it outside the bucket (a clone of its own under offload, stage_1_and_2.py:1443-1449)
+    "zero1-offload-mist": (2, ["model=tiny", "train.global_batch_size=16", "tuner.runtime=mist", "tuner.pp=[1]",
+                               "cluster.gpu.memory_gib=0.03"]),
 }
 NUMERIC_CASES = ("pp2-fp32", "pp2-fp32-clipped", "tp2-fp32-clipped")
 # name -> (ranks, overrides): a strategy given outright (heterogeneous stages the tuner's grids would not pick)
@@ -88,6 +92,13 @@ EXPLICIT = {
     # and a small vocabulary, so that the buckets, not the step's fp32 gradient partition, are the buffers' peak
     "zero1-dp2-bf16-mist": (2, ["model=tiny", "model.num_layers=1", "model.vocab_size=512",
                                 "train.global_batch_size=4", "strategy.zero_stage=1", "strategy.runtime=mist"]),
+    # the same at G = 1 (issue 25's numbers), with and without offload: no full .grad ever lives, only the
+    # embedding's gradient (larger than the one-block bucket) and, without offload, the partition copy
+    "zero1-offload-mist-g1": (2, ["model=tiny", "train.global_batch_size=8", "strategy.micro_batch_size=4",
+                                  "strategy.zero_stage=1", "strategy.offload.optimizer=1", "strategy.offload.grads=1",
+                                  "strategy.offload.activations=1", "strategy.runtime=mist"]),
+    "zero1-mist-g1": (2, ["model=tiny", "train.global_batch_size=8", "strategy.micro_batch_size=4",
+                          "strategy.zero_stage=1", "strategy.runtime=mist"]),
     "zero2-dp2-fp32": (2, ["model=tiny", "train.global_batch_size=4", "train.precision=fp32",
                            "strategy.zero_stage=2"]),
     "zero2-dp2-offload": (2, ["model=tiny", "train.global_batch_size=4", "strategy.zero_stage=2",
@@ -155,6 +166,10 @@ def test_the_tuner_picked_each_case_s_shape(plans):
     assert stage.zero_stage == 3 and stage.weights_offload == 1 and stage.optimizer_offload == 1
     assert shape["tp2"][0].tp == 2 and shape["pp2-tp2"][0].tp == 2 and shape["pp2-tp2"][0].pp == 2
     assert (shape["tp2-dp2"][0].tp, shape["tp2-dp2"][0].dp) == (2, 2)
+    (par, (stage,)) = shape["zero1-offload-mist"]
+    assert (par.dp, par.grad_accum, stage.zero_stage) == (2, 2, 1)
+    assert (stage.weights_offload, stage.grads_offload, stage.optimizer_offload, stage.activations_offload) == \
+        (0, 1, 1, 1)
 
 
 def _expected_optimizer(zero: int, precision: str, pipeline: bool) -> str:
@@ -190,37 +205,12 @@ def assert_ran_the_plan(plan: Tuned, results: list[dict]) -> None:
                                                        strategy.parallelism.pp > 1)
 
 
-def _facts(plan: Tuned, result: dict) -> Facts:
-    strategy = plan.specs.strategy
-    own = strategy.stages[result["what_ran"]["stage"]]
-    return Facts(zero=own.zero_stage, bf16=plan.specs.train.precision == "bf16", offload=own.optimizer_offload > 0,
-                 pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.dp, rank=result["dp_rank"],
-                 sizes=tuple(result["param_sizes"]), bucket=read_mist_block(plan.config).buckets.reduce_bucket_elements,
-                 threshold=read_mist_block(plan.config).buckets.stage3_persistence_threshold_elements,
-                 params_offload=own.weights_offload > 0, micro_batches=strategy.parallelism.grad_accum,
-                 overlap_comm=own.zero_stage in (1, 2) and bool(
-                     stage_ds_config(plan.config, result["what_ran"]["stage"])["zero_optimization"].get("overlap_comm")))
-
-
 @pytest.mark.parametrize("name", list(ALL))
 def test_model_state_bytes_are_the_prediction(plans, ran, name):
     """The engine's model states per field equal predict's, up to the residual formulas of
     mist_ds/testing/model_states.py; the engine's own parameter count gives the same prediction."""
-    assert_model_states_are_predicted(plans[name], ran[name], name)
-
-
-def assert_model_states_are_predicted(plan: Tuned, results: list[dict], name: str) -> None:
-    for result in results:
-        measured = result["what_ran"]["model_state_bytes"]
-        predicted = plan.prediction["model_state_bytes"][result["what_ran"]["stage"]]
-        facts = _facts(plan, result)
-        for field in STATE_FIELDS:
-            residual, formula = residual_bytes(facts, field)
-            assert measured[field] - predicted[field] == residual, (
-                f"{name} rank {result['what_ran']['rank']} {field}: engine {measured[field]} B, predicted "
-                f"{predicted[field]:.0f} B (stated residual {residual} B: {formula})")
-        # memory.py on the engine's own parameter sizes gives predict's numbers: the same P and L
-        assert predicted_bytes(facts) == {field: predicted[field] for field in STATE_FIELDS}
+    plan = plans[name]
+    assert_model_states_are_predicted(plan.specs, plan.config, plan.prediction, ran[name], name)
 
 
 def _reference_losses(plan: Tuned, steps: int, norms: list | None = None) -> list[float]:
@@ -381,7 +371,8 @@ def test_random_tuned_plans_run_as_planned():
         for i, n in enumerate(names):
             results = [rank_results[i] for rank_results in by_rank]
             assert_ran_the_plan(drawn[n][1], results)
-            assert_model_states_are_predicted(drawn[n][1], results, n)
+            plan = drawn[n][1]
+            assert_model_states_are_predicted(plan.specs, plan.config, plan.prediction, results, n)
 
 
 def test_a_precision_the_accelerator_lacks_is_refused_by_name(monkeypatch):

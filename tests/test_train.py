@@ -75,6 +75,9 @@ def test_mist_deepspeed_tunes_then_trains_the_plan(tmp_path):
     plan = record["plan"]["strategy"]
     assert plan["runtime"] == "mist"
     assert all(did["overlap"]["overlap_grad_reduce"] for did in record["ranks"]), record["ranks"]
+    # observed in the model-state-counted step, not read from overlap_comm: reductions issued during the backward
+    assert all(did["overlap"]["reduced_in_backward"] >= 1 and did["model_state_bytes"]["weights"] > 0
+               for did in record["ranks"]), record["ranks"]
     command = (run_dir / "cmd.txt").read_text()
     assert f"mist.plan={run_dir / 'plan' / 'plan.json'}" in command and "--no_local_rank" in command
     assert {"ds_config.json", "plan.json", "summary.md"} <= {p.name for p in (run_dir / "plan").iterdir()}

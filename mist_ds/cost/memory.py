@@ -25,7 +25,12 @@ the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 b
   Gradients: ZeRO-1 b max(P, U) (the full .grad lives until the reduction after backward, then the
   partition), ZeRO-2 b U (the partition holds whole parameters), 2 b U with G > 1 micro-batches: from
   the second on, the accumulated partition (all_grad_tensors, stage_1_and_2.py:1038-1045) lives beside
-  the fresh copy of the current one (grads_in_partition, allocated again at :2184-2194).
+  the fresh copy of the current one (grads_in_partition, allocated again at :2184-2194). ZeRO-1 with
+  overlap_comm and G = 1: the hooks move each gradient into the bucket as it arrives, so the full .grad
+  never lives; what does is the gradients of the O elements in tensors larger than the bucket, which
+  DeepSpeed reduces outside it (stage_1_and_2.py:1443-1449, cloned under offload) and keeps, outside the
+  rank's partition, until the epilogue clears .grad (:1067), and without offload the partition copy
+  (grads_in_partition, at most U): b min(max(P, U), O) with offload, b min(max(P, U), U + O) without.
 - ZeRO 3 (DeepSpeed pads each parameter to d: a few elements above p3): weights b p3, gradient
   partition b p3, fp32 master + Adam 12 p3, buffers b R + max(4 p3, b N): the bucket is never
   freed, the step's fp32 gradients add to it, the whole small parameters are resident outside the
@@ -107,11 +112,13 @@ def partition_touch_elements(params, dp, largest_param_elements):
 def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                            weights_offload, reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS,
                            largest_param_elements=0.0, persistent_param_elements=0.0,
-                           bf16: bool = True, grad_accum=1, overlap_comm=False) -> ModelStateBytes:
+                           bf16: bool = True, grad_accum=1, overlap_comm=False,
+                           oversized_param_elements=None) -> ModelStateBytes:
     """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring: P `params`, d `dp`,
     R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`, G
     `grad_accum` micro-batches per step; `overlap_comm` on at ZeRO-1/2: a second bucket, setup_buckets
-    in stage_1_and_2.py)."""
+    in stage_1_and_2.py; O `oversized_param_elements`, the elements of the tensors larger than R, None
+    when unknown: ZeRO-1's gradients are then b max(P, U) at G = 1 too, an upper bound)."""
     p = np.asarray(params, dtype=np.float64)
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
@@ -134,6 +141,10 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     grads = b * np.select([torch_optimizer, bf16_optimizer, z == 1, z == 2, z == 3],
                           [p, padded + p, np.maximum(p, touch), zero2_partitions * touch, p3])
     grads = np.where(offloaded & (z >= 2), 0.0, grads)  # no device partition: gradients go to the host
+    if oversized_param_elements is not None:  # ZeRO-1, overlap_comm, G = 1: no full .grad (module docstring)
+        whole = np.asarray(oversized_param_elements, dtype=np.float64) + np.where(offloaded, 0.0, touch)
+        hooked_alone = (z == 1) & np.asarray(overlap_comm, dtype=bool) & (np.asarray(grad_accum) == 1)
+        grads = np.where(hooked_alone, b * np.minimum(np.maximum(p, touch), whole), grads)
     optimizer = np.where(torch_optimizer, (master + ADAM_MOMENT_BYTES) * p, MASTER_ADAM_BYTES * shard)
     step_grads = np.where(torch_optimizer & (master == 0), 0.0, FP32_BYTES * shard)
     bucket = b * np.asarray(reduce_bucket_elements, dtype=np.float64) * np.select(
@@ -193,21 +204,22 @@ def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
                       reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
                       largest_param_elements=0.0, persistent_param_elements=0.0, grad_accum=1,
-                      overlap_comm=False) -> ModelStateBytes:
+                      overlap_comm=False, oversized_param_elements=None) -> ModelStateBytes:
     """Model states per GPU under a runtime's `accounting` (RuntimeCapabilities.model_states; module
     docstring). The one function show / predict / tune use.
 
     DeepSpeed's accounting reads three more sizes, elements on one TP rank of the stage: the reduce bucket
     (the planned one by default, as mist_ds/emit writes it), the largest single parameter tensor L
     (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps, offload staging at 0) and the ZeRO-3
-    parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it), and
-    the micro-batches per step (ZeRO-2 keeps two gradient partitions with more than one).
+    parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it), the
+    micro-batches per step (ZeRO-2 keeps two gradient partitions with more than one), and the elements
+    of the tensors larger than the reduce bucket (None = unknown; read by ZeRO-1 with overlap_comm at G = 1).
     """
     if accounting == "deepspeed":
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
                                       persistent_param_elements, bf16=bf16, grad_accum=grad_accum,
-                                      overlap_comm=overlap_comm)
+                                      overlap_comm=overlap_comm, oversized_param_elements=oversized_param_elements)
     if accounting == "megatron":
         return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,

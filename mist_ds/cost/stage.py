@@ -674,20 +674,36 @@ def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:
     return np.where((c.first + c.last) > 0, np.maximum(block, vocab), block)
 
 
+def oversized_tensors(model: ModelSpec, c: StageCandidates, bucket_elements) -> np.ndarray:
+    """Elements of the stage's parameter tensors (one TP rank) larger than the reduce bucket, which DeepSpeed
+    reduces outside it (stage_1_and_2.py:1443-1449): the token embedding and gpt's positions on the first
+    stage, the head on the last unless it is the embedding's own tensor (tied at S = 1). Infinite (unknown)
+    where a block's largest tensor exceeds the bucket: only that tensor's size is known."""
+    ev = c.shapes
+    vocab = ev.spread(np.array([model.vocab_tensor(int(t)) for t in ev.t], dtype=np.float64))
+    block = ev.spread(np.array([model.largest_block_tensor(int(t)) for t in ev.t], dtype=np.float64))
+    positions = float(model.seq_len * model.hidden_size if model.family == "gpt" else 0)
+    head_of_its_own = (c.last > 0) & ~((c.first > 0) & model.tie_embeddings)
+    ends = c.first * (np.where(vocab > bucket_elements, vocab, 0.0) + np.where(positions > bucket_elements,
+                                                                                 positions, 0.0))
+    ends = ends + np.where(head_of_its_own & (vocab > bucket_elements), vocab, 0.0)
+    return np.where(block > bucket_elements, np.inf, ends)
+
+
 def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (docs/design.md, Memory of a stage)."""
     ev = c.shapes
     params = stage_params(costs, c, ev)
     hooked = reduced_by_deepspeed_hooks(caps, caps.overlap, c.pp, c.zero)
+    bucket = reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, ev(costs.block, "params"))
+    deepspeed = caps.model_states == "deepspeed"  # only DeepSpeed's engines size buffers by their tensors
+    oversized = oversized_tensors(costs.model, c, bucket) if deepspeed else None
     states = model_state_bytes(caps.model_states, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
-                               bf16=train.precision == "bf16", overlap_comm=hooked,
-                               reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero,
-                                                                                ev(costs.block, "params")),
-                               # only DeepSpeed's engines size buffers by the largest tensor
-                               largest_param_elements=largest_tensor(costs.model, c)
-                               if caps.model_states == "deepspeed" else 0.0, grad_accum=c.G)
+                               bf16=train.precision == "bf16", overlap_comm=hooked, reduce_bucket_elements=bucket,
+                               largest_param_elements=largest_tensor(costs.model, c) if deepspeed else 0.0,
+                               grad_accum=c.G, oversized_param_elements=oversized)
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     activations = (saved - saved_offloaded) * in_flight

@@ -4,7 +4,8 @@ accuracy table the records accumulate into (JSON lines, and a markdown table reb
 Record keys (public interface): `predicted_` and `measured_` + `iteration_time_s`, `model_state_bytes`,
 `peak_memory_bytes`, `flops`, `comm_bytes`, each a list with one entry per rank (a rank's predicted
 values are its stage's); `comm_bytes` entries map "kind/group" to bytes; plus `strategy`, `model`,
-`cluster`, `world_size`, `warmup`, `steps`, and `time_error` (measured / predicted - 1).
+`cluster`, `world_size`, `warmup`, `steps`, `time_error` (measured / predicted - 1), and `what_ran`, per
+rank what its engine ran, read from the live objects (mist_ds/runtime/report.py).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def measure_record(specs: Specs, prediction: Prediction, results: list[dict[str,
         if prediction.comm_bytes_per_rank is not None else None,
         "measured_comm_bytes": [r["comm_bytes"] for r in results],
         "time_error": measured_time / prediction.iteration_time_s - 1.0,
+        "what_ran": [r["what_ran"] for r in results],
     }
 
 

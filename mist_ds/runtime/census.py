@@ -1,17 +1,22 @@
 """What a live DeepSpeed engine holds: every tensor reachable from it, deduplicated by storage, by role
 (weights, gradients, fp32 master, Adam states, reduce buckets, host copies, ...). Counted in the
 engine, never derived from a plan (docs/design.md, Checking what runs).
+
+Host or device memory is read from each storage's device where the engine computes on an accelerator.
+On CPU ranks every storage is on 'cpu' and pinning is a no-op, so no tensor can show it; there the host
+side is what DeepSpeed's own optimizer object allocates on its host device (`Placement`): read from the
+live engine, never from the plan, but decided by DeepSpeed, not observed.
 """
 from __future__ import annotations
 
 import collections
 import gc
+from dataclasses import dataclass
 
 import torch
 
 # Attribute names (DeepSpeed 0.19.8) under which the engine keeps a role the identity rules below
 # cannot see. Matched against every attribute on any path from the engine to a storage.
-BUCKET_ATTRS = frozenset({"ipg_buckets"})  # reduce buckets (stage_1_and_2.py, stage3.py)
 GRAD_ATTRS = frozenset({"averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
                         "all_grad_tensors", "fp32_groups_gradients_flat"})  # the last: BF16_Optimizer, grad_acc_dtype
 # Offload: the bf16 copy of the updated partition and a per-parameter gradient staging buffer are
@@ -21,8 +26,48 @@ HOST_WHEN_OFFLOADED_ATTRS = frozenset({"grad_partitions_flat_buffer"})
 DEVICE_STAGING_ATTRS = frozenset({"temp_grad_buffer_for_gpu_offload"})
 # The fp32 partition the optimizer updates: ZeRO-3 hands it to the torch optimizer only inside step().
 MASTER_ATTRS = frozenset({"fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"})
-# A pipeline engine's in-flight activations and received tensors (pipe/engine.py): not model states.
-ACTIVATION_ATTRS = frozenset({"pipe_buffers", "pipe_recv_buf", "grad_layer", "_grad_layer_buf", "meta_buffer"})
+# A pipeline engine's in-flight activations and received tensors, and the metadata of partitioned sends
+# (deepspeed/runtime/pipe/engine.py:186-189): not model states.
+ACTIVATION_ATTRS = frozenset({"pipe_buffers", "pipe_recv_buf", "grad_layer", "_grad_layer_buf", "meta_buffer",
+                              "pipe_partition_input_meta_cache", "pipe_partition_output_meta_cache",
+                              "pipe_partition_grad_meta_cache", "grad_partition_grad_layer_meta_cache"})
+# ZeRO-1/2 offload with more than one micro-batch: a host buffer per whole parameter of the partition that
+# gradients accumulate in between micro-batches (deepspeed/runtime/zero/stage_1_and_2.py:1822-1826, :1853).
+HOST_ACCUMULATION_ATTRS = frozenset({"accumulated_grads_in_cpu"})
+# Objects whose attributes the walk follows: these libraries' classes and their subclasses.
+LIBRARY_MODULES = ("deepspeed", "torch.optim", "torch.nn")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How the census tells host memory from device memory in one engine (module docstring)."""
+
+    compute: str
+    """Device type the engine computes on (DeepSpeed's `engine.device`)."""
+    optimizer_on_host: bool
+    """DeepSpeed's optimizer allocates its partition, master and states on the host: `cpu_offload`
+    (deepspeed/runtime/zero/stage_1_and_2.py:221, its device :278) or `offload_optimizer`
+    (deepspeed/runtime/zero/stage3.py:824, its device :333)."""
+    params_on_host: bool
+    """ZeRO-3 keeps the parameter partitions on the host (`offload_param`, stage3.py:831)."""
+
+    @property
+    def observed(self) -> bool:
+        """Whether a storage's device tells host from device (not on CPU ranks)."""
+        return self.compute != "cpu"
+
+    def on_host(self, device: str, allocated_on_host: bool) -> bool:
+        """A storage on `device` is host memory: seen from the device, or on CPU ranks what DeepSpeed allocated."""
+        return device == "cpu" if self.observed else allocated_on_host
+
+
+def placement(engine) -> Placement:
+    """The engine's Placement, read from its live objects."""
+    optimizer = engine.optimizer
+    return Placement(compute=torch.device(engine.device).type,
+                     optimizer_on_host=bool(getattr(optimizer, "cpu_offload", False)
+                                            or getattr(optimizer, "offload_optimizer", False)),
+                     params_on_host=bool(getattr(optimizer, "offload_param", False)))
 
 
 def _storage_key(tensor) -> int | None:
@@ -38,15 +83,37 @@ def _is_scalar(tensor) -> bool:
     return tensor.untyped_storage().nbytes() <= tensor.element_size()
 
 
-def reachable_storages(root) -> dict[int, tuple[int, set[str], str, bool]]:
-    """Every storage reachable from `root`: address -> (bytes, attribute names on the paths, a path,
-    whether it holds one element).
+def _library_object(obj) -> bool:
+    """Whether `obj` is a DeepSpeed, torch.optim or torch.nn object: an instance of a class they define,
+    or of a subclass of one (runtime `mist`'s MistPipelineEngine is a PipelineEngine, a PlannedLayer an
+    nn.Module), judged by its class's MRO, not by the module its own class lives in."""
+    return hasattr(obj, "__dict__") and any(cls.__module__.startswith(LIBRARY_MODULES)
+                                            for cls in type(obj).__mro__ if cls is not object)
+
+
+@dataclass
+class Storage:
+    """One storage the walk reached."""
+
+    nbytes: int
+    attrs: set[str]
+    """Attribute names on every path that reached it."""
+    path: str
+    """The first path that reached it."""
+    scalar: bool
+    """It holds one element."""
+    device: str
+    """Its device type."""
+
+
+def reachable_storages(root) -> dict[int, Storage]:
+    """Every storage reachable from `root`, by address.
 
     Follows containers, tensors' `.grad` and Python attributes (ZeRO-3 keeps `ds_tensor` there), and
-    the `__dict__` of DeepSpeed, torch.optim and torch.nn objects; a storage reached by several paths
-    collects the attribute names of all of them.
+    the `__dict__` of DeepSpeed, torch.optim and torch.nn objects and their subclasses (`_library_object`);
+    a storage reached by several paths collects the attribute names of all of them.
     """
-    found: dict[int, tuple[int, set[str], str, bool]] = {}
+    found: dict[int, Storage] = {}
     seen: set[int] = set()
     queue = collections.deque([(root, (), "engine")])
     while queue:
@@ -54,9 +121,9 @@ def reachable_storages(root) -> dict[int, tuple[int, set[str], str, bool]]:
         if isinstance(obj, torch.Tensor):
             key = _storage_key(obj)
             if key is not None:
-                nbytes, attrs, first, scalar = found.get(key, (obj.untyped_storage().nbytes(), set(), path,
-                                                               _is_scalar(obj)))
-                found[key] = (nbytes, attrs | set(names), first, scalar)
+                if key not in found:
+                    found[key] = Storage(obj.untyped_storage().nbytes(), set(), path, _is_scalar(obj), obj.device.type)
+                found[key].attrs.update(names)
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
@@ -72,13 +139,23 @@ def reachable_storages(root) -> dict[int, tuple[int, set[str], str, bool]]:
             queue.extend((k, names, f"{path}{{key}}") for k in obj if isinstance(k, torch.Tensor))
         elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
             queue.extend((v, names, f"{path}[{i}]") for i, v in enumerate(obj))
-        elif type(obj).__module__.startswith(("deepspeed", "torch.optim", "torch.nn")) and hasattr(obj, "__dict__"):
+        elif _library_object(obj):
             queue.extend((v, names + (k,), f"{path}.{k}") for k, v in vars(obj).items())
     return found
 
 
 def storage_keys(tensors) -> set[int]:
     return {k for k in (_storage_key(t) for t in tensors if t is not None) if k is not None}
+
+
+def _bucket_buffers(optimizer) -> list[torch.Tensor]:
+    """The reduce buckets ZeRO allocates (IPGBucket.buffer, a list of one or two with overlap_comm,
+    deepspeed/runtime/zero/stage_1_and_2.py:3256-3278; IPGBucketZ3.buffer, stage3.py:781-782)."""
+    buffers = []
+    for bucket in getattr(optimizer, "ipg_buckets", {}).values():
+        held = getattr(bucket, "buffer", None)
+        buffers += held if isinstance(held, list) else [held]
+    return buffers
 
 
 def identity_sets(engine, inner) -> dict[str, set[int]]:
@@ -91,6 +168,7 @@ def identity_sets(engine, inner) -> dict[str, set[int]]:
         "weights": storage_keys(p.ds_tensor for p in params) if zero3 else storage_keys(params),
         "persistent": storage_keys(p for p in params if zero3 and getattr(p, "ds_persist", False)),
         "gathered": storage_keys(p for p in params if zero3 and not getattr(p, "ds_persist", False)),
+        "bucket": storage_keys(_bucket_buffers(engine.optimizer)),
         "module_grads": storage_keys(p.grad for p in params),
         "master": storage_keys(masters),
         "master_grads": storage_keys(q.grad for q in masters),
@@ -98,37 +176,39 @@ def identity_sets(engine, inner) -> dict[str, set[int]]:
     }
 
 
-def classify(scalar: bool, attrs: set[str], key: int, ids: dict[str, set[int]], offloaded: bool,
-             params_offloaded: bool = False) -> str:
-    """Role of one storage; first rule that matches wins (a ZeRO-1 .grad is a view of the bucket).
+def classify(storage: Storage, key: int, ids: dict[str, set[int]], where: Placement) -> str:
+    """Role of one storage; first rule that matches wins.
 
-    `offloaded` (optimizer offload) and `params_offloaded` (ZeRO-3 offload_param) say which tensors
-    DeepSpeed allocates on 'cpu': the optimizer's, and the parameter partitions. On a GPU the device
-    says the same; on the CPU accelerator, where every tensor is on 'cpu', it is known by construction.
+    A bucket is a storage of the reduce buckets themselves: ZeRO-1/2 turn a parameter's .grad into a view
+    of one (so the bucket rule comes before .grad), while the gradient of a parameter larger than the
+    bucket bypasses it (reduced in place, cloned first under offload: stage_1_and_2.py:1443-1449) and is a
+    gradient, although the bucket's list of pending gradients holds it. Host or device: `where`.
     """
-    host = offloaded
-    if scalar and not attrs & GRAD_ATTRS:  # a one-element piece of a gradient partition is its padding
+    attrs = storage.attrs
+    optimizer_host = where.on_host(storage.device, where.optimizer_on_host)
+    if storage.scalar and not attrs & GRAD_ATTRS:  # a one-element piece of a gradient partition is its padding
         return "scalars"
     if attrs & ACTIVATION_ATTRS:
         return "activations"
     if key in ids["weights"]:
-        return "host_weights" if params_offloaded else "weights"
-    for role in ("persistent", "gathered"):
+        return "host_weights" if where.on_host(storage.device, where.params_on_host) else "weights"
+    for role in ("persistent", "gathered", "bucket"):
         if key in ids[role]:
             return role
-    if attrs & BUCKET_ATTRS:  # before .grad: ZeRO-1/2 turn a parameter's .grad into a view of the bucket
-        return "bucket"
     if key in ids["module_grads"]:
         return "grads"
+    host = "host_" if optimizer_host else ""
     if key in ids["adam"]:
-        return "host_adam" if host else "adam"
+        return f"{host}adam"
     if key in ids["master"]:
-        return "host_master" if host else "master"
+        return f"{host}master"
     if key in ids["master_grads"] or ("grad" in attrs and attrs & MASTER_ATTRS):
-        return "host_step_grads" if host else "step_grads"
+        return f"{host}step_grads"
     if attrs & MASTER_ATTRS:
-        return "host_master" if host else "master"
-    if attrs & HOST_STAGING_ATTRS or (host and attrs & HOST_WHEN_OFFLOADED_ATTRS):
+        return f"{host}master"
+    if attrs & HOST_ACCUMULATION_ATTRS:
+        return "host_grad_accumulation"
+    if attrs & HOST_STAGING_ATTRS or (optimizer_host and attrs & HOST_WHEN_OFFLOADED_ATTRS):
         return "host_staging"
     if attrs & DEVICE_STAGING_ATTRS:
         return "device_staging"
@@ -137,16 +217,16 @@ def classify(scalar: bool, attrs: set[str], key: int, ids: dict[str, set[int]], 
     return "unclassified"
 
 
-def census(engine, inner, offloaded: bool, params_offloaded: bool = False) -> tuple[dict[str, int], list[str]]:
+def census(engine, inner) -> tuple[dict[str, int], list[str]]:
     """Bytes per role of everything `engine` holds now, and the paths of unclassified storages."""
-    ids = identity_sets(engine, inner)
+    ids, where = identity_sets(engine, inner), placement(engine)
     totals: dict[str, int] = {}
     unclassified = []
-    for key, (nbytes, attrs, path, scalar) in reachable_storages(engine).items():
-        role = classify(scalar, attrs, key, ids, offloaded, params_offloaded)
-        totals[role] = totals.get(role, 0) + nbytes
+    for key, storage in reachable_storages(engine).items():
+        role = classify(storage, key, ids, where)
+        totals[role] = totals.get(role, 0) + storage.nbytes
         if role == "unclassified":
-            unclassified.append(f"{path} ({nbytes} B)")
+            unclassified.append(f"{storage.path} ({storage.nbytes} B)")
     return totals, unclassified
 
 

@@ -7,6 +7,13 @@ every functional collective (`_c10d_functional.*`: the models' own TP all-reduce
 torch.distributed or deepspeed.comm instead would miss some of these. Recompute is counted as it
 runs (the checkpointed forward replays through the dispatcher).
 
+A collective issued while autograd runs a backward (a graph task is running) and followed by more of that
+backward's compute (an op inside an autograd node other than gradient accumulation) ran during the
+backward, overlapped with it: counted per key in `calls_in_backward`. The engine's reductions are seen
+this way whoever issues them (mist_ds's per-layer reducer, DeepSpeed's overlap_comm hooks), never read
+from a flag. With `count_flops` off the mode only watches collectives (the cheaper observer of a
+model-state-counted step).
+
 Payload bytes of one call are the bytes this rank contributes: the tensor all-reduced or broadcast,
 the local shard an all-gather gathers, the whole input a reduce-scatter splits, the tensor sent or
 received. Calls are keyed "kind/group", the group named as mist_ds/specs/groups.py names it for the
@@ -82,20 +89,36 @@ class StepCounts:
     flops: int = 0
     comm_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     comm_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls_in_backward: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Calls issued during a backward with more of its compute after them (module docstring)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"flops": self.flops, "comm_bytes": dict(sorted(self.comm_bytes.items())),
-                "comm_calls": dict(sorted(self.comm_calls.items()))}
+                "comm_calls": dict(sorted(self.comm_calls.items())),
+                "calls_in_backward": dict(sorted(self.calls_in_backward.items()))}
+
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+"""The autograd node that accumulates a leaf's gradient (its hooks run inside it): not backward compute."""
+
+
+def _in_backward_compute() -> bool:
+    """An op runs inside a backward node that computes gradients (not inside gradient accumulation, a
+    hook of it, or a callback after the graph)."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() != ACCUMULATE_GRAD
 
 
 class StepCounter(TorchDispatchMode):
     """Count FLOPs and collective payload bytes while active (module docstring)."""
 
-    def __init__(self, names: GroupNames) -> None:
+    def __init__(self, names: GroupNames, count_flops: bool = True) -> None:
         super().__init__()
-        self.names = names
+        self.names, self.count_flops = names, count_flops
         self.counts = StepCounts()
         self.custom = flop_counter_mapping()
+        self.pending: list[str] = []
+        """Keys of collectives issued during the running backward, no backward compute seen after them yet."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,21 +126,33 @@ class StepCounter(TorchDispatchMode):
         packet = func.overloadpacket
         namespace = packet._qualified_op_name.split("::")[0]
         if namespace in ("c10d", "_c10d_functional"):
-            self._collective(func, namespace, args, kwargs)
-        elif packet in self.custom:
+            key = self._collective(func, namespace, args, kwargs)
+            if key is not None and torch._C._current_graph_task_id() != -1:
+                self.pending.append(key)
+            return out
+        if self.pending and _in_backward_compute():
+            for key in self.pending:
+                self.counts.calls_in_backward[key] += 1
+            self.pending.clear()
+        elif self.pending and torch._C._current_graph_task_id() == -1:
+            self.pending.clear()  # the backward ended after them: issued at its end, not during it
+        if not self.count_flops:
+            return out
+        if packet in self.custom:
             self.counts.flops += int(self.custom[packet](*(tuple(a.shape) if isinstance(a, torch.Tensor) else a
                                                              for a in args), **kwargs))
         elif packet in flop_registry:
             self.counts.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
         return out
 
-    def _collective(self, func, namespace: str, args, kwargs) -> None:
+    def _collective(self, func, namespace: str, args, kwargs) -> str | None:
+        """Count one collective; its key ("kind/group"), or None for bookkeeping ops."""
         import torch.distributed as dist
 
         name = func.overloadpacket._qualified_op_name.split("::")[1]
         kind = (C10D_KINDS if namespace == "c10d" else FUNCTIONAL_KINDS).get(name)
         if kind is None:
-            return  # wait_tensor and other bookkeeping ops move nothing
+            return None  # wait_tensor and other bookkeeping ops move nothing
         bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
         payload = next((_nbytes(bound[a]) for a in PAYLOAD_ARGUMENTS if a in bound), 0)
         if namespace == "c10d":
@@ -136,3 +171,4 @@ class StepCounter(TorchDispatchMode):
         key = f"{kind}/{group}"
         self.counts.comm_bytes[key] += payload
         self.counts.comm_calls[key] += 1
+        return key

@@ -83,6 +83,9 @@ class PlannedEngine:
     weight_gather: Any = field(default=None, repr=False)
     """The ChunkedWeightGather (mist_ds/runtime/gather.py) whose post-step all-gather runs into the next
     first forward: the weights are whole only after `sync_weights`."""
+    observed: dict[str, Any] | None = None
+    """The collectives of the last observed step (a model-state-counted step or the step census), by
+    "kind/group": calls, and calls issued during a backward (mist_ds/runtime/counting.py)."""
 
     @property
     def pipelined(self) -> bool:
@@ -98,46 +101,47 @@ class PlannedEngine:
             layer.forward_passes = 0
         if self.recorder is not None:
             self.recorder.measuring = count_model_states
-        loss = self._train_batch(micro_batches)
+        if self.recorder is not None and count_model_states:  # a counted step: watch its collectives too
+            with self._step_counter(count_flops=False) as counter:
+                loss = self._train_batch(micro_batches)
+            self.observed = counter.counts.to_dict()
+        else:
+            loss = self._train_batch(micro_batches)
         self.last_block_passes = {layer.index: layer.forward_passes for layer in self.layers if layer.kind == BLOCK}
         return loss
 
     def count_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
         """One step under the step census (mist_ds/runtime/counting.py): (loss, FLOPs and payload bytes by
         "kind/group"). Counting slows the step: never time a counted step."""
+        with self._step_counter() as counter:
+            loss = self.train_batch(micro_batches, count_model_states=False)
+        self.observed = counter.counts.to_dict()
+        return loss, self.observed
+
+    def _step_counter(self, count_flops: bool = True):
         from mist_ds.runtime.counting import StepCounter, group_names
 
         par = self.plan.strategy.parallelism
-        names = group_names(par, int(self.engine.global_rank), bool(self.tied_ranks))
-        with StepCounter(names) as counter:
-            loss = self.train_batch(micro_batches, count_model_states=False)
-        return loss, counter.counts.to_dict()
+        return StepCounter(group_names(par, int(self.engine.global_rank), bool(self.tied_ranks)), count_flops)
 
     def watch_model_states(self) -> None:
         """Count what the engine holds at the moments model states peak, in every later step
         (mist_ds/runtime/moments.py); `what_ran` then reports the peaks."""
-        from mist_ds.runtime.moments import MOMENT_HOOKS, MomentRecorder, wrap_before
+        from mist_ds.runtime.moments import MomentRecorder
 
         if self.recorder is not None:
             return  # already watching: hooks installed once
-        optimizer = self.engine.optimizer
-        inner = getattr(optimizer, "optimizer", optimizer)
-        own = self.plan.strategy.stages[self.stage]
-        self.recorder = MomentRecorder(self.engine, inner, own.optimizer_offload > 0, gc_check=False,
-                                       params_offloaded=own.weights_offload > 0)
-        for owner, name in MOMENT_HOOKS:
-            wrap_before(self.engine if owner == "engine" else optimizer, name, self.recorder)
-        inner.register_step_pre_hook(lambda *_: self.recorder("step"))
+        self.recorder = MomentRecorder(self.engine, gc_check=False)
+        self.recorder.install(self.grad_reducer)
 
     def what_ran(self) -> dict[str, Any]:
         """What this rank's engine did (mist_ds/runtime/report.py); model-state bytes once watched."""
-        from mist_ds.runtime.moments import field_peaks
         from mist_ds.runtime.report import what_ran
 
         if self.recorder is not None:
             self.recorder.measuring = True
             self.recorder("after")
-        return what_ran(self, field_peaks(self.recorder.moments) if self.recorder is not None else None)
+        return what_ran(self, self.recorder)
 
     def _train_batch(self, micro_batches) -> float:
         if self.pipelined:
@@ -150,7 +154,7 @@ class PlannedEngine:
             loss = self.loss_fn(self.engine(tokens.to(device)), labels.to(device))
             boundary = reducer is not None and micro_batch == grad_accum - 1
             if boundary:  # the per-layer reduction during the boundary's backward (overlap.py)
-                reducer.armed = True
+                reducer.arm()
             try:
                 self.engine.backward(loss)
             finally:

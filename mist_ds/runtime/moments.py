@@ -15,6 +15,9 @@ FIELD_ROLES = {
     "buffers": ("bucket", "step_grads", "persistent", "device_staging"),
     "host": ("host_master", "host_adam", "host_step_grads", "host_staging", "host_weights"),
     "gathered": ("gathered",),  # ZeRO-3 layers gathered while they run; memory.py has no term for them
+    # ZeRO-1/2 offload's host buffers a gradient accumulates in between micro-batches; memory.py has no term
+    # for them (docs/design.md, Known gaps)
+    "host_accumulation": ("host_grad_accumulation",),
 }
 
 
@@ -40,11 +43,16 @@ def wrap_before(obj, name: str, callback) -> None:
 # Moments counted, each right before a call: the end of backward (gradients complete, buffers not
 # yet released: gradients and the reduce bucket peak together), and ZeRO-1/2's step once the fp32
 # gradient partition exists while the low-precision one is still held (free_grad_in_param_list);
-# plus the torch optimizer's step (a pre-hook) and the end of the step.
+# plus the torch optimizer's step (a pre-hook) and the end of the step. Where runtime `mist`'s per-layer
+# reducer (mist_ds/runtime/overlap.py) replaces DeepSpeed's reduction, neither engine method runs: its
+# moments are right before the last backward (`arm`: the earlier micro-batches' gradients complete, as
+# at the end of their backward) and at its end (`finish`).
 # Not counted: temporaries local to a DeepSpeed call (the flat b ps copy ZeRO-1/2 cast to fp32,
-# the flat buffers of ZeRO-0's all-reduce), which no object holds.
+# the flat buffers of ZeRO-0's all-reduce), which no object holds, and the reducer's flat buckets in flight
+# (the walk follows DeepSpeed's objects, not the reducer; what_ran reports their bytes).
 MOMENT_HOOKS = (("engine", "allreduce_gradients"), ("engine", "buffered_allreduce_fallback"),
-                ("optimizer", "_release_ipg_buffers"), ("optimizer", "free_grad_in_param_list"))
+                ("optimizer", "_release_ipg_buffers"), ("optimizer", "free_grad_in_param_list"),
+                ("grad_reducer", "arm"), ("grad_reducer", "finish"))
 
 
 class MomentRecorder:
@@ -57,9 +65,9 @@ class MomentRecorder:
     batch: set[int]  # the current step's inputs, targets and loss: not the engine's
     measuring: bool  # whether the census runs at the moments of the current step
 
-    def __init__(self, engine, inner, offloaded: bool, gc_check: bool, params_offloaded: bool = False):
-        self.engine, self.inner, self.offloaded, self.gc_check = engine, inner, offloaded, gc_check
-        self.params_offloaded = params_offloaded
+    def __init__(self, engine, gc_check: bool):
+        optimizer = engine.optimizer
+        self.engine, self.inner, self.gc_check = engine, getattr(optimizer, "optimizer", optimizer), gc_check
         self.moments, self.unclassified, self.unreached, self.batch, self.measuring = {}, set(), {}, set(), False
         gc.collect()
         self.before = live_storages() if gc_check else set()
@@ -67,11 +75,18 @@ class MomentRecorder:
     def __call__(self, moment: str) -> None:
         if not self.measuring:
             return
-        totals, missed = census(self.engine, self.inner, self.offloaded, self.params_offloaded)
+        totals, missed = census(self.engine, self.inner)
         name = moment if moment not in self.moments else f"{moment}#{len(self.moments)}"
         self.moments[name] = totals
         self.unclassified.update(missed)
         if self.gc_check:
             self.unreached[name] = unreached_storages(reachable_storages(self.engine), self.before | self.batch)
 
-
+    def install(self, grad_reducer=None):
+        """Take the census at MOMENT_HOOKS of this engine, its DeepSpeed optimizer and `grad_reducer` (if
+        any), and at the torch optimizer's step; the step hook's handle."""
+        owners = {"engine": self.engine, "optimizer": self.engine.optimizer, "grad_reducer": grad_reducer}
+        for owner, name in MOMENT_HOOKS:
+            if owners[owner] is not None:
+                wrap_before(owners[owner], name, self)
+        return self.inner.register_step_pre_hook(lambda *_: self("step"))

@@ -1,6 +1,7 @@
 """What the engine of this rank really ran, read from the live objects, never copied from the plan:
 which blocks it holds, which it recomputed (counted block forward passes in the last step), the
-optimizer DeepSpeed chose, where each kind of state tensor lives, and the model-state bytes it holds
+optimizer DeepSpeed chose, where each kind of state tensor lives (read from the tensors), the
+collectives it issued during a backward (seen at the dispatcher) and the model-state bytes it holds
 (the census, deduplicated by storage, peak per field over the counted moments).
 """
 from __future__ import annotations
@@ -9,22 +10,52 @@ from typing import Any
 
 import torch
 
+from mist_ds.runtime.census import Placement, placement
 from mist_ds.runtime.layers import BLOCK, EMBEDDING, HEAD
 
+DATA_ALL_REDUCE = "all_reduce/data"
+"""The step census's key of all-reduces over the data-parallel group (mist_ds/runtime/counting.py)."""
 
-def _devices(tensors) -> list[str]:
-    return sorted({t.device.type for t in tensors if isinstance(t, torch.Tensor)})
+
+def _storages(tensors) -> dict[int, torch.Tensor]:
+    """One tensor per storage (the first seen), by storage address; empty storages left out."""
+    out: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+            out.setdefault(t.untyped_storage().data_ptr(), t)
+    return out
 
 
-def state_devices(engine) -> dict[str, list[str]]:
-    """Device types of the module's parameters, the optimizer's parameters (the fp32 master where there
-    is one) and the optimizer's states."""
+def _where(tensors: dict[int, torch.Tensor], where: Placement, allocated_on_host: bool,
+           module: set[int]) -> dict[str, Any]:
+    """Devices, pinning, storages and bytes of one kind of state tensor; how many storages are the module's
+    own parameter storages; the bytes in host memory (Placement: seen on the device, or on CPU ranks
+    what DeepSpeed allocated on its host side)."""
+    by_device = {key: t.device.type for key, t in tensors.items()}
+    sizes = {key: t.untyped_storage().nbytes() for key, t in tensors.items()}
+    return {"devices": sorted(set(by_device.values())),
+            "pinned": sorted({bool(t.is_pinned()) for t in tensors.values()}),
+            "storages": len(tensors), "bytes": sum(sizes.values()),
+            "module_storages": len(module & set(tensors)),
+            "host_bytes": sum(sizes[key] for key, device in by_device.items()
+                              if where.on_host(device, allocated_on_host))}
+
+
+def state_devices(engine) -> dict[str, Any]:
+    """Where the module's parameters (the partitions under ZeRO-3), the optimizer's parameters (the fp32
+    master where there is one) and the optimizer's states live, read from the tensors (module docstring
+    of mist_ds/runtime/census.py for what CPU ranks can and cannot show)."""
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)
-    params = [q for group in inner.param_groups for q in group["params"]]
-    states = [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
-    return {"module_params": _devices(p.ds_tensor if hasattr(p, "ds_tensor") else p for p in engine.module.parameters()),
-            "optimizer_params": _devices(params), "optimizer_states": _devices(states)}
+    where = placement(engine)
+    module = _storages(p.ds_tensor if hasattr(p, "ds_tensor") else p for p in engine.module.parameters())
+    params = _storages(q for group in inner.param_groups for q in group["params"])
+    states = _storages(t for st in inner.state.values() for t in st.values()
+                       if isinstance(t, torch.Tensor) and t.numel() > 1)
+    return {"compute_device": where.compute, "host_observed": where.observed,
+            "module_params": _where(module, where, where.params_on_host, set(module)),
+            "optimizer_params": _where(params, where, where.optimizer_on_host, set(module)),
+            "optimizer_states": _where(states, where, where.optimizer_on_host, set(module))}
 
 
 def layers_held(layers) -> dict[str, Any]:
@@ -45,30 +76,38 @@ def recomputed_blocks(layers, passes: dict[int, int], micro_batches: int) -> lis
 
 def overlap_ran(planned) -> dict[str, Any]:
     """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py): the reduction in the last
-    backward, by mist_ds's per-layer reducer (ZeRO-0: how many all-reduces its last step started during
-    that backward) or by DeepSpeed's hooks (ZeRO-1: its optimizer's overlap_comm; -1: not counted); the
-    post-step all-gather in the next first forward (mist_ds/runtime/gather.py: chunks the last step
-    issued, and how many of the previous step's the layers' forward pre-hooks waited for)."""
+    backward, set up by mist_ds's per-layer reducer (ZeRO-0) or by DeepSpeed's hooks (ZeRO-1/2: its
+    optimizer's overlap_comm), and how many data-parallel all-reduces the last observed step issued during
+    a backward (seen at the dispatcher, mist_ds/runtime/counting.py; None before any step was observed)
+    with the bytes of the reducer's buckets then in flight; the post-step all-gather in the next first
+    forward (mist_ds/runtime/gather.py: chunks the last step issued, and how many of the previous step's the
+    layers' forward pre-hooks waited for)."""
     reducer = planned.grad_reducer
     hooked = bool(getattr(planned.engine.optimizer, "overlap_comm", False)) and \
         int(planned.engine.zero_optimization_stage()) in (1, 2)
-    gather = planned.weight_gather
+    observed, gather = planned.observed, planned.weight_gather
     return {"overlap_grad_reduce": reducer is not None or hooked,
-            "reduced_in_backward": reducer.buckets_in_backward if reducer is not None else (-1 if hooked else 0),
+            "reduced_in_backward": None if observed is None else observed["calls_in_backward"].get(DATA_ALL_REDUCE, 0),
+            "reducer_bytes_in_flight": reducer.bytes_in_flight if reducer is not None else 0,
             "gather_weights_in_first_forward": gather is not None,
             "gather_chunks": gather.issued_last if gather is not None else 0,
             "chunks_waited_by_layers": gather.previous_waited_by_layers if gather is not None else 0}
 
 
-def what_ran(planned, peaks: dict[str, int] | None = None) -> dict[str, Any]:
-    """The rank's facts as JSON-ready data (`peaks`: model-state bytes per field from a MomentRecorder)."""
+def what_ran(planned, recorder=None) -> dict[str, Any]:
+    """The rank's facts as JSON-ready data (`recorder`: the MomentRecorder watching model states, if any:
+    its peaks per field and the storages it could not classify)."""
+    from mist_ds.runtime.moments import field_peaks
+
     engine = planned.engine
     report = {"rank": int(engine.global_rank), "stage": planned.stage, "tp_rank": planned.tp_rank,
+              "engine": type(engine).__name__,
               "dp": int(engine.dp_world_size), **layers_held(planned.layers),
               "recomputed_blocks": recomputed_blocks(planned.layers, planned.last_block_passes,
                                                      planned.plan.strategy.parallelism.grad_accum),
               "optimizer": type(engine.optimizer).__name__, "zero_stage": int(engine.zero_optimization_stage()),
               "state_devices": state_devices(engine), "overlap": overlap_ran(planned)}
-    if peaks is not None:
-        report["model_state_bytes"] = peaks
+    if recorder is not None:
+        report["model_state_bytes"] = field_peaks(recorder.moments)
+        report["unclassified"] = sorted(recorder.unclassified)
     return report

@@ -20,7 +20,7 @@ import torch
 from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
 from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS
 from mist_ds.runtime.census import storage_keys
-from mist_ds.runtime.moments import MOMENT_HOOKS, MomentRecorder, field_peaks, wrap_before
+from mist_ds.runtime.moments import MomentRecorder, field_peaks
 from mist_ds.testing.ranks import close_cpu_distributed, init_cpu_distributed
 
 WORKER = "mist_ds.testing.model_states:model_states_worker"
@@ -162,11 +162,8 @@ def measure_case(deepspeed, case: dict, world_size: int) -> dict:
     largest_layer = largest_layer_params(module)
     engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                                    config=ds_config(case, world_size // case.get("stages", 1)))
-    inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside DeepSpeed's wrapper
-    recorder = MomentRecorder(engine, inner, bool(case.get("offload")), bool(case.get("gc_check")))
-    for owner, name in MOMENT_HOOKS:
-        wrap_before(engine if owner == "engine" else optimizer, name, recorder)
-    handle = inner.register_step_pre_hook(lambda *_: recorder("step"))
+    recorder = MomentRecorder(engine, bool(case.get("gc_check")))
+    handle = recorder.install()
     train(engine, case, dtype, recorder)
     handle.remove()
     result = {"case": case["name"], "optimizer": type(optimizer).__name__, "param_sizes": sizes,
@@ -176,7 +173,7 @@ def measure_case(deepspeed, case: dict, world_size: int) -> dict:
               "moments": recorder.moments, "unclassified": sorted(recorder.unclassified),
               "unreached": recorder.unreached}
     engine.destroy()
-    del engine, optimizer, inner, recorder
+    del engine, optimizer, recorder
     gc.collect()
     return result
 
@@ -234,6 +231,7 @@ class Facts:
     params_offload: bool = False  # ZeRO-3 offload_param: the parameter partitions live on the host
     micro_batches: int = 1  # G per step: ZeRO-2 keeps two gradient partitions with more than one
     overlap_comm: bool = False  # ZeRO-1/2 with overlap_comm: a second reduce bucket
+    immediate_grad_update: bool = False  # bf16.immediate_grad_update, which mist_ds's emitter never writes
 
     @property
     def b(self) -> int:
@@ -255,14 +253,31 @@ class Facts:
     def L(self) -> int:
         return max(self.sizes)
 
+    def _owned(self) -> list[bool]:
+        """Per parameter, whether it overlaps this rank's partition [r ps, (r + 1) ps)."""
+        lo, hi = self.rank * self.ps, (self.rank + 1) * self.ps
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        return [o < hi and o + n > lo for o, n in zip(offsets, self.sizes)]
+
     @property
     def touch(self) -> int:
         """Sizes of the parameters overlapping this rank's partition, and the padding inside it:
         ZeRO-1/2 copy whole parameters into the gradient partition (the padding as a zero tensor)."""
-        lo, hi = self.rank * self.ps, (self.rank + 1) * self.ps
-        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        whole = sum(n for o, n in zip(offsets, self.sizes) if o < hi and o + n > lo)
-        return whole + max(0, hi - max(lo, self.P))
+        whole = sum(n for n, owned in zip(self.sizes, self._owned()) if owned)
+        return whole + max(0, (self.rank + 1) * self.ps - max(self.rank * self.ps, self.P))
+
+    @property
+    def oversized(self) -> int:
+        """O: elements of the parameters larger than the reduce bucket (DeepSpeed reduces them outside it)."""
+        return sum(n for n in self.sizes if n > self.bucket)
+
+    @property
+    def oversized_cleared(self) -> int:
+        """Of O, the gradients ZeRO-1 with overlap_comm frees before its backward ends: this rank's own, once
+        copied to the host (stage_1_and_2.py:1912) or into the partition copy, all but the first parameter's,
+        reduced last in backward and still pending when the backward ends."""
+        owned = [n for i, (n, mine) in enumerate(zip(self.sizes, self._owned())) if n > self.bucket and mine and i]
+        return sum(owned)
 
     @property
     def p3(self) -> int:
@@ -292,13 +307,27 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
                                     1.0 if f.params_offload else 0.0,
                                     reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
                                     persistent_param_elements=f.persistent, bf16=f.bf16,
-                                    grad_accum=f.micro_batches, overlap_comm=f.overlap_comm)
+                                    grad_accum=f.micro_batches, overlap_comm=f.overlap_comm,
+                                    oversized_param_elements=f.oversized)
     return {field: float(getattr(states, field)) for field in FIELDS}
 
 
 def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
     """Held minus memory.py where memory.py is right up to a named term: (bytes, formula)."""
     touch_bound = int(partition_touch_elements(f.P, f.d, f.L))  # U
+    if f.zero == 0 and f.pipeline and f.bf16 and f.immediate_grad_update and field == "grads":
+        return -f.b * f.P, (
+            "-b P: BF16_Optimizer with bf16.immediate_grad_update drops each bf16 gradient once its hook has "
+            "accumulated it (deepspeed/runtime/bf16_optimizer.py:707-716), leaving the accumulation buffer b Pa; "
+            "memory.py prices the configs mist_ds emits, without it")
+    if f.zero == 1 and field == "grads" and f.overlap_comm and f.micro_batches == 1:
+        partition, bound = (0, 0) if f.offload else (f.touch, touch_bound)
+        held = min(max(f.P, f.touch), partition + f.oversized - f.oversized_cleared)
+        return f.b * (held - min(max(f.P, touch_bound), bound + f.oversized)), (
+            "b (min(max(P, touch), touch' + O - own) - min(max(P, U), U' + O)) <= 0 (touch', U': touch, U without "
+            "offload, else 0): the rank's own gradients larger than the bucket but the first parameter's leave "
+            "before the backward ends, to the host (deepspeed/runtime/zero/stage_1_and_2.py:1912) or into the "
+            "partition copy (:2184-2194); U bounds touch")
     if f.zero == 1 and field == "grads":
         return f.b * (max(f.P, f.touch) - max(f.P, touch_bound)), (
             "b (max(P, touch) - max(P, U)) <= 0: U bounds touch, the whole parameters DeepSpeed copies into a "
@@ -329,7 +358,7 @@ def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
 
 def states_upper_bound(f: Facts, field: str) -> bool:
     """Whether memory.py states this field as an upper bound over the ranks (from P and L alone)."""
-    return field == "grads" and (f.zero == 1 or (f.zero == 2 and not f.offload))
+    return field == "grads" and (f.zero == 1 or (f.zero == 2 and not f.offload) or f.immediate_grad_update)
 
 
 def facts(result: dict, case: dict, stages: int) -> Facts:
@@ -362,3 +391,40 @@ def estimator_option(case: dict) -> str:
     return f"zero2 offload_optimizer={offload}"
 
 
+
+
+def engine_facts(specs, config: dict, result: dict) -> Facts:
+    """The Facts of one rank of a plan run by mist_ds.runtime (`result`: a runtime worker's, with
+    `what_ran`, `dp_rank` and `param_sizes` read from its engine)."""
+    from mist_ds.emit import read_mist_block, stage_ds_config
+
+    strategy, stage = specs.strategy, result["what_ran"]["stage"]
+    own, buckets = strategy.stages[stage], read_mist_block(config).buckets
+    return Facts(zero=own.zero_stage, bf16=specs.train.precision == "bf16", offload=own.optimizer_offload > 0,
+                 pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.dp, rank=result["dp_rank"],
+                 sizes=tuple(result["param_sizes"]), bucket=buckets.reduce_bucket_elements,
+                 threshold=buckets.stage3_persistence_threshold_elements, params_offload=own.weights_offload > 0,
+                 micro_batches=strategy.parallelism.grad_accum,
+                 overlap_comm=own.zero_stage in (1, 2) and bool(
+                     stage_ds_config(config, stage)["zero_optimization"].get("overlap_comm")),
+                 immediate_grad_update=bool(config.get("bf16", {}).get("immediate_grad_update")))
+
+
+def assert_model_states_are_predicted(specs, config: dict, prediction: dict, results: list[dict], name: str) -> None:
+    """Every rank's model states (what_ran's census peaks) equal the plan's predicted `model_state_bytes`
+    field by field, up to the residual formulas above; the census classified every storage and found the
+    weights on the device (an engine it cannot walk reads 0 B), or on the host under ZeRO-3's offload_param;
+    memory.py on the engine's own parameter sizes gives predict's numbers (the same P and L)."""
+    for result in results:
+        did = result["what_ran"]
+        measured, predicted = did["model_state_bytes"], prediction["model_state_bytes"][did["stage"]]
+        where = f"{name} rank {did['rank']} ({did['engine']})"
+        facts = engine_facts(specs, config, result)
+        assert measured["host" if facts.params_offload else "weights"] > 0, f"{where}: {measured}"
+        assert did["unclassified"] == [], f"{where}: storages the census could not classify: {did['unclassified']}"
+        for field in FIELDS:
+            residual, formula = residual_bytes(facts, field)
+            assert measured[field] - predicted[field] == residual, (
+                f"{where} {field}: engine {measured[field]} B, predicted {predicted[field]:.0f} B (stated "
+                f"residual {residual} B: {formula})")
+        assert predicted_bytes(facts) == {field: predicted[field] for field in FIELDS}
