@@ -16,7 +16,9 @@ Counted per launch:
 - hang: the job ran past LAUNCH_TIMEOUT_S (its whole process group is killed);
 - census mismatch: any rank whose FLOPs differ from the prediction's, whose bytes of a collective kind and
   group differ from the prediction's by more than the scalar control messages (CONTROL_BYTES), or whose
-  model-state bytes of a field differ from the prediction's.
+  model-state bytes of a field differ from the prediction's beyond the residual formulas the project states
+  (mist_ds/testing/model_states.py assert_model_states_are_predicted: also every storage classified, weights
+  never 0 B).
 The plan's overlap features as the engine ran them (from what ran, not the plan: the gather's chunks, the
 reduction's buckets in the last backward) are reported per case.
 """
@@ -40,6 +42,7 @@ from mist_ds.cost.accounting import CONTROL_BYTES  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
 from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
 from mist_ds.specs.groups import stage_of  # noqa: E402
+from mist_ds.testing.model_states import assert_model_states_are_predicted  # noqa: E402
 from mist_ds.testing.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
 
 COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md"
@@ -75,7 +78,7 @@ def case_specs(name: str):
     return compose([*TINY, f"cluster.gpus_per_node={ranks}", *overrides])
 
 
-def census_mismatches(specs, prediction, results: list[dict]) -> list[str]:
+def census_mismatches(specs, config: dict, prediction, results: list[dict]) -> list[str]:
     """What the engines counted against what the cost model prices, per rank (module docstring)."""
     par = specs.strategy.parallelism
     found = []
@@ -88,10 +91,10 @@ def census_mismatches(specs, prediction, results: list[dict]) -> list[str]:
             extra = result["comm_bytes"].get(key, 0) - predicted.get(key, 0)
             if not 0 <= extra <= CONTROL_BYTES:
                 found.append(f"rank {rank} {key} {result['comm_bytes'].get(key, 0)} != {predicted.get(key, 0):.0f}")
-        states = prediction.model_state_bytes[stage]
-        for field, counted in result["model_state_bytes"].items():
-            if field in states and counted != states[field]:
-                found.append(f"rank {rank} {field} {counted} B != {states[field]:.0f} B")
+    try:  # model states field by field, up to the residual formulas the project states (testing/model_states.py)
+        assert_model_states_are_predicted(specs, config, prediction.to_dict(), results, "soak")
+    except AssertionError as error:
+        found.append(str(error).splitlines()[0][:300])
     return found
 
 
@@ -127,13 +130,14 @@ def soak(names: list[str], launches: int) -> dict[str, Tally]:
     tallies = {name: Tally() for name in names}
     specs = {name: case_specs(name) for name in names}
     predictions = {name: predict(specs[name]) for name in names}
+    payloads = {name: measure_payload(specs[name], WARMUP_STEPS, TIMED_STEPS) for name in names}
     for index in range(launches):
         name = names[index % len(names)]
         tally, ranks = tallies[name], CASES[name][0]
         tally.launches += 1
         start = time.perf_counter()
         try:
-            results = launch(MEASURE_WORKER, ranks, measure_payload(specs[name], WARMUP_STEPS, TIMED_STEPS),
+            results = launch(MEASURE_WORKER, ranks, payloads[name],
                              timeout_s=LAUNCH_TIMEOUT_S, env=CPU_ENV)
         except LaunchTimeout:
             tally.hangs += 1
@@ -144,7 +148,7 @@ def soak(names: list[str], launches: int) -> dict[str, Tally]:
         finally:
             tally.seconds.append(time.perf_counter() - start)
             print(f"launch {index + 1}/{launches} {name}: {tally.seconds[-1]:.0f} s", file=sys.stderr, flush=True)
-        tally.mismatches += census_mismatches(specs[name], predictions[name], results)
+        tally.mismatches += census_mismatches(specs[name], payloads[name]["config"], predictions[name], results)
         tally.ran = features_ran(results)
     return tallies
 

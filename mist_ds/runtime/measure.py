@@ -124,7 +124,9 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
         did = planned.what_ran()
         return {"rank": did["rank"], "stage": did["stage"], "iteration_time_s": statistics.median(times),
                 "iteration_times_s": times, "peak_memory_bytes": peak, "flops": census["flops"],
-                "comm_bytes": census["comm_bytes"], "model_state_bytes": did["model_state_bytes"], "what_ran": did}
+                "comm_bytes": census["comm_bytes"], "model_state_bytes": did["model_state_bytes"], "what_ran": did,
+                "dp_rank": planned.dp_rank, "param_sizes": [p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                                            for p in planned.engine.module.parameters()]}
     finally:
         planned.close()
         del planned
