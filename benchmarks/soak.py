@@ -38,12 +38,12 @@ from common import source_tree  # noqa: E402
 from cpu_constants import machine_text  # noqa: E402
 
 from mist_ds.config import compose  # noqa: E402
-from mist_ds.cost.accounting import CONTROL_BYTES  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
 from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
 from mist_ds.specs.groups import stage_of  # noqa: E402
 from mist_ds.testing.model_states import assert_model_states_are_predicted  # noqa: E402
 from mist_ds.testing.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
+from mist_ds.testing.step_census import step_census_mismatches  # noqa: E402
 
 COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md"
 LAUNCHES = 50
@@ -84,13 +84,10 @@ def census_mismatches(specs, config: dict, prediction, results: list[dict]) -> l
     found = []
     for rank, result in enumerate(results):
         stage = stage_of(par, rank)
-        if result["flops"] != prediction.flops_per_rank[stage]:
-            found.append(f"rank {rank} FLOPs {result['flops']} != {prediction.flops_per_rank[stage]:.0f}")
-        predicted = prediction.comm_bytes_per_rank[stage]
-        for key in sorted(set(predicted) | set(result["comm_bytes"])):
-            extra = result["comm_bytes"].get(key, 0) - predicted.get(key, 0)
-            if not 0 <= extra <= CONTROL_BYTES:
-                found.append(f"rank {rank} {key} {result['comm_bytes'].get(key, 0)} != {predicted.get(key, 0):.0f}")
+        zero3 = specs.strategy.stages[stage].zero_stage == 3
+        found += [f"rank {rank} {mismatch}" for mismatch in step_census_mismatches(
+            result["flops"], result["comm_bytes"], prediction.flops_per_rank[stage], prediction.comm_bytes_per_rank[stage],
+            zero3)]
     try:  # model states field by field, up to the residual formulas the project states (testing/model_states.py)
         assert_model_states_are_predicted(specs, config, prediction.to_dict(), results, "soak")
     except AssertionError as error:

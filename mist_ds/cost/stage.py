@@ -738,8 +738,12 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     gather_buffers = np.where(gathered, hw.dtype_bytes * params, 0.0)
     buffers = buffers + np.maximum(states.buffers + p2p_buffers + gather_buffers - (activations + transient + buffers),
                                    0.0)
-    peak = states.weights + states.grads + states.optimizer + activations + transient + buffers
-    return StageMemory(peak_bytes=peak, weights=states.weights, grads=states.grads, optimizer=states.optimizer,
+    # The module's own buffers (rotary tables, masks) sit beside its weights, whole on every rank
+    # (specs/hf.py ModuleBuffer).
+    weights = states.weights + (c.first * costs.model.buffer_bytes("embedding")
+                                + c.layers * costs.model.buffer_bytes("block") + c.last * costs.model.buffer_bytes("head"))
+    peak = weights + states.grads + states.optimizer + activations + transient + buffers
+    return StageMemory(peak_bytes=peak, weights=weights, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, transient=transient, buffers=buffers,
                        host_bytes=states.host + saved_offloaded * in_flight, in_flight=in_flight,
                        host_activations=saved_offloaded * in_flight,

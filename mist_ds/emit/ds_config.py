@@ -217,7 +217,10 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
     `buckets` defaults to `bucket_sizes(model, tp)`; `caps` to the runtime the strategy names;
     `host_bytes_per_rank` (per stage, from the plan's prediction) goes into the "mist" block. Raises
     ConfigError naming the rule when the runtime cannot execute it. train_batch_size = b x G x d
-    (DeepSpeed's batch rule uses the data-parallel size, not the world size).
+    (DeepSpeed's batch rule uses the data-parallel size, not the world size), except under AutoTP: there
+    DeepSpeedConfig is built before the engine makes its tensor-parallel groups, so its rule counts every
+    rank (deepspeed/runtime/config.py `_batch_assertion`, world_size = dist.get_world_size() without an
+    mpu) and train_batch_size = b x G x d x t, the t ranks of a group seeing the same samples.
     """
     caps = capabilities_of(caps or strategy.runtime)
     check_emittable(strategy, caps)
@@ -246,8 +249,9 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
     }
     if model is not None and model.hf is not None and par.tp > 1:
         # A Hugging Face model is sharded by DeepSpeed's engine itself (AutoTP), as it was priced
-        # (mist_ds/specs/autotp.py); the data-parallel size DeepSpeed's batch rule uses is then world / tp.
+        # (mist_ds/specs/autotp.py). DeepSpeed's batch rule counts its t ranks as if data-parallel.
         config["tensor_parallel"] = {"autotp_size": par.tp}
+        config["train_batch_size"] = par.global_batch_size * par.tp
     if any(s.optimizer_offload > 0 for s in strategy.stages):
         # Offloaded states are stepped by torch's AdamW on the host (torch_adam: the config's optimizer
         # resolves to it before any CPUAdam, deepspeed/runtime/engine.py:2378). DeepSpeed refuses a

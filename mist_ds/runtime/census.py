@@ -169,6 +169,7 @@ def identity_sets(engine, inner) -> dict[str, set[int]]:
         "persistent": storage_keys(p for p in params if zero3 and getattr(p, "ds_persist", False)),
         "gathered": storage_keys(p for p in params if zero3 and not getattr(p, "ds_persist", False)),
         "bucket": storage_keys(_bucket_buffers(engine.optimizer)),
+        "module_buffers": storage_keys(engine.module.buffers()),
         "module_grads": storage_keys(p.grad for p in params),
         "master": storage_keys(masters),
         "master_grads": storage_keys(q.grad for q in masters),
@@ -192,6 +193,8 @@ def classify(storage: Storage, key: int, ids: dict[str, set[int]], where: Placem
         return "activations"
     if key in ids["weights"]:
         return "host_weights" if where.on_host(storage.device, where.params_on_host) else "weights"
+    if key in ids["module_buffers"]:
+        return "module_buffers"
     for role in ("persistent", "gathered", "bucket"):
         if key in ids[role]:
             return role

@@ -9,7 +9,7 @@ from mist_ds.runtime.census import census, live_storages, reachable_storages, un
 # Census roles summed into cost/memory.py's model-state fields; buffers sum within one moment, then the
 # larger moment wins.
 FIELD_ROLES = {
-    "weights": ("weights",),
+    "weights": ("weights", "module_buffers"),  # the module's buffers (rotary tables) sit beside its weights
     "grads": ("grads",),
     "optimizer": ("master", "adam"),
     "buffers": ("bucket", "step_grads", "persistent", "device_staging"),

@@ -52,6 +52,17 @@ class HfParam:
 
 
 @dataclass(frozen=True)
+class ModuleBuffer:
+    """One buffer of the model (a rotary embedding's inv_freq, a causal mask), by part as HfParam: DeepSpeed keeps
+    every buffer whole on each rank in the dtype it was built in (its engine casts parameters only,
+    `_cast_module_mixed_precision`); neither ZeRO nor AutoTP partitions it. Bytes."""
+
+    part: str
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class HfSource:
     """Where an HF model's description comes from and what mist_ds read of it: enough to rebuild the same
     module (symbolic analysis, the plan's record) and to count its parameters without rebuilding it."""
@@ -72,6 +83,7 @@ class HfSource:
     """Attribute path of the repeated blocks (a ModuleList) inside the model, e.g. model.layers."""
     head_dim: int
     tied: bool
+    buffers: tuple[ModuleBuffer, ...] = ()
     autotp_memo: dict = field(default_factory=dict, compare=False, repr=False)
     """AutoTpShapes by degree, read on first use (specs/autotp.py: a process per degree, cached on disk)."""
 
@@ -265,6 +277,18 @@ def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
     return tuple(records)
 
 
+def read_buffers(model, blocks, head_ids: set[int]) -> tuple[ModuleBuffer, ...]:
+    """The model's buffers by part: the first block's (every block alike), those of `head_ids`' owners (ids of
+    buffers) in the head, the rest in the embedding part; a shared buffer once."""
+    block_ids = {id(b) for block in blocks for b in block.buffers()}
+    records = [ModuleBuffer("block", name, b.numel() * b.element_size()) for name, b in blocks[0].named_buffers()]
+    for name, b in model.named_buffers():
+        if id(b) not in block_ids:
+            records.append(ModuleBuffer("head" if id(b) in head_ids else "embedding", name,
+                                        b.numel() * b.element_size()))
+    return tuple(records)
+
+
 def _tied(model) -> bool:
     output = model.get_output_embeddings()
     return output is not None and output.weight is model.get_input_embeddings().weight
@@ -318,7 +342,9 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     source = HfSource(name_or_path=name_or_path, config_path=str(config_file), config_sha256=config_hash(config),
                       architecture=architecture, config_json=config_json(config), attn_implementation=attn_implementation,
-                      params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model))
+                      params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model),
+                      buffers=read_buffers(model, blocks, {id(b) for module in head_modules(model, blocks_attr)
+                                                           for b in module.buffers()}))
     return config, source
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mist_ds.specs.errors import ConfigError, require, require_positive
-from mist_ds.specs.hf import HfParam, HfSource
+from mist_ds.specs.hf import HfParam, HfSource, ModuleBuffer
 from mist_ds.specs.module import ModuleSource
 
 Family = Literal["gpt", "llama", "falcon", "hf", "module"]
@@ -58,7 +58,8 @@ class ModelSpec:
             read = getattr(self, name)
             if isinstance(read, dict):  # a spec sent as JSON (dataclasses.asdict) comes back whole
                 params = tuple(HfParam(**{**p, "shape": tuple(p["shape"])}) for p in read["params"])
-                object.__setattr__(self, name, kind(**{**read, "params": params}))
+                buffers = tuple(ModuleBuffer(**b) for b in read.get("buffers", ()))
+                object.__setattr__(self, name, kind(**{**read, "params": params, "buffers": buffers}))
         require(self.family in FAMILIES or (self.family == HF and self.hf is not None)
                 or (self.family == MODULE and self.module is not None), "model.family", self.family,
                 f"use one of {', '.join(FAMILIES)}, model=hf for a Hugging Face config, or model=module for your "
@@ -177,6 +178,12 @@ class ModelSpec:
             return self._hf_autotp(t).head if self.hf is not None and t > 1 else self._part_elements("head")
         norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
         return norm + (self.vocab_size // t) * self.hidden_size
+
+    def buffer_bytes(self, part: str) -> int:
+        """Bytes of the module buffers of one `part` (one block for "block") on every rank; the zoo has none."""
+        if self.read_model is None:
+            return 0
+        return sum(b.nbytes for b in self.read_model.buffers if b.part == part)
 
     def total_params(self) -> int:
         """Unique parameters of the whole model (t=1); a tied LM head is counted once."""

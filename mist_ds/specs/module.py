@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mist_ds.specs.errors import ConfigError
-from mist_ds.specs.hf import HfParam, check_blocks_alike, linear_weights
+from mist_ds.specs.hf import HfParam, ModuleBuffer, check_blocks_alike, linear_weights, read_buffers
 
 HEAD_FIELDS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 """Attribute names of a block's submodules that hold its query heads (nn.MultiheadAttention, nanoGPT, HF)."""
@@ -53,6 +53,8 @@ class ModuleSource:
     params: tuple[HfParam, ...]
     head_dim: int
     tied: bool
+    buffers: tuple[ModuleBuffer, ...] = ()
+    """Its buffers after a forward (one may register them on first use): a block's in "block", the rest in "embedding"."""
     loss: str = DEFAULT_LOSS
     """The loss priced: DEFAULT_LOSS, or the user's function (its import path or module.qualname)."""
     target: str | None = None
@@ -342,7 +344,8 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     widths = [size for p in params if p.part == "block" and p.linear for size in p.shape if size != hidden]
     source = ModuleSource(class_name=f"{type(module).__module__}.{type(module).__qualname__}",
                           module_sha256=identity, blocks_attr=path, num_blocks=len(blocks),
-                          params=params, head_dim=head_dim, tied=tied, loss=loss_name(loss), target=target,
+                          params=params, head_dim=head_dim, tied=tied, buffers=read_buffers(meta, blocks, set()),
+                          loss=loss_name(loss), target=target,
                           target_kwargs_json=json.dumps(target_kwargs or {}, sort_keys=True, default=str))
     return ReadModule(hidden_size=hidden, vocab_size=vocab, num_heads=heads_value,
                       num_kv_heads=num_kv_heads or (kv.pop() if len(kv) == 1 else heads_value),

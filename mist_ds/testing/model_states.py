@@ -232,6 +232,7 @@ class Facts:
     micro_batches: int = 1  # G per step: ZeRO-2 keeps two gradient partitions with more than one
     overlap_comm: bool = False  # ZeRO-1/2 with overlap_comm: a second reduce bucket
     immediate_grad_update: bool = False  # bf16.immediate_grad_update, which mist_ds's emitter never writes
+    module_buffer_bytes: int = 0  # the module's buffers (rotary tables), whole on every rank, beside the weights
 
     @property
     def b(self) -> int:
@@ -309,7 +310,8 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
                                     persistent_param_elements=f.persistent, bf16=f.bf16,
                                     grad_accum=f.micro_batches, overlap_comm=f.overlap_comm,
                                     oversized_param_elements=f.oversized)
-    return {field: float(getattr(states, field)) for field in FIELDS}
+    held = {field: float(getattr(states, field)) for field in FIELDS}
+    return {**held, "weights": held["weights"] + f.module_buffer_bytes}
 
 
 def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
@@ -374,7 +376,7 @@ def measured_bytes(result: dict) -> dict[str, int]:
     return field_peaks(result["moments"])
 
 
-DEVICE_ROLES = ("weights", "persistent", "gathered", "grads", "master", "adam", "step_grads", "bucket",
+DEVICE_ROLES = ("weights", "module_buffers", "persistent", "gathered", "grads", "master", "adam", "step_grads", "bucket",
                 "device_staging")
 
 
@@ -395,7 +397,8 @@ def estimator_option(case: dict) -> str:
 
 def engine_facts(specs, config: dict, result: dict) -> Facts:
     """The Facts of one rank of a plan run by mist_ds.runtime (`result`: a runtime worker's, with
-    `what_ran`, `dp_rank` and `param_sizes` read from its engine)."""
+    `what_ran`, `dp_rank`, `param_sizes` and, where the module has buffers, `module_buffer_bytes` read from its
+    engine)."""
     from mist_ds.emit import read_mist_block, stage_ds_config
 
     strategy, stage = specs.strategy, result["what_ran"]["stage"]
@@ -407,7 +410,8 @@ def engine_facts(specs, config: dict, result: dict) -> Facts:
                  micro_batches=strategy.parallelism.grad_accum,
                  overlap_comm=own.zero_stage in (1, 2) and bool(
                      stage_ds_config(config, stage)["zero_optimization"].get("overlap_comm")),
-                 immediate_grad_update=bool(config.get("bf16", {}).get("immediate_grad_update")))
+                 immediate_grad_update=bool(config.get("bf16", {}).get("immediate_grad_update")),
+                 module_buffer_bytes=result.get("module_buffer_bytes", 0))
 
 
 def assert_model_states_are_predicted(specs, config: dict, prediction: dict, results: list[dict], name: str) -> None:
