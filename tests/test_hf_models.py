@@ -70,7 +70,8 @@ def assert_same_model(ours, theirs) -> None:
         assert getattr(ours, t_part)() == getattr(theirs, t_part)(), t_part
 
 
-@pytest.mark.parametrize("zoo, name, seq", [(LLAMA_ZOO, "llama2-7b", 4096), (GPT_ZOO, "gpt2-1.3b", 2048)])
+@pytest.mark.parametrize("zoo, name, seq", [(LLAMA_ZOO, "llama2-7b", 4096),
+                                            pytest.param(GPT_ZOO, "gpt2-1.3b", 2048, marks=pytest.mark.slow)])
 def test_an_hf_config_prices_as_the_zoo_model_of_its_shapes(configs, zoo, name, seq):
     """LlamaForCausalLM as the zoo's llama2-7b, GPT2LMHeadModel as the zoo's GPT block: parameters by part and
     FLOPs per token equal, every traced layer's FLOPs equal, the plan's FLOPs per rank equal; iteration time within
@@ -109,7 +110,8 @@ def test_an_unknown_path_says_mist_ds_never_downloads(tmp_path):
         hf(tmp_path, "model.seq_len=64")
 
 
-@pytest.mark.parametrize("name, overrides", [("qwen2", ()), ("mistral", ()), ("phi3", ()),
+@pytest.mark.parametrize("name, overrides", [pytest.param("qwen2", (), marks=pytest.mark.slow),
+                                             pytest.param("mistral", (), marks=pytest.mark.slow), ("phi3", ()),
                                              ("gemma2", ("model.attn_implementation=eager",))])
 def test_architectures_tune(configs, name, overrides):
     """Qwen2 (biases on q, k, v), Mistral (sliding window), Phi-3 (fused qkv and gate-up) and Gemma 2 (eager, soft-
@@ -123,17 +125,23 @@ def test_architectures_tune(configs, name, overrides):
 
 def test_a_sliding_window_under_sdpa_is_a_mask_over_the_whole_sequence(configs):
     """Mistral under sdpa: a window shorter than the sequence materializes a mask (transformers' masking_utils) and
-    sdpa still computes every score: attention FLOPs as full causal attention, plus the mask's bytes; a window as
-    long as the sequence changes nothing (sdpa's is_causal, no mask)."""
-    def block(seq: int, *extra: str):
-        return model_costs(hf(configs["mistral"], f"model.seq_len={seq}", *extra)).block
-
+    sdpa still computes every score: attention FLOPs as full causal attention, plus the mask's bytes."""
     heads, head_dim = TINY["num_attention_heads"], TINY["hidden_size"] // TINY["num_attention_heads"]
-    windowed, unwindowed = block(128), block(128, "+model.hf.sliding_window=null")
+    windowed, unwindowed = _mistral_block(configs, 128), _mistral_block(configs, 128, "+model.hf.sliding_window=null")
     assert windowed("fwd_attention_flops", 2, 128, 1) == unwindowed("fwd_attention_flops", 2, 128, 1) \
         == 4 * 2 * heads * 128 * 128 * head_dim
     assert windowed("fwd_memory_bytes", 2, 128, 1) > unwindowed("fwd_memory_bytes", 2, 128, 1)  # the mask
-    assert block(32)("fwd_memory_bytes", 2, 32, 1) == block(32, "+model.hf.sliding_window=null")("fwd_memory_bytes", 2, 32, 1)
+
+
+@pytest.mark.slow  # two more traces (CI's 15 minutes)
+def test_a_window_as_long_as_the_sequence_changes_nothing(configs):
+    """sdpa's is_causal, no mask: the same bytes as no window at all."""
+    unwindowed = _mistral_block(configs, 32, "+model.hf.sliding_window=null")
+    assert _mistral_block(configs, 32)("fwd_memory_bytes", 2, 32, 1) == unwindowed("fwd_memory_bytes", 2, 32, 1)
+
+
+def _mistral_block(configs, seq: int, *extra: str):
+    return model_costs(hf(configs["mistral"], f"model.seq_len={seq}", *extra)).block
 
 
 @pytest.mark.parametrize("name, reason", [("mixtral", "mixture-of-experts"), ("t5", "encoder-decoder")])
@@ -188,6 +196,7 @@ def test_what_autotp_refuses_is_refused_with_its_reason(configs):
     assert refused.value.rule == "hf.autotp-refused"
 
 
+@pytest.mark.slow  # three CLI processes
 def test_a_plan_records_its_model_and_is_refused_once_the_config_changed(configs, tmp_path):
     """plan.json records the model's source (path, architecture, config hash); composed again after the config
     changed on disk, the plan is refused with exit 2 naming both hashes."""

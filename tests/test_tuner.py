@@ -135,7 +135,8 @@ def _case(name):
 
 
 @pytest.mark.parametrize("case", ["mist-paper", "mist-paper, memory binds", "deepspeed", "deepspeed, memory binds",
-                                  "aceso", "mist-paper, host per node", "mist-paper, host per node, small GPU"])
+                                  "aceso", "mist-paper, host per node",
+                                  pytest.param("mist-paper, host per node, small GPU", marks=pytest.mark.slow)])
 def test_tuner_equals_exhaustive_search_at_every_global_point(case):
     overrides, runtime = _case(case)
     compared = 0
@@ -310,7 +311,7 @@ def test_no_fit_explanation_when_stages_fit_alone_but_not_together():
     assert "no split" in text and "host memory" not in text, text
 
 
-@pytest.mark.parametrize("gpu_fraction", [0.7, 0.5])
+@pytest.mark.parametrize("gpu_fraction", [pytest.param(0.7, marks=pytest.mark.slow), 0.5])  # fast lane: one
 def test_shared_host_memory_admits_faster_plans_and_binds(gpu_fraction):
     """At the pipelined point (3 stages on one node of 3) with the host memory of _shared_host, by exhaustive
     search: the node's ranks sharing its memory admit a faster plan than each GPU's share of it, and the

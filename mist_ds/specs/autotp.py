@@ -12,9 +12,11 @@ size t (collectives are no-ops there; ranks are rank 0's view), after the same s
 largest share where AutoTP shards unevenly (DeepSpeed gives the first ranks the remainders), so the cost of rank 0
 is the slowest rank's.
 
-That set-up is global to a process (torch's default group, DeepSpeed's groups and AutoTP mode), so it runs in a
-spawned process per degree: `autotp_shapes` (rank 0's parameter elements by part, read here for the specs) and
-mist_ds/symbolic/hf_trace.py (the trace of the sharded layers) both do.
+That set-up is global to a process (torch's default group, DeepSpeed's groups and AutoTP mode), so each degree runs
+in a process of its own: `at_each_degree` spawns one process that imports torch, transformers and DeepSpeed once
+(about 4 s of CPU) and forks a child per degree, so the set-up of one degree never meets another's and the imports
+are paid once. `autotp_shapes` (rank 0's parameter elements by part, read here for the specs) and
+mist_ds/symbolic/hf_trace.py (the trace of the sharded layers) both run that way.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 AUTOTP_DEGREES = (2, 4, 8)
 """The tensor-parallel degrees priced for a Hugging Face model (AutoTP keeps TP inside a node)."""
@@ -134,29 +137,73 @@ def cached_autotp_shapes(config_json: str, attn_implementation: str, blocks_attr
 
 def autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str,
                   degrees: tuple[int, ...] = AUTOTP_DEGREES) -> tuple[AutoTpShapes, ...]:
-    """AutoTpShapes at each degree, each read in a spawned process of its own (module docstring)."""
-    environment = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-                   "OMP_NUM_THREADS": "1"}
-    results = []
+    """AutoTpShapes at each degree, each read in a process of its own (module docstring)."""
+    request = {"config_json": config_json, "attn_implementation": attn_implementation, "blocks_attr": blocks_attr}
+    answers = at_each_degree("mist_ds.specs.autotp", request, degrees, "reading AutoTP's shards")
+    return tuple(AutoTpShapes(**answers[degree]) for degree in degrees)
+
+
+def at_each_degree(entry_module: str, request: dict, degrees, what: str) -> dict[int, dict]:
+    """{degree: answer} from `python -m entry_module`, one spawned process whose module runs `serve_each_degree`
+    with `request` (JSON); RuntimeError naming `what`, the degree and the process's output where a degree failed."""
+    environment = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="mist_ds_autotp_") as tmp:
-        Path(tmp, "request.json").write_text(json.dumps({"config_json": config_json,
-                                                         "attn_implementation": attn_implementation,
-                                                         "blocks_attr": blocks_attr}))
-        processes = [subprocess.Popen([sys.executable, "-m", "mist_ds.specs.autotp", tmp, str(degree)],
-                                      env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for degree in degrees]
-        for degree, process in zip(degrees, processes):
-            log, _ = process.communicate()
-            answer = Path(tmp, f"shapes{degree}.json")
-            if process.returncode != 0 or not answer.exists():
-                raise RuntimeError(f"reading AutoTP's shards at degree {degree} failed:\n{log[-3000:]}")
-            results.append(AutoTpShapes(**json.loads(answer.read_text())))
-    return tuple(results)
+        Path(tmp, "request.json").write_text(json.dumps(request))
+        done = subprocess.run([sys.executable, "-m", entry_module, tmp, ",".join(map(str, degrees))], env=environment,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        answers = {}
+        for degree in degrees:
+            answer = Path(tmp, f"answer{degree}.json")
+            if not answer.exists():
+                raise RuntimeError(f"{what} at t = {degree} failed:\n{done.stdout[-3000:]}")
+            answers[degree] = json.loads(answer.read_text())
+    return answers
+
+
+def serve_each_degree(argv: list[str], prepare: Callable[[dict], None], work: Callable[[dict, int], dict]) -> None:
+    """The spawned side of `at_each_degree` (argv: folder, degrees joined by commas): `prepare(request)` once (the
+    imports and whatever the children share), then a forked child per degree writes `work(request, degree)`; the
+    children run at once and the process exits 1 if one failed (its traceback on the output)."""
+    folder, degrees = Path(argv[1]), [int(text) for text in argv[2].split(",")]
+    request = json.loads((folder / "request.json").read_text())
+    prepare(request)
+    _import_what_sharding_uses()
+    children = []
+    for degree in degrees:
+        pid = os.fork()
+        if pid == 0:  # the child: one degree's global set-up, then exit without running the parent's clean-up
+            code = 1
+            try:
+                answer = folder / f"answer{degree}.json"
+                temporary = answer.with_suffix(".tmp")
+                temporary.write_text(json.dumps(work(request, degree)))
+                os.replace(temporary, answer)  # a failed child leaves no answer
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported on the output the caller quotes
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    sys.exit(1 if any(codes) else 0)
+
+
+def _import_what_sharding_uses() -> None:
+    """DeepSpeed's modules `shard_with_autotp` reads, imported before the fork so no child pays for them."""
+    import deepspeed.module_inject  # noqa: F401
+    import deepspeed.runtime.engine  # noqa: F401
+    import deepspeed.runtime.tensor_parallel.config  # noqa: F401
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
+
+
+def _prepare_shapes(request: dict) -> None:
+    from mist_ds.specs.hf import build_meta_model, config_from_json
+
+    build_meta_model(config_from_json(request["config_json"]), request["attn_implementation"])  # imports the class
 
 
 if __name__ == "__main__":
-    folder, degree_text = sys.argv[1], sys.argv[2]
-    request = json.loads(Path(folder, "request.json").read_text())
-    shapes = _shapes_in_this_process(request["config_json"], request["attn_implementation"], request["blocks_attr"],
-                                     int(degree_text))
-    Path(folder, f"shapes{degree_text}.json").write_text(json.dumps(shapes))
+    serve_each_degree(sys.argv, _prepare_shapes, lambda request, degree: _shapes_in_this_process(
+        request["config_json"], request["attn_implementation"], request["blocks_attr"], degree))

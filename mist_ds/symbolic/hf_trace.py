@@ -6,7 +6,8 @@ t = 1 is the model as transformers builds it, traced here. At t > 1 the model is
 AutoTP as its training engine shards it (mist_ds/specs/autotp.py: rank 0's view, the largest share), so the trace
 sees rank 0's GEMM shapes and the collectives AutoTP's layers issue (all-reduces of row-parallel outputs and of
 column-parallel input gradients, the all-gather of a gathered LM head); that set-up is global to a process, so each
-degree is traced in a spawned process of its own (`python -m mist_ds.symbolic.hf_trace`). The pieces are joined
+degree is traced in a process of its own (specs/autotp.py `at_each_degree`: `python -m mist_ds.symbolic.hf_trace`
+imports once and forks a child per degree). The pieces are joined
 per degree: an expression is its t = 1 value at t = 1, its degree's value at each priced degree, and not a number
 elsewhere (ModelSpec.check_tensor_parallel refuses other degrees before anything is priced).
 
@@ -14,18 +15,13 @@ Imports torch, sympy and transformers; `mist_ds.symbolic.analyze` loads it only 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import sympy
 
 from mist_ds.models.hf import meta_model, parts, run_to_first_block
 from mist_ds.specs import ModelSpec
-from mist_ds.specs.autotp import AUTOTP_DEGREES, shard_with_autotp
+from mist_ds.specs.autotp import AUTOTP_DEGREES, at_each_degree, serve_each_degree, shard_with_autotp
 from mist_ds.symbolic import symbols as sym
 from mist_ds.symbolic.aggregate import Gemm
 from mist_ds.symbolic.cut_trace import trace_cut_layer
@@ -61,23 +57,12 @@ def _from_text(data: dict) -> TracedLayer:
 
 
 def _trace_degrees(model: ModelSpec, precision: str, degrees: list[int]) -> dict[int, dict[str, TracedLayer]]:
-    """{degree: {kind: TracedLayer}} of AutoTP at each degree, each in a spawned process of its own."""
-    environment = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
-    traced = {}
-    with tempfile.TemporaryDirectory(prefix="mist_ds_hf_trace_") as tmp:
-        spec = dataclasses.asdict(model)
-        spec["hf"].pop("autotp_memo", None)
-        Path(tmp, "request.json").write_text(json.dumps({"model": spec, "precision": precision}))
-        processes = [subprocess.Popen([sys.executable, "-m", "mist_ds.symbolic.hf_trace", tmp, str(degree)],
-                                      env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for degree in degrees]
-        for degree, process in zip(degrees, processes):
-            log, _ = process.communicate()
-            answer = Path(tmp, f"traced{degree}.json")
-            if process.returncode != 0 or not answer.exists():
-                raise RuntimeError(f"tracing {model.hf.architecture} under AutoTP at t = {degree} failed:\n{log[-3000:]}")
-            traced[degree] = {kind: _from_text(data) for kind, data in json.loads(answer.read_text()).items()}
-    return traced
+    """{degree: {kind: TracedLayer}} of AutoTP at each degree, each in a process of its own."""
+    spec = dataclasses.asdict(model)
+    spec["hf"].pop("autotp_memo", None)
+    answers = at_each_degree("mist_ds.symbolic.hf_trace", {"model": spec, "precision": precision}, degrees,
+                             f"tracing {model.hf.architecture} under AutoTP")
+    return {degree: {kind: _from_text(data) for kind, data in answer.items()} for degree, answer in answers.items()}
 
 
 def _by_degree(values: dict[int, sympy.Expr]) -> sympy.Expr:
@@ -109,10 +94,15 @@ def trace_hf_layers(model: ModelSpec, precision: str) -> dict[str, TracedLayer]:
     return joined
 
 
-if __name__ == "__main__":
-    folder, degree_text = sys.argv[1], sys.argv[2]
-    request = json.loads(Path(folder, "request.json").read_text())
+def _prepare(request: dict) -> None:
     spec = ModelSpec(**request["model"])
-    result = {kind: _as_text(trace_hf_part(spec, kind, request["precision"], int(degree_text)))
-              for kind in LAYER_KINDS}
-    Path(folder, f"traced{degree_text}.json").write_text(json.dumps(result))
+    meta_model(spec.hf, DTYPES[request["precision"]])  # imports the model's class once, before the children
+
+
+def _trace_at(request: dict, degree: int) -> dict:
+    spec = ModelSpec(**request["model"])
+    return {kind: _as_text(trace_hf_part(spec, kind, request["precision"], degree)) for kind in LAYER_KINDS}
+
+
+if __name__ == "__main__":
+    serve_each_degree(sys.argv, _prepare, _trace_at)
