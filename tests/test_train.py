@@ -149,6 +149,9 @@ def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
     hydra_launcher, hydra_args = launcher.hand_over(["--num_gpus", "2"], ["model=tiny", "hydra.run.dir=old"], plan, tmp_path)
     assert hydra_launcher == ["--num_gpus", "2", "--no_local_rank"]
     assert hydra_args == ["model=tiny", f"mist.plan={plan}", f"hydra.run.dir={tmp_path}"]
+    # issue 25: a relative token file would not be found by cmd.txt run from another directory
+    tokens = launcher.hand_over([], ["run.data=tokens", "run.tokens_file=data/ids.bin"], plan, tmp_path)[1]
+    assert tokens[1] == f"run.tokens_file={(Path.cwd() / 'data' / 'ids.bin').resolve()}"
     config = str(plan.parent / "ds_config.json")
     for flag_args in (["--deepspeed", "--deepspeed_config", "mine.json", "--lr", "1"],
                       ["--deepspeed", "--deepspeed_config=mine.json", "--lr", "1"]):

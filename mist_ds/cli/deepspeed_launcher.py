@@ -45,6 +45,8 @@ from mist_ds.report.command import TRAIN_SCRIPT, command_file
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
+TOKENS_FILE_KEY = "run.tokens_file"
+"""launch/train.py's token file: a path the launcher makes absolute in what it hands over and writes to cmd.txt."""
 CONFIG_FLAG = "--deepspeed_config"
 """The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch)."""
 EXIT_BAD_INPUT = 2
@@ -234,8 +236,18 @@ def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, r
     if "--deepspeed" in user_args:  # the switch alone: the script reads its config from --deepspeed_config
         return launcher_args, [*user_args, CONFIG_FLAG, config]
     launcher = launcher_args if "--no_local_rank" in launcher_args else [*launcher_args, "--no_local_rank"]
-    pinned = [a for a in user_args if not a.startswith(RUN_DIR_KEY) and not a.startswith("mist.plan=")]
+    pinned = [_absolute_tokens_file(a) for a in user_args if not a.startswith(RUN_DIR_KEY)
+              and not a.startswith("mist.plan=")]
     return launcher, [*pinned, f"mist.plan={plan_json}", f"{RUN_DIR_KEY}{run_dir}"]
+
+
+def _absolute_tokens_file(arg: str) -> str:
+    """`run.tokens_file=F` with F by its absolute path (the ranks start where the launcher does; cmd.txt runs from any
+    directory); any other argument as given."""
+    key, _, value = arg.partition("=")
+    if key.lstrip("+") != TOKENS_FILE_KEY or not value:
+        return arg
+    return f"{key}={Path(value).expanduser().resolve()}"
 
 
 def _user_script(argv: Sequence[str]) -> str | None:
