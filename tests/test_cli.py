@@ -150,6 +150,9 @@ def test_a_typo_in_a_users_config_file_names_the_file_the_key_and_the_nearest_ke
         run = mist_ds("show", flag, "myconf", choice, cwd=tmp_path)
         assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
         assert all(word in run.stderr for word in (file, key, f"did you mean {nearest}?")), run.stderr
+    # a directory added by hydra.searchpath is the user's too
+    run = mist_ds("show", "hydra.searchpath=[file://myconf]", "model=typo", cwd=tmp_path)
+    assert run.returncode == 2 and "myconf/model/typo.yaml" in run.stderr and "model.num_layer" in run.stderr, run.stderr
     assert _names(tmp_path) == {"myconf"}
 
 

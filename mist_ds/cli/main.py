@@ -494,6 +494,20 @@ def _run_hydra_app(jobs: Jobs, parser: argparse.ArgumentParser, args: argparse.N
                    config_name=PRIMARY_CONFIG)
 
 
+def searchpath_dirs(overrides: Sequence[str]) -> list[str]:
+    """The directories a `hydra.searchpath=[...]` override adds (file:// entries and bare paths; pkg:// entries are
+    packages, not the user's files): where a bad config file of the user is looked up to be named."""
+    dirs = []
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "hydra.searchpath":
+            for entry in value.strip().strip("[]").split(","):
+                entry = entry.strip().strip("'\"")
+                if entry and not entry.startswith("pkg://"):
+                    dirs.append(entry.removeprefix("file://"))
+    return dirs
+
+
 def run_command(command: str, args: Sequence[str]) -> int:
     """`mist-ds <command> <args>`: the exit status (module docstring)."""
     jobs = Jobs(command, full_error=os.environ.get(FULL_ERROR_ENV) == "1")
@@ -504,6 +518,7 @@ def run_command(command: str, args: Sequence[str]) -> int:
         try:
             parser, parsed = parse_hydra_args(command, args)
             config_dirs = [d for d in (parsed.config_dir, parsed.config_path) if d is not None]
+            config_dirs += searchpath_dirs(parsed.overrides)
             output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             if COMMANDS[command].summarizes_sweeps:
                 parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
