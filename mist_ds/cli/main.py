@@ -496,16 +496,14 @@ def _run_hydra_app(jobs: Jobs, parser: argparse.ArgumentParser, args: argparse.N
 
 def searchpath_dirs(overrides: Sequence[str]) -> list[str]:
     """The directories a `hydra.searchpath=[...]` override adds (file:// entries and bare paths; pkg:// entries are
-    packages, not the user's files): where a bad config file of the user is looked up to be named."""
-    dirs = []
-    for override in overrides:
-        key, _, value = override.lstrip("+").partition("=")
-        if key == "hydra.searchpath":
-            for entry in value.strip().strip("[]").split(","):
-                entry = entry.strip().strip("'\"")
-                if entry and not entry.startswith("pkg://"):
-                    dirs.append(entry.removeprefix("file://"))
-    return dirs
+    packages, not the user's files): where a bad config file of the user is looked up to be named. The override is
+    read by Hydra's own parser (quoting and lists as Hydra reads them)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lines = [line for line in overrides if line.lstrip("+").startswith("hydra.searchpath=")]
+    entries = [entry for override in OverridesParser.create().parse_overrides(lines)
+               for entry in (override.value() if isinstance(override.value(), list) else [override.value()])]
+    return [str(entry).removeprefix("file://") for entry in entries if not str(entry).startswith("pkg://")]
 
 
 def run_command(command: str, args: Sequence[str]) -> int:

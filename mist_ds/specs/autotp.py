@@ -14,7 +14,7 @@ is the slowest rank's.
 
 That set-up is global to a process (torch's default group, DeepSpeed's groups and AutoTP mode), so each degree runs
 in a process of its own: `at_each_degree` spawns one process that imports torch, transformers and DeepSpeed once
-(about 4 s of CPU) and forks a child per degree, so the set-up of one degree never meets another's and the imports
+(about 5 s on this project's 2-core VM) and forks a child per degree, so the set-up of one degree never meets another's and the imports
 are paid once. `autotp_shapes` (rank 0's parameter elements by part, read here for the specs) and
 mist_ds/symbolic/hf_trace.py (the trace of the sharded layers) both run that way.
 """

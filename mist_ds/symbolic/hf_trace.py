@@ -7,9 +7,9 @@ AutoTP as its training engine shards it (mist_ds/specs/autotp.py: rank 0's view,
 sees rank 0's GEMM shapes and the collectives AutoTP's layers issue (all-reduces of row-parallel outputs and of
 column-parallel input gradients, the all-gather of a gathered LM head); that set-up is global to a process, so each
 degree is traced in a process of its own (specs/autotp.py `at_each_degree`: `python -m mist_ds.symbolic.hf_trace`
-imports once and forks a child per degree). The pieces are joined
-per degree: an expression is its t = 1 value at t = 1, its degree's value at each priced degree, and not a number
-elsewhere (ModelSpec.check_tensor_parallel refuses other degrees before anything is priced).
+imports once and forks a child per degree). The pieces are joined per degree: an expression is its t = 1 value at
+t = 1, its degree's value at each priced degree, and not a number elsewhere (ModelSpec.check_tensor_parallel
+refuses other degrees before anything is priced).
 
 Imports torch, sympy and transformers; `mist_ds.symbolic.analyze` loads it only on a cache miss."""
 from __future__ import annotations
