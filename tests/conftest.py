@@ -23,6 +23,20 @@ def zoo(group: str) -> list[str]:
                   and p.stem not in NOT_ZOO)
 
 
+LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep", "test_model_states",
+                               "test_measure", "test_profile", "test_hf_models"})
+"""Test modules that start DeepSpeed ranks (2-4 processes on loopback, each job's port picked free just before its
+ranks bind it): under pytest-xdist (launch/test.sh) they share one worker, so no two launches run at once."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist's `--dist loadgroup`: a module's tests stay on one worker (its module fixtures run once), and the
+    LAUNCHING_MODULES go to one worker together."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group("rank-launches" if module in LAUNCHING_MODULES else module))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_hydra():
     """No test sees GlobalHydra state another test left behind."""

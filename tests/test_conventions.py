@@ -81,3 +81,18 @@ def test_config_doc_field_table_is_the_schema_docs():
     from tests.conftest import REPO
 
     assert markdown_table() in (REPO / "docs" / "config.md").read_text()
+
+
+def test_every_module_that_starts_ranks_runs_on_the_launching_worker():
+    """A test module that starts DeepSpeed ranks (mist_ds.testing.ranks, a port from free_port, a `mist-ds profile`
+    or `measure` run) is in conftest's LAUNCHING_MODULES, so that pytest-xdist never runs two launches at once."""
+    from pathlib import Path
+
+    from tests.conftest import LAUNCHING_MODULES
+
+    starts_ranks = ("mist_ds.testing.ranks import", "free_port()", 'mist_ds("profile", "cluster=cpu"',
+                    '"mist_ds.cli.main", "measure"')
+    here = Path(__file__)
+    launching = {path.stem for path in here.parent.glob("test_*.py")
+                 if path != here and any(s in path.read_text() for s in starts_ranks)}
+    assert launching <= LAUNCHING_MODULES, sorted(launching - LAUNCHING_MODULES)
