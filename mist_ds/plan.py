@@ -106,14 +106,16 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
 
 def model_source_of(model: ModelSpec) -> dict[str, Any]:
     """What identifies a model: the zoo's name and family, a Hugging Face model's path, architecture and the hash of
-    its config as read and overridden, or a user's module's class, the function that built it and its hash."""
+    its config as read and overridden (and what model.frozen freezes), or a user's module's class, the function that
+    built it and its hash (requires_grad is part of its structure)."""
     if model.module is not None:
         return {"kind": "module", "class": model.module.class_name, "target": model.module.target,
                 "module_sha256": model.module.module_sha256}
     if model.hf is None:
         return {"kind": "zoo", "name": model.name, "family": model.family}
+    frozen = {"frozen": list(model.hf.frozen)} if model.hf.frozen else {}
     return {"kind": "hf", "name_or_path": model.hf.name_or_path, "architecture": model.hf.architecture,
-            "config_sha256": model.hf.config_sha256}
+            "config_sha256": model.hf.config_sha256, **frozen}
 
 
 def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
@@ -122,7 +124,11 @@ def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
     if not plan.model_source or plan.model_source == model_source_of(model):
         return
     planned, now = plan.model_source, model_source_of(model)
-    if planned.get("kind") == now["kind"] == "hf" and planned.get("name_or_path") == now["name_or_path"]:
+    same_hf = planned.get("kind") == now["kind"] == "hf" and planned.get("name_or_path") == now["name_or_path"]
+    if same_hf and planned.get("frozen", []) != now.get("frozen", []):
+        fix = (f"the plan was tuned with model.frozen={planned.get('frozen', [])} and this job freezes "
+               f"{now.get('frozen', [])}: give the plan's model.frozen, or re-run `mist-ds tune` for this one")
+    elif same_hf:
         fix = (f"the config at {now['name_or_path']} changed since the plan was tuned (sha256 "
                f"{planned.get('config_sha256', '?')[:12]} then, {now['config_sha256'][:12]} now): re-run `mist-ds tune`")
     elif planned.get("kind") == now["kind"] == "module" and planned.get("class") == now["class"]:

@@ -22,13 +22,14 @@ def run_case(case: dict) -> dict:
 
     from mist_ds.runtime.counting import StepCounter, group_names
     from mist_ds.runtime.moments import MomentRecorder, field_peaks
-    from mist_ds.specs.hf import config_from_json
+    from mist_ds.specs.hf import config_from_json, freeze
     from mist_ds.specs.strategy import strategy_from_dict
 
     par = strategy_from_dict(case["strategy"], "strategy").parallelism
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config_from_json(case["hf_config"]),
                                              attn_implementation=case["attn_implementation"])
+    freeze(model, case.get("frozen", ()))  # as a fine-tuning script freezes part of the model
     engine, _, _, _ = deepspeed.initialize(model=model, config=case["config"],
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     rank = torch.distributed.get_rank()
@@ -55,9 +56,11 @@ def run_case(case: dict) -> dict:
     recorder.measuring = False
     with StepCounter(group_names(par, rank, False)) as counter:
         losses.append(step(4000))
-    sizes = [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()]
+    sizes = {trains: [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
+                      if p.requires_grad == trains] for trains in (True, False)}
     buffer_bytes = sum(b.numel() * b.element_size() for b in engine.module.buffers())
-    result = {"case": case["name"], "losses": losses, "dp_rank": dp_rank, "param_sizes": sizes,
+    result = {"case": case["name"], "losses": losses, "dp_rank": dp_rank, "param_sizes": sizes[True],
+              "frozen_param_sizes": sizes[False],
               "module_buffer_bytes": buffer_bytes,
               "census": counter.counts.to_dict(),
               "what_ran": {"rank": rank, "stage": 0, "engine": type(engine).__name__,

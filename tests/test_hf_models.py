@@ -188,6 +188,54 @@ def test_autotp_is_priced_as_deepspeed_shards_the_model(configs):
     assert config["train_batch_size"] == par.micro_batch_size * par.grad_accum * par.dp * 2
 
 
+FROZEN = "model.frozen=[model.embed_tokens.weight,model.layers.*.self_attn.*]"
+"""A fine-tuning script's freeze: the token embedding and the attention of every block (the LM head, not tied in
+the tiny Llama, trains)."""
+FROZEN_BEHIND = "model.frozen=[model.layers.*.self_attn.*,lm_head.weight]"
+"""Attention and the LM head frozen, the embedding trains: every block's backward runs alike, as priced (with the
+embedding frozen too, the first block would skip the input gradient of its frozen attention: docs/design.md)."""
+
+
+def test_frozen_parameters_hold_weights_only_and_do_no_weight_gradient_work(configs):
+    """Frozen parameters (model.frozen: requires_grad off, as the user's script sets it) keep their weights but get no
+    gradient, optimizer state or reduction, and their weight-gradient GEMMs never run: the block's backward loses
+    2 b s n FLOPs for each frozen Linear weight of n elements; the gradient all-reduce carries the trainable ones."""
+    run = ("model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=4",
+           "strategy.micro_batch_size=2", "strategy.zero_stage=1")
+    whole, frozen = hf(configs["llama"], *run), hf(configs["llama"], *run, FROZEN)
+    h, kv = TINY["hidden_size"], TINY["num_key_value_heads"] * TINY["hidden_size"] // TINY["num_attention_heads"]
+    attention = 2 * h * h + 2 * h * kv  # q, o: h x h; k, v: h x kv (no biases)
+    model = frozen.model
+    assert model.block_params() == whole.model.block_params()
+    assert model.trainable_part_params("block") == model.block_params() - attention
+    assert model.trainable_part_params("embedding") == 0 and not model.trains_vocab("embedding")
+    assert model.trainable_part_params("head") == model.head_params() and model.trains_vocab("head")
+    costs, ours, b, s = model_costs(whole), model_costs(frozen), 2, 32
+    assert ours.block("trainable_params", b, s, 1) == model.trainable_part_params("block")
+    assert ours.block("fwd_flops", b, s, 1) == costs.block("fwd_flops", b, s, 1)
+    assert costs.block("bwd_flops", b, s, 1) - ours.block("bwd_flops", b, s, 1) == 2 * b * s * attention
+    was, now = predict(whole), predict(frozen)
+    states, before = now.model_state_bytes[0], was.model_state_bytes[0]
+    trained = model.trainable_part_params("block") * TINY["num_hidden_layers"] + model.trainable_part_params("head")
+    total = model.total_params()
+    # the flat group holds the trainable ones, padded to a multiple of 2 d; the frozen weights stay beside it
+    assert states["weights"] - before["weights"] == 2 * (-trained % 4) - 2 * (-total % 4)
+    assert states["optimizer"] == 12 * (trained + -trained % 4) / 2 < before["optimizer"]
+    assert now.comm_bytes_per_rank[0]["all_reduce/data"] == 2 * trained
+
+
+def test_frozen_parameters_are_refused_where_they_cannot_be_priced(configs):
+    with pytest.raises(ConfigError, match=r"model.frozen.*no parameter of LlamaForCausalLM.*model.embed_tokens"):
+        hf(configs["llama"], "model.seq_len=32", "model.frozen=[model.embed_token.weight]")
+    with pytest.raises(ConfigError, match=r"model.frozen.*block 1 freezes other parameters"):
+        hf(configs["llama"], "model.seq_len=32", "model.frozen=[model.layers.0.*]")
+    with pytest.raises(ConfigError, match="model.frozen.*only model=hf takes it"):
+        compose(["model=tiny", "model.frozen=[h.0.*]"])
+    with pytest.raises(ConfigError, match="under DeepSpeed AutoTP are not priced") as refused:
+        hf(configs["llama"], "model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2", "strategy.tp=2", FROZEN)
+    assert refused.value.rule == "hf.frozen-autotp"
+
+
 @pytest.mark.slow  # three processes read AutoTP's refusal
 def test_what_autotp_refuses_is_refused_with_its_reason(configs):
     """DeepSpeed's AutoTP does not shard GPT-2 (its fused attention): the plan is refused with AutoTP's words."""
@@ -228,14 +276,21 @@ ENGINE_CASES = {  # name -> (config, strategy overrides): a pp 1 plan a user's o
     "llama-zero3": ("llama", ("strategy.zero_stage=3",)),
     "gpt2-zero0": ("gpt2", ("strategy.zero_stage=0",)),
     "gpt2-zero3": ("gpt2", ("strategy.zero_stage=3",)),
+    "llama-frozen-zero0": ("llama", ("strategy.zero_stage=0", FROZEN_BEHIND)),
+    "llama-frozen-zero1": ("llama", ("strategy.zero_stage=1", FROZEN_BEHIND)),
+    "llama-frozen-zero2": ("llama", ("strategy.zero_stage=2", FROZEN_BEHIND)),
+    "llama-frozen-zero3": ("llama", ("strategy.zero_stage=3", FROZEN_BEHIND)),
+    # last: an AutoTP engine leaves DeepSpeed's process-wide tensor-parallel state set, and an engine built after it in
+    # the same process finds an mpu-less model-parallel group (engine.py _configure_distributed_model)
     "llama-autotp2-zero1": ("llama", ("strategy.tp=2", "strategy.zero_stage=1")),
 }
 
 
-@pytest.mark.slow  # one launch of 2 ranks, seven engines
+@pytest.mark.slow  # one launch of 2 ranks, eleven engines
 def test_hf_models_on_deepspeed_count_what_was_priced(configs, tmp_path_factory):
     """A tiny HF Llama and GPT-2 handed to deepspeed.initialize with the plan's ds_config.json on 2 CPU ranks (ZeRO 0-3;
-    the Llama also at AutoTP t = 2, where DeepSpeed's engine shards it): the FLOPs and the bytes of every collective
+    the Llama also at AutoTP t = 2, where DeepSpeed's engine shards it, and fine-tuned with its embedding and attention
+    frozen as model.frozen says, at ZeRO 0-3): the FLOPs and the bytes of every collective
     of a step, counted at the dispatcher, and the model states the engine holds, equal the prediction."""
     from mist_ds.emit import ds_config
     from mist_ds.testing.model_states import assert_model_states_are_predicted
@@ -254,6 +309,7 @@ def test_hf_models_on_deepspeed_count_what_was_priced(configs, tmp_path_factory)
         planned[name] = (specs, plan, predict(specs).to_dict())
         cases.append({"name": name, "config": plan, "strategy": specs.strategy.to_dict(),
                       "hf_config": specs.model.hf.config_json, "attn_implementation": "sdpa",
+                      "frozen": list(specs.model.hf.frozen),
                       "vocab": specs.model.vocab_size, "seq_len": specs.model.seq_len})
     by_rank = launch("tests.hf_engine_worker:hf_engine_worker", 2, {"cases": cases}, timeout_s=600)
     for index, name in enumerate(ENGINE_CASES):

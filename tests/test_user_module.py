@@ -243,6 +243,24 @@ def test_frozen_parameters_are_recorded_as_not_trainable():
     frozen = {p.name for p in source.params if not p.trainable}
     assert "tokens.weight" in frozen and "tokens.weight (tied)" in frozen
     assert all(not p.trainable for p in source.part_params("block")) and "positions.weight" not in frozen
+    # priced as frozen: no gradient, optimizer state or weight-gradient GEMM; the weights stay
+    specs, costs = traced(RUN, module)
+    assert costs.block("trainable_params", 1, SEQ, 1) == 0 and not specs.model.trains_vocab("head")
+    whole_specs, whole = traced(RUN, Gpt())
+    assert costs.block("bwd_flops", 1, SEQ, 1) < whole.block("bwd_flops", 1, SEQ, 1)
+    ours, theirs = (mist_ds.predict(list(RUN), model=m) for m in (module, Gpt()))
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    ratio = ours.model_state_bytes[0]["optimizer"] / theirs.model_state_bytes[0]["optimizer"]
+    assert ratio == pytest.approx(trained / specs.model.total_params(), rel=1e-3)
+    assert ours.model_state_bytes[0]["weights"] == theirs.model_state_bytes[0]["weights"]
+
+
+def test_blocks_that_freeze_unlike_are_refused():
+    module = Gpt()
+    for parameter in module.blocks[0].parameters():
+        parameter.requires_grad_(False)
+    with pytest.raises(mist_ds.ConfigError, match="block 1 freezes other parameters.*every block"):
+        mist_ds.compose(list(RUN), model=module)
 
 
 def upcast_cross_entropy(logits_BSV, labels_BS):

@@ -14,7 +14,7 @@ from mist_ds.specs.strategy import resolve_strategy
 ZOO_SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
                     "tie_embeddings")
 """The shape a zoo model's YAML gives; an hf model reads them from its config."""
-FAMILY_ONLY_FIELDS = {HF: ("name_or_path", "hf"), MODULE: ("_target_", "kwargs", "blocks_attr", "loss")}
+FAMILY_ONLY_FIELDS = {HF: ("name_or_path", "hf", "frozen"), MODULE: ("_target_", "kwargs", "blocks_attr", "loss")}
 """Fields only that family reads: refused for the others (they would be silently ignored)."""
 MODULE_READ_FIELDS = ("hidden_size", "num_layers", "vocab_size", "tie_embeddings")
 """What one run of a module's forward shows (mist_ds/specs/module.py); given, each must agree with the module."""
@@ -63,7 +63,7 @@ def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
                    "tie_embeddings": "tie_word_embeddings"}.get(field, field)
         require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
                 f"a Hugging Face model takes its shape from its config: override it as +model.hf.{hf_name}=...")
-    config, source = read_hf_model(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation)
+    config, source = read_hf_model(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation, tuple(cfg.frozen))
     name = cfg.name or cfg.name_or_path.rstrip("/").split("/")[-1].removesuffix(".json")
     return ModelSpec(
         name=name, family=HF, hidden_size=int(config.hidden_size), num_layers=int(config.num_hidden_layers),

@@ -43,6 +43,8 @@ def field_rows(prefix: str, cls: type, skip: frozenset[str] = frozenset()) -> li
             default = default[len("field(default_factory=lambda: "):-1]
         elif default.startswith("field(default_factory=dict)"):
             default = "{}"
+        elif default.startswith("field(default_factory=list)"):
+            default = "[]"
         default = {"None": "null", "True": "true", "False": "false"}.get(default, default.strip('"'))
         rows.append((name, default, doc.replace("|", "\\|")))
     return rows

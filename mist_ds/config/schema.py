@@ -33,6 +33,7 @@ class ModelConfig:
     name_or_path: Optional[str] = None  # hf: a folder holding config.json, a config.json, or a model id in the HF cache
     attn_implementation: str = "sdpa"  # hf: the attention your model runs: sdpa | eager | flash_attention_2
     hf: Dict[str, Any] = field(default_factory=dict)  # hf: fields of its config to change, e.g. +model.hf.num_hidden_layers=4
+    frozen: List[str] = field(default_factory=list)  # hf: parameters your script freezes (fnmatch on names), e.g. ['model.layers.*.self_attn.*']
     _target_: Optional[str] = None  # module: import path of a function returning your nn.Module (called on the meta device)
     kwargs: Dict[str, Any] = field(default_factory=dict)  # module: keyword arguments of model._target_, e.g. +model.kwargs.n_layer=4
     blocks_attr: Optional[str] = None  # module: path of the blocks' nn.ModuleList, e.g. transformer.h; null = the longest of one class

@@ -34,7 +34,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from mist_ds.cost.stage import PARTITION_META_BYTES, ModelCosts, StageCandidates, data_parallel_traffic, stage_params
+from mist_ds.cost.stage import (PARTITION_META_BYTES, ModelCosts, StageCandidates, data_parallel_traffic, stage_params,
+                                stage_trainable_params)
 from mist_ds.specs import RuntimeCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
@@ -64,12 +65,14 @@ def _tp_bytes(costs: ModelCosts, c: StageCandidates, key: str = "tp_comm_bytes")
     return c.G * per_micro
 
 
-def _data_parallel(z: int, pipeline: bool, bf16: bool, dtype_bytes: float, params: float, d: int, G: int,
-                   tied_vocab: float) -> dict[tuple[str, str], float]:
+def _data_parallel(z: int, pipeline: bool, bf16: bool, dtype_bytes: float, params: float, trained: float, d: int,
+                   G: int, tied_vocab: float) -> dict[tuple[str, str], float]:
     """(kind, role) -> bytes of one rank's gradient reduction and weight gathers: the collectives
-    cost/stage.py prices (data_parallel_traffic), as payload (module docstring)."""
-    traffic = data_parallel_traffic(z, pipeline, bf16, dtype_bytes * params, dtype_bytes * tied_vocab)
-    padded = np.ceil(params / (2 * d)) * (2 * d)  # the flat buffer DeepSpeed pads to a multiple of 2 d
+    cost/stage.py prices (data_parallel_traffic), as payload (module docstring); `trained` of the `params`
+    elements have requires_grad (only they are reduced, and only they are in a flat group)."""
+    traffic = data_parallel_traffic(z, pipeline, bf16, dtype_bytes * params, dtype_bytes * tied_vocab,
+                                    trained_bytes=dtype_bytes * trained)
+    padded = np.ceil(trained / (2 * d)) * (2 * d)  # the flat buffer DeepSpeed pads to a multiple of 2 d
     terms = {("all_reduce", "data"): G * traffic.micro_all_reduce + traffic.step_all_reduce,
              ("reduce_scatter", "data"): G * traffic.micro_reduce_scatter,
              ("all_gather", "data"): G * (traffic.micro_gather_fwd + traffic.micro_gather_bwd) / d}
@@ -101,7 +104,7 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
     if not caps.executes_on_deepspeed:
         return None
     par, model = strategy.parallelism, costs.model
-    params = stage_params(costs, c, c.shapes)
+    params, trained = stage_params(costs, c, c.shapes), stage_trainable_params(costs, c, c.shapes)
     tp, activation = _tp_bytes(costs, c), _layer(costs.block, "output_bytes", c)
     tp_gathered = _tp_bytes(costs, c, "tp_gather_bytes")
     tied_across = model.tie_embeddings and par.pp > 1
@@ -116,7 +119,8 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
         vocab_shard = model.vocab_tensor(par.tp)
         tied_vocab = vocab_shard if model.tie_embeddings and par.pp == 1 else 0.0
         for key, value in _data_parallel(stage.zero_stage, par.pp > 1, train.precision == "bf16", dtype_bytes,
-                                         float(params[i]), par.dp, par.grad_accum, tied_vocab).items():
+                                         float(params[i]), float(trained[i]), par.dp, par.grad_accum,
+                                         tied_vocab).items():
             terms[key] += value
         if par.pp > 1:
             for key, value in _pipeline(c, i, float(activation[i]), par.tp, par.grad_accum).items():

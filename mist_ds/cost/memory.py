@@ -113,13 +113,22 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
                            weights_offload, reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS,
                            largest_param_elements=0.0, persistent_param_elements=0.0,
                            bf16: bool = True, grad_accum=1, overlap_comm=False,
-                           oversized_param_elements=None) -> ModelStateBytes:
+                           oversized_param_elements=None, trainable_params=None) -> ModelStateBytes:
     """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring: P `params`, d `dp`,
     R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`, G
     `grad_accum` micro-batches per step; `overlap_comm` on at ZeRO-1/2: a second bucket, setup_buckets
     in stage_1_and_2.py; O `oversized_param_elements`, the elements of the tensors larger than R, None
-    when unknown: ZeRO-1's gradients are then b max(P, U) at G = 1 too, an upper bound)."""
-    p = np.asarray(params, dtype=np.float64)
+    when unknown: ZeRO-1's gradients are then b max(P, U) at G = 1 too, an upper bound).
+
+    `trainable_params` (None: all P): the elements with requires_grad. DeepSpeed's optimizers own only those
+    (`is_optimized_parameter`, deepspeed/runtime/utils.py: ZeRO-1/2's flat groups, BF16_Optimizer,
+    FP16_UnfusedOptimizer, ZeRO-3's trainable groups), so every formula above reads P as the trainable
+    elements (L and O too are of trainable tensors), and the frozen F = P - T add their weights only: whole on
+    every rank at ZeRO 0-2 (left out of the flat group), partitioned at ZeRO-3 (the engine partitions every
+    parameter of the module), b F or b ceil(F / d)."""
+    whole = np.asarray(params, dtype=np.float64)
+    p = whole if trainable_params is None else np.asarray(trainable_params, dtype=np.float64)
+    frozen = whole - p
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
     b = float(dtype_bytes)
@@ -137,6 +146,7 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     shard = np.select([torch_optimizer, z == 3], [p, p3], default=part)  # elements the optimizer updates
 
     weights = b * np.select([z == 3, torch_optimizer], [p3, p], default=padded)
+    weights = weights + b * np.where(z == 3, np.ceil(frozen / d), frozen)
     zero2_partitions = np.where(np.asarray(grad_accum) > 1, 2.0, 1.0)
     grads = b * np.select([torch_optimizer, bf16_optimizer, z == 1, z == 2, z == 3],
                           [p, padded + p, np.maximum(p, touch), zero2_partitions * touch, p3])
@@ -165,17 +175,19 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
 
 
 def textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload=0.0, grads_offload=0.0,
-                          optimizer_offload=0.0, grad_bytes=None) -> ModelStateBytes:
-    """b + b + 12 bytes per parameter (ZeRO paper), sharded by ZeRO stage, times (1 - offload)."""
+                          optimizer_offload=0.0, grad_bytes=None, trainable_params=None) -> ModelStateBytes:
+    """b + b + 12 bytes per parameter (ZeRO paper), sharded by ZeRO stage, times (1 - offload); gradients and
+    optimizer states of the `trainable_params` only (None: all)."""
     p = np.asarray(params, dtype=np.float64)
+    trained = p if trainable_params is None else np.asarray(trainable_params, dtype=np.float64)
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
     b = float(dtype_bytes)
     optimizer_bytes = (MASTER_BYTES if mixed_precision else 0) + ADAM_MOMENT_BYTES
     g = b if grad_bytes is None else float(grad_bytes)
     weights = np.where(z >= 3, b * p / d, b * p)
-    grads = np.where(z >= 2, g * p / d, g * p)
-    optimizer = np.where(z >= 1, optimizer_bytes * p / d, optimizer_bytes * p)
+    grads = np.where(z >= 2, g * trained / d, g * trained)
+    optimizer = np.where(z >= 1, optimizer_bytes * trained / d, optimizer_bytes * trained)
     wo, go, oo = (np.asarray(x, dtype=np.float64) for x in (weights_offload, grads_offload, optimizer_offload))
     host = weights * wo + grads * go + optimizer * oo
     return ModelStateBytes(weights=weights * (1 - wo), grads=grads * (1 - go), optimizer=optimizer * (1 - oo),
@@ -183,7 +195,7 @@ def textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weight
 
 
 def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload=0.0,
-                          bf16: bool = True) -> ModelStateBytes:
+                          bf16: bool = True, trainable_params=None) -> ModelStateBytes:
     """Megatron-LM (module docstring): the distributed optimizer is ZeRO-1; gradients in fp32 with
     bf16; with fp16 gradients the step's fp32 copy of the gradients it updates is `step_only`."""
     half_grads = bool(mixed_precision and dtype_bytes == 2)
@@ -191,10 +203,11 @@ def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimi
     zero1 = np.minimum(zero, 1)
     states = textbook_model_states(params, dp, zero1, dtype_bytes, mixed_precision,
                                    optimizer_offload=optimizer_offload,
-                                   grad_bytes=FP32_BYTES if fp32_main_grads else None)
+                                   grad_bytes=FP32_BYTES if fp32_main_grads else None,
+                                   trainable_params=trainable_params)
     if not half_grads or fp32_main_grads:
         return states
-    p = np.asarray(params, dtype=np.float64)
+    p = np.asarray(params if trainable_params is None else trainable_params, dtype=np.float64)
     updated = np.where(zero1 >= 1, p / np.asarray(dp, dtype=np.float64), p)
     on_device = 1.0 - np.asarray(optimizer_offload, dtype=np.float64)  # an offloaded share steps on the host
     return replace(states, step_only=FP32_BYTES * updated * on_device)
@@ -204,7 +217,7 @@ def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_
                       weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
                       reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
                       largest_param_elements=0.0, persistent_param_elements=0.0, grad_accum=1,
-                      overlap_comm=False, oversized_param_elements=None) -> ModelStateBytes:
+                      overlap_comm=False, oversized_param_elements=None, trainable_params=None) -> ModelStateBytes:
     """Model states per GPU under a runtime's `accounting` (RuntimeCapabilities.model_states; module
     docstring). The one function show / predict / tune use.
 
@@ -214,13 +227,16 @@ def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_
     parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it), the
     micro-batches per step (ZeRO-2 keeps two gradient partitions with more than one), and the elements
     of the tensors larger than the reduce bucket (None = unknown; read by ZeRO-1 with overlap_comm at G = 1).
+    `trainable_params`: the elements with requires_grad (None: all); frozen ones hold weights only.
     """
     if accounting == "deepspeed":
         return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
                                       weights_offload, reduce_bucket_elements, largest_param_elements,
                                       persistent_param_elements, bf16=bf16, grad_accum=grad_accum,
-                                      overlap_comm=overlap_comm, oversized_param_elements=oversized_param_elements)
+                                      overlap_comm=overlap_comm, oversized_param_elements=oversized_param_elements,
+                                      trainable_params=trainable_params)
     if accounting == "megatron":
-        return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16)
+        return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16,
+                                     trainable_params=trainable_params)
     return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,
-                                 optimizer_offload)
+                                 optimizer_offload, trainable_params=trainable_params)

@@ -57,22 +57,26 @@ class DataParallelTraffic:
     """The optimizer steps the rank's 1 / d of the parameters (ZeRO >= 1, BF16_Optimizer)."""
 
 
-def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weight_bytes=0.0) -> DataParallelTraffic:
+def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weight_bytes=0.0,
+                          trained_bytes=None) -> DataParallelTraffic:
     """What DeepSpeed's optimizer for ZeRO stage `zero` moves over the data-parallel group for a stage of
     `weight_bytes` (model dtype); BF16_Optimizer runs bf16 pipelines with ZeRO-0. `shared_weight_bytes`:
-    a weight two modules of the stage use (ZeRO-3 gathers it for each)."""
-    zero, pipeline, weight_bytes = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
-                                                         for x in (zero, pipeline, weight_bytes)))
+    a weight two modules of the stage use (ZeRO-3 gathers it for each). `trained_bytes` (None: all the
+    weights): those with requires_grad, the only ones reduced and, in ZeRO-1/2's and BF16_Optimizer's flat
+    groups, gathered after the step; ZeRO-3 gathers frozen weights too."""
+    trained_bytes = weight_bytes if trained_bytes is None else trained_bytes
+    zero, pipeline, weight_bytes, trained_bytes = np.broadcast_arrays(*(
+        np.asarray(x, dtype=np.float64) for x in (zero, pipeline, weight_bytes, trained_bytes)))
     bf16_optimizer = runs_bf16_optimizer(zero, pipeline, bf16)
     none = np.zeros_like(weight_bytes)
     zero3 = zero == 3
     return DataParallelTraffic(
-        micro_all_reduce=np.where(zero == 2, weight_bytes, none),
-        micro_reduce_scatter=np.where(zero3, weight_bytes, none),
+        micro_all_reduce=np.where(zero == 2, trained_bytes, none),
+        micro_reduce_scatter=np.where(zero3, trained_bytes, none),
         micro_gather_fwd=np.where(zero3, weight_bytes + shared_weight_bytes, none),
         micro_gather_bwd=np.where(zero3, weight_bytes, none),
-        step_all_reduce=np.where(zero <= 1, weight_bytes, none),
-        step_all_gather=np.where((zero == 1) | (zero == 2) | bf16_optimizer, weight_bytes, none),
+        step_all_reduce=np.where(zero <= 1, trained_bytes, none),
+        step_all_gather=np.where((zero == 1) | (zero == 2) | bf16_optimizer, trained_bytes, none),
         partitioned_step=(zero >= 1) | bf16_optimizer)
 
 
@@ -214,10 +218,19 @@ def stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.nd
     return c.derived("params", costs, lambda: _stage_params(costs, c, ev))
 
 
-def _stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
-    params = (c.layers * ev(costs.block, "params") + c.first * ev(costs.embedding, "params")
-              + c.last * ev(costs.head, "params"))
-    if costs.model.tie_embeddings:
+def stage_trainable_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
+    """Of stage_params, the elements with requires_grad: what gets gradients, optimizer states and data-parallel
+    reductions (a frozen parameter holds its weight only)."""
+    return c.derived("trainable_params", costs,
+                     lambda: _stage_params(costs, c, ev, "trainable_params", costs.model.trains_vocab()))
+
+
+def _stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex, key: str = "params",
+                  counts_vocab: bool = True) -> np.ndarray:
+    """The layers' `key` elements summed over the stage; a tied vocabulary matrix the embedding and the head both
+    count (where `counts_vocab`) once at S = 1."""
+    params = (c.layers * ev(costs.block, key) + c.first * ev(costs.embedding, key) + c.last * ev(costs.head, key))
+    if costs.model.tie_embeddings and counts_vocab:
         params = params - np.where((c.pp == 1), vocab_shard_elements(costs.model, c), 0.0)
     return params
 
@@ -339,15 +352,16 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     p2p = _p2p_s(costs, hw, c, ev, caps.p2p_scatter_gather, partitioned=caps.collectives == "deepspeed")
 
     params = stage_params(costs, c, ev)
+    trained = stage_trainable_params(costs, c, ev)  # what has gradients, optimizer states and is stepped
     b_w = hw.dtype_bytes
     weight_bytes = b_w * params
     data_parallel = hw.group(c.d, c.t)
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     grad_bytes = FP32_BYTES if caps.fp32_grads_with_bf16 and train.precision == "bf16" else b_w
     if caps.collectives == "deepspeed":
-        moves = _deepspeed_moves(costs, hw, caps, train, c, data_parallel, weight_bytes, params, saved_offloaded)
+        moves = _deepspeed_moves(costs, hw, caps, train, c, data_parallel, weight_bytes, trained, saved_offloaded)
     else:
-        moves = _ideal_moves(hw, c, data_parallel, weight_bytes, grad_bytes * params, params, saved_offloaded)
+        moves = _ideal_moves(hw, c, data_parallel, weight_bytes, grad_bytes * trained, trained, saved_offloaded)
     fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
     fwd_h2d, fwd_d2h, bwd_h2d, bwd_d2h = moves.fwd_h2d, moves.fwd_d2h, moves.bwd_h2d, moves.bwd_d2h
     fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
@@ -387,9 +401,9 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
         # reduce-scatters and all-gathers the updated shard; ZeRO-2 has reduce-scattered every
         # micro-batch (bwd_g2g) and all-gathers; ZeRO-3 gathers every forward anyway (fwd_g2g).
         step_reduce = np.select([c.zero == 0, c.zero == 1],
-                                [data_parallel.all_reduce_time_s(grad_bytes * params),
-                                 data_parallel.reduce_scatter_time_s(grad_bytes * params)], default=0.0)
-        step_gather = np.where((c.zero == 1) | (c.zero == 2), data_parallel.all_gather_time_s(weight_bytes), 0.0)
+                                [data_parallel.all_reduce_time_s(grad_bytes * trained),
+                                 data_parallel.reduce_scatter_time_s(grad_bytes * trained)], default=0.0)
+        step_gather = np.where((c.zero == 1) | (c.zero == 2), data_parallel.all_gather_time_s(b_w * trained), 0.0)
         first_fwd = hw.overlapped_time_s(fwd_compute + gpu_step, fwd_g2g + step_gather,
                                          fwd_h2d + hw.host_copy_time_s(b_w * partition * c.oo),
                                          fwd_d2h + hw.host_copy_time_s(FP32_BYTES * partition * c.oo))
@@ -465,20 +479,22 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
     gathers the stage's weights in forward and again in backward, and reduce-scatters gradients in
     backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch. Offload with Mist's
     semantics: the offloaded fraction of the stage's weights comes in for each pass, its gradients go
-    out and come back every micro-batch."""
+    out and come back every micro-batch. `params`: the trainable elements (gradients, the step); frozen weights
+    are gathered only."""
+    trained_bytes = hw.dtype_bytes * params
     gather = data_parallel.all_gather_time_s(weight_bytes)
-    scatter = data_parallel.reduce_scatter_time_s(weight_bytes)
+    scatter = data_parallel.reduce_scatter_time_s(trained_bytes)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
     fwd_h2d = hw.host_copy_time_s(c.wo * weight_bytes)
-    step_reduce = np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes), gather],
-                            default=0.0)
+    step_reduce = np.select([c.zero <= 1, c.zero == 2], [data_parallel.all_reduce_time_s(grad_bytes),
+                                                         data_parallel.all_gather_time_s(trained_bytes)], default=0.0)
     return _StageMoves(
         fwd_g2g=np.where(c.zero == 3, gather, 0.0),
         bwd_g2g=np.where(c.zero == 3, gather + scatter, np.where(c.zero == 2, scatter, 0.0)),
         fwd_exposed=none, bwd_exposed=none,
         fwd_h2d=fwd_h2d, fwd_d2h=hw.host_copy_time_s(saved_offloaded),
-        bwd_h2d=hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * weight_bytes),
-        bwd_d2h=hw.host_copy_time_s(c.go * weight_bytes), fwd_tp=none, bwd_tp=none,
+        bwd_h2d=hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * trained_bytes),
+        bwd_d2h=hw.host_copy_time_s(c.go * trained_bytes), fwd_tp=none, bwd_tp=none,
         step_reduce=step_reduce,
         step_params=np.where(c.zero >= 1, params / c.d, params),
         step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
@@ -489,8 +505,8 @@ def _ideal_moves(hw: HardwareModel, c: StageCandidates, data_parallel, weight_by
 def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                      c: StageCandidates, data_parallel,
                      weight_bytes, params, saved_offloaded) -> _StageMoves:
-    """What DeepSpeed 0.19.8 moves (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What
-    DeepSpeed does):
+    """What DeepSpeed 0.19.8 moves for a stage of `weight_bytes` whose `params` elements train
+    (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What DeepSpeed does):
     - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
       gather of ZeRO-1/2 and BF16_Optimizer, ZeRO-3's gathers and reduce-scatters); ZeRO-3's first gather
       of a forward and last reduce-scatter of a backward hide behind no compute;
@@ -508,18 +524,20 @@ def _deepspeed_moves(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabili
     b_w, ev = hw.dtype_bytes, c.shapes
     model = costs.model
     shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * vocab_shard_elements(model, c), 0.0)
-    traffic = data_parallel_traffic(c.zero, c.pp > 1, train.precision == "bf16", weight_bytes, shared)
+    traffic = data_parallel_traffic(c.zero, c.pp > 1, train.precision == "bf16", weight_bytes, shared,
+                                    trained_bytes=b_w * params)
     layer_bytes = b_w * ev(costs.block, "params")
+    layer_trained_bytes = b_w * ev(costs.block, "trainable_params")
     zero3 = c.zero == 3
     fwd_exposed = np.where(zero3, data_parallel.all_gather_time_s(layer_bytes), 0.0)
-    bwd_exposed = np.where(zero3, data_parallel.reduce_scatter_time_s(layer_bytes), 0.0)
+    bwd_exposed = np.where(zero3 & (layer_trained_bytes > 0), data_parallel.reduce_scatter_time_s(layer_trained_bytes),
+                           0.0)
 
-    partition_bytes = weight_bytes / c.d
     several = c.G > 1
     grads_every_micro = (c.go > 0) & (zero3 | ((c.zero == 2) & several))
     grads_at_boundary = (c.go > 0) & (c.zero == 1) & several
-    grad_copy = hw.host_copy_time_s(c.go * partition_bytes)
-    weight_in = hw.host_copy_time_s(c.wo * partition_bytes)
+    grad_copy = hw.host_copy_time_s(c.go * b_w * params / c.d)
+    weight_in = hw.host_copy_time_s(c.wo * weight_bytes / c.d)
 
     activations_copy = np.where(saved_offloaded > 0, hw.host_copy_time_s(saved_offloaded), 0.0)
     activation = ev(costs.block, "output_bytes")
@@ -666,26 +684,33 @@ def vocab_shard_elements(model: ModelSpec, c: StageCandidates) -> np.ndarray:
     return ev.spread(np.array([model.vocab_tensor(int(t)) for t in ev.t], dtype=np.float64))
 
 
+def _trained_vocab(model: ModelSpec, c: StageCandidates) -> tuple[np.ndarray, np.ndarray]:
+    """Whether the stage holds a trainable vocabulary matrix: (on the first stage, on the last)."""
+    return (c.first > 0) & model.trains_vocab("embedding"), (c.last > 0) & model.trains_vocab("head")
+
+
 def largest_tensor(model: ModelSpec, c: StageCandidates) -> np.ndarray:
-    """Elements of the stage's largest parameter tensor on one TP rank (the vocab shard on the ends)."""
+    """Elements of the stage's largest trainable parameter tensor on one TP rank (the vocab shard on the ends)."""
     ev = c.shapes  # few distinct t: evaluate per distinct shape, spread back
     block = ev.spread(np.array([model.largest_block_tensor(int(t)) for t in ev.t], dtype=np.float64))
     vocab = ev.spread(np.array([model.vocab_tensor(int(t)) for t in ev.t], dtype=np.float64))
-    return np.where((c.first + c.last) > 0, np.maximum(block, vocab), block)
+    first, last = _trained_vocab(model, c)
+    return np.where(first | last, np.maximum(block, vocab), block)
 
 
 def oversized_tensors(model: ModelSpec, c: StageCandidates, bucket_elements) -> np.ndarray:
-    """Elements of the stage's parameter tensors (one TP rank) larger than the reduce bucket, which DeepSpeed
-    reduces outside it (stage_1_and_2.py:1443-1449): the token embedding and gpt's positions on the first
+    """Elements of the stage's trainable parameter tensors (one TP rank) larger than the reduce bucket, which
+    DeepSpeed reduces outside it (stage_1_and_2.py:1443-1449): the token embedding and gpt's positions on the first
     stage, the head on the last unless it is the embedding's own tensor (tied at S = 1). Infinite (unknown)
     where a block's largest tensor exceeds the bucket: only that tensor's size is known."""
     ev = c.shapes
     vocab = ev.spread(np.array([model.vocab_tensor(int(t)) for t in ev.t], dtype=np.float64))
     block = ev.spread(np.array([model.largest_block_tensor(int(t)) for t in ev.t], dtype=np.float64))
     positions = float(model.seq_len * model.hidden_size if model.family == "gpt" else 0)
-    head_of_its_own = (c.last > 0) & ~((c.first > 0) & model.tie_embeddings)
-    ends = c.first * (np.where(vocab > bucket_elements, vocab, 0.0) + np.where(positions > bucket_elements,
-                                                                                 positions, 0.0))
+    first, last = _trained_vocab(model, c)
+    head_of_its_own = last & ~((c.first > 0) & model.tie_embeddings)
+    ends = (np.where(first & (vocab > bucket_elements), vocab, 0.0)
+            + c.first * np.where(positions > bucket_elements, positions, 0.0))
     ends = ends + np.where(head_of_its_own & (vocab > bucket_elements), vocab, 0.0)
     return np.where(block > bucket_elements, np.inf, ends)
 
@@ -703,7 +728,8 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                                pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
                                bf16=train.precision == "bf16", overlap_comm=hooked, reduce_bucket_elements=bucket,
                                largest_param_elements=largest_tensor(costs.model, c) if deepspeed else 0.0,
-                               grad_accum=c.G, oversized_param_elements=oversized)
+                               grad_accum=c.G, oversized_param_elements=oversized,
+                               trainable_params=stage_trainable_params(costs, c, ev))
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = _saved_bytes(costs, c, ev, caps)
     activations = (saved - saved_offloaded) * in_flight

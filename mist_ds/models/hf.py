@@ -19,15 +19,18 @@ import torch
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_to_first_block as run_to_block
-from mist_ds.specs.hf import HfSource, build_meta_model, config_from_json, head_modules, split_parameters
+from mist_ds.specs.hf import HfSource, build_meta_model, config_from_json, freeze, head_modules, split_parameters
 from mist_ds.specs.module import hidden_input
 
 
 def meta_model(source: HfSource, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of `source` on the meta device, in `dtype`, in training mode. flash_attention_2 (CUDA only)
-    is built as sdpa: the same attention core (one fused op saving q, k, v, the output and the logsumexp)."""
+    """The causal LM of `source` on the meta device, in `dtype`, in training mode, its `frozen` parameters frozen.
+    flash_attention_2 (CUDA only) is built as sdpa: the same attention core (one fused op saving q, k, v, the output
+    and the logsumexp)."""
     implementation = "sdpa" if source.attn_implementation == "flash_attention_2" else source.attn_implementation
-    return build_meta_model(config_from_json(source.config_json), implementation, dtype)
+    model = build_meta_model(config_from_json(source.config_json), implementation, dtype)
+    freeze(model, source.frozen)
+    return model
 
 
 def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:

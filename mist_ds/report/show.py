@@ -10,14 +10,18 @@ from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspee
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def _stage_params(specs: Specs) -> list[int]:
-    """Parameters one GPU of each pipeline stage holds (its TP shard; embedding / head at the ends)."""
+def _stage_params(specs: Specs, trainable: bool = False) -> list[int]:
+    """Parameters one GPU of each pipeline stage holds (its TP shard; embedding / head at the ends), or of them
+    the `trainable` ones."""
     model, strategy = specs.model, specs.strategy
     t, stages = strategy.parallelism.tp, strategy.stages
-    params = [s.layers * model.block_params(t) for s in stages]
-    params[0] += model.embedding_params(t)
-    params[-1] += model.head_params(t)
-    if model.tie_embeddings and len(stages) == 1:
+    whole = {"embedding": model.embedding_params, "block": model.block_params, "head": model.head_params}
+    elements = model.trainable_part_params if trainable else (lambda part, t: whole[part](t))
+    counts_vocab = model.trains_vocab() if trainable else True
+    params = [s.layers * elements("block", t) for s in stages]
+    params[0] += elements("embedding", t)
+    params[-1] += elements("head", t)
+    if model.tie_embeddings and len(stages) == 1 and counts_vocab:
         params[0] -= (model.vocab_size // t) * model.hidden_size  # one copy when both ends share a GPU
     return params
 
@@ -26,10 +30,12 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     """Derived numbers (parameters, FLOPs, model-state bytes per GPU by ZeRO stage) plus the inputs."""
     model, cluster, train, strategy = specs.model, specs.cluster, specs.train, specs.strategy
     par = strategy.parallelism
-    heaviest = max(_stage_params(specs))
+    stage_params = _stage_params(specs)
+    heaviest = max(stage_params)
+    trained = _stage_params(specs, trainable=True)[stage_params.index(heaviest)]
     # The largest tensor anywhere (the vocab shard sits on the first / last stage) bounds how far a
     # ZeRO-1/2 gradient partition overshoots its share.
-    largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp))
+    largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp) if model.trains_vocab() else 0)
     caps = runtime_capabilities(strategy.runtime)
     block = model.block_params(par.tp)
 
@@ -38,7 +44,8 @@ def show_facts(specs: Specs) -> dict[str, Any]:
             caps.model_states, heaviest, par.dp, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
             bf16=train.precision == "bf16", largest_param_elements=largest,
             overlap_comm=reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, zero),
-            reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, par.pp, zero, block)).gpu_total)
+            reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, par.pp, zero, block),
+            trainable_params=trained).gpu_total)
 
     states = {str(z): states_at(z) for z in ZERO_STAGES}
     tokens_per_step = train.global_batch_size * model.seq_len
@@ -51,7 +58,7 @@ def show_facts(specs: Specs) -> dict[str, Any]:
         "flops_per_step": model.training_flops_per_token() * tokens_per_step,
         "tokens_per_step": tokens_per_step,
         "model_state_bytes_per_gpu": states,
-        "model_state_note": (f"heaviest stage's GPU ({heaviest:,} parameters per GPU), "
+        "model_state_note": (f"heaviest stage's GPU ({heaviest:,} parameters per GPU, {trained:,} trainable), "
                              f"data-parallel size {par.dp}, {train.precision}, runtime {strategy.runtime}, "
                              f"each part at its own peak (end of backward or inside the optimizer step)"),
         "gpus": cluster.num_gpus,

@@ -14,6 +14,7 @@ transformers and torch are imported only when an HF model is read (the zoo never
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import hashlib
 import json
 import os
@@ -84,6 +85,8 @@ class HfSource:
     head_dim: int
     tied: bool
     buffers: tuple[ModuleBuffer, ...] = ()
+    frozen: tuple[str, ...] = ()
+    """`model.frozen`: patterns (fnmatch) of the parameter names the user's script freezes (requires_grad off)."""
     autotp_memo: dict = field(default_factory=dict, compare=False, repr=False)
     """AutoTpShapes by degree, read on first use (specs/autotp.py: a process per degree, cached on disk)."""
 
@@ -226,12 +229,33 @@ def linear_weights(module) -> set[int]:
     return found
 
 
+class BlocksTrainUnlike(ValueError):
+    """Blocks of one class and shapes whose frozen parameters differ."""
+
+
 def check_blocks_alike(blocks) -> None:
-    """ValueError unless every block has block 0's class and parameter shapes."""
+    """ValueError unless every block has block 0's class, parameter shapes and frozen parameters (requires_grad)."""
     shapes = [tuple(p.shape) for p in blocks[0].parameters()]
+    trains = [p.requires_grad for p in blocks[0].parameters()]
     for index, block in enumerate(blocks):
         if type(block) is not type(blocks[0]) or [tuple(p.shape) for p in block.parameters()] != shapes:
             raise ValueError(f"block {index} differs from block 0 in class or parameter shapes")
+        if [p.requires_grad for p in block.parameters()] != trains:
+            raise BlocksTrainUnlike(f"block {index} freezes other parameters (requires_grad) than block 0; "
+                                    "mist_ds prices blocks that train alike")
+
+
+def freeze(model, patterns) -> None:
+    """Turn requires_grad off for every parameter whose name matches one of `patterns` (fnmatch, on the names
+    `named_parameters` gives, a tied weight under each of its names), as a script that fine-tunes part of a model
+    does; ValueError naming a pattern that matches no parameter."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    for pattern in patterns:
+        matched = [p for name, p in named if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            raise ValueError(pattern)
+        for param in matched:
+            param.requires_grad_(False)
 
 
 def head_modules(model, blocks_attr: str) -> list:
@@ -311,9 +335,21 @@ def config_hash(config) -> str:
     return hashlib.sha256(config_json(config).encode()).hexdigest()
 
 
-def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementation: str):
-    """(transformers config, HfSource) of the model `name_or_path` names, with `overrides` applied; a
-    ConfigError names any reason it cannot be priced."""
+def _freeze_as_asked(model, frozen: tuple[str, ...], architecture: str) -> None:
+    """freeze(model, frozen), a pattern that matches nothing refused with the names there are."""
+    try:
+        freeze(model, frozen)
+    except ValueError as error:
+        names = [name for name, _ in model.named_parameters()]
+        near = difflib.get_close_matches(str(error), names, n=3, cutoff=0.3) or names[:3]
+        raise ConfigError("model.frozen", str(error), f"matches no parameter of {architecture}; names look like "
+                                                      f"{', '.join(near)} (fnmatch patterns: model.layers.*.self_attn.*)")
+
+
+def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementation: str, frozen=()):
+    """(transformers config, HfSource) of the model `name_or_path` names, with `overrides` applied and the
+    parameters `frozen` names (fnmatch patterns) frozen; a ConfigError names any reason it cannot be priced."""
+    frozen = tuple(frozen)
     if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError("model.attn_implementation", attn_implementation,
                           f"use one of {', '.join(ATTENTION_IMPLEMENTATIONS)} (what your model runs)")
@@ -329,9 +365,13 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
     except (AssertionError, TypeError) as error:  # the config is inconsistent (e.g. pad_token_id past the vocabulary)
         raise ConfigError("model.name_or_path", name_or_path, f"transformers cannot build {architecture} from "
                                                               f"{config_file}: {error}") from error
+    _freeze_as_asked(model, frozen, architecture)
     try:
         blocks_attr, blocks = find_blocks(model)
         params = read_params(model, blocks_attr, blocks)
+    except BlocksTrainUnlike as error:
+        raise ConfigError("model.frozen", list(frozen), f"{architecture}: {error}: freeze the same parameters in "
+                                                        "every block (e.g. model.layers.*.mlp.*)") from error
     except ValueError as error:
         raise ConfigError("model.name_or_path", name_or_path, f"{architecture}: {error}; mist_ds prices models whose "
                                                               "blocks are one repeated class") from error
@@ -344,7 +384,7 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
                       architecture=architecture, config_json=config_json(config), attn_implementation=attn_implementation,
                       params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model),
                       buffers=read_buffers(model, blocks, {id(b) for module in head_modules(model, blocks_attr)
-                                                           for b in module.buffers()}))
+                                                           for b in module.buffers()}), frozen=frozen)
     return config, source
 
 

@@ -59,7 +59,10 @@ class ModelSpec:
             if isinstance(read, dict):  # a spec sent as JSON (dataclasses.asdict) comes back whole
                 params = tuple(HfParam(**{**p, "shape": tuple(p["shape"])}) for p in read["params"])
                 buffers = tuple(ModuleBuffer(**b) for b in read.get("buffers", ()))
-                object.__setattr__(self, name, kind(**{**read, "params": params, "buffers": buffers}))
+                restored = {**read, "params": params, "buffers": buffers}
+                if "frozen" in read:
+                    restored["frozen"] = tuple(read["frozen"])
+                object.__setattr__(self, name, kind(**restored))
         require(self.family in FAMILIES or (self.family == HF and self.hf is not None)
                 or (self.family == MODULE and self.module is not None), "model.family", self.family,
                 f"use one of {', '.join(FAMILIES)}, model=hf for a Hugging Face config, or model=module for your "
@@ -116,6 +119,9 @@ class ModelSpec:
         AutoTP refuses the model or t is not a priced degree."""
         if t == 1:
             return None
+        if self.hf.frozen:
+            raise ConfigError(field, t, "frozen parameters (model.frozen) under DeepSpeed AutoTP are not priced: plan "
+                                        "it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.frozen-autotp")
         shapes = self.hf.autotp(t)
         if shapes is None:
             from mist_ds.specs.autotp import AUTOTP_DEGREES
@@ -154,17 +160,33 @@ class ModelSpec:
         return attention + 2 * h * f_rank + 2 * h  # falcon: one shared LayerNorm, no linear biases
 
     def largest_block_tensor(self, t: int = 1) -> int:
-        """Elements of a block's largest single parameter tensor on one TP rank (the fused qkv weight or
+        """Elements of a block's largest single trainable parameter tensor on one TP rank (the fused qkv weight or
         the MLP's input weight, fused gate+up for llama): DeepSpeed's ZeRO-1/2 gradient partitions hold
-        whole tensors, so it bounds how far a partition overshoots its share."""
+        whole tensors, so it bounds how far a partition overshoots its share (0 where the block is frozen)."""
         if self.read_model is not None:
             if self.hf is not None and t > 1:
                 return self._hf_autotp(t).largest_block_tensor
-            return max(p.numel for p in self.read_model.part_params("block"))
+            return max((p.numel for p in self.read_model.part_params("block") if p.trainable), default=0)
         h, d = self.hidden_size, self.head_dim
         qkv = h * ((self.num_heads // t) + 2 * self.kv_heads_per_rank(t)) * d
         mlp_in = h * (self.ffn_hidden_size // t) * (2 if self.family == "llama" else 1)
         return max(qkv, mlp_in)
+
+    def trains_vocab(self, part: str = "embedding") -> bool:
+        """Whether the vocabulary matrix of `part` (embedding: the token embedding; head: the LM head, the token
+        embedding's own where tied) trains; the zoo trains every parameter."""
+        if self.read_model is None:
+            return True
+        vocab = self.vocab_size * self.hidden_size
+        return any(p.trainable for p in self.read_model.part_params(part) if p.numel == vocab)
+
+    def trainable_part_params(self, part: str, t: int = 1) -> int:
+        """Elements of `part` (embedding, block: one block, head) with requires_grad on one TP rank; a model with
+        frozen parameters is priced at t = 1 only (hf.frozen-autotp)."""
+        whole = {"embedding": self.embedding_params, "block": self.block_params, "head": self.head_params}[part](t)
+        if self.read_model is None or all(p.trainable for p in self.read_model.part_params(part)):
+            return whole
+        return sum(p.numel for p in self.read_model.part_params(part) if p.trainable)
 
     def vocab_tensor(self, t: int = 1) -> int:
         """Elements of the token embedding (or LM head) shard on one TP rank: one tensor."""

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mist_ds.specs.errors import ConfigError
-from mist_ds.specs.hf import HfParam, ModuleBuffer, check_blocks_alike, linear_weights, read_buffers
+from mist_ds.specs.hf import (BlocksTrainUnlike, HfParam, ModuleBuffer, check_blocks_alike, linear_weights,
+                              read_buffers)
 
 HEAD_FIELDS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 """Attribute names of a block's submodules that hold its query heads (nn.MultiheadAttention, nanoGPT, HF)."""
@@ -324,6 +325,9 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     path, blocks = find_module_blocks(meta, blocks_attr)
     try:
         check_blocks_alike(blocks)
+    except BlocksTrainUnlike as error:
+        raise ConfigError("model", type(module).__qualname__, f"{error}: freeze (requires_grad_(False)) the same "
+                                                              "parameters in every block") from error
     except ValueError as error:
         raise ConfigError("model.blocks_attr", path, f"{error}: mist_ds prices blocks of one class and shape") from error
     identity = module_hash(meta, path, loss)  # before its forward runs: a forward may register buffers on first use

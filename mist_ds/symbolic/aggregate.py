@@ -222,7 +222,7 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
         sums[f"tp_gather_bytes_{op.phase}"] += gathered
         sums[f"tp_gathers_{op.phase}"] += 1 if gathered != 0 else 0
     exprs = {
-        "params": trace.params, "param_bytes": trace.param_bytes, **sums,
+        "params": trace.params, "trainable_params": trace.trainable_params, "param_bytes": trace.param_bytes, **sums,
         "saved_bytes": saved_bytes(trace), "saved_bytes_fused": fused_saved_bytes(trace),
         "saved_bytes_ckpt": trace.input_bytes,
         "fwd_peak_bytes": peak_bytes(trace, FORWARD), "bwd_peak_bytes": peak_bytes(trace, BACKWARD),

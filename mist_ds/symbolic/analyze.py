@@ -20,8 +20,9 @@ def layer_fields(model: ModelSpec, precision: str) -> dict:
         return {"family": model.family, "module_sha256": model.module.module_sha256,
                 "blocks_attr": model.module.blocks_attr, "seq_len": model.seq_len, "precision": precision}
     if model.hf is not None:  # the config as read and overridden, traced at the model's sequence length
+        frozen = {"frozen": list(model.hf.frozen)} if model.hf.frozen else {}
         return {"family": model.family, "hf_config_sha256": model.hf.config_sha256, "seq_len": model.seq_len,
-                "attn_implementation": model.hf.attn_implementation, "precision": precision}
+                "attn_implementation": model.hf.attn_implementation, "precision": precision, **frozen}
     return {"family": model.family, "hidden_size": model.hidden_size, "num_heads": model.num_heads,
             "num_kv_heads": model.num_kv_heads, "ffn_hidden_size": model.ffn_hidden_size,
             "vocab_size": model.vocab_size, "max_positions": model.seq_len, "dropout_on": model.dropout > 0,

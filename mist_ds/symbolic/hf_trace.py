@@ -75,7 +75,8 @@ def _by_degree(values: dict[int, sympy.Expr]) -> sympy.Expr:
 def trace_hf_layers(model: ModelSpec, precision: str) -> dict[str, TracedLayer]:
     """The embedding, block and head of an hf model, traced at t = 1 and at every degree AutoTP shards it at."""
     per_degree = {1: {kind: trace_hf_part(model, kind, precision) for kind in LAYER_KINDS}}
-    degrees = [t for t in AUTOTP_DEGREES if not model.hf.autotp(t).refused]
+    # frozen parameters are priced at t = 1 only (ModelSpec.check_tensor_parallel: hf.frozen-autotp)
+    degrees = [] if model.hf.frozen else [t for t in AUTOTP_DEGREES if not model.hf.autotp(t).refused]
     if degrees:
         per_degree.update(_trace_degrees(model, precision, degrees))
     joined = {}

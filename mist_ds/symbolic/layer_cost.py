@@ -18,7 +18,8 @@ PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_c
 EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
               "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels",
               "fwd_fused_memory_bytes", "bwd_fused_memory_bytes", "fwd_fused_kernels", "bwd_fused_kernels",
-              "saved_bytes_fused", "tp_gather_bytes_fwd", "tp_gather_bytes_bwd", "tp_gathers_fwd", "tp_gathers_bwd")
+              "saved_bytes_fused", "tp_gather_bytes_fwd", "tp_gather_bytes_bwd", "tp_gathers_fwd", "tp_gathers_bwd",
+              "trainable_params")
 
 
 def _compile(source: str) -> dict[str, Callable]:
@@ -31,7 +32,8 @@ def _compile(source: str) -> dict[str, Callable]:
 class LayerCost:
     """Per-TP-rank costs of one layer. `exprs[key]` parses with sympy.sympify in the symbols b, s, t.
 
-    Keys (units): params (elements), fwd_flops / bwd_flops (FLOPs, no recompute),
+    Keys (units): params (elements), trainable_params (the elements of params with requires_grad),
+    fwd_flops / bwd_flops (FLOPs, no recompute),
     fwd_attention_flops / bwd_attention_flops (the fused-attention part of them), saved_bytes
     (kept for backward without checkpointing), saved_bytes_ckpt (kept with checkpointing: the
     input), fwd_peak_bytes / bwd_peak_bytes (transient peak of the pass, saved tensors included,

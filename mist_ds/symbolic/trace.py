@@ -74,6 +74,8 @@ class Trace:
     output_storages: set[int] = field(default_factory=set)
     backward_start: int = 0
     params: sympy.Expr = sympy.Integer(0)
+    trainable_params: sympy.Expr = sympy.Integer(0)
+    """Of `params`, the elements with requires_grad (the rest are frozen: no gradient, no optimizer state)."""
     param_bytes: sympy.Expr = sympy.Integer(0)
     output_bytes: sympy.Expr = sympy.Integer(0)
     input_bytes: sympy.Expr = sympy.Integer(0)
@@ -218,6 +220,7 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(_drop_grad)
         trace.params = sympy.Add(*[as_expr(p.numel()) for p in params])
+        trace.trainable_params = sympy.Add(*[as_expr(p.numel()) for p in params if p.requires_grad])
         trace.param_bytes = sympy.Add(*[as_expr(p.numel()) * p.element_size() for p in params])
         inputs = make_inputs(sizes)
         tensor_inputs = [x for x in inputs if isinstance(x, torch.Tensor)]
@@ -242,8 +245,9 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
         if grad is not None:  # the incoming gradient exists before backward, like the layer's input
             trace.input_storages.add(recorder.track(grad, -1))
         del output, inputs, tensor_inputs
-        with recorder:
-            target.backward(grad)
+        if target.requires_grad:  # else every parameter is frozen and nothing before it trains: no backward runs
+            with recorder:
+                target.backward(grad)
         del target, grad
         recorder.sweep(len(trace.ops))
         trace.guards = [str(g.expr) for g in env.guards]

@@ -225,7 +225,7 @@ class Facts:
     pipeline: bool
     d: int
     rank: int  # in the data-parallel group
-    sizes: tuple[int, ...]  # n_i, in the order DeepSpeed flattens them
+    sizes: tuple[int, ...]  # n_i of the trainable parameters, in the order DeepSpeed flattens them
     bucket: int  # R
     threshold: int  # T
     params_offload: bool = False  # ZeRO-3 offload_param: the parameter partitions live on the host
@@ -233,6 +233,7 @@ class Facts:
     overlap_comm: bool = False  # ZeRO-1/2 with overlap_comm: a second reduce bucket
     immediate_grad_update: bool = False  # bf16.immediate_grad_update, which mist_ds's emitter never writes
     module_buffer_bytes: int = 0  # the module's buffers (rotary tables), whole on every rank, beside the weights
+    frozen_sizes: tuple[int, ...] = ()  # n_i of the frozen parameters (requires_grad off): weights only
 
     @property
     def b(self) -> int:
@@ -241,6 +242,15 @@ class Facts:
     @property
     def P(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def F(self) -> int:
+        return sum(self.frozen_sizes)
+
+    @property
+    def frozen_p3(self) -> int:
+        """ZeRO-3's partitions of the frozen parameters, each padded to d as the trainable ones."""
+        return sum(math.ceil(n / self.d) for n in self.frozen_sizes)
 
     @property
     def Pa(self) -> int:
@@ -304,12 +314,12 @@ class Facts:
 
 def predicted_bytes(f: Facts) -> dict[str, float]:
     """memory.py's per-rank model states for the same P, d, ZeRO stage, dtype, pipeline and offload."""
-    states = deepspeed_model_states(f.P, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0,
+    states = deepspeed_model_states(f.P + f.F, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0,
                                     1.0 if f.params_offload else 0.0,
                                     reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
                                     persistent_param_elements=f.persistent, bf16=f.bf16,
                                     grad_accum=f.micro_batches, overlap_comm=f.overlap_comm,
-                                    oversized_param_elements=f.oversized)
+                                    oversized_param_elements=f.oversized, trainable_params=f.P)
     held = {field: float(getattr(states, field)) for field in FIELDS}
     return {**held, "weights": held["weights"] + f.module_buffer_bytes}
 
@@ -341,12 +351,15 @@ def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
             "(deepspeed/runtime/zero/stage_1_and_2.py:2142 copy_grads_in_partition)")
     if f.zero == 3:
         pad = f.p3 - math.ceil(f.P / f.d)
-        per_element = {"weights": 0 if f.params_offload else f.b, "grads": 0 if f.offload else f.b,
-                       "optimizer": 0 if f.offload else ADAM_WITH_MASTER_BYTES,
-                       "host": (OFFLOADED_BYTES + f.b if f.offload else 0) + (f.b if f.params_offload else 0)}
+        weights_pad = pad + f.frozen_p3 - math.ceil(f.F / f.d)  # frozen weights are partitioned too
+        per_element = {"weights": (0, 0 if f.params_offload else f.b), "grads": (0 if f.offload else f.b, 0),
+                       "optimizer": (0 if f.offload else ADAM_WITH_MASTER_BYTES, 0),
+                       "host": (OFFLOADED_BYTES + f.b if f.offload else 0, f.b if f.params_offload else 0)}
         if field in per_element:
-            return per_element[field] * pad, ("(p3 - ceil(P/d)) per element: each parameter padded to d "
-                                              "(deepspeed/runtime/zero/partition_parameters.py:1816-1817 _aligned_size)")
+            trained, weighed = per_element[field]
+            return trained * pad + weighed * weights_pad, (
+                "(p3 - ceil(P/d)) per element (P the trainable elements; for the weights, the frozen ones' too): "
+                "each parameter padded to d (deepspeed/runtime/zero/partition_parameters.py:1816-1817 _aligned_size)")
         if field == "buffers" and f.offload:
             return f.b * (f.persistent_padded - f.persistent), (
                 "b (padded - plain) persistent parameters (partition_parameters.py:1816 _aligned_size)")
@@ -411,7 +424,8 @@ def engine_facts(specs, config: dict, result: dict) -> Facts:
                  overlap_comm=own.zero_stage in (1, 2) and bool(
                      stage_ds_config(config, stage)["zero_optimization"].get("overlap_comm")),
                  immediate_grad_update=bool(config.get("bf16", {}).get("immediate_grad_update")),
-                 module_buffer_bytes=result.get("module_buffer_bytes", 0))
+                 module_buffer_bytes=result.get("module_buffer_bytes", 0),
+                 frozen_sizes=tuple(result.get("frozen_param_sizes", ())))
 
 
 def assert_model_states_are_predicted(specs, config: dict, prediction: dict, results: list[dict], name: str) -> None:
