@@ -103,6 +103,19 @@ def test_hf_fields_are_overridden_and_checked(configs):
         hf(configs["qwen2"])
 
 
+def test_a_config_read_once_is_planned_again_without_transformers_or_torch(configs):
+    """What a config builds (shape, parameters by part, buffers) is kept in the cache once read: composing the same model
+    again, in a new process, imports neither transformers nor torch (a warm `mist-ds tune` pays neither import)."""
+    overrides = [f"model.name_or_path={configs['phi3']}", "model.seq_len=32", "model.frozen=[lm_head.weight]"]
+    first = compose(["model=hf", *overrides]).model
+    code = ("import sys\nfrom mist_ds.config import compose\n"
+            f"model = compose(['model=hf', *{overrides!r}]).model\n"
+            "print(model.trainable_part_params('head'), 'transformers' in sys.modules, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=os.environ)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(first.trainable_part_params("head")), "False", "False"]
+
+
 def test_an_unknown_path_says_mist_ds_never_downloads(tmp_path):
     with pytest.raises(ConfigError, match="never downloads"):
         hf("someone/not-a-cached-model", "model.seq_len=64")
@@ -121,6 +134,20 @@ def test_architectures_tune(configs, name, overrides):
     plan = mist_ds.tune(["model=hf", f"model.name_or_path={configs[name]}", "model.seq_len=128", "cluster=a100-80g",
                          "train.global_batch_size=8", "tuner.compare_baselines=false", *overrides])
     assert plan.prediction["iteration_time_s"] > 0
+    assert plan.strategy.parallelism.pp == 1  # the user's script runs the model as one module
+
+
+def test_the_tuner_plans_a_users_model_as_one_module(configs):
+    """An hf model (or a user's module) runs in the user's own script as one module: tune never splits it into
+    pipeline stages, and a tuner.pp without 1 is refused; an explicit strategy.pp is still priced."""
+    import mist_ds
+
+    with pytest.raises(ConfigError, match=r"tuner.pp.*one module.*tuner.pp=\[1\]"):
+        mist_ds.tune(["model=hf", f"model.name_or_path={configs['phi3']}", "model.seq_len=128", "cluster=a100-80g",
+                      "train.global_batch_size=8", "tuner.pp=[2]"])
+    priced = predict(hf(configs["phi3"], "model.seq_len=128", "cluster=a100-80g", "train.global_batch_size=8",
+                        "strategy.pp=2"))
+    assert priced.iteration_time_s > 0 and len(priced.model_state_bytes) == 2
 
 
 def test_a_sliding_window_under_sdpa_is_a_mask_over_the_whole_sequence(configs):

@@ -52,7 +52,7 @@ def model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
 def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
     """A Hugging Face model's spec: its shape read from its config (mist_ds/specs/hf.py), overridden through
     model.hf; the zoo's shape fields are refused (they would be silently ignored)."""
-    from mist_ds.specs.hf import ffn_width, kv_heads, read_hf_model
+    from mist_ds.specs.hf import read_hf_shape
 
     require(cfg.name_or_path is not None, "model.name_or_path", None,
             "required with model=hf: a folder holding config.json, a config.json, or a model id in the local "
@@ -63,13 +63,10 @@ def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
                    "tie_embeddings": "tie_word_embeddings"}.get(field, field)
         require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
                 f"a Hugging Face model takes its shape from its config: override it as +model.hf.{hf_name}=...")
-    config, source = read_hf_model(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation, tuple(cfg.frozen))
+    shape, source = read_hf_shape(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation, tuple(cfg.frozen))
     name = cfg.name or cfg.name_or_path.rstrip("/").split("/")[-1].removesuffix(".json")
-    return ModelSpec(
-        name=name, family=HF, hidden_size=int(config.hidden_size), num_layers=int(config.num_hidden_layers),
-        num_heads=int(config.num_attention_heads), num_kv_heads=kv_heads(config), ffn_hidden_size=ffn_width(config, source),
-        vocab_size=int(config.vocab_size), seq_len=cfg.seq_len, tie_embeddings=source.tied,
-        flash_attention=cfg.attn_implementation != "eager", dropout=cfg.dropout, hf=source)
+    return ModelSpec(name=name, family=HF, **shape, seq_len=cfg.seq_len, tie_embeddings=source["tied"],
+                     flash_attention=cfg.attn_implementation != "eager", dropout=cfg.dropout, hf=source)
 
 
 def module_model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:

@@ -116,23 +116,14 @@ def cached_autotp_shapes(config_json: str, attn_implementation: str, blocks_attr
     import hashlib
     from importlib.metadata import version
 
-    from mist_ds.specs.cache_root import cache_root
+    from mist_ds.specs.cache_root import cached_json
 
     keyed = {"config": config_json, "attn_implementation": attn_implementation, "blocks_attr": blocks_attr,
              "degrees": AUTOTP_DEGREES, **{name: version(name) for name in ("deepspeed", "transformers", "torch")},
              "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
-    path = cache_root() / "autotp" / (hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:24]
-                                      + ".json")
-    try:
-        return tuple(AutoTpShapes(**entry) for entry in json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass  # absent or damaged: read again
-    shapes = autotp_shapes(config_json, attn_implementation, blocks_attr)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps([entry.__dict__ for entry in shapes]))
-    os.replace(temporary, path)  # atomic: a reader never sees half a file
-    return shapes
+    entries = cached_json("autotp", keyed, lambda: [entry.__dict__ for entry in
+                                                    autotp_shapes(config_json, attn_implementation, blocks_attr)])
+    return tuple(AutoTpShapes(**entry) for entry in entries)
 
 
 def autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str,

@@ -13,6 +13,7 @@ transformers and torch are imported only when an HF model is read (the zoo never
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import hashlib
@@ -409,3 +410,36 @@ def ffn_width(config, source: HfSource) -> int:
             return int(value)
     widths = [size for p in source.part_params("block") if p.linear for size in p.shape if size != config.hidden_size]
     return max(widths) if widths else 4 * int(config.hidden_size)
+
+
+def read_hf_shape(name_or_path: str, overrides: dict[str, Any], attn_implementation: str,
+                  frozen=()) -> tuple[dict[str, int], dict]:
+    """(ModelSpec's shape fields, the HfSource as a dict) of read_hf_model, kept in the cache folder's `hf_models/`
+    once read: keyed by the config file and its bytes, the overrides, the attention implementation, the frozen
+    patterns, the versions of transformers and torch and this file, so that a warm plan neither imports them nor
+    builds the model again. What cannot be read is refused each time (nothing is kept)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from mist_ds.specs.cache_root import cached_json
+
+    def read() -> dict:
+        config, source = read_hf_model(name_or_path, overrides, attn_implementation, frozen)
+        shape = {"hidden_size": int(config.hidden_size), "num_layers": int(config.num_hidden_layers),
+                 "num_heads": int(config.num_attention_heads), "num_kv_heads": kv_heads(config),
+                 "ffn_hidden_size": ffn_width(config, source), "vocab_size": int(config.vocab_size)}
+        described = dataclasses.asdict(source)
+        described.pop("autotp_memo")
+        return {"shape": shape, "source": described}
+
+    config_file = _config_file(name_or_path)
+    try:
+        keyed = {"name_or_path": name_or_path, "config_file": str(config_file),
+                 "config_sha256": hashlib.sha256(config_file.read_bytes()).hexdigest(), "overrides": overrides,
+                 "attn_implementation": attn_implementation, "frozen": list(frozen),
+                 **{name: version(name) for name in ("transformers", "torch")},
+                 "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+    except (OSError, PackageNotFoundError):
+        entry = read()  # refused there, with the reason
+    else:
+        entry = cached_json("hf_models", keyed, read)
+    return entry["shape"], entry["source"]

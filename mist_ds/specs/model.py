@@ -106,6 +106,13 @@ class ModelSpec:
                 f"must divide model.vocab_size={self.vocab_size}; pad the vocabulary to a multiple of "
                 f"128*tp as Megatron-LM does (model.vocab_size=...)")
 
+    @property
+    def runs_as_pipeline_stages(self) -> bool:
+        """Whether a plan may split the model into pipeline stages that run: the zoo's models run as DeepSpeed
+        PipelineModules (mist_ds.runtime); a Hugging Face model or a user's module runs in the user's own script as
+        one module, so the tuner plans it at pp = 1 (an explicit strategy.pp > 1 is priced, not tuned)."""
+        return self.read_model is None
+
     def kv_heads_per_rank(self, t: int) -> int:
         """KV heads one TP rank holds: split when t divides them, one replicated head otherwise."""
         return max(1, self.num_kv_heads // t)

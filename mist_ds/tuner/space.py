@@ -54,6 +54,9 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
     """Every (t, S, d, b, G) the space, the runtime and the tuner's degree limits allow, in a fixed
     order. TP stays inside a node."""
     gpus = cluster.num_gpus
+    if not model.runs_as_pipeline_stages and tuner.pp is not None and 1 not in tuner.pp:
+        raise ConfigError("tuner.pp", list(tuner.pp), f"{model.name} runs in your own script as one module: "
+                                                      "tune it at pp 1 (tuner.pp=[1] or leave tuner.pp out)")
     points = []
     for t in divisors(cluster.gpus_per_node):
         if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:
@@ -62,7 +65,8 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
                 (model.hf is None and not caps.replicates_kv_heads and model.num_kv_heads % t):  # hf: AutoTP's rules
             continue
         for S in divisors(gpus // t):
-            if S > model.num_layers or (tuner.pp is not None and S not in tuner.pp):
+            if S > model.num_layers or (tuner.pp is not None and S not in tuner.pp) or \
+                    (S > 1 and not model.runs_as_pipeline_stages):
                 continue
             if space == "deepspeed" and (t > 1 or S > 1):
                 continue
