@@ -256,6 +256,8 @@ def test_frozen_parameters_are_refused_where_they_cannot_be_priced(configs):
         hf(configs["llama"], "model.seq_len=32", "model.frozen=[model.embed_token.weight]")
     with pytest.raises(ConfigError, match=r"model.frozen.*block 1 freezes other parameters"):
         hf(configs["llama"], "model.seq_len=32", "model.frozen=[model.layers.0.*]")
+    with pytest.raises(ConfigError, match="model.frozen.*only the head would train"):
+        hf(configs["llama"], "model.seq_len=32", "model.frozen=[model.embed_tokens.weight,model.layers.*]")
     with pytest.raises(ConfigError, match="model.frozen.*only model=hf takes it"):
         compose(["model=tiny", "model.frozen=[h.0.*]"])
     with pytest.raises(ConfigError, match="under DeepSpeed AutoTP are not priced") as refused:

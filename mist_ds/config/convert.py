@@ -63,7 +63,8 @@ def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
                    "tie_embeddings": "tie_word_embeddings"}.get(field, field)
         require(getattr(cfg, field) is None, f"model.{field}", getattr(cfg, field),
                 f"a Hugging Face model takes its shape from its config: override it as +model.hf.{hf_name}=...")
-    shape, source = read_hf_shape(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation, tuple(cfg.frozen))
+    shape, source = read_hf_shape(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation,
+                                  tuple(sorted(set(cfg.frozen))))
     name = cfg.name or cfg.name_or_path.rstrip("/").split("/")[-1].removesuffix(".json")
     return ModelSpec(name=name, family=HF, **shape, seq_len=cfg.seq_len, tie_embeddings=source["tied"],
                      flash_attention=cfg.attn_implementation != "eager", dropout=cfg.dropout, hf=source)

@@ -580,16 +580,17 @@ def _layerwise_reduce(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabil
     orders the two), and so is the post-step gather of the updated weights (at the end, or in the next
     first forward: _gather_in_first_forward_s)."""
     b_w, ev, model = hw.dtype_bytes, c.shapes, costs.model
-    block_elements = ev(costs.block, "params")
-    pieces = np.where(c.zero >= 1, np.ceil(block_elements / np.maximum(
-        reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, block_elements), 1.0)), 1.0)
+    bucket = reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, ev(costs.block, "params"))  # as emitted
+    pieces = np.where(c.zero >= 1, np.ceil(ev(costs.block, "trainable_params") / np.maximum(bucket, 1.0)), 1.0)
     tied = (c.pp > 1) & model.tie_embeddings
-    vocab_bytes = b_w * vocab_shard_elements(model, c)
-    block = b_w * ev(costs.block, "params")
-    embedding = np.where(tied, b_w * ev(costs.embedding, "params") - vocab_bytes, b_w * ev(costs.embedding, "params"))
+    vocab_bytes = b_w * vocab_shard_elements(model, c) * model.trains_vocab()  # a frozen one is reduced by no one
+    block = b_w * ev(costs.block, "trainable_params")
+    embedding_bytes = b_w * ev(costs.embedding, "trainable_params")
+    embedding = np.where(tied, embedding_bytes - vocab_bytes, embedding_bytes)
     # At S = 1 the tied weight is one parameter, complete once the embedding's backward has run: it is
     # reduced with the embedding's bucket, not the head's.
-    head = np.where(model.tie_embeddings, b_w * ev(costs.head, "params") - vocab_bytes, b_w * ev(costs.head, "params"))
+    head_bytes = b_w * ev(costs.head, "trainable_params")
+    head = np.where(model.tie_embeddings, head_bytes - vocab_bytes, head_bytes)
     embedding_last = (c.first > 0) & (embedding > 0)  # the stage's first layer to finish last has parameters
     block_reduce = pieces * ran(data_parallel.all_reduce_time_s, block / pieces)
     return {
@@ -616,9 +617,9 @@ class _GatherLayout:
 
 def _gather_layout(costs: ModelCosts, c: StageCandidates) -> _GatherLayout:
     ev, first = c.shapes, c.first > 0
-    embedding = np.where(first, ev(costs.embedding, "params"), 0.0)
-    block = ev(costs.block, "params")
-    weights = embedding + c.layers * block + c.last * ev(costs.head, "params")
+    embedding = np.where(first, ev(costs.embedding, "trainable_params"), 0.0)
+    block = ev(costs.block, "trainable_params")
+    weights = embedding + c.layers * block + c.last * ev(costs.head, "trainable_params")
     return _GatherLayout(embedding, block, weights / np.maximum(c.d, 1.0), np.where(first, embedding, block))
 
 

@@ -35,7 +35,8 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     trained = _stage_params(specs, trainable=True)[stage_params.index(heaviest)]
     # The largest tensor anywhere (the vocab shard sits on the first / last stage) bounds how far a
     # ZeRO-1/2 gradient partition overshoots its share.
-    largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp) if model.trains_vocab() else 0)
+    trained_vocab = model.trains_vocab("embedding") or model.trains_vocab("head")
+    largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp) if trained_vocab else 0)
     caps = runtime_capabilities(strategy.runtime)
     block = model.block_params(par.tp)
 

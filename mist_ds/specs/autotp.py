@@ -121,9 +121,8 @@ def cached_autotp_shapes(config_json: str, attn_implementation: str, blocks_attr
     keyed = {"config": config_json, "attn_implementation": attn_implementation, "blocks_attr": blocks_attr,
              "degrees": AUTOTP_DEGREES, **{name: version(name) for name in ("deepspeed", "transformers", "torch")},
              "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
-    entries = cached_json("autotp", keyed, lambda: [entry.__dict__ for entry in
-                                                    autotp_shapes(config_json, attn_implementation, blocks_attr)])
-    return tuple(AutoTpShapes(**entry) for entry in entries)
+    read = lambda: [entry.__dict__ for entry in autotp_shapes(config_json, attn_implementation, blocks_attr)]  # noqa
+    return cached_json("autotp", keyed, read, lambda entries: tuple(AutoTpShapes(**entry) for entry in entries))
 
 
 def autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str,

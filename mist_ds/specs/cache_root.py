@@ -16,19 +16,21 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mist_ds")
 
 
-def cached_json(folder: str, keyed: dict, compute: Callable[[], Any]) -> Any:
-    """compute()'s JSON value, kept in `folder` of the cache under a hash of `keyed` (what it depends on: inputs,
-    library versions, the code that computes it) and read from there once it is written. Absent or damaged: computed
-    again. Written atomically (a reader never sees half a file); the value returned is the JSON read back either way."""
+def cached_json(folder: str, keyed: dict, compute: Callable[[], Any],
+                decode: Callable[[Any], Any] = lambda value: value) -> Any:
+    """decode(compute()'s JSON value), kept in `folder` of the cache under a hash of `keyed` (what it depends on:
+    inputs, library versions, the code that computes it) and read from there once it is written. Absent, damaged or
+    not what `decode` reads: computed again. Written atomically (a reader never sees half a file); the value is
+    decoded from the JSON read back either way."""
     path = cache_root() / folder / (hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode())
                                     .hexdigest()[:24] + ".json")
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return decode(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
         pass
     text = json.dumps(compute())
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(text)
     os.replace(temporary, path)
-    return json.loads(text)
+    return decode(json.loads(text))

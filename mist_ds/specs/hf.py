@@ -439,7 +439,6 @@ def read_hf_shape(name_or_path: str, overrides: dict[str, Any], attn_implementat
                  **{name: version(name) for name in ("transformers", "torch")},
                  "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
     except (OSError, PackageNotFoundError):
-        entry = read()  # refused there, with the reason
-    else:
-        entry = cached_json("hf_models", keyed, read)
-    return entry["shape"], entry["source"]
+        keyed = None  # read() refuses it, with the reason
+    parts = lambda entry: (entry["shape"], entry["source"])  # noqa: E731
+    return parts(read()) if keyed is None else cached_json("hf_models", keyed, read, parts)

@@ -78,6 +78,12 @@ class ModelSpec:
             require(self.head_dim % 2 == 0, "model.num_heads", self.num_heads,
                     f"rotary embeddings need an even head dim; hidden/heads = {self.head_dim}")
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be in [0, 1)")
+        if self.read_model is not None:
+            trains = [p.trainable for part in ("embedding", "block") for p in self.read_model.part_params(part)]
+            field, value = ("model.frozen", list(self.hf.frozen)) if self.hf is not None else ("model", self.name)
+            require(any(trains), field, value, "freezes the embedding and every block: only the head would train, and no block's backward would "
+                    "run, which is not priced (each block is priced with its backward); leave a block parameter "
+                    "trainable")
 
     @property
     def read_model(self) -> HfSource | ModuleSource | None:
@@ -181,11 +187,12 @@ class ModelSpec:
 
     def trains_vocab(self, part: str = "embedding") -> bool:
         """Whether the vocabulary matrix of `part` (embedding: the token embedding; head: the LM head, the token
-        embedding's own where tied) trains; the zoo trains every parameter."""
-        if self.read_model is None:
+        embedding's own where tied: a tensor of vocab_size rows) trains; the zoo and a model with nothing frozen train
+        every parameter."""
+        if self.read_model is None or all(p.trainable for p in self.read_model.params):
             return True
-        vocab = self.vocab_size * self.hidden_size
-        return any(p.trainable for p in self.read_model.part_params(part) if p.numel == vocab)
+        vocab_rows = [p for p in self.read_model.part_params(part) if p.shape and p.shape[0] == self.vocab_size]
+        return any(p.trainable for p in vocab_rows)
 
     def trainable_part_params(self, part: str, t: int = 1) -> int:
         """Elements of `part` (embedding, block: one block, head) with requires_grad on one TP rank; a model with
