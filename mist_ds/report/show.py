@@ -15,8 +15,7 @@ def _stage_params(specs: Specs, trainable: bool = False) -> list[int]:
     the `trainable` ones."""
     model, strategy = specs.model, specs.strategy
     t, stages = strategy.parallelism.tp, strategy.stages
-    whole = {"embedding": model.embedding_params, "block": model.block_params, "head": model.head_params}
-    elements = model.trainable_part_params if trainable else (lambda part, t: whole[part](t))
+    elements = model.trainable_part_params if trainable else model.part_elements
     counts_vocab = model.trains_vocab() if trainable else True
     params = [s.layers * elements("block", t) for s in stages]
     params[0] += elements("embedding", t)

@@ -81,8 +81,8 @@ class ModelSpec:
         if self.read_model is not None:
             trains = [p.trainable for part in ("embedding", "block") for p in self.read_model.part_params(part)]
             field, value = ("model.frozen", list(self.hf.frozen)) if self.hf is not None else ("model", self.name)
-            require(any(trains), field, value, "freezes the embedding and every block: only the head would train, and no block's backward would "
-                    "run, which is not priced (each block is priced with its backward); leave a block parameter "
+            require(any(trains), field, value, "freezes the embedding and every block: only the head would train, "
+                    "and no block's backward would run, which is not priced (each block is priced with its backward); leave a block parameter "
                     "trainable")
 
     @property
@@ -194,10 +194,14 @@ class ModelSpec:
         vocab_rows = [p for p in self.read_model.part_params(part) if p.shape and p.shape[0] == self.vocab_size]
         return any(p.trainable for p in vocab_rows)
 
+    def part_elements(self, part: str, t: int = 1) -> int:
+        """Elements of `part` (embedding, block: one block, head) on one TP rank."""
+        return {"embedding": self.embedding_params, "block": self.block_params, "head": self.head_params}[part](t)
+
     def trainable_part_params(self, part: str, t: int = 1) -> int:
         """Elements of `part` (embedding, block: one block, head) with requires_grad on one TP rank; a model with
         frozen parameters is priced at t = 1 only (hf.frozen-autotp)."""
-        whole = {"embedding": self.embedding_params, "block": self.block_params, "head": self.head_params}[part](t)
+        whole = self.part_elements(part, t)
         if self.read_model is None or all(p.trainable for p in self.read_model.part_params(part)):
             return whole
         return sum(p.numel for p in self.read_model.part_params(part) if p.trainable)
