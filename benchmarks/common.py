@@ -23,7 +23,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
-from mist_ds.specs.strategy import resolve_strategy
+from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
 
 if TYPE_CHECKING:
     from mist_ds.tuner.search import PointResult
@@ -51,7 +51,7 @@ def specs_for(overrides: tuple[str, ...], *, nodes: int, gpus_per_node: int, glo
     train = dataclasses.replace(base.train, global_batch_size=global_batch)
     defaults = dict(runtime="megatron", dp=None, grad_accum=None, layers_per_stage=None, ckpt_layers="none",
                     zero_stage=0, offload={}, schedule="1f1b", allow_cross_node_tp=False)
-    resolved = resolve_strategy(base.model, cluster, train, **{**defaults, **strategy})
+    resolved = resolve_strategy(base.model, cluster, train, StrategyRequest(**{**defaults, **strategy}))
     return dataclasses.replace(base, cluster=cluster, train=train, strategy=resolved)
 
 

@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# Run the tests (sets up .venv first if it is missing).
-#   launch/test.sh            # fast lane: what CI runs (2 cores, a few minutes)
-#   launch/test.sh --slow     # the slow lane too (many DeepSpeed launches); run before resolving an issue
-#   launch/test.sh -k config  # any other arguments go to pytest (-n 4: more workers; -n 0: one process)
-# Two pytest-xdist workers, a test module per worker at a time; the modules that start DeepSpeed ranks share one
-# worker (tests/conftest.py LAUNCHING_MODULES), so no two launches run at once.
+# Run the tests (sets up .venv first if it is missing): the planner lane, then the engine lane.
+#   launch/test.sh            # what CI runs: planner lane (no DeepSpeed launch), then the engine lane (fast tests
+#                             # of the modules that start DeepSpeed ranks); the first failing lane stops it
+#   launch/test.sh --planner  # the planner lane only (a few minutes on 2 cores)
+#   launch/test.sh --engine   # the engine lane only
+#   launch/test.sh --slow     # both lanes with their slow tests too; run before resolving an issue
+#   launch/test.sh -k config  # any other arguments go to pytest in each lane (-n 0: one process)
+# The planner lane runs on two pytest-xdist workers, a module per worker at a time. The engine lane's modules
+# (tests/conftest.py LAUNCHING_MODULES, marked `engine`) run in one process: no two launches at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/setup.sh
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions"
-markers=(-m "not slow")
+lanes=(planner engine)
+speed="not slow"
 args=()
 for arg in "$@"; do
-  if [ "$arg" = "--slow" ]; then markers=(); else args+=("$arg"); fi
+  case "$arg" in
+    --slow) speed="" ;;
+    --planner) lanes=(planner) ;;
+    --engine) lanes=(engine) ;;
+    *) args+=("$arg") ;;
+  esac
 done
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup "${markers[@]}" "${args[@]}"
+for lane in "${lanes[@]}"; do
+  if [ "$lane" = planner ]; then marker="not engine"; workers=(-n 2 --dist loadgroup); else marker="engine"; workers=(-n 0); fi
+  [ -n "$speed" ] && marker="$speed and $marker"
+  echo "== $lane lane: -m \"$marker\"" >&2
+  start=$SECONDS
+  rc=0
+  .venv/bin/python -m pytest "${workers[@]}" -m "$marker" "${args[@]}" || rc=$?
+  if [ "$rc" = 5 ]; then echo "== $lane lane: no test selected" >&2; continue; fi  # e.g. -k matching one lane only
+  [ "$rc" = 0 ] || exit "$rc"
+  echo "== $lane lane passed in $((SECONDS - start)) s" >&2
+done

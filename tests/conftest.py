@@ -30,11 +30,15 @@ ranks bind it): under pytest-xdist (launch/test.sh) they share one worker, so no
 
 
 def pytest_collection_modifyitems(config, items):
-    """pytest-xdist's `--dist loadgroup`: a module's tests stay on one worker (its module fixtures run once), and the
-    LAUNCHING_MODULES go to one worker together."""
+    """The lanes (launch/test.sh): every test of a LAUNCHING_MODULES module is marked `engine`, the rest form the
+    planner lane. pytest-xdist's `--dist loadgroup`: a module's tests stay on one worker (its module fixtures run
+    once), and the LAUNCHING_MODULES go to one worker together."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("rank-launches" if module in LAUNCHING_MODULES else module))
+        launching = module in LAUNCHING_MODULES
+        if launching:
+            item.add_marker(pytest.mark.engine)
+        item.add_marker(pytest.mark.xdist_group("rank-launches" if launching else module))
 
 
 @pytest.fixture(autouse=True)

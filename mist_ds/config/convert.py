@@ -7,7 +7,7 @@ from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Sp
 from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
 from mist_ds.specs.errors import require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
-from mist_ds.specs.strategy import resolve_strategy
+from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
 
 
 
@@ -148,13 +148,13 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
 
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:
     runtime_capabilities(cfg.runtime)
-    return resolve_strategy(
-        model, cluster, train, runtime=cfg.runtime, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-        micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum, layers_per_stage=cfg.layers_per_stage,
-        ckpt_layers=cfg.ckpt_layers, zero_stage=cfg.zero_stage,
+    return resolve_strategy(model, cluster, train, StrategyRequest(
+        runtime=cfg.runtime, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+        grad_accum=cfg.grad_accum, layers_per_stage=cfg.layers_per_stage, ckpt_layers=cfg.ckpt_layers,
+        zero_stage=cfg.zero_stage,
         offload={"weights": cfg.offload.weights, "grads": cfg.offload.grads,
                  "optimizer": cfg.offload.optimizer, "activations": cfg.offload.activations},
-        schedule=cfg.schedule, allow_cross_node_tp=cfg.allow_cross_node_tp, virtual_stages=cfg.virtual_stages)
+        schedule=cfg.schedule, allow_cross_node_tp=cfg.allow_cross_node_tp, virtual_stages=cfg.virtual_stages))
 
 
 def to_specs(cfg: MistDsConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:

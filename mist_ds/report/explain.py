@@ -33,7 +33,7 @@ from mist_ds.plan import Plan
 from mist_ds.specs import ConfigError, Specs, StrategySpec, check_runtime
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import capabilities_of
-from mist_ds.specs.strategy import resolve_strategy, strategy_from_dict
+from mist_ds.specs.strategy import StrategyRequest, resolve_strategy, strategy_from_dict
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.runner_ups import strategy_differences
 
@@ -181,13 +181,8 @@ def _runner_up_strategy(specs: Specs, entry: dict[str, Any], index: int) -> Stra
     where = f"plan.runner_ups[{index}]"
     try:
         data = strategy_from_dict(entry["strategy"], f"{where}.strategy").to_dict()
-        resolved = resolve_strategy(specs.model, specs.cluster, specs.train, runtime=data["runtime"], tp=data["tp"],
-                                    pp=data["pp"], dp=data["dp"], micro_batch_size=data["micro_batch_size"],
-                                    grad_accum=data["grad_accum"], layers_per_stage=data["layers_per_stage"],
-                                    ckpt_layers=data["ckpt_layers"], zero_stage=data["zero_stage"],
-                                    offload=data["offload"], schedule=data["schedule"],
-                                    allow_cross_node_tp=data["tp"] > specs.cluster.gpus_per_node,
-                                    virtual_stages=data["virtual_stages"])
+        request = StrategyRequest(**data, allow_cross_node_tp=data["tp"] > specs.cluster.gpus_per_node)
+        resolved = resolve_strategy(specs.model, specs.cluster, specs.train, request)
         check_runtime(resolved, model=specs.model)
     except ConfigError as error:
         if error.field.startswith(where):

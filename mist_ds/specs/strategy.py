@@ -233,12 +233,32 @@ def _ckpt_per_stage(value: PerStage, layers: Sequence[int]) -> list[int]:
     return [int(c) for c in counts]
 
 
-def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, runtime: str, tp: int,
-                     pp: int, dp: int | None, micro_batch_size: int, grad_accum: int | None,
-                     layers_per_stage: Sequence[int] | None, ckpt_layers: PerStage, zero_stage: PerStage,
-                     offload: dict[str, PerStage], schedule: str,
-                     allow_cross_node_tp: bool = False, virtual_stages: int = 1) -> StrategySpec:
+@dataclass(frozen=True)
+class StrategyRequest:
+    """A strategy as asked for (the `strategy` config group, a plan's strategy read back): dp and grad_accum may be
+    left to derive (None), per-stage values given once for every stage; `resolve_strategy` makes it a
+    StrategySpec."""
+
+    runtime: str
+    tp: int
+    pp: int
+    micro_batch_size: int
+    ckpt_layers: PerStage
+    zero_stage: PerStage
+    offload: Mapping[str, PerStage]
+    schedule: str
+    dp: int | None = None
+    grad_accum: int | None = None
+    layers_per_stage: Sequence[int] | None = None
+    allow_cross_node_tp: bool = False
+    virtual_stages: int = 1
+
+
+def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
+                     request: StrategyRequest) -> StrategySpec:
     """Derive dp and grad_accum, expand per-stage values and check every cross-field rule."""
+    tp, pp, dp, micro_batch_size, grad_accum = (request.tp, request.pp, request.dp, request.micro_batch_size,
+                                                request.grad_accum)
     require_positive("strategy.tp", tp)
     require_positive("strategy.pp", pp)
     require_positive("strategy.micro_batch_size", micro_batch_size)
@@ -252,7 +272,7 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *
     require(dp == derived_dp, "strategy.dp", dp,
             f"tp x pp x dp must equal the cluster's {gpus} GPUs: dp = {derived_dp}, or leave it out")
     model.check_tensor_parallel(tp)
-    require(allow_cross_node_tp or tp <= cluster.gpus_per_node, "strategy.tp", tp,
+    require(request.allow_cross_node_tp or tp <= cluster.gpus_per_node, "strategy.tp", tp,
             f"TP spans nodes (cluster.gpus_per_node={cluster.gpus_per_node}); lower it, or set "
             "strategy.allow_cross_node_tp=true if you mean it")
     require(pp <= model.num_layers, "strategy.pp", pp, f"at most model.num_layers={model.num_layers} stages")
@@ -268,15 +288,17 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *
             f"grad_accum = {derived_accum}; or leave it out")
     parallelism = Parallelism(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
 
-    layers = list(layers_per_stage) if layers_per_stage is not None else list(partition_uniform(model.num_layers, pp))
+    asked_layers = request.layers_per_stage
+    layers = list(asked_layers) if asked_layers is not None else list(partition_uniform(model.num_layers, pp))
     require(len(layers) == pp, "strategy.layers_per_stage", layers, f"needs {pp} entries (strategy.pp)")
     require(sum(layers) == model.num_layers, "strategy.layers_per_stage", layers,
             f"must add up to model.num_layers={model.num_layers} (they add up to {sum(layers)})")
-    ckpt = _ckpt_per_stage(ckpt_layers, layers)
-    zero = _per_stage("strategy.zero_stage", zero_stage, pp, 0)
-    unknown = set(offload) - set(OFFLOAD_KINDS)
+    ckpt = _ckpt_per_stage(request.ckpt_layers, layers)
+    zero = _per_stage("strategy.zero_stage", request.zero_stage, pp, 0)
+    unknown = set(request.offload) - set(OFFLOAD_KINDS)
     require(not unknown, "strategy.offload", sorted(unknown), f"known kinds: {', '.join(OFFLOAD_KINDS)}")
-    ratios = {kind: _per_stage(f"strategy.offload.{kind}", offload.get(kind), pp, 0.0) for kind in OFFLOAD_KINDS}
+    ratios = {kind: _per_stage(f"strategy.offload.{kind}", request.offload.get(kind), pp, 0.0)
+              for kind in OFFLOAD_KINDS}
     for i, z in enumerate(zero):
         require(float(z).is_integer(), f"strategy.zero_stage[{i}]", z, "ZeRO stage must be 0, 1, 2 or 3")
     stages = tuple(
@@ -285,5 +307,5 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *
                       optimizer_offload=float(ratios["optimizer"][i]),
                       activations_offload=float(ratios["activations"][i]))
         for i in range(pp))
-    return StrategySpec(runtime=runtime, parallelism=parallelism, stages=stages, schedule=schedule,
-                        virtual_stages=virtual_stages)
+    return StrategySpec(runtime=request.runtime, parallelism=parallelism, stages=stages, schedule=request.schedule,
+                        virtual_stages=request.virtual_stages)
