@@ -1,4 +1,5 @@
-"""Conventions enforced by code (STYLE.md): frozen specs, units in numeric field names, typed configs."""
+"""Conventions enforced by code (docs/design.md, Architecture and Symbols and units): frozen specs, units in numeric
+field names, typed configs, the test lanes, line length."""
 from __future__ import annotations
 
 import dataclasses
