@@ -3,8 +3,9 @@
     tune_specs(specs) -> TuneResult     # or raises NoPlanFits with the explanation
 
 Hierarchical (docs/design.md, Tuner): global points (space.py) in lower-bound order (search.py), per point the
-intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py: the DP;
-milp.py: the MILP, which also couples the host memory of stages sharing a node).
+intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py: the choice of solver;
+partition_dp.py: the DP; milp.py: the MILP, which also couples the host memory of stages sharing a node, loaded
+only when asked for; partition_model.py: what they share).
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ from mist_ds.specs.strategy import partition_uniform
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
 from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
                                  stage_fronts)
-from mist_ds.tuner.partition import HostSharing, host_of, solve_partition
+from mist_ds.tuner.partition import solve_partition
+from mist_ds.tuner.partition_model import HostSharing, host_of
 from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, OptionGrids, fixed_partitions,
                                  global_points, layer_counts, stage_option_grid, tuner_runtime)
 
