@@ -14,8 +14,8 @@ stages whose ranks share a node must fit in its host memory together: sum_i c[n,
 holding c[n, i] ranks of stage i.
 
 Two exact solvers, chosen by `solve_partition` (here), on the types of partition_model.py:
-- `solve_partition_dp` (mist_ds/tuner/partition_dp.py): fixes thresholds max T <= tau and max E <= eps by filtering options, then
-  runs a DP over (stage, layers used). Exactness rests on one identity: with Q_{-1} = 0 and
+- `solve_partition_dp` (mist_ds/tuner/partition_dp.py): fixes thresholds max T <= tau and max E <= eps by
+  filtering options, then runs a DP over (stage, layers used). Exactness rests on one identity: with Q_{-1} = 0 and
     Q_i = T_i + max(Q_{i-1}, D_i)
   the last value is Q_{S-1} = sum_i T_i + max(0, max_i (D_i - P_i)) (induction: Q_i = P_{i+1} + max(0,
   max_{j<=i} (D_j - P_j))). Q_i is nondecreasing in Q_{i-1}, so a smaller Q after i stages never hurts
