@@ -33,7 +33,7 @@ MILP_OVER_DP_TARGET = 3.0
 
 
 class SolverLog(logging.Handler):
-    """Collects the partition solvers' debug records (mist_ds/tuner/partition.py, milp.py): seconds per
+    """Collects the partition solvers' debug records (mist_ds/tuner/partition_dp.py, milp.py): seconds per
     solve and, for the MILP, the options its bound pruning leaves (kept, of)."""
 
     def __init__(self) -> None:
@@ -51,7 +51,7 @@ class SolverLog(logging.Handler):
 def timed_search(overrides: tuple[str, ...], runtime: str, cache: Path) -> tuple[SearchResult, float, SolverLog]:
     """(result, CPU seconds, solver records) of one search."""
     handler = SolverLog()
-    loggers = [logging.getLogger(name) for name in ("mist_ds.tuner.partition", "mist_ds.tuner.milp")]
+    loggers = [logging.getLogger(name) for name in ("mist_ds.tuner.partition_dp", "mist_ds.tuner.milp")]
     for logger in loggers:
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)

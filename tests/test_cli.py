@@ -152,7 +152,8 @@ def test_a_typo_in_a_users_config_file_names_the_file_the_key_and_the_nearest_ke
         assert all(word in run.stderr for word in (file, key, f"did you mean {nearest}?")), run.stderr
     # a directory added by hydra.searchpath is the user's too
     run = mist_ds("show", "hydra.searchpath=[file://myconf]", "model=typo", cwd=tmp_path)
-    assert run.returncode == 2 and "myconf/model/typo.yaml" in run.stderr and "model.num_layer" in run.stderr, run.stderr
+    assert run.returncode == 2, run.stderr
+    assert "myconf/model/typo.yaml" in run.stderr and "model.num_layer" in run.stderr, run.stderr
     assert _names(tmp_path) == {"myconf"}
 
 
@@ -278,3 +279,44 @@ def test_analyze_json_is_public_interface(tmp_path):
             parsed = sympy.sympify(text, locals={"b": b_, "s": s_, "t": t_})
             assert parsed.free_symbols <= {b_, s_, t_}
     assert _names(cwd) == set()
+
+
+def test_the_flags_read_before_hydra_main_are_the_installed_hydras():
+    """mist-ds reads Hydra's command line (mist_ds/cli/main.py HYDRA_*) to put its settings before the user's
+    overrides; hydra.main reads it again with its own parser. Test-only, Hydra's private parser is the reference:
+    a release that changes a flag fails here (and is refused at start-up: mist_ds/config/versions.py)."""
+    from hydra._internal.utils import get_args_parser
+
+    from mist_ds.cli.main import hydra_parser
+
+    def flags(parser):  # a switch as one shape: their --version prints and exits, ours is store_true
+        return {tuple(a.option_strings): (a.nargs or None, None if a.const is True else a.const,
+                                          tuple(a.choices or ())) for a in parser._actions if a.option_strings}
+
+    assert flags(hydra_parser("show")) == flags(get_args_parser())
+
+
+@pytest.mark.parametrize("line, hydra_reads", [
+    (["-m", "model=a,b"], ["--multirun", "model=a,b"]),
+    (["model=a", "--cfg", "job"], ["--cfg=job", "model=a"]),
+    (["-cn", "mine", "--info"], ["--config-name=mine", "--info=all"]),
+])
+def test_hydra_main_reads_the_settings_before_the_users_overrides(line, hydra_reads):
+    from mist_ds.cli.main import hydra_command_line, hydra_settings, parse_hydra_args
+
+    settings = hydra_settings("show", line)
+    read = hydra_command_line(parse_hydra_args("show", line))
+    flags = [arg for arg in hydra_reads if arg.startswith("-")]
+    assert read == [*flags, *settings, *[arg for arg in hydra_reads if not arg.startswith("-")]]
+
+
+@pytest.mark.parametrize("version, ok", [("1.3.2", True), ("1.3.8", True), ("1.2.0", False), ("1.4.0", False)])
+def test_hydra_outside_the_checked_range_is_refused(version, ok):
+    from mist_ds.config.versions import check_hydra_version
+    from mist_ds.specs import ConfigError
+
+    if ok:
+        check_hydra_version(version)
+    else:
+        with pytest.raises(ConfigError, match=r"hydra-core.*install 'hydra-core>=1\.3,<1\.4'"):
+            check_hydra_version(version)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import tomllib
 import typing
 
 import mist_ds.config.schema as schema
 import mist_ds.specs as specs_pkg
+from mist_ds.config.versions import SUPPORTED_HYDRA
+from mist_ds.runtime.versions import SUPPORTED_DEEPSPEED
 from mist_ds.specs import cluster, model, strategy, train, tuner
+from mist_ds.specs.versions import requirement
+from tests.conftest import REPO
 
 UNIT_SUFFIXES = ("_bytes", "_s", "_flops", "_flops_per_s", "_bytes_per_s", "_params_per_s",
                  "_gib", "_gbps", "_tflops", "_gparams_per_s", "_per_gpu_hour", "_efficiency", "_us", "_gflop")
@@ -97,3 +102,11 @@ def test_every_module_that_starts_ranks_runs_on_the_launching_worker():
     launching = {path.stem for path in here.parent.glob("test_*.py")
                  if path != here and any(s in path.read_text() for s in starts_ranks)}
     assert launching <= LAUNCHING_MODULES, sorted(launching - LAUNCHING_MODULES)
+
+
+def test_pyproject_pins_the_ranges_checked_at_start_up():
+    """One range per package, written once in code and pinned the same in pyproject.toml (mist_ds/specs/versions.py)."""
+    pinned = {line.split(">")[0].split("<")[0].split("=")[0]: line
+              for line in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for package, supported in (("deepspeed", SUPPORTED_DEEPSPEED), ("hydra-core", SUPPORTED_HYDRA)):
+        assert pinned[package] == requirement(package, supported), (package, pinned[package])

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from mist_ds.specs.placement import stage_ranks_per_node
 from mist_ds.tuner.milp import solve_partition_milp
-from mist_ds.tuner.partition import (HostSharing, Partition, StageOptions, pareto_front, partition_objective,
-                                     solve_partition, solve_partition_dp)
+from mist_ds.tuner.partition import solve_partition
+from mist_ds.tuner.partition_dp import solve_partition_dp
+from mist_ds.tuner.partition_model import HostSharing, Partition, StageOptions, pareto_front, partition_objective
 
 REL_TOL = 1e-9  # DP and brute force do the same float operations up to summation order
 MILP_REL_TOL = 1e-6  # CBC works to feasibility tolerances, on costs scaled to at most 1

@@ -8,9 +8,17 @@
     mist-ds show model=tiny --cfg job                                # Hydra's flags work as usual
 
 A tiny pre-parser pops the command word (tune, predict, show, analyze, measure, profile); everything after it is Hydra's
-command line, handled by Hydra's own machinery, the parser and runner hydra.main uses, on the primary
-config `config` in `pkg://mist_ds.conf`: overrides, -m/--multirun, --cfg job|hydra|all, --info, -cn,
--cp, -cd, hydra.run.dir=..., hydra.sweep.dir=..., hydra/launcher=..., --shell-completion, --help.
+command line, run by Hydra's public entry point, hydra.main, on the primary config `config` in
+`pkg://mist_ds.conf`: overrides, -m/--multirun, --cfg job|hydra|all, --info, -cn, -cp, -cd,
+hydra.run.dir=..., hydra.sweep.dir=..., hydra/launcher=..., --shell-completion, --help.
+
+Each command puts its own Hydra settings (`hydra_settings`: job name, the sweep callback, NO_FILES) before the
+user's overrides, so that the user's (later) win. hydra.main reads sys.argv, where argparse takes the
+overrides as one run of positionals: the settings cannot simply go first (`-m` would end the run). So the line
+is read first with Hydra 1.3's flags (HYDRA_SWITCHES, HYDRA_VALUED, HYDRA_INFO: `hydra_parser`), and handed to
+hydra.main as flags, then settings, then the user's overrides (`hydra_command_line`). That read also finds
+-m, -cd, -cp and the search path for error messages. Hydra's flags and its error wording are 1.3's, so the
+installed hydra-core is checked against mist_ds/config/versions.py at start-up (pyproject.toml pins the same).
 
 Before Hydra sees them, the pre-parser maps the old spellings (`rewrite_options`):
     --json     -> json=true          (machine-readable output on stdout)
@@ -376,25 +384,58 @@ def hydra_settings(command: str, overrides: Sequence[str] = ()) -> list[str]:
     return [*settings, *NO_FILES]
 
 
-def parse_hydra_args(command: str, args: Sequence[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """Hydra's parser and its reading of the user's arguments, hydra_settings before their overrides.
+HYDRA_SWITCHES = (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+                  ("--multirun", "-m"), ("--shell-completion", "-sc"))
+HYDRA_VALUED: dict[tuple[str, ...], tuple[str, ...] | None] = {
+    ("--cfg", "-c"): ("job", "hydra", "all"), ("--package", "-p"): None, ("--config-path", "-cp"): None,
+    ("--config-name", "-cn"): None, ("--config-dir", "-cd"): None, ("--experimental-rerun",): None}
+HYDRA_INFO = (("--info", "-i"), ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"))
+"""Hydra 1.3's command-line flags, as hydra.main parses them (`--hydra-help` lists them; tests/test_cli.py checks
+them against the installed Hydra): switches, flags taking a value (its choices; None: any), and --info with an
+optional topic (the first when none is given)."""
 
-    The parser is the one hydra.main builds (hydra/_internal/utils.py, get_args_parser, Hydra 1.3);
-    what it refuses becomes a ConfigError (argparse would print its usage and exit itself).
-    """
-    from hydra._internal.utils import get_args_parser
 
+def _dest(names: tuple[str, ...]) -> str:
+    """The attribute argparse gives a flag: its first name, e.g. --config-dir -> config_dir."""
+    return names[0].lstrip("-").replace("-", "_")
+
+
+def hydra_parser(command: str) -> argparse.ArgumentParser:
+    """A parser of Hydra's command line (HYDRA_SWITCHES, HYDRA_VALUED, HYDRA_INFO, then the overrides); what it
+    refuses becomes a ConfigError (argparse would print its usage and exit itself)."""
     def refuse(message: str) -> None:
         raise ConfigError("command line", NO_VALUE, f"{message}; see `{PROG} {command} --hydra-help`")
 
-    parser = get_args_parser()
+    parser = argparse.ArgumentParser(prog=f"{PROG} {command}", add_help=False)
+    for names in HYDRA_SWITCHES:
+        parser.add_argument(*names, action="store_true")
+    for names, choices in HYDRA_VALUED.items():
+        parser.add_argument(*names, choices=choices)
+    info, topics = HYDRA_INFO
+    parser.add_argument(*info, nargs="?", const=topics[0], choices=topics)
+    parser.add_argument("overrides", nargs="*")
     parser.error = refuse  # type: ignore[method-assign]
-    parsed = parser.parse_args(rewrite_options(args))
+    return parser
+
+
+def parse_hydra_args(command: str, args: Sequence[str]) -> argparse.Namespace:
+    """The user's arguments as Hydra reads them, hydra_settings before their overrides."""
+    parsed = hydra_parser(command).parse_args(rewrite_options(args))
     if parsed.experimental_rerun is not None:
         raise ConfigError("--experimental-rerun", parsed.experimental_rerun,
                           f"not supported by {PROG}; rerun with the overrides in the job's .hydra/overrides.yaml")
     parsed.overrides = [*hydra_settings(command, parsed.overrides), *parsed.overrides]
-    return parser, parsed
+    return parsed
+
+
+def hydra_command_line(parsed: argparse.Namespace) -> list[str]:
+    """`parsed` as hydra.main reads it again from sys.argv: the flags (each as --name=value, so no value is
+    taken for a flag), then all the overrides in one run."""
+    flags = [names[0] for names in HYDRA_SWITCHES if getattr(parsed, _dest(names))]
+    for names in (*HYDRA_VALUED, HYDRA_INFO[0]):
+        value = getattr(parsed, _dest(names))
+        flags += [] if value is None else [f"{names[0]}={value}"]
+    return [*flags, *parsed.overrides]
 
 
 def report(command: str, error: ConfigError) -> None:
@@ -473,25 +514,31 @@ def _input_error(error: Exception, config_dirs: Sequence[str], output_key: str) 
     return None
 
 
-def _run_hydra_app(jobs: Jobs, parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """jobs.run as a Hydra app on mist_ds's primary config: what hydra.main's decorated function does
-    (hydra/main.py, Hydra 1.3: version.setbase, get_args_parser().parse_args(), _run_hydra), given the
-    parsed `args`. hydra.main itself would parse sys.argv, where the settings cannot go before the
-    user's overrides: argparse reads them as one run of positionals, so `-m` would end it.
+@contextlib.contextmanager
+def _argv(args: Sequence[str]) -> Iterator[None]:
+    """sys.argv[1:] = args while the block runs (the program name kept: Hydra's shell completion names it)."""
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else PROG, *args]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
-    HYDRA_FULL_ERROR=1 makes Hydra's run_and_report re-raise instead of printing its own report and
-    exiting 1 (hydra/_internal/utils.py), so errors reach run_command.
+
+def _run_hydra_app(jobs: Jobs, command_line: Sequence[str]) -> None:
+    """jobs.run as a hydra.main app on mist_ds's primary config, reading `command_line` (hydra_command_line).
+
+    HYDRA_FULL_ERROR=1 makes Hydra re-raise instead of printing its own report and exiting 1, so errors
+    reach run_command.
     """
-    from hydra import version
-    from hydra._internal.utils import _run_hydra
+    import hydra
 
     from mist_ds.config import CONFIG_MODULE, PRIMARY_CONFIG, register_configs
 
     register_configs()
-    version.setbase("1.3")
-    with _environ(FULL_ERROR_ENV, "1"):
-        _run_hydra(args=args, args_parser=parser, task_function=jobs.run, config_path=f"pkg://{CONFIG_MODULE}",
-                   config_name=PRIMARY_CONFIG)
+    app = hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=PRIMARY_CONFIG)(jobs.run)
+    with _environ(FULL_ERROR_ENV, "1"), _argv(command_line):
+        app()
 
 
 def searchpath_dirs(overrides: Sequence[str]) -> list[str]:
@@ -508,19 +555,24 @@ def searchpath_dirs(overrides: Sequence[str]) -> list[str]:
 
 def run_command(command: str, args: Sequence[str]) -> int:
     """`mist-ds <command> <args>`: the exit status (module docstring)."""
+    from hydra import __version__ as hydra_version
+
+    from mist_ds.config.versions import check_hydra_version
+
     jobs = Jobs(command, full_error=os.environ.get(FULL_ERROR_ENV) == "1")
     with tempfile.TemporaryDirectory(prefix="mist-ds-") as scratch:
         # The sweep callback writes the sweep's status here: it counts the jobs of any launcher,
         # also those run in other processes, which leave no status in `jobs`.
         sweep_status, config_dirs, output_key = Path(scratch) / "sweep_status", [], "hydra.run.dir"
         try:
-            parser, parsed = parse_hydra_args(command, args)
+            check_hydra_version(hydra_version)
+            parsed = parse_hydra_args(command, args)
             config_dirs = [d for d in (parsed.config_dir, parsed.config_path) if d is not None]
             config_dirs += searchpath_dirs(parsed.overrides)
             output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             if COMMANDS[command].summarizes_sweeps:
                 parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
-            _run_hydra_app(jobs, parser, parsed)
+            _run_hydra_app(jobs, hydra_command_line(parsed))
         except Exception as error:
             crashed = jobs.full_error or error in jobs.crashed
             bad_input = None if crashed else _input_error(error, config_dirs, output_key)

@@ -14,9 +14,10 @@ is the slowest rank's.
 
 That set-up is global to a process (torch's default group, DeepSpeed's groups and AutoTP mode), so each degree runs
 in a process of its own: `at_each_degree` spawns one process that imports torch, transformers and DeepSpeed once
-(about 5 s on this project's 2-core VM) and forks a child per degree, so the set-up of one degree never meets another's and the imports
-are paid once. `autotp_shapes` (rank 0's parameter elements by part, read here for the specs) and
-mist_ds/symbolic/hf_trace.py (the trace of the sharded layers) both run that way.
+(about 5 s on this project's 2-core VM) and forks a child per degree, so the set-up of one degree never meets
+another's and the imports are paid once. `autotp_shapes` (rank 0's parameter elements by part, read for the specs
+by the spawned mist_ds/specs/autotp_worker.py) and mist_ds/symbolic/hf_trace.py (the trace of the sharded layers)
+both run that way.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ from typing import Any, Callable
 
 AUTOTP_DEGREES = (2, 4, 8)
 """The tensor-parallel degrees priced for a Hugging Face model (AutoTP keeps TP inside a node)."""
+WORKER_MODULE = "mist_ds.specs.autotp_worker"
+WORKER_FILE = Path(__file__).with_name("autotp_worker.py")
+"""The spawned side of `autotp_shapes`: a module of its own, since it builds the model with specs/hf.py, which
+reads these shapes through `cached_autotp_shapes` (no import circle); part of the cache key as this file is."""
 
 
 class _EngineStandIn:
@@ -94,22 +99,6 @@ class AutoTpShapes:
     """AutoTP's own error (e.g. an architecture it does not support), empty when it shards the model."""
 
 
-def _shapes_in_this_process(config_json: str, attn_implementation: str, blocks_attr: str, degree: int) -> dict:
-    from mist_ds.specs.hf import build_meta_model, config_from_json, head_modules, split_parameters
-
-    model = build_meta_model(config_from_json(config_json), attn_implementation)
-    try:
-        shard_with_autotp(model, degree)
-    except (AssertionError, ValueError, NotImplementedError, RuntimeError) as error:
-        return {"degree": degree, "refused": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
-    parts = split_parameters(model, blocks_attr)
-    elements = lambda named: sum(p.numel() for _, p in named)  # noqa: E731
-    head = sum(p.numel() for module in head_modules(model, blocks_attr) for p in module.parameters())
-    return {"degree": degree, "embedding": elements(parts["embedding"]), "block": elements(parts["block"]),
-            "head": head, "largest_block_tensor": max(p.numel() for _, p in parts["block"]),
-            "vocab_tensor": model.get_input_embeddings().weight.numel()}
-
-
 def cached_autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str) -> tuple[AutoTpShapes, ...]:
     """autotp_shapes at AUTOTP_DEGREES, read once per machine (the cache folder's `autotp/`, keyed by the config,
     the attention implementation and the versions of DeepSpeed, transformers and torch)."""
@@ -120,7 +109,7 @@ def cached_autotp_shapes(config_json: str, attn_implementation: str, blocks_attr
 
     keyed = {"config": config_json, "attn_implementation": attn_implementation, "blocks_attr": blocks_attr,
              "degrees": AUTOTP_DEGREES, **{name: version(name) for name in ("deepspeed", "transformers", "torch")},
-             "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+             "code": hashlib.sha256(b"".join(Path(f).read_bytes() for f in (__file__, WORKER_FILE))).hexdigest()}
     read = lambda: [entry.__dict__ for entry in autotp_shapes(config_json, attn_implementation, blocks_attr)]  # noqa
     return cached_json("autotp", keyed, read, lambda entries: tuple(AutoTpShapes(**entry) for entry in entries))
 
@@ -129,7 +118,7 @@ def autotp_shapes(config_json: str, attn_implementation: str, blocks_attr: str,
                   degrees: tuple[int, ...] = AUTOTP_DEGREES) -> tuple[AutoTpShapes, ...]:
     """AutoTpShapes at each degree, each read in a process of its own (module docstring)."""
     request = {"config_json": config_json, "attn_implementation": attn_implementation, "blocks_attr": blocks_attr}
-    answers = at_each_degree("mist_ds.specs.autotp", request, degrees, "reading AutoTP's shards")
+    answers = at_each_degree(WORKER_MODULE, request, degrees, "reading AutoTP's shards")
     return tuple(AutoTpShapes(**answers[degree]) for degree in degrees)
 
 
@@ -186,14 +175,3 @@ def _import_what_sharding_uses() -> None:
     import deepspeed.runtime.engine  # noqa: F401
     import deepspeed.runtime.tensor_parallel.config  # noqa: F401
     from torch.testing._internal.distributed import fake_pg  # noqa: F401
-
-
-def _prepare_shapes(request: dict) -> None:
-    from mist_ds.specs.hf import build_meta_model, config_from_json
-
-    build_meta_model(config_from_json(request["config_json"]), request["attn_implementation"])  # imports the class
-
-
-if __name__ == "__main__":
-    serve_each_degree(sys.argv, _prepare_shapes, lambda request, degree: _shapes_in_this_process(
-        request["config_json"], request["attn_implementation"], request["blocks_attr"], degree))

@@ -3,8 +3,9 @@
     tune_specs(specs) -> TuneResult     # or raises NoPlanFits with the explanation
 
 Hierarchical (docs/design.md, Tuner): global points (space.py) in lower-bound order (search.py), per point the
-intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py: the DP;
-milp.py: the MILP, which also couples the host memory of stages sharing a node).
+intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py: the choice of solver;
+partition_dp.py: the DP; milp.py: the MILP, which also couples the host memory of stages sharing a node, loaded
+only when asked for; partition_model.py: what they share).
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeC
     if not caps.offloads_fractions:
         fixes.append("a runtime with more offload (tuner.runtime=mist-paper prices what DeepSpeed cannot run)")
     fixes.append(f"a GPU with more than {need / GIB:.1f} GiB (cluster=a100-80g, h100-80g, h200-141g)")
-    return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU ({layout}), the GPU has {usable / GIB:.2f} GiB usable "
+    return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU ({layout}), the GPU has "
+            f"{usable / GIB:.2f} GiB usable "
             f"(cluster.gpu.memory_gib minus cluster.gpu.reserve_gib). On its fullest stage {binding} take the most "
             f"({parts[binding] / GIB:.2f} GiB; model states {states / GIB:.2f} GiB, activations "
             f"{parts['activations'] / GIB:.2f} GiB). What would fit: " + "; ".join(fixes) + ".")

@@ -17,7 +17,7 @@ from mist_ds.cost.stage import (ModelCosts, StageCandidates, in_flight_micro_bat
                                 stage_memory, stage_times)
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import RuntimeCapabilities, TrainSpec
-from mist_ds.tuner.partition import StageOptions, front_of_sorted, pareto_columns, pareto_front
+from mist_ds.tuner.partition_model import StageOptions, front_of_sorted, pareto_columns, pareto_front
 from mist_ds.tuner.space import OPTION_KEYS, GlobalPoint, OptionGrids, stage_option_grid
 
 

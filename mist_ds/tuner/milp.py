@@ -39,8 +39,9 @@ from collections.abc import Sequence
 import mip
 import numpy as np
 
-from mist_ds.tuner.partition import (HostSharing, Options, Partition, _by_stage, _check_sizes, _Choice, _evaluate,
-                                     host_of, mapped, restricted, solve_partition_dp)
+from mist_ds.tuner.partition_dp import solve_partition_dp
+from mist_ds.tuner.partition_model import (Choice, HostSharing, Options, Partition, by_stage, check_sizes, evaluate,
+                                           host_of, mapped, restricted)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _Space:
     """What is left of the problem: per stage the options (`stages`), their indices in the input options
     (`index[i][l]`) and the layers used before the stage on each arc (`arcs[i][l]`)."""
 
-    stages: list[list[_Choice]]
+    stages: list[list[Choice]]
     index: list[dict[int, np.ndarray]]
     arcs: list[dict[int, np.ndarray]]
 
@@ -66,7 +67,7 @@ class _Space:
         return sum(c.stable_s.size for s in self.stages for c in s)
 
 
-def _initial_space(stages: list[list[_Choice]], L: int) -> _Space:
+def _initial_space(stages: list[list[Choice]], L: int) -> _Space:
     arcs = [{c.layers: np.arange(L + 1 - c.layers) for c in s} for s in stages]
     return _connected(_Space(stages, [{c.layers: np.arange(c.stable_s.size) for c in s} for s in stages], arcs), L)
 
@@ -136,7 +137,7 @@ def _prune(space: _Space, L: int, G: int, upper_s: float) -> _Space:
                 if keep_arc.any():
                     arcs[i][c.layers] = us[keep_arc]
                     index[i][c.layers] = space.index[i][c.layers][keep_option]
-                    stages[i].append(_Choice(c.layers, *(getattr(c, f)[keep_option] for f in _COSTS)))
+                    stages[i].append(Choice(c.layers, *(getattr(c, f)[keep_option] for f in _COSTS)))
         space = _connected(_Space(stages, index, arcs), L)
         if not changed:
             break
@@ -284,9 +285,9 @@ def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bo
     bound already known (e.g. the DP's optimum without the sharing), reported if CBC's is weaker. Raises
     TimeoutError when the limit passes before any feasible split is found.
     """
-    _check_sizes(S, L, G, layer_bounds)
+    check_sizes(S, L, G, layer_bounds)
     begin = time.perf_counter()
-    stages = _by_stage(options, S, L, imbalance, layer_bounds)
+    stages = by_stage(options, S, L, imbalance, layer_bounds)
     if any(not s for s in stages):
         return None
     space = _initial_space(stages, L)
@@ -295,7 +296,7 @@ def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bo
     start = _start(options, S, L, G, imbalance, time_limit_s, layer_bounds, host)
     before = space.size()
     if start is not None:  # pruned by the start's own cost, recomputed: the MILP stays a check of the DP
-        space = _prune(space, L, G, _evaluate(stages, start.layers, start.option, G))
+        space = _prune(space, L, G, evaluate(stages, start.layers, start.option, G))
     scale = max(max(float(max(c.stable_s.max(), c.delta_s.max(), c.end_s.max())) for c in s) for s in space.stages)
     scale = scale if scale > 0 else 1.0
     built = _build(space, L, G, scale, host)
@@ -309,10 +310,10 @@ def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bo
             return None
         raise TimeoutError(f"solve_partition_milp: no feasible split within {time_limit_s} s (status {status.name})")
     layers, option = (start.layers, start.option) if start is not None else ((), ())
-    objective = _evaluate(stages, layers, option, G) if start is not None else math.inf
+    objective = evaluate(stages, layers, option, G) if start is not None else math.inf
     if solved:
         found = _read(built, space)
-        value = _evaluate(stages, *found, G)
+        value = evaluate(stages, *found, G)
         # CBC keeps rows within its feasibility tolerance: a split over a node's memory by that much is refused.
         overflows = host is not None and not host.fits(host_of(options, Partition(*found, value, value, 0.0, "milp")))
         if overflows and start is None:

@@ -35,7 +35,8 @@ from mist_ds.specs.strategy import partition_uniform
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
 from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
                                  stage_fronts)
-from mist_ds.tuner.partition import HostSharing, host_of, solve_partition
+from mist_ds.tuner.partition import solve_partition
+from mist_ds.tuner.partition_model import HostSharing, host_of
 from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, OptionGrids, fixed_partitions,
                                  global_points, layer_counts, stage_option_grid, tuner_runtime)
 
@@ -173,7 +174,8 @@ def _stage_strategy(options: dict[str, np.ndarray], k: int, layers: int, ckpt: f
                          optimizer_offload=float(options["oo"][k]), activations_offload=float(options["ao"][k]))
 
 
-def _stage_strategies(options: dict[str, np.ndarray], layers: list[int], chosen: list[int]) -> tuple[StageStrategy, ...]:
+def _stage_strategies(options: dict[str, np.ndarray], layers: list[int],
+                      chosen: list[int]) -> tuple[StageStrategy, ...]:
     return tuple(_stage_strategy(options, k, l, options["ckpt"][k]) for l, k in zip(layers, chosen))
 
 
@@ -471,7 +473,8 @@ def search(specs: Specs, space: str | None = None, runtime: str | RuntimeCapabil
                 pruned.extend((p, b) for p, b in chunk if b > limit)
                 if keep:
                     todo.append(keep)
-            priced = pool.map(price_points, [ctx] * len(todo), todo) if pool else (price_points(ctx, c, state) for c in todo)
+            priced = (pool.map(price_points, [ctx] * len(todo), todo) if pool
+                      else (price_points(ctx, c, state) for c in todo))
             for chunk_results in priced:
                 results.extend(chunk_results)
             if bar is not None:
