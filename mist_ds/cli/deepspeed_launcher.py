@@ -41,6 +41,7 @@ from typing import Sequence
 
 from mist_ds.files import write_atomic
 from mist_ds.specs import ConfigError
+from mist_ds.specs.strategy import degrees_text
 from mist_ds.report.command import TRAIN_SCRIPT, command_file
 
 MODES = ("tune", "run")
@@ -212,8 +213,8 @@ def checked_plan(plan: str, user_args: Sequence[str], world_size: int) -> Path:
     loaded, overrides = load_plan(plan_json), hydra_overrides(user_args)
     par = loaded.strategy.parallelism
     if par.num_gpus != world_size:
-        raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks (tp {par.tp} x pp {par.pp} x dp "
-                                 f"{par.dp}) and the launcher's resources give {world_size} ranks; ask for "
+        raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks ({degrees_text(par)}) and the "
+                                 f"launcher's resources give {world_size} ranks; ask for "
                                  f"{par.num_gpus} (--num_nodes, --num_gpus, a hostfile) or drop --plan to plan for "
                                  f"{world_size}")
     with naming_the_plans_model(loaded, plan, overrides):

@@ -17,9 +17,8 @@ from typing import Any
 from mist_ds.cost.predict import Prediction
 from mist_ds.files import write_atomic
 from mist_ds.specs import Specs
-from mist_ds.report.tune import value_text
 from mist_ds.specs.groups import stage_of
-from mist_ds.specs.strategy import OFFLOAD_KINDS
+from mist_ds.specs.strategy import layout_text, strategy_from_dict
 
 
 def measure_record(specs: Specs, prediction: Prediction, results: list[dict[str, Any]], warmup: int,
@@ -47,12 +46,8 @@ def measure_record(specs: Specs, prediction: Prediction, results: list[dict[str,
 
 
 def _layout(strategy: dict) -> str:
-    """The strategy in one line, offload ratios included (weights / grads / optimizer / activations, a
-    per-stage list where the stages differ)."""
-    offload = "/".join(value_text(strategy["offload"][kind]) for kind in OFFLOAD_KINDS)
-    return (f"tp {strategy['tp']} pp {strategy['pp']} dp {strategy['dp']} b {strategy['micro_batch_size']} "
-            f"G {strategy['grad_accum']} layers {strategy['layers_per_stage']} ckpt {strategy['ckpt_layers']} "
-            f"ZeRO {strategy['zero_stage']} offload w/g/o/a {offload}")
+    """A measure record's strategy (its one serialization) as the one layout text."""
+    return layout_text(strategy_from_dict(strategy, "measure.strategy"))
 
 
 def render_measure(record: dict[str, Any]) -> str:

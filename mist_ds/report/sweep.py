@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from mist_ds.plan import Plan
 from mist_ds.specs import Specs
+from mist_ds.specs.strategy import degrees_text
 from mist_ds.specs.cluster import GIB
 
 RESULT_FILE = "result.json"
@@ -37,11 +38,6 @@ def usd_per_million_tokens(price_per_gpu_hour: float | None, gpus: int, tokens_p
     return price_per_gpu_hour * gpus / SECONDS_PER_HOUR / tokens_per_s * TOKENS_PER_PRICED_UNIT
 
 
-def _layout(strategy) -> str:
-    par = strategy.parallelism
-    return f"tp {par.tp} x pp {par.pp} x dp {par.dp}, b {par.micro_batch_size} x G {par.grad_accum}"
-
-
 def tune_result(overrides: Sequence[str], status: int, reason: str | None = None, specs: Specs | None = None,
                 plan: Plan | None = None) -> dict[str, Any]:
     """A tune job's row: its status and reason; the model and cluster once its config composed (`specs`);
@@ -54,7 +50,7 @@ def tune_result(overrides: Sequence[str], status: int, reason: str | None = None
                 "price_per_gpu_hour": cluster.price_per_gpu_hour}
     if plan is not None and specs is not None:
         p = plan.prediction
-        row |= {"layout": _layout(plan.strategy), "iteration_time_s": p["iteration_time_s"],
+        row |= {"layout": degrees_text(plan.strategy.parallelism), "iteration_time_s": p["iteration_time_s"],
                 "tokens_per_s": p["tokens_per_s"], "mfu": p["mfu"],
                 "peak_memory_gib": max(p["peak_memory_bytes"]) / GIB,
                 "usd_per_million_tokens": usd_per_million_tokens(specs.cluster.price_per_gpu_hour,

@@ -11,6 +11,7 @@ from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan, model_source_of
 from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
+from mist_ds.specs.strategy import layout_text
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import RuntimeCapabilities
 from mist_ds.tuner import TuneResult
@@ -56,8 +57,7 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
     lines = [
         f"# Plan: {specs.model.name} on {specs.cluster.num_gpus}x {specs.cluster.gpu.name}",
         "",
-        f"Runtime `{strategy.runtime}`, space `{search['space']}`: tp {par.tp} x pp {par.pp} x dp {par.dp}, "
-        f"micro-batch {par.micro_batch_size} x {par.grad_accum} accumulation steps "
+        f"Runtime `{strategy.runtime}`, space `{search['space']}`: {layout_text(strategy)} "
         f"(global batch {par.global_batch_size}, sequence {specs.model.seq_len}).",
         "",
         f"- iteration {p['iteration_time_s']:.3f} s (closed form {p['iteration_time_closed_form_s']:.3f} s), "

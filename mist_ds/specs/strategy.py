@@ -12,7 +12,7 @@ overrides. plan.json, `predict --json` and the ds_config `"mist"` block all use 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from mist_ds.specs.cluster import ClusterSpec
 from mist_ds.specs.errors import ConfigError, require, require_positive
@@ -186,6 +186,40 @@ def strategy_overrides(strategy: StrategySpec) -> list[str]:
         else:
             out.append(f"strategy.{key}={_override_value(value)}")
     return out
+
+
+OFFLOAD_SYMBOLS: Mapping[str, str] = {"weights": "wo", "grads": "go", "optimizer": "oo", "activations": "ao"}
+"""The symbols of docs/design.md (Symbols and units) for the offloaded fractions."""
+
+
+def run_length_text(values: Iterable[Any]) -> str:
+    """Run-length text of a per-stage list: [13, 12, 12, 12, 11] -> '13, 12 (x3), 11'."""
+    values, out, i = list(values), [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        out.append(f"{values[i]:g}" + (f" (x{j - i + 1})" if j > i else ""))
+        i = j + 1
+    return ", ".join(out)
+
+
+def degrees_text(par: Any) -> str:
+    """The global layout in words: `tp 2 x pp 4 x dp 8, b 1 x G 16` (a Parallelism, or any value with its five
+    fields, such as the tuner's points)."""
+    return f"tp {par.tp} x pp {par.pp} x dp {par.dp}, b {par.micro_batch_size} x G {par.grad_accum}"
+
+
+def layout_text(strategy: StrategySpec) -> str:
+    """A strategy in one line, the one text form every report prints: the global layout, then per stage (run-length)
+    its blocks, recomputed blocks and ZeRO stage, and the offloaded fractions that are not all zero:
+    `tp 1 x pp 2 x dp 2, b 1 x G 4; layers [2 (x2)]; recompute [0, 1]; ZeRO [1 (x2)]; offload oo [0, 1]`."""
+    stages = strategy.stages
+    ratios = {kind: [getattr(s, f"{kind}_offload") for s in stages] for kind in OFFLOAD_KINDS}
+    offloads = [f"{OFFLOAD_SYMBOLS[kind]} [{run_length_text(values)}]" for kind, values in ratios.items() if any(values)]
+    return (f"{degrees_text(strategy.parallelism)}; layers [{run_length_text(s.layers for s in stages)}]; "
+            f"recompute [{run_length_text(s.ckpt_layers for s in stages)}]; "
+            f"ZeRO [{run_length_text(s.zero_stage for s in stages)}]; offload {'; '.join(offloads) or 'none'}")
 
 
 def partition_uniform(num_layers: int, num_stages: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from mist_ds.cost.host import PER_NODE, host_use
 from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
+from mist_ds.specs.strategy import degrees_text
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.runtime import capabilities_of
 from mist_ds.tuner.runner_ups import runner_ups
@@ -76,7 +77,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeC
     states = parts["weights"] + parts["grads"] + parts["optimizer"]
     need = nearest.least_peak_bytes
     p = nearest.point
-    layout = f"tp {p.tp}, pp {p.pp}, dp {p.dp}, micro-batch {p.micro_batch_size}"
+    layout = degrees_text(p)
     rule = specs.tuner.host_memory
     host = host_use(specs.cluster, rule, prediction.host_bytes_per_rank, p.tp * p.dp)
     if need <= usable and host.fits:  # each stage position fits alone, never all of them at once
