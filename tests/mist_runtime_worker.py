@@ -26,7 +26,8 @@ class CollectiveTimeline(TorchDispatchMode):
     run inside a backward, so an all-reduce can be placed among them, and of those run inside an autograd
     node that computes (not the one accumulating a leaf's gradient, where gradient hooks run). Every c10d
     all-gather with its group's ranks, the bytes this rank contributes and the aten ops run before it
-    (`ops_before`; the last backward op's index: `last_backward_op`). Each collective names its communicator (`group`)."""
+    (`ops_before`; the last backward op's index: `last_backward_op`). Each collective names its communicator
+    (`group`)."""
 
     def __init__(self) -> None:
         super().__init__()
