@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mist_ds.observe.census import live_tensors_by_storage
 from mist_ds.observe.engine import count_step, watch_model_states
 from mist_ds.observe.report import what_ran
 from mist_ds.runtime.data import DataSpec, micro_batches
@@ -38,18 +39,7 @@ def _step(planned, data: DataSpec, step: int, **kwargs):
 def live_tensor_bytes() -> int:
     """Bytes of every distinct storage held by a tensor Python tracks now (deduplicated by storage; meta
     tensors and empty storages hold nothing): what a CPU rank's tensors occupy before a step."""
-    from mist_ds.observe.census import _storage_key
-
-    sizes = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            try:
-                key = _storage_key(obj)
-            except RuntimeError:  # tensor subclasses without a storage
-                continue
-            if key is not None:
-                sizes[key] = obj.untyped_storage().nbytes()
-    return sum(sizes.values())
+    return sum(tensor.untyped_storage().nbytes() for tensor in live_tensors_by_storage().values())
 
 
 def allocator_rise_bytes(run) -> int:
