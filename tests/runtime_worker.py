@@ -1,8 +1,6 @@
 """Rank side of the runtime tests: run each case's plan with mist_ds.runtime for a few steps and return
-its losses and what the engine did (read from the live engine)."""
+its losses and what the engine did (mist_ds.observe, read from the live engine)."""
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
