@@ -48,11 +48,11 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from mist_ds.observe.ranks import launch  # noqa: E402
 from mist_ds.profiling.microbench import (  # noqa: E402
     ACTIVATION_COPY_BYTES, ATTENTION_SHAPES, DTYPES, FIT_GAP_BYTES, INTERLEAVED_BYTES, MIN_REPEATS, MIN_TIMED_S, ROUNDS,
     OtherLoad, adam_sweep, attention_sweep, collective_sweep, combine_tree, fit_alpha_beta, fit_gemm, gemm_sweep,
     layer_overhead, memory_sweep, op_chain)
-from mist_ds.testing.ranks import launch  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_constants.py "
            "> benchmarks/results/cpu_constants.md")

@@ -27,11 +27,11 @@ from common import source_tree  # noqa: E402
 from cpu_constants import machine_text  # noqa: E402
 
 from mist_ds.files import write_json_atomic  # noqa: E402
+from mist_ds.observe.ranks import CPU_ENV, launch  # noqa: E402
 from mist_ds.profiling.interference import elapsed_errors, fit_factors, fit_scalar  # noqa: E402
 from mist_ds.profiling.microbench import OtherLoad  # noqa: E402
 from mist_ds.profiling.run import slowest  # noqa: E402
 from mist_ds.profiling.worker import INTERFERENCE_REPEATS, PROFILE_WORKER, UNIT_S  # noqa: E402
-from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py "
            "> benchmarks/results/interference_fit.md")

@@ -5,7 +5,7 @@
 
 Each plan, a strategy given outright on the `tiny` model or a variant of it (hidden size, layers,
 micro-batch, ZeRO stage, pp 2 / dp 2 / tp 2, recompute, fp32 / bf16), runs the way `mist-ds measure`
-runs it: mist_ds.runtime.measure's worker on 2 local ranks (mist_ds.testing.ranks.launch: one process
+runs it: mist_ds.observe.measure's worker on 2 local ranks (mist_ds.observe.ranks.launch: one process
 per core of this 2-core machine, gloo over loopback, OMP_NUM_THREADS=1), warm-up steps, then timed
 steps (the rank's median), then the census steps; mist_ds.report.measure.measure_record puts the
 prediction beside it. The prediction is recomputed here on cluster=cpu with gpus_per_node=2 and, as
@@ -37,9 +37,9 @@ from cpu_constants import OtherLoad, machine_text  # noqa: E402
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
+from mist_ds.observe.measure import MEASURE_WORKER, measure_payload  # noqa: E402
+from mist_ds.observe.ranks import CPU_ENV, launch  # noqa: E402
 from mist_ds.report.measure import measure_record  # noqa: E402
-from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
-from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measure_cpu.py "
            "> benchmarks/results/measure_cpu.md")

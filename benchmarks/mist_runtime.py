@@ -12,7 +12,7 @@ against the best on runtime `deepspeed`: benchmarks/plan_quality.py's table of t
 Each row is one plan under both runtimes: a strategy given outright on `tiny` (or the tuner's best plan on
 each runtime), predicted on the CPU cluster with the constants benchmarks/cpu_constants.py measured
 (benchmarks/results/cpu_constants.md, as benchmarks/measure_cpu.py does), and measured with
-mist_ds.runtime.measure's worker (warm-up, then the median of timed steps, per rank; the plan's time the
+mist_ds.observe.measure's worker (warm-up, then the median of timed steps, per rank; the plan's time the
 median over ranks). Reported: predicted and measured seconds per runtime, the predicted and the measured
 speedup of `mist` (deepspeed / mist), and each prediction's error.
 
@@ -37,8 +37,8 @@ from measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_o
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
-from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
-from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
+from mist_ds.observe.measure import MEASURE_WORKER, measure_payload  # noqa: E402
+from mist_ds.observe.ranks import CPU_ENV, launch  # noqa: E402
 from mist_ds.tuner import tune_specs  # noqa: E402
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mist_runtime.py "

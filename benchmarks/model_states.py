@@ -5,7 +5,7 @@
 
 Runs every launch of mist_ds/testing/model_states.py, the cases tests/test_model_states.py checks
 (ZeRO 0-3, fp32 and bf16, pipelines, optimizer offload, small reduce buckets), and prints, per case
-and rank, the bytes the engine holds by field (the census of mist_ds/runtime/census.py, peak over
+and rank, the bytes the engine holds by field (the census of mist_ds/observe/census.py, peak over
 the counted moments) beside memory.py's
 prediction for the same P, d, ZeRO stage and dtype, and DeepSpeed's own estimate for the matching
 option (estimate_zero{2,3}_model_states_mem_needs, the numbers its `_all_cold` tables print).
@@ -19,9 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from mist_ds.observe.ranks import launch  # noqa: E402
 from mist_ds.testing.model_states import (FIELDS, LAUNCHES, LAYERS, WORKER, device_peak_bytes,  # noqa: E402
                                           estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes)
-from mist_ds.testing.ranks import launch  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import deepspeed_version  # noqa: E402

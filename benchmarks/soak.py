@@ -6,7 +6,7 @@ it; crashes, hangs and census mismatches counted (issue 25).
 
 The first argument is the number of launches in all (default 50), spread round-robin over the cases (the
 rest: names of cases to run). Each launch is one real DeepSpeed job on local gloo ranks through
-mist_ds.runtime.measure's worker, the path every `mist-ds measure` takes and the one that crashed: warm-up,
+mist_ds.observe.measure's worker, the path every `mist-ds measure` takes and the one that crashed: warm-up,
 timed steps, the peak-memory step under torch's profiler, the step census (FLOPs and collective bytes, counted
 at the dispatcher), a step with the model-state census, what ran, and the teardown (`PlannedEngine.close`,
 then the process group).
@@ -39,10 +39,10 @@ from cpu_constants import machine_text  # noqa: E402
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
-from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
+from mist_ds.observe.measure import MEASURE_WORKER, measure_payload  # noqa: E402
+from mist_ds.observe.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
 from mist_ds.specs.groups import stage_of  # noqa: E402
 from mist_ds.testing.model_states import assert_model_states_are_predicted  # noqa: E402
-from mist_ds.testing.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
 from mist_ds.testing.step_census import step_census_mismatches  # noqa: E402
 
 COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md"

@@ -102,8 +102,8 @@ def tune_in_subprocess(run_dir: Path, world_size: int, nodes: int) -> Path:
     log.info("planning: %s", " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise ConfigError("mist.autotune", True, f"planning failed (exit {done.returncode}): "
-                                                 f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+        last_line = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        raise ConfigError("mist.autotune", True, f"planning failed (exit {done.returncode}): {last_line}")
     return plan_dir / "plan.json"
 
 
@@ -145,6 +145,7 @@ def train_job(cfg: DictConfig) -> int:
 
     from mist_ds.emit import ds_config
     from mist_ds.files import write_json_atomic
+    from mist_ds.observe import watch_model_states, what_ran
     from mist_ds.runtime import initialize, join_process_group
     from mist_ds.runtime.data import DataSpec
     from mist_ds.runtime.training import run_record, train
@@ -163,13 +164,13 @@ def train_job(cfg: DictConfig) -> int:
             write_json_atomic(run_dir / "ds_config.json", config)
         planned = initialize(config, specs.model, seed=cfg.run.seed)
         if cfg.run.count_model_states:
-            planned.watch_model_states()
+            watch_model_states(planned)
         start = planned.load(hydra.utils.to_absolute_path(cfg.run.resume)) if cfg.run.resume else 0
         data = DataSpec(cfg.run.data, specs.model.vocab_size, specs.model.seq_len, cfg.run.seed, cfg.run.tokens_file,
                         cfg.run.tokens_dtype)
         records = train(planned, data, cfg.run.steps, start, run_dir / "checkpoints", cfg.run.save_every)
         ranks = [None] * world_size
-        dist.all_gather_object(ranks, planned.what_ran())
+        dist.all_gather_object(ranks, what_ran(planned))
         if rank == 0:
             write_json_atomic(run_dir / "run.json", run_record(ranks, records, plan.to_dict() if plan else None,
                                                                str(run_dir / "ds_config.json")))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mist_ds.testing.ranks import run_cases_on_cpu_ranks
+from mist_ds.observe.ranks import run_cases_on_cpu_ranks
 
 SEED = 0
 
@@ -20,8 +20,8 @@ def run_case(case: dict) -> dict:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from mist_ds.runtime.counting import StepCounter, group_names
-    from mist_ds.runtime.moments import MomentRecorder, field_peaks
+    from mist_ds.observe.counting import StepCounter, group_names
+    from mist_ds.observe.moments import MomentRecorder, field_peaks
     from mist_ds.specs.hf import config_from_json, freeze
     from mist_ds.specs.strategy import strategy_from_dict
 

@@ -8,8 +8,9 @@ import hashlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mist_ds.observe import count_step, watch_model_states, what_ran
+from mist_ds.observe.ranks import run_cases_on_cpu_ranks
 from mist_ds.specs import ModelSpec
-from mist_ds.testing.ranks import run_cases_on_cpu_ranks
 from tests.runtime_worker import DATA_SEED, param_sizes, synthetic_batches
 
 COUNTED_STEP = 1
@@ -23,9 +24,10 @@ class CollectiveTimeline(TorchDispatchMode):
     """Every c10d all-reduce, in issue order: its group's ranks, its bytes, and whether autograd was
     running a backward when it was issued (torch's current graph task); plus the count of aten ops
     run inside a backward, so an all-reduce can be placed among them, and of those run inside an autograd
-    node that computes (not the one accumulating a leaf's gradient, where gradient hooks run). Every c10d all-gather with its
-    group's ranks, the bytes this rank contributes and the aten ops run before it (`ops_before`; the last
-    backward op's index: `last_backward_op`). Each collective names its communicator (`group`)."""
+    node that computes (not the one accumulating a leaf's gradient, where gradient hooks run). Every c10d
+    all-gather with its group's ranks, the bytes this rank contributes and the aten ops run before it
+    (`ops_before`; the last backward op's index: `last_backward_op`). Each collective names its communicator
+    (`group`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,7 +114,7 @@ def run_case(case: dict) -> dict:
 
     model = ModelSpec(**case["model"])
     planned = initialize(case["config"], model, seed=0)
-    planned.watch_model_states()
+    watch_model_states(planned)
     par = planned.plan.strategy.parallelism
     losses = []
     first_use = FirstUse(planned.layers)
@@ -120,7 +122,7 @@ def run_case(case: dict) -> dict:
         seed = DATA_SEED + step * 1000 + planned.dp_rank
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, seed)
         first_use.new_step()
-        losses.append(planned.train_batch(batches, count_model_states=step == COUNTED_STEP))
+        losses.append(planned.train_batch(batches, observed=step == COUNTED_STEP))
     offload = planned.activation_offload
     if offload is not None:
         offload.reset_counts()
@@ -129,7 +131,7 @@ def run_case(case: dict) -> dict:
     timeline, next_step = CollectiveTimeline(), CollectiveTimeline()
     first_use.new_step(timeline)
     with timeline:
-        planned.train_batch(batches, count_model_states=False)
+        planned.train_batch(batches, observed=False)
     offloaded = None if offload is None else {
         "moved_bytes": offload.moved_bytes, "returned_bytes": offload.returned_bytes,
         "host_copies": len(offload.host_storages),
@@ -139,11 +141,11 @@ def run_case(case: dict) -> dict:
     first_use.new_step(next_step)  # the next step's first forward: where the gathers above are waited for
     with next_step:
         planned.train_batch(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
-                                              DATA_SEED - 3 - planned.dp_rank), count_model_states=False)
+                                              DATA_SEED - 3 - planned.dp_rank), observed=False)
     first_use.remove()
-    _, census = planned.count_step(synthetic_batches(model, par.micro_batch_size, par.grad_accum,
+    _, census = count_step(planned, synthetic_batches(model, par.micro_batch_size, par.grad_accum,
                                                      DATA_SEED - 2 - planned.dp_rank))
-    did = planned.what_ran()
+    did = what_ran(planned)
     result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(planned.engine).__name__,
               "data_ranks": sorted(torch.distributed.get_process_group_ranks(
                   planned.grid.get_data_parallel_group())),

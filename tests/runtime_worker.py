@@ -1,13 +1,12 @@
 """Rank side of the runtime tests: run each case's plan with mist_ds.runtime for a few steps and return
-its losses and what the engine did (read from the live engine)."""
+its losses and what the engine did (mist_ds.observe, read from the live engine)."""
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
+from mist_ds.observe import count_step, watch_model_states, what_ran
+from mist_ds.observe.ranks import run_cases_on_cpu_ranks
 from mist_ds.specs import ModelSpec
-from mist_ds.testing.ranks import run_cases_on_cpu_ranks
 
 DATA_SEED = 1234
 
@@ -31,7 +30,7 @@ def run_case(case: dict) -> dict:
     model = ModelSpec(**case["model"])
     planned = initialize(case["config"], model, seed=case.get("seed", 0))
     if case.get("watch_model_states", True):
-        planned.watch_model_states()
+        watch_model_states(planned)
     par = planned.plan.strategy.parallelism
     dp_rank = planned.dp_rank
     losses, norms, steps = [], [], case.get("steps", 3)
@@ -39,14 +38,14 @@ def run_case(case: dict) -> dict:
         # Each data-parallel rank reads its own shard of the step's samples.
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000 + dp_rank)
         # model states counted in the last step (Adam's states exist from the first step on)
-        losses.append(planned.train_batch(batches, count_model_states=step == steps - 1))
+        losses.append(planned.train_batch(batches, observed=step == steps - 1))
         norm = planned.engine.get_global_grad_norm()  # what clipping used (None when clipping is off)
         norms.append(None if norm is None else float(norm))
-    what_ran = planned.what_ran()
+    did = what_ran(planned)
     # One more step under the step census (never a timed or a model-state-counted step).
     census_batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - dp_rank)
-    _, census = planned.count_step(census_batches)
-    result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": what_ran, "census": census,
+    _, census = count_step(planned, census_batches)
+    result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": did, "census": census,
               "dp_rank": dp_rank, "param_sizes": param_sizes(planned)}
     planned.close()
     return result

@@ -90,13 +90,13 @@ def test_config_doc_field_table_is_the_schema_docs():
 
 
 def test_every_module_that_starts_ranks_runs_on_the_launching_worker():
-    """A test module that starts DeepSpeed ranks (mist_ds.testing.ranks, a port from free_port, a `mist-ds profile`
+    """A test module that starts DeepSpeed ranks (mist_ds.observe.ranks, a port from free_port, a `mist-ds profile`
     or `measure` run) is in conftest's LAUNCHING_MODULES, so that pytest-xdist never runs two launches at once."""
     from pathlib import Path
 
     from tests.conftest import LAUNCHING_MODULES
 
-    starts_ranks = ("mist_ds.testing.ranks import", "free_port()", 'mist_ds("profile", "cluster=cpu"',
+    starts_ranks = ("mist_ds.observe.ranks import", "free_port()", 'mist_ds("profile", "cluster=cpu"',
                     '"mist_ds.cli.main", "measure"')
     here = Path(__file__)
     launching = {path.stem for path in here.parent.glob("test_*.py")

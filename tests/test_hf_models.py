@@ -322,8 +322,8 @@ def test_hf_models_on_deepspeed_count_what_was_priced(configs, tmp_path_factory)
     frozen as model.frozen says, at ZeRO 0-3): the FLOPs and the bytes of every collective
     of a step, counted at the dispatcher, and the model states the engine holds, equal the prediction."""
     from mist_ds.emit import ds_config
+    from mist_ds.observe.ranks import launch
     from mist_ds.testing.model_states import assert_model_states_are_predicted
-    from mist_ds.testing.ranks import launch
     from mist_ds.testing.step_census import step_census_mismatches
 
     gpt2 = tmp_path_factory.mktemp("gpt2") / "gpt2"

@@ -1,5 +1,6 @@
 """The one-way data flow (docs/design.md, Architecture): no package imports a layer it may not, at
-module level or inside a function; and a training job that reads a plan loads none of the planner."""
+module level or inside a function; a training job that reads a plan loads none of the planner; the runtime
+runs engines and never imports what observes them; each of its overlap features is installed in one place."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +16,7 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "mist_ds"
 EVERYTHING = {"specs", "files", "config", "models", "symbolic", "hardware", "cost", "tuner", "plan", "emit",
-              "runtime", "report", "cli", "conf", "testing", "profiling"}
+              "runtime", "observe", "report", "cli", "conf", "testing", "profiling"}
 ALLOWED: dict[str, set[str]] = {
     "specs": set(),
     "files": set(),
@@ -28,11 +29,12 @@ ALLOWED: dict[str, set[str]] = {
     "tuner": {"specs", "symbolic", "hardware", "cost"},
     "plan": {"specs", "files"},
     "emit": {"specs", "plan"},
-    "runtime": {"specs", "plan", "emit", "models", "files"},
+    "runtime": {"specs", "plan", "emit", "models", "files"},  # builds and runs engines: never `observe`
+    "observe": {"specs", "emit", "runtime", "models"},  # census, step census, what ran, measure, CPU ranks
     "report": EVERYTHING - {"cli", "testing"},
-    "testing": EVERYTHING - {"cli", "report"},  # verification tools: run engines, count what they hold
-    "profiling": EVERYTHING - {"cli", "report"},  # mist-ds profile: measures this machine at the tuner's shapes
-    "cli": EVERYTHING,
+    "testing": EVERYTHING - {"cli", "report"},  # compares observed engines with the cost model
+    "profiling": EVERYTHING - {"cli", "report", "testing"},  # mist-ds profile: this machine at the tuner's shapes
+    "cli": EVERYTHING - {"testing"},
     "__init__": EVERYTHING,  # the lazy facade (mist_ds.compose, predict, tune)
 }
 """Package -> the mist_ds packages it may import (itself always)."""
@@ -80,6 +82,16 @@ def test_every_package_has_a_rule():
 def test_no_module_imports_a_layer_it_may_not(path, module, layer):
     wrong = imported_layers(path.read_text(), module) - ALLOWED[layer] - {layer}
     assert not wrong, f"{module} ({layer}) imports {sorted(wrong)}; allowed: {sorted(ALLOWED[layer])}"
+
+
+def test_the_runtime_never_imports_what_observes_it():
+    """mist_ds/runtime builds and runs engines; mist_ds/observe watches them from outside (the runtime's
+    users import it). The ALLOWED row enforces it module by module; this says why, and that the row does."""
+    assert "observe" not in ALLOWED["runtime"], "mist_ds.runtime may not import mist_ds.observe"
+    assert "runtime" in ALLOWED["observe"]
+    leaked = {module: sorted(wrong) for path, module, layer in _modules() if layer == "runtime"
+              if (wrong := imported_layers(path.read_text(), module) & {"observe", "testing"})}
+    assert not leaked, f"the runtime imports its observers: {leaked}"
 
 
 def test_the_import_scanner_sees_function_level_and_relative_imports():
@@ -207,3 +219,99 @@ def test_the_cycle_finder_finds_a_circle_through_a_function_level_and_a_relative
     (package / "b.py").write_text("from .sub import f\n")
     (package / "c.py").write_text("import pkg.b\n")
     assert import_cycles(import_graph(package)) == [["pkg.b", "pkg.sub", "pkg.sub.a", "pkg.b"]]
+
+
+
+RUNTIME_ENGINE = PACKAGE / "runtime" / "engine.py"
+INSTALL_MECHANISMS = {
+    "hook": "a call of register_*hook* (a forward pre-hook, a parameter's post-accumulate-grad hook, ...)",
+    "__class__": "re-classing an object (the engine as MistPipelineEngine)",
+    "update_lp_params": "replacing the optimizer's update_lp_params",
+    "enable_backward_allreduce": "turning DeepSpeed's own boundary all-reduce off",
+    "activation_offload": "handing a block its activation offload",
+}
+"""How the runtime installs an overlap feature on a built engine: each may occur only inside an apply_* function."""
+OVERLAP_FEATURES = {
+    "apply_grad_reduce_in_last_backward": {"hook", "__class__", "enable_backward_allreduce"},
+    "apply_weight_gather_in_first_forward": {"hook", "update_lp_params"},
+    "apply_activation_offload": {"activation_offload"},
+}
+"""Each overlap feature of runtime `mist` (docs/design.md, The `mist` schedule) -> its apply_* function in
+runtime/engine.py and the install mechanisms it uses."""
+
+
+def install_sites(source: str) -> list[tuple[str, str]]:
+    """(mechanism, the innermost enclosing function's name, or "<module>") for each install mechanism in
+    `source`: register_*hook* calls, and assignments to `__class__`, `update_lp_params`,
+    `enable_backward_allreduce` or another object's `activation_offload` (a layer setting its own to None
+    in __init__ installs nothing)."""
+    found = []
+
+    def visit(node, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr.startswith("register_") and "hook" in node.func.attr:
+            found.append(("hook", function))
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(element, ast.Attribute) and element.attr in INSTALL_MECHANISMS and not (
+                        element.attr == "activation_offload" and isinstance(element.value, ast.Name)
+                        and element.value.id == "self"):
+                    found.append((element.attr, function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def apply_calls(source: str, caller: str = "initialize") -> list[str]:
+    """Names of the apply_* functions `caller` calls, in order."""
+    function = next(node for node in ast.walk(ast.parse(source))
+                    if isinstance(node, ast.FunctionDef) and node.name == caller)
+    return [node.func.id for node in ast.walk(function) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id.startswith("apply_")]
+
+
+def test_the_install_scanner_finds_each_mechanism_and_where_it_is():
+    source = ("def build(layer, engine, optimizer, gather):\n"
+              "    layer.register_forward_pre_hook(gather.before)\n"
+              "    engine.__class__ = object\n"
+              "class Gather:\n"
+              "    def install(self):\n"
+              "        self.optimizer.update_lp_params = self.update\n"
+              "        self.activation_offload = None\n"
+              "def apply_offload(block, offload):\n"
+              "    block.activation_offload, block.first = offload, True\n"
+              "    block.grad.register_post_accumulate_grad_hook(print)\n")
+    assert install_sites(source) == [("hook", "build"), ("__class__", "build"), ("update_lp_params", "install"),
+                                     ("activation_offload", "apply_offload"), ("hook", "apply_offload")]
+    assert apply_calls("def initialize():\n    e = apply_a(1)\n    return apply_b(e)\n") == ["apply_a", "apply_b"]
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "runtime").glob("*.py")), ids=lambda p: p.name)
+def test_the_runtime_installs_features_only_inside_apply_functions(path):
+    """After `deepspeed.initialize` nothing changes the engine but an apply_* function: a hook, a re-classed
+    engine or a replaced optimizer method anywhere else in the runtime would be an install nobody lists."""
+    outside = [(mechanism, function) for mechanism, function in install_sites(path.read_text())
+               if not function.startswith("apply_")]
+    assert not outside, f"{path.name} installs outside apply_* functions: " + "; ".join(
+        f"{INSTALL_MECHANISMS[m]} in {f}" for m, f in outside)
+
+
+def test_initialize_applies_each_overlap_feature_by_exactly_one_apply_function():
+    source = RUNTIME_ENGINE.read_text()
+    called = apply_calls(source)
+    assert sorted(called) == sorted(OVERLAP_FEATURES), \
+        f"initialize calls {called}; the features' apply functions: {sorted(OVERLAP_FEATURES)}"
+    by_function: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "runtime").glob("*.py")):
+        for mechanism, function in install_sites(path.read_text()):
+            by_function.setdefault(function, set()).add(mechanism)
+    assert set(by_function) <= set(OVERLAP_FEATURES), f"installs in {sorted(set(by_function) - set(OVERLAP_FEATURES))}"
+    for function, mechanisms in OVERLAP_FEATURES.items():
+        assert by_function.get(function) == mechanisms, f"{function} installs {by_function.get(function)}, " \
+                                                        f"expected {sorted(mechanisms)}"

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from mist_ds.testing.ranks import CPU_ENV, run_in_session
+from mist_ds.observe.ranks import CPU_ENV, run_in_session
 from tests.conftest import REPO
 
 KEYS = ("iteration_time_s", "model_state_bytes", "peak_memory_bytes", "flops", "comm_bytes")
@@ -61,9 +61,9 @@ class _Planned:
 
 def test_the_peak_step_waits_for_its_collectives_before_the_profiler_stops():
     """Torch's profiler stopped with a collective it saw issued still in flight crashes the rank (runtime
-    `mist`'s post-step gather, mist_ds/runtime/measure.py allocator_rise_bytes): what the step leaves in
+    `mist`'s post-step gather, mist_ds/observe/measure.py allocator_rise_bytes): what the step leaves in
     flight is waited for inside the profiled span, and what an earlier step left, before it starts."""
-    from mist_ds.runtime.measure import step_peak_bytes
+    from mist_ds.observe.measure import step_peak_bytes
 
     planned = _Planned()
     step_peak_bytes(planned, lambda: None)
@@ -75,7 +75,7 @@ def test_a_cpu_step_peak_is_the_live_tensors_plus_the_allocator_rise():
     does) and adds what the step allocates at its highest."""
     import torch
 
-    from mist_ds.runtime.measure import live_tensor_bytes, step_peak_bytes
+    from mist_ds.observe.measure import live_tensor_bytes, step_peak_bytes
 
     held = torch.zeros(1 << 20, dtype=torch.uint8)  # 1 MiB alive before the step
     step_bytes = 4 << 20

@@ -25,9 +25,9 @@ import pytest
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
+from mist_ds.observe.ranks import launch
 from mist_ds.specs import grad_reduce_overlapped, runtime_capabilities, weight_gather_overlapped
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
-from mist_ds.testing.ranks import launch
 
 WORKER = "tests.mist_runtime_worker:mist_runtime_worker"
 STEPS = 5
@@ -177,7 +177,7 @@ def check_overlap_observed(stock: dict, mist: dict) -> None:
     assert not [e for e in stock["all_reduces"] if e["in_backward"]]
     assert len(in_backward) >= 2, mist["all_reduces"]
     assert min(e["backward_ops_before"] for e in in_backward) < mist["backward_ops"]
-    # what_ran observes the same at the dispatcher (mist_ds/runtime/counting.py), in the step census's step
+    # what_ran observes the same at the dispatcher (mist_ds/observe/counting.py), in the step census's step
     assert mist["overlap"]["reduced_in_backward"] == reduced_during_backward(mist) >= 1
     assert stock["overlap"]["reduced_in_backward"] == 0
     # every gradient byte still crosses the data-parallel group exactly once (scalar control messages

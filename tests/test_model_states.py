@@ -17,7 +17,7 @@ parallel, Pa = P padded to a multiple of 2d, ps = Pa / d, n_i the parameter size
 order, L = max n_i, touch = sum of the n_i of the parameters overlapping the rank's partition
 [r ps, (r + 1) ps), p3 = sum ceil(n_i / d) (ZeRO-3 pads each parameter to d), R reduce bucket
 elements, T the ZeRO-3 persistence threshold. On the CPU accelerator every tensor is in CPU memory:
-`host` is what the offloading optimizer allocates on 'cpu' by construction (mist_ds/runtime/census.py).
+`host` is what the offloading optimizer allocates on 'cpu' by construction (mist_ds/observe/census.py).
 U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)) is memory.py's bound of touch (a rank's whole
 parameters): `partition_touch_elements`.
 Scalars (one-element storages: Adam's step counters, norms, flags) are counted apart, not compared.
@@ -34,11 +34,11 @@ import pytest
 import torch
 
 from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
+from mist_ds.observe.ranks import SOURCE_ROOT, LaunchTimeout, launch
 from mist_ds.testing.model_states import (ADAM_WITH_MASTER_BYTES, BF16_BYTES, FIELDS, LAUNCHES, LAYERS, MICRO_BATCH,
                                           OFFLOADED_BYTES, SEED, SLOW_LAUNCHES, WORKER, Facts, device_peak_bytes,
                                           estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes,
                                           states_upper_bound)
-from mist_ds.testing.ranks import SOURCE_ROOT, LaunchTimeout, launch
 
 HANG_TIMEOUT_S = 4.0  # long enough for the ranks to start, short for the fast lane
 REAP_WAIT_S = 5.0  # killed children are reparented and reaped by init, not instantly
@@ -233,7 +233,7 @@ def test_memory_py_broadcasts_over_candidates():
 def test_launch_timeout_kills_its_process_group():
     """A hanging launch ends at its hard timeout with the launcher and every rank killed."""
     with pytest.raises(LaunchTimeout) as raised:
-        launch("mist_ds.testing.ranks:hang_worker", 2, {}, timeout_s=HANG_TIMEOUT_S)
+        launch("mist_ds.observe.ranks:hang_worker", 2, {}, timeout_s=HANG_TIMEOUT_S)
     deadline = time.monotonic() + REAP_WAIT_S
     while _group_alive(raised.value.pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -276,7 +276,7 @@ def test_the_census_walks_every_engine_class_the_runtime_builds():
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from mist_ds.runtime.census import reachable_storages
+    from mist_ds.observe.census import reachable_storages
     from mist_ds.runtime.overlap import MistPipelineEngine
 
     weight_bytes = (3 * 2 + 2) * 4
@@ -289,7 +289,7 @@ def test_the_census_walks_every_engine_class_the_runtime_builds():
 def test_host_memory_is_seen_on_the_device_and_on_cpu_ranks_is_what_deepspeed_allocated():
     """On an accelerator a storage's device says whether it is host memory, whatever DeepSpeed's flags; on CPU
     ranks (every storage on 'cpu') the census can only say what DeepSpeed's optimizer allocated on its host side."""
-    from mist_ds.runtime.census import Placement
+    from mist_ds.observe.census import Placement
 
     gpu = Placement(compute="cuda", optimizer_on_host=False, params_on_host=False)
     assert gpu.observed and gpu.on_host("cpu", False) and not gpu.on_host("cuda", True)

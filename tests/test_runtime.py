@@ -1,8 +1,8 @@
 """mist_ds.runtime executes tuned plans on real DeepSpeed (CPU ranks, gloo) exactly as they were priced.
 
 Each case is tuned here with constraints that make the tuner pick the shape the case is about, then run
-for a few steps in one launch per world size (mist_ds.testing.ranks). What the engine did is read from
-the live engine (tests/runtime_worker.py, mist_ds/runtime/report.py) and compared with the plan: the
+for a few steps in one launch per world size (mist_ds.observe.ranks). What the engine did is read from
+the live engine (tests/runtime_worker.py, mist_ds/observe/report.py) and compared with the plan: the
 blocks each stage holds, the blocks it recomputed (counted block forward passes), the ZeRO stage and
 optimizer DeepSpeed chose, and the model-state bytes (the census, deduplicated by storage, peak over
 the counted moments) against predict's `model_state_bytes`, up to the residuals written as formulas
@@ -36,11 +36,11 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config, read_mist_block
 from mist_ds.models.tp import TensorParallel
-from mist_ds.specs import ConfigError, runtime_capabilities
+from mist_ds.observe.ranks import launch
 from mist_ds.runtime.engine import PlannedModel
 from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
+from mist_ds.specs import ConfigError, runtime_capabilities
 from mist_ds.testing.model_states import assert_model_states_are_predicted
-from mist_ds.testing.ranks import launch
 from mist_ds.tuner import tune_specs
 from tests.runtime_worker import DATA_SEED, synthetic_batches
 
@@ -398,7 +398,7 @@ def test_a_precision_the_accelerator_lacks_is_refused_by_name(monkeypatch):
 
 @pytest.mark.parametrize("name", list(ALL))
 def test_the_step_census_is_the_accounting(plans, ran, name):
-    """Counted in the engine at the dispatcher (mist_ds/runtime/counting.py), one step: FLOPs (recompute
+    """Counted in the engine at the dispatcher (mist_ds/observe/counting.py), one step: FLOPs (recompute
     included) equal the cost model's accounting exactly; every collective's payload bytes by kind and
     group equal it up to DeepSpeed's scalar control messages (the gradient norm, an fp32 scalar over the
     model group, deepspeed/runtime/utils.py:958; overflow flags, one byte): mist_ds/testing/step_census.py."""

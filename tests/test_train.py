@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mist_ds.cli import deepspeed_launcher as launcher
+from mist_ds.observe.ranks import CPU_ENV, free_port, run_in_session
 from mist_ds.specs import ConfigError
-from mist_ds.testing.ranks import CPU_ENV, free_port, run_in_session
 from tests.conftest import REPO
 
 TRAIN = REPO / "launch" / "train.py"

@@ -96,9 +96,9 @@ class MistDeepSpeedLauncher(Launcher):
 
     def _run(self, overrides: list[str], job_idx: int) -> JobReturn:
         from mist_ds.files import write_json_atomic
+        from mist_ds.observe.ranks import LaunchTimeout, run_in_session
         from mist_ds.report.sweep import RESULT_FILE, train_result
         from mist_ds.runtime import free_port
-        from mist_ds.testing.ranks import LaunchTimeout, run_in_session
 
         assert self.config is not None and self.hydra_context is not None
         log.info("\t#%d : %s", job_idx, " ".join(filter_overrides(overrides)))

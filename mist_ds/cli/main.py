@@ -240,9 +240,9 @@ def _measure(cfg: DictConfig) -> int:
 
     from mist_ds.cost.predict import predict
     from mist_ds.files import write_json_atomic
+    from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
+    from mist_ds.observe.ranks import CPU_ENV, launch
     from mist_ds.report.measure import append_to_table, measure_record, render_measure
-    from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload
-    from mist_ds.testing.ranks import CPU_ENV, launch
 
     specs = _specs_with_plan(cfg)
     if specs.cluster.nodes != 1:

@@ -1,6 +1,6 @@
 """Per-rank accounting of one iteration from the terms the cost model prices: FLOPs executed (recompute
 included) and collective payload bytes by "kind/group", what the runtime's step census counts in the
-engine (mist_ds/runtime/counting.py) and `measure` compares. Per stage: every rank of a stage does the
+engine (mist_ds/observe/counting.py) and `measure` compares. Per stage: every rank of a stage does the
 same. Groups are named as mist_ds/specs/groups.py names them; payload is what a rank contributes (the
 tensor all-reduced, its shard of an all-gather, the whole input of a reduce-scatter, what it sends or
 receives).

@@ -97,7 +97,7 @@ def profile_ranks(specs: Specs) -> tuple[str, int]:
 def run_with_progress(payload: dict, ranks: int, env: dict, quiet: bool) -> list[dict]:
     """Launch the ranks; a progress bar (stderr) follows the sections rank 0 has finished. The launch runs in
     this thread, so an interrupt reaches it and kills the ranks' process group; the bar polls beside it."""
-    from mist_ds.testing.ranks import launch
+    from mist_ds.observe.ranks import launch
 
     with tempfile.TemporaryDirectory(prefix="mist_ds_profile_") as tmp:
         progress = Path(tmp, "progress")
@@ -233,7 +233,7 @@ def write_profile_db(path: Path, device: str, dtype: str, rows) -> Path:
 def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None, quick: bool,
             quiet: bool) -> dict:
     """Measure (the ranks' raw results go to `<out>/measurements.json` first), fit, write; the summary."""
-    from mist_ds.testing.ranks import CPU_ENV
+    from mist_ds.observe.ranks import CPU_ENV
 
     if specs.cluster.nodes != 1:
         raise ConfigError("cluster.nodes", specs.cluster.nodes, "profile measures this machine: use cluster.nodes=1")

@@ -5,7 +5,7 @@ Record keys (public interface): `predicted_` and `measured_` + `iteration_time_s
 `peak_memory_bytes`, `flops`, `comm_bytes`, each a list with one entry per rank (a rank's predicted
 values are its stage's); `comm_bytes` entries map "kind/group" to bytes; plus `strategy`, `model`,
 `cluster`, `world_size`, `warmup`, `steps`, `time_error` (measured / predicted - 1), and `what_ran`, per
-rank what its engine ran, read from the live objects (mist_ds/runtime/report.py).
+rank what its engine ran, read from the live objects (mist_ds/observe/report.py).
 """
 from __future__ import annotations
 

@@ -2,10 +2,12 @@
 
     planned = mist_ds.runtime.initialize("ds_config.json", model_spec)   # this rank's engine
     loss = planned.train_batch(micro_batches)                            # one optimizer step
-    planned.what_ran()                                                   # read from the live engine
+    mist_ds.observe.what_ran(planned)                                    # read from the live engine
 
-Imports no part of the planner (no cost model, tuner or symbolic analysis; no sympy, numba or mip):
-a training job reads the plan's ds_config.json and the zoo model's spec, nothing else.
+Builds and runs engines only: what observes them (census, step census, what ran, measure) is mist_ds.observe,
+which imports this package and is never imported by it. Imports no part of the planner (no cost model, tuner
+or symbolic analysis; no sympy, numba or mip): a training job reads the plan's ds_config.json and the zoo
+model's spec, nothing else.
 """
 from __future__ import annotations
 

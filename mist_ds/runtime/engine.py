@@ -1,24 +1,34 @@
 """`initialize(config, model)`: the DeepSpeed engine of this rank for a plan, exactly as it was priced.
 
-Applied in one order (docs/design.md, The runtime): refuse what the runtime cannot run;
-lay the ranks out as the cost model does (pipe slowest, then data, then tensor: stage i holds ranks
-[i t d, (i + 1) t d), TP inside a node); build this stage's layers with the plan's exact boundaries,
-layout-independent weights and the last c_i blocks recomputed; hand DeepSpeed this stage's own
-config (ZeRO stage, offload); tie the embeddings across the first and last stage.
+`initialize` reads as the order it applies (docs/design.md, The runtime): refuse what the runtime cannot
+run (`check_executable`, host memory, precision); build this stage (`build_stage`: the ranks laid out as
+the cost model does, pipe slowest, then data, then tensor: stage i holds ranks [i t d, (i + 1) t d), TP
+inside a node; the plan's exact layer boundaries, layout-independent weights, the last c_i blocks
+recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
+own config (ZeRO stage, offload); then one `apply_<feature>` per overlap feature of runtime `mist`, each
+installing its feature on the built engine, logging what it applied and returning what it installed:
+`apply_grad_reduce_in_last_backward`, `apply_weight_gather_in_first_forward`, `apply_activation_offload`.
+Every install (a hook, the engine's class, the optimizer's update_lp_params) happens inside its apply_*
+(tests/test_layering.py checks it).
 
 pp = 1 plans run on DeepSpeed's engine (ZeRO 0-3, parameter and optimizer offload); pp > 1 plans on
 its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1, or, where the plan's overlap features
 apply (runtime `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
+
+The runtime runs engines only: what observes them (the census, the step census, what ran, measure) is
+mist_ds/observe, which the runtime never imports; an observer plugs in as `PlannedEngine.observer`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, ContextManager, Iterator, Mapping, Protocol
 
 import torch
 import torch.nn as nn
@@ -30,6 +40,8 @@ from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, lay
 from mist_ds.runtime.versions import check_deepspeed_version
 from mist_ds.specs import (ConfigError, ModelSpec, check_runtime, grad_reduce_overlapped, runtime_capabilities,
                            weight_gather_overlapped)
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,6 +70,16 @@ class PlannedModel(nn.Module):
         return x
 
 
+class StepObserver(Protocol):
+    """What watches a PlannedEngine's steps (mist_ds/observe/engine.py has the one there is)."""
+
+    counts_model_states: bool
+    """Whether an observed step counts the engine's tensors (a training run's record marks that step)."""
+
+    def step(self, observed: bool) -> ContextManager[None]:
+        """Entered around one step; `observed`: whether this step is one to count."""
+
+
 @dataclass
 class PlannedEngine:
     """This rank's engine and what it was built from. `train_batch` runs one optimizer step."""
@@ -75,7 +97,6 @@ class PlannedEngine:
     """Global ranks of this rank's tied-embedding group (first and last stage), if any."""
     last_block_passes: dict[int, int] = field(default_factory=dict)
     """Forward passes each block (by model index) ran in the last step, recompute included."""
-    recorder: Any = field(default=None, repr=False)
     activation_offload: Any = field(default=None, repr=False)
     """The stage's ActivationOffload (mist_ds/runtime/activations.py), when it offloads activations."""
     grad_reducer: Any = field(default=None, repr=False)
@@ -83,65 +104,24 @@ class PlannedEngine:
     weight_gather: Any = field(default=None, repr=False)
     """The ChunkedWeightGather (mist_ds/runtime/gather.py) whose post-step all-gather runs into the next
     first forward: the weights are whole only after `sync_weights`."""
-    observed: dict[str, Any] | None = None
-    """The collectives of the last observed step (a model-state-counted step or the step census), by
-    "kind/group": calls, and calls issued during a backward (mist_ds/runtime/counting.py)."""
+    observer: StepObserver | None = field(default=None, repr=False)
+    """What watches this engine's steps (mist_ds.observe sets it; None: nothing). The runtime imports no
+    observer: it only runs each step inside `observer.step(observed)`."""
 
     @property
     def pipelined(self) -> bool:
         return self.plan.strategy.parallelism.pp > 1
 
-    def train_batch(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-                    count_model_states: bool = True) -> float:
+    def train_batch(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], observed: bool = True) -> float:
         """One optimizer step over G micro-batches of (tokens [b, s], labels [b, s]); the mean loss
-        (every rank gets it: the pipeline broadcasts it from the last stage). With watch_model_states
-        on, `count_model_states` says whether this step is counted (counting costs time: a timed step
-        should not be a counted one)."""
+        (every rank gets it: the pipeline broadcasts it from the last stage). `observed`: whether the
+        observer, if any, counts this step (counting costs time: a timed step should not be an observed one)."""
         for layer in self.layers:
             layer.forward_passes = 0
-        if self.recorder is not None:
-            self.recorder.measuring = count_model_states
-        if self.recorder is not None and count_model_states:  # a counted step: watch its collectives too
-            with self._step_counter(count_flops=False) as counter:
-                loss = self._train_batch(micro_batches)
-            self.observed = counter.counts.to_dict()
-        else:
+        with self.observer.step(observed) if self.observer is not None else contextlib.nullcontext():
             loss = self._train_batch(micro_batches)
         self.last_block_passes = {layer.index: layer.forward_passes for layer in self.layers if layer.kind == BLOCK}
         return loss
-
-    def count_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
-        """One step under the step census (mist_ds/runtime/counting.py): (loss, FLOPs and payload bytes by
-        "kind/group"). Counting slows the step: never time a counted step."""
-        with self._step_counter() as counter:
-            loss = self.train_batch(micro_batches, count_model_states=False)
-        self.observed = counter.counts.to_dict()
-        return loss, self.observed
-
-    def _step_counter(self, count_flops: bool = True):
-        from mist_ds.runtime.counting import StepCounter, group_names
-
-        par = self.plan.strategy.parallelism
-        return StepCounter(group_names(par, int(self.engine.global_rank), bool(self.tied_ranks)), count_flops)
-
-    def watch_model_states(self) -> None:
-        """Count what the engine holds at the moments model states peak, in every later step
-        (mist_ds/runtime/moments.py); `what_ran` then reports the peaks."""
-        from mist_ds.runtime.moments import MomentRecorder
-
-        if self.recorder is not None:
-            return  # already watching: hooks installed once
-        self.recorder = MomentRecorder(self.engine, gc_check=False)
-        self.recorder.install(self.grad_reducer)
-
-    def what_ran(self) -> dict[str, Any]:
-        """What this rank's engine did (mist_ds/runtime/report.py); model-state bytes once watched."""
-        from mist_ds.runtime.report import what_ran
-
-        if self.recorder is not None:
-            self.recorder.measuring = True
-            self.recorder("after")
-        return what_ran(self, self.recorder)
 
     def _train_batch(self, micro_batches) -> float:
         if self.pipelined:
@@ -226,7 +206,8 @@ def load_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as error:
-        raise ConfigError("ds_config", str(path), "no such file; give the ds_config.json `mist-ds tune` wrote") from error
+        raise ConfigError("ds_config", str(path),
+                          "no such file; give the ds_config.json `mist-ds tune` wrote") from error
     except json.JSONDecodeError as error:
         raise ConfigError("ds_config", str(path), f"not valid JSON ({error})") from error
 
@@ -236,9 +217,10 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
     strategy, par = plan.strategy, plan.strategy.parallelism
     caps = runtime_capabilities(strategy.runtime)
     if model.hf is not None:
-        raise ConfigError("model", f"hf {model.hf.name_or_path}", "mist_ds.runtime builds the zoo's models; a Hugging "
-                          "Face model trains in your own DeepSpeed script with the plan's ds_config.json (pp = 1 plans; "
-                          "mist_ds.initialize for the whole plan is not built yet)", rule="runtime.hf-model")
+        raise ConfigError("model", f"hf {model.hf.name_or_path}", "mist_ds.runtime builds the zoo's models; a "
+                          "Hugging Face model trains in your own DeepSpeed script with the plan's ds_config.json "
+                          "(pp = 1 plans; mist_ds.initialize for the whole plan is not built yet)",
+                          rule="runtime.hf-model")
     if model.module is not None:
         raise ConfigError("model", f"module {model.module.class_name}", "mist_ds.runtime builds the zoo's models; your "
                           "own nn.Module trains in your own DeepSpeed script with the plan's ds_config.json (pp = 1 "
@@ -311,7 +293,6 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     "mist" block) and the zoo `model` it was tuned for. Joins the process group if none exists."""
     import deepspeed
     from deepspeed import comm as dist
-    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
     check_deepspeed_version(deepspeed.__version__)
     config = load_config(config)
@@ -320,17 +301,54 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         join_process_group()
     check_executable(plan, model, dist.get_world_size())
     check_host_memory(plan, dist.get_rank(), ranks_on_this_node(dist.get_world_size()), physical_memory_bytes())
-    strategy, par = plan.strategy, plan.strategy.parallelism
-    topology = _topology(plan)
-    coord = topology.get_coord(dist.get_rank())
-    grid = PipelineParallelGrid(topology=topology)  # as DeepSpeed's mpu; its slice group runs the TP collectives
-    tp = TensorParallel(grid.get_slice_parallel_group().group_name, coord.model) if par.tp > 1 else TensorParallel()
     dtype = model_dtype(config)
     check_precision(dtype)
+    stage = build_stage(plan, model, dtype, seed, dist.get_rank())
+    stage_config = stage_ds_config(config, stage.coord.pipe)
+    engine, _, _, _ = deepspeed.initialize(model=stage.module, config=stage_config, mpu=stage.mpu,
+                                           model_parameters=[p for p in stage.module.parameters() if p.requires_grad])
+    engine, reducer = apply_grad_reduce_in_last_backward(engine, plan, stage)
+    gather = apply_weight_gather_in_first_forward(engine, plan, stage, dtype)
+    offload = apply_activation_offload(stage.layers, plan.strategy.stages[stage.coord.pipe].activations_offload)
+    ties = stage.module.planned_ties if plan.strategy.parallelism.pp > 1 else []
+    tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
+    return PlannedEngine(engine=engine, plan=plan, stage=stage.coord.pipe, tp_rank=stage.coord.model,
+                         dp_rank=stage.coord.data, grid=stage.grid, tied_ranks=tied, layers=stage.layers,
+                         loss_fn=stage.loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather)
+
+
+@dataclass
+class StageModule:
+    """This rank's stage as built for `deepspeed.initialize`: its module, its layers and how the ranks lie."""
+
+    module: nn.Module
+    """A PlannedPipelineModule (pp > 1) or a PlannedModel (pp = 1)."""
+    layers: list[PlannedLayer]
+    """This rank's layers, in forward order."""
+    loss_fn: Any
+    topology: Any
+    """DeepSpeed's PipeModelDataParallelTopology of the plan."""
+    grid: Any
+    """The PipelineParallelGrid over `topology`: the plan's process groups."""
+    coord: Any
+    """This rank's (pipe, data, model) coordinate in `topology`."""
+    mpu: Any
+    """What `deepspeed.initialize` gets as its mpu (None: the pipeline module brings its own grid)."""
+
+
+def build_stage(plan: MistBlock, model: ModelSpec, dtype: torch.dtype, seed: int, rank: int) -> StageModule:
+    """Lay the ranks out as the cost model does and build this rank's stage: the plan's exact layer
+    boundaries, layout-independent weights, the last c_i blocks of each stage recomputed."""
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    strategy, par = plan.strategy, plan.strategy.parallelism
+    topology = _topology(plan)
+    coord = topology.get_coord(rank)
+    grid = PipelineParallelGrid(topology=topology)  # as DeepSpeed's mpu; its slice group runs the TP collectives
+    tp = TensorParallel(grid.get_slice_parallel_group().group_name, coord.model) if par.tp > 1 else TensorParallel()
     recipes = [layer_recipes(model, plan.stage_layer_ranges[i], strategy.stages[i].ckpt_layers, i == 0,
                              i == par.pp - 1, par.tp, tp, dtype, seed) for i in range(par.pp)]
     loss_fn = language_model_loss(tp)
-    stage_config = stage_ds_config(config, coord.pipe)
     torch.manual_seed(seed)
     if par.pp > 1:
         from deepspeed.pipe import LayerSpec
@@ -340,41 +358,71 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
         module = PlannedPipelineModule([LayerSpec(PlannedLayer, r) for stage in recipes for r in stage],
                                        strategy.layers_per_stage, tie_embeddings=model.tie_embeddings,
                                        topology=topology, loss_fn=loss_fn, activation_checkpoint_interval=0)
-        layers = module.local_layers()
-        mpu = None  # the pipeline module brings its own grid
-    else:
-        layers = [PlannedLayer(r) for r in recipes[0]]
-        module = PlannedModel(layers, model.tie_embeddings)
-        # Always an mpu: DeepSpeed keeps the last engine's in a global (deepspeed/utils/groups.py `mpu`,
-        # set at runtime/engine.py:2122 and never cleared by destroy()), which would else be read here.
-        mpu = grid
-    engine, _, _, _ = deepspeed.initialize(model=module, config=stage_config, mpu=mpu,
-                                           model_parameters=[p for p in module.parameters() if p.requires_grad])
-    reducer = None
-    zero = strategy.stages[coord.pipe].zero_stage
-    if zero == 0 and grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp, zero):
-        # ZeRO-1's reduction in the last backward is DeepSpeed's own (overlap_comm, written by the emitter)
-        from mist_ds.runtime.overlap import MistPipelineEngine, reduce_in_last_backward
+        return StageModule(module, module.local_layers(), loss_fn, topology, grid, coord, mpu=None)
+    layers = [PlannedLayer(r) for r in recipes[0]]
+    # Always an mpu at pp = 1: DeepSpeed keeps the last engine's in a global (deepspeed/utils/groups.py `mpu`,
+    # set at runtime/engine.py:2122 and never cleared by destroy()), which would else be read here.
+    return StageModule(PlannedModel(layers, model.tie_embeddings), layers, loss_fn, topology, grid, coord, mpu=grid)
 
-        by_layer = [list(layer.parameters()) for layer in layers]
-        if par.pp > 1:
-            engine = MistPipelineEngine.adopt(engine, by_layer)
-            reducer = engine.grad_reducer
-        else:
-            reducer = reduce_in_last_backward(engine, by_layer)
-    gather = None
+
+def apply_grad_reduce_in_last_backward(engine, plan: MistBlock, stage: StageModule):
+    """Runtime `mist` at ZeRO-0: the data-parallel gradient reduction per layer during the last backward
+    (mist_ds/runtime/overlap.py). A pipeline's engine is re-classed as MistPipelineEngine (its schedule arms
+    the reducer); DeepSpeed's own engine stops all-reducing at the boundary (PlannedEngine arms it). Hooks
+    each parameter's accumulated gradient. ZeRO-1's reduction in the last backward is DeepSpeed's own
+    (overlap_comm, written by the emitter): nothing to apply. (the engine, its GradReducer or None)."""
+    from mist_ds.runtime.overlap import MistPipelineEngine, layer_reducer
+
+    strategy, par = plan.strategy, plan.strategy.parallelism
+    zero = strategy.stages[stage.coord.pipe].zero_stage
+    if zero != 0 or not grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp, zero):
+        return engine, None
+    by_layer = [list(layer.parameters()) for layer in stage.layers]
+    if par.pp > 1:
+        reducer = layer_reducer(engine, by_layer, [w for w, _ in engine.module.get_tied_weights_and_groups()])
+        engine.__class__ = MistPipelineEngine
+        engine.grad_reducer = reducer
+    else:
+        reducer = layer_reducer(engine, by_layer, [])
+        engine.enable_backward_allreduce = False  # DeepSpeed's _backward_epilogue reads it (overlap.py)
+    for index, params in enumerate(reducer.layers):
+        for param in params:
+            reducer.hooks.append(param.register_post_accumulate_grad_hook(reducer.on_gradient(index)))
+    log.info("gradient reduction in the last backward: %d layers hooked on %s", len(reducer.layers),
+             type(engine).__name__)
+    return engine, reducer
+
+
+def apply_weight_gather_in_first_forward(engine, plan: MistBlock, stage: StageModule, dtype: torch.dtype):
+    """Runtime `mist` in bf16 pipelines at ZeRO-0: the stage's post-step all-gather chunked into the next
+    first forward (mist_ds/runtime/gather.py) on a communicator of its own. Every rank creates every stage's
+    communicator (collective) where any stage gathers; this stage replaces its BF16_Optimizer's
+    update_lp_params and hooks each layer's forward. Priced only where DeepSpeed steps with BF16_Optimizer,
+    which is checked here, not assumed. The ChunkedWeightGather, or None."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from mist_ds.runtime.gather import ChunkedWeightGather
+
+    strategy, par = plan.strategy, plan.strategy.parallelism
     gathered = [bool(weight_gather_overlapped(plan.overlap, par.pp, s.zero_stage, par.dp, dtype == torch.bfloat16))
                 for s in strategy.stages]
-    if any(gathered):
-        group = own_communicator(topology.get_axis_comm_lists("data"), dist.get_rank())  # collective: every rank
-        if gathered[coord.pipe]:
-            gather = gather_in_first_forward(engine, layers, group)
-    offload = attach_activation_offload(layers, strategy.stages[coord.pipe].activations_offload)
-    ties = module.planned_ties if par.pp > 1 else []
-    tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
-    return PlannedEngine(engine=engine, plan=plan, stage=coord.pipe, tp_rank=coord.model, dp_rank=coord.data,
-                         grid=grid, tied_ranks=tied, layers=layers,
-                         loss_fn=loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather)
+    if not any(gathered):
+        return None
+    group = own_communicator(stage.topology.get_axis_comm_lists("data"), dist.get_rank())  # collective: every rank
+    if not gathered[stage.coord.pipe]:
+        return None
+    if not isinstance(engine.optimizer, BF16_Optimizer):
+        raise RuntimeError(f"the plan was priced with BF16_Optimizer's post-step gather in the first forward, but "
+                           f"DeepSpeed built {type(engine.optimizer).__name__}")
+    gather = ChunkedWeightGather(engine.optimizer, group, list(stage.layers))
+    gather.plan_chunks()
+    engine.optimizer.update_lp_params = gather.update_lp_params  # the instance's; step() calls it
+    gather.hooks = [layer.register_forward_pre_hook(gather.before_layer(index))
+                    for index, layer in enumerate(gather.layers)]
+    log.info("weight gather in the first forward: %d chunks over %d layers", sum(map(len, gather.chunks)),
+             len(gather.layers))
+    return gather
 
 
 def own_communicator(rank_lists: list[list[int]], rank: int):
@@ -390,24 +438,9 @@ def own_communicator(rank_lists: list[list[int]], rank: int):
     return mine
 
 
-def gather_in_first_forward(engine, layers: list[PlannedLayer], group):
-    """The stage's post-step all-gather chunked into the next first forward (mist_ds/runtime/gather.py), on
-    `group`; priced only where DeepSpeed steps with BF16_Optimizer, which is checked here, not assumed."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
-    from mist_ds.runtime.gather import ChunkedWeightGather
-
-    if not isinstance(engine.optimizer, BF16_Optimizer):
-        raise RuntimeError(f"the plan was priced with BF16_Optimizer's post-step gather in the first forward, but "
-                           f"DeepSpeed built {type(engine.optimizer).__name__}")
-    gather = ChunkedWeightGather(engine.optimizer, group, list(layers))
-    gather.install()
-    return gather
-
-
-def attach_activation_offload(layers: list[PlannedLayer], ao: float):
-    """The stage's first round(ao x l) blocks offload their activations (mist_ds/runtime/activations.py);
-    the ActivationOffload they share, or None."""
+def apply_activation_offload(layers: list[PlannedLayer], ao: float):
+    """Runtime `mist`: the stage's first round(ao x l) blocks offload their activations
+    (mist_ds/runtime/activations.py); the ActivationOffload they share, or None."""
     from mist_ds.runtime.activations import ActivationOffload, offloaded_block_count
 
     blocks = [layer for layer in layers if layer.kind == BLOCK]
@@ -417,4 +450,5 @@ def attach_activation_offload(layers: list[PlannedLayer], ao: float):
     offload = ActivationOffload()
     for i, block in enumerate(blocks[:count]):
         block.activation_offload, block.first_offloaded = offload, i == 0
+    log.info("activation offload: the first %d of %d blocks", count, len(blocks))
     return offload

@@ -96,8 +96,10 @@ class ChunkedWeightGather:
     """... of the previous gather, counted when the next one started (what the last step's forward did)."""
     hooks: list[Any] = field(default_factory=list)
 
-    def install(self) -> None:
-        """Plan the chunks, replace the optimizer's update_lp_params, hook each layer's forward."""
+    def plan_chunks(self) -> None:
+        """Check the group and plan the chunks and what each layer waits for. runtime/engine.py
+        apply_weight_gather_in_first_forward then replaces the optimizer's update_lp_params with this
+        gather's and hooks each layer's forward with `before_layer`."""
         optimizer = self.optimizer
         ranks = sorted(dist.get_all_ranks_from_group(self.group))
         for dp_group in optimizer.real_dp_process_group:
@@ -123,9 +125,6 @@ class ChunkedWeightGather:
                 partition = optimizer.bf16_partitioned_groups[group][0].numel()
                 need = max(need, first_of_group[group] + chunks_needed([(start, stop)], self.chunks[group], partition))
             self.needs.append(need)
-        optimizer.update_lp_params = self.update_lp_params  # the instance's; step() calls self.update_lp_params()
-        for index, layer in enumerate(self.layers):
-            self.hooks.append(layer.register_forward_pre_hook(self._before(index)))
 
     @torch.no_grad()
     def update_lp_params(self) -> None:
@@ -145,7 +144,8 @@ class ChunkedWeightGather:
                 self.pending.append(dist.all_gather(pieces, pieces[own], group=self.group, async_op=True))
         self.waited, self.issued_last, self.waited_by_layers = 0, len(self.pending), 0
 
-    def _before(self, index: int):
+    def before_layer(self, index: int):
+        """The forward pre-hook of layer `index`: wait for the chunks it needs."""
         def wait_for_weights(module, inputs) -> None:
             need = self.needs[index]
             if need >= self.waited and self.pending:

@@ -73,7 +73,8 @@ def _split_rows(full: torch.Tensor, segments: tuple[int, ...], rank: int) -> tor
     return torch.cat(parts)
 
 
-def shard_of(full_module: nn.Module, local_module: nn.Module, name: str, rank: int, t: int) -> tuple[torch.Tensor, bool]:
+def shard_of(full_module: nn.Module, local_module: nn.Module, name: str, rank: int,
+             t: int) -> tuple[torch.Tensor, bool]:
     """(this rank's part of `full_module`'s parameter `name`, whether it is split over the TP ranks)."""
     full = getattr(full_module, name).detach()
     if t == 1:
@@ -115,14 +116,10 @@ class PlannedLayer(nn.Module):
         if recipe.tied:
             init_head_from_embedding(self, recipe)
         self.forward_passes = 0
-        self.layer.register_forward_pre_hook(self._count)
         self.activation_offload = None
         """An ActivationOffload (mist_ds/runtime/activations.py) when this block's activations go to the host."""
         self.first_offloaded = False
         """The stage's first offloaded block: its forward starts a new prefetch chain."""
-
-    def _count(self, module, args) -> None:
-        self.forward_passes += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_offload is not None and torch.is_grad_enabled():
@@ -136,7 +133,11 @@ class PlannedLayer(nn.Module):
             # form stops replaying once the tensors backward needs exist, skipping the block's last
             # GEMMs (the step census measured fc_out's forward missing on a GPT block); forced to replay
             # all of it, it breaks under ZeRO-3, whose partitioned weights it then reads empty.
-            return checkpoint(self.layer, x, use_reentrant=True)
+            return checkpoint(self._counted_forward, x, use_reentrant=True)
+        return self._counted_forward(x)
+
+    def _counted_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_passes += 1  # here, not in a hook: the checkpoint's replay in backward passes here too
         return self.layer(x)
 
 

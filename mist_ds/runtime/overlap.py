@@ -36,10 +36,11 @@ with the optimizer's `_update_hp_grad` and drops the low-precision gradient, whi
 then skips, as the immediate mode does (bf16_optimizer.py:707-715).
 
 At S = 1 DeepSpeed's own engine runs the step (no PipelineEngine): at ZeRO-0 it would all-reduce every
-gradient in the boundary micro-batch's backward epilogue; `reduce_in_last_backward` turns that off and
-mist_ds/runtime/engine.py arms the same per-layer reducer for that backward and finishes it before
-`engine.step()`. There is no tied sum at S = 1: the head shares the embedding's parameter, which the
-reducer assigns to the embedding's layer (its gradient is complete only after the embedding's backward).
+gradient in the boundary micro-batch's backward epilogue; apply_grad_reduce_in_last_backward
+(mist_ds/runtime/engine.py) turns that off, and PlannedEngine arms the same per-layer reducer for that
+backward and finishes it before `engine.step()`. There is no tied sum at S = 1: the head shares the
+embedding's parameter, which the reducer assigns to the embedding's layer (its gradient is complete only
+after the embedding's backward).
 What `mist` means at S = 1: the reduction in the last backward at ZeRO-0 and ZeRO-1, and activation
 offload (mist_ds/runtime/activations.py, any S); ZeRO-2 and ZeRO-3 run as on runtime `deepspeed`. In bf16
 pipelines at ZeRO-0 the post-step all-gather also moves into the next first forward
@@ -122,21 +123,14 @@ class GradReducer:
     def bf16_optimizer(self) -> bool:
         return isinstance(self.engine.optimizer, BF16_Optimizer)
 
-    def install(self) -> None:
-        optimizer = self.engine.optimizer
-        if self.bf16_optimizer:
-            self.bf16_slots = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups)
-                               for j, p in enumerate(group)}
-        for index, params in enumerate(self.layers):
-            for param in params:
-                self.hooks.append(param.register_post_accumulate_grad_hook(self._hook(index)))
-
     def arm(self) -> None:
-        """Reduce during the coming backward (the model-state census takes a moment here, runtime/moments.py)."""
+        """Reduce during the coming backward (the model-state census takes a moment here, observe/moments.py)."""
         self.armed = True
 
-    def _hook(self, layer_index: int):
-        def on_gradient(param: torch.nn.Parameter) -> None:
+    def on_gradient(self, layer_index: int):
+        """The post-accumulate-grad hook of each parameter of layer `layer_index` (runtime/engine.py
+        apply_grad_reduce_in_last_backward registers it)."""
+        def note_ready(param: torch.nn.Parameter) -> None:
             if not self.armed:
                 return
             if self.bf16_optimizer and not self.engine.optimizer.immediate_grad_update:
@@ -150,7 +144,7 @@ class GradReducer:
             if layer_index not in self.issued and all(id(p) in self.ready for p in params):
                 self.issued.add(layer_index)
                 self._start([self._gradient(p) for p in params])
-        return on_gradient
+        return note_ready
 
     def _gradient(self, param: torch.nn.Parameter) -> torch.Tensor:
         if self.bf16_optimizer:  # the accumulated gradient BF16_Optimizer reduces, steps and clips
@@ -210,7 +204,8 @@ class GradReducer:
 
 
 def layer_reducer(engine, layers: list[list[torch.nn.Parameter]], tied: list[torch.nn.Parameter]) -> GradReducer:
-    """An installed GradReducer of `engine` over `layers` (parameters by layer, in forward order). A
+    """A GradReducer of `engine` over `layers` (parameters by layer, in forward order), not yet hooked to
+    the parameters (runtime/engine.py apply_grad_reduce_in_last_backward does that). A
     parameter two layers share (a tied head at S = 1) belongs to the first: its gradient is complete only
     once the first layer's backward has run. `tied` (a pipeline's tied weights) are left out of the layers
     and reduced at the end."""
@@ -221,18 +216,10 @@ def layer_reducer(engine, layers: list[list[torch.nn.Parameter]], tied: list[tor
         seen.update(id(p) for p in own)
         if own:
             by_layer.append(own)
-    reducer = GradReducer(engine, by_layer, list(tied))
-    reducer.install()
-    return reducer
-
-
-def reduce_in_last_backward(engine, layers: list[list[torch.nn.Parameter]]) -> GradReducer:
-    """S = 1: DeepSpeed's engine stops all-reducing at the accumulation boundary (its backward epilogue
-    checks enable_backward_allreduce, runtime/engine.py `_backward_epilogue`); the caller arms the
-    reducer for the last micro-batch's backward and calls `finish` before `engine.step()`
-    (mist_ds/runtime/engine.py)."""
-    engine.enable_backward_allreduce = False
-    return layer_reducer(engine, layers, [])
+    optimizer = engine.optimizer
+    slots = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, p in enumerate(group)} \
+        if isinstance(optimizer, BF16_Optimizer) else {}
+    return GradReducer(engine, by_layer, list(tied), bf16_slots=slots)
 
 
 def _exec_reducing_backward_pass(self, buffer_id):
@@ -256,7 +243,8 @@ class MistPipelineEngine(PipelineEngine):
     """PipelineEngine running OverlapSchedule. Dispatch is by exact instruction type through the class
     attribute `_INSTRUCTION_MAP` (pipe/engine.py:1360-1386): the map is rebuilt here, or the new
     instructions would raise and an overridden handler would be ignored. An engine built by
-    `deepspeed.initialize` becomes one through `adopt`, which adds the reducer and nothing else."""
+    `deepspeed.initialize` becomes one in runtime/engine.py apply_grad_reduce_in_last_backward, which
+    re-classes it and adds the reducer, nothing else."""
 
     grad_reducer: GradReducer
 
@@ -266,11 +254,3 @@ class MistPipelineEngine(PipelineEngine):
 
     def _train_schedule(self):
         return OverlapSchedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
-
-    @classmethod
-    def adopt(cls, engine: PipelineEngine, layers: list[list[torch.nn.Parameter]]) -> "MistPipelineEngine":
-        """`engine` as a MistPipelineEngine whose reducer covers `layers` (parameters by layer)."""
-        engine.__class__ = cls
-        engine.grad_reducer = layer_reducer(engine, layers,
-                                            [w for w, _ in engine.module.get_tied_weights_and_groups()])
-        return engine

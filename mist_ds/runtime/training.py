@@ -45,8 +45,8 @@ def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 
           save_dir: Path | None = None, save_every: int = 0) -> list[StepRecord]:
     """Train from `start_step` to `steps` optimizer steps; checkpoint every `save_every` steps into
     `save_dir` (0: never). Every rank calls it; the loss is the global batch's mean on every rank.
-    With the model-state census on, the second step of the run is the counted one (the optimizer's
-    states exist from the first step on), or the only one."""
+    The second step of the run (the optimizer's states exist from the first step on), or the only one,
+    is the observed one: with the model-state census on (mist_ds.observe.watch_model_states), the counted one."""
     par = planned.plan.strategy.parallelism
     tokens_per_step = par.global_batch_size * data.seq_len
     token_file = TokenFile(data) if data.kind == "tokens" else None
@@ -57,11 +57,12 @@ def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 
         batches = micro_batches(data, step, planned.dp_rank, par.micro_batch_size, par.grad_accum, token_file)
         synchronize_compute(device)
         start = time.perf_counter()
-        loss = planned.train_batch(batches, count_model_states=step == counted_step)
+        loss = planned.train_batch(batches, observed=step == counted_step)
         synchronize_compute(device)
         elapsed = time.perf_counter() - start
         record = StepRecord(step=step + 1, loss=loss, time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
-                            counted=planned.recorder is not None and step == counted_step)
+                            counted=step == counted_step and planned.observer is not None
+                            and planned.observer.counts_model_states)
         records.append(record)
         log.info("step %d loss %.4f time %.3f s tokens/s %.0f", record.step, loss, elapsed, record.tokens_per_s)
         if save_every and save_dir is not None and record.step % save_every == 0:

@@ -1,4 +1,4 @@
-"""Verification tools shipped with mist_ds (as numpy.testing is with numpy): run real DeepSpeed on CPU
-ranks with a hard timeout (`ranks`), count what a live engine holds (`census`), and the model-state
-cases that compare engines with cost/memory.py (`model_states`). The tests and the benchmarks both
-use them; nothing in the planner imports them."""
+"""Verification tools shipped with mist_ds (as numpy.testing is with numpy) that compare engines with the
+cost model: the model-state cases against cost/memory.py (`model_states`) and one step's census against
+cost/accounting.py (`step_census`). The tests and the benchmarks use them; nothing in the planner or the
+runtime imports them. Running engines and observing them is mist_ds/observe."""

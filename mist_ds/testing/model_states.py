@@ -1,5 +1,5 @@
 """Model-state bytes of real DeepSpeed 0.19.8 engines against cost/memory.py: the cases, the rank-side
-worker that trains them and counts their tensors (mist_ds.runtime.census), and the formulas that
+worker that trains them and counts their tensors (mist_ds.observe.census), and the formulas that
 compare the two (used by tests/test_model_states.py and benchmarks/model_states.py).
 
 Symbols (cost/memory.py): b bytes of the model dtype, P parameters on the rank, d data parallel,
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
+from mist_ds.observe.census import storage_keys
+from mist_ds.observe.moments import MomentRecorder, field_peaks
+from mist_ds.observe.ranks import close_cpu_distributed, init_cpu_distributed
 from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS
-from mist_ds.runtime.census import storage_keys
-from mist_ds.runtime.moments import MomentRecorder, field_peaks
-from mist_ds.testing.ranks import close_cpu_distributed, init_cpu_distributed
 
 WORKER = "mist_ds.testing.model_states:model_states_worker"
 FIELDS = ("weights", "grads", "optimizer", "buffers", "host")

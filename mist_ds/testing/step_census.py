@@ -1,4 +1,4 @@
-"""One step's census (FLOPs and collective bytes counted in the engine, mist_ds/runtime/counting.py) against the
+"""One step's census (FLOPs and collective bytes counted in the engine, mist_ds/observe/counting.py) against the
 cost model's accounting (mist_ds/cost/accounting.py): the comparison every test and benchmark that runs a plan
 makes, in one place."""
 from __future__ import annotations

@@ -37,7 +37,8 @@ from mist_ds.specs.strategy import Parallelism
 C10D_KINDS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
     "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "allgather_coalesced_": "all_gather", "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "allgather_coalesced_": "all_gather", "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter", "broadcast_": "broadcast", "reduce_": "reduce",
     "send": "send", "recv_": "recv", "recv_any_source_": "recv", "gather_": "gather", "scatter_": "scatter",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "barrier": "barrier", "monitored_barrier_": "barrier",

@@ -52,7 +52,7 @@ def launch(worker: str, world_size: int, payload, timeout_s: float = LAUNCH_TIME
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="mist_ds_launch_") as tmp:
         Path(tmp, "payload.json").write_text(json.dumps(payload))
-        cmd = [sys.executable, "-m", "mist_ds.testing.ranks", worker, str(world_size), tmp]
+        cmd = [sys.executable, "-m", "mist_ds.observe.ranks", worker, str(world_size), tmp]
         code, log = run_in_session(cmd, SOURCE_ROOT, env, timeout_s, f"{worker} on {world_size} ranks")
         if code != 0:
             raise RuntimeError(f"{worker} on {world_size} ranks exited {code}:\n{log[-6000:]}")

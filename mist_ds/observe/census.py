@@ -233,9 +233,9 @@ def census(engine, inner) -> tuple[dict[str, int], list[str]]:
     return totals, unclassified
 
 
-def live_storages() -> set[int]:
-    """Storages of every tensor the Python garbage collector tracks now."""
-    keys = set()
+def live_tensors_by_storage() -> dict[int, torch.Tensor]:
+    """One tensor per storage (by storage key) of every tensor the Python garbage collector tracks now."""
+    found = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor):
             try:
@@ -243,8 +243,13 @@ def live_storages() -> set[int]:
             except RuntimeError:  # tensor subclasses without a storage
                 continue
             if key is not None:
-                keys.add(key)
-    return keys
+                found[key] = obj
+    return found
+
+
+def live_storages() -> set[int]:
+    """Storages of every tensor the Python garbage collector tracks now."""
+    return set(live_tensors_by_storage())
 
 
 def unreached_storages(found: dict, exclude: set[int]) -> list[tuple[int, list[int], str]]:

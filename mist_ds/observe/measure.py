@@ -1,7 +1,7 @@
 """Rank side of `mist-ds measure`: run a plan with mist_ds.runtime and measure it in the prediction's terms.
 
 Per rank: the median iteration time of the timed steps (after warm-up steps; never a counted step), the
-step census (FLOPs and collective payload bytes, one extra step, mist_ds/runtime/counting.py), the
+step census (FLOPs and collective payload bytes, one extra step, mist_ds/observe/counting.py), the
 model-state bytes of the engine census (one more step), and the peak memory of a step (`step_peak_bytes`):
 the allocator's peak on a GPU (max_memory_allocated), on a CPU what the tensors alive at the step's start
 hold plus the largest rise of the CPU allocator's running total during the step (never RSS, which holds
@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from mist_ds.observe.census import live_tensors_by_storage
+from mist_ds.observe.engine import count_step, watch_model_states
+from mist_ds.observe.report import what_ran
 from mist_ds.runtime.data import DataSpec, micro_batches
 from mist_ds.runtime.engine import join_process_group
 from mist_ds.runtime.training import synchronize_compute
@@ -36,18 +39,7 @@ def _step(planned, data: DataSpec, step: int, **kwargs):
 def live_tensor_bytes() -> int:
     """Bytes of every distinct storage held by a tensor Python tracks now (deduplicated by storage; meta
     tensors and empty storages hold nothing): what a CPU rank's tensors occupy before a step."""
-    from mist_ds.runtime.census import _storage_key
-
-    sizes = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            try:
-                key = _storage_key(obj)
-            except RuntimeError:  # tensor subclasses without a storage
-                continue
-            if key is not None:
-                sizes[key] = obj.untyped_storage().nbytes()
-    return sum(sizes.values())
+    return sum(tensor.untyped_storage().nbytes() for tensor in live_tensors_by_storage().values())
 
 
 def allocator_rise_bytes(run) -> int:
@@ -118,10 +110,10 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
             times.append(time.perf_counter() - start)
         step = warmup + steps
         peak = step_peak_bytes(planned, lambda: _step(planned, data, step))
-        _, census = planned.count_step(_batches(planned, data, step + 1))
-        planned.watch_model_states()
+        _, census = count_step(planned, _batches(planned, data, step + 1))
+        watch_model_states(planned)
         _step(planned, data, step + 2)
-        did = planned.what_ran()
+        did = what_ran(planned)
         return {"rank": did["rank"], "stage": did["stage"], "iteration_time_s": statistics.median(times),
                 "iteration_times_s": times, "peak_memory_bytes": peak, "flops": census["flops"],
                 "comm_bytes": census["comm_bytes"], "model_state_bytes": did["model_state_bytes"], "what_ran": did,
@@ -133,7 +125,7 @@ def measure_plan(config: dict, model: ModelSpec, warmup: int, steps: int, seed: 
         gc.collect()
 
 
-MEASURE_WORKER = "mist_ds.runtime.measure:measure_worker"
+MEASURE_WORKER = "mist_ds.observe.measure:measure_worker"
 
 
 def measure_payload(specs: Specs, warmup: int, steps: int) -> dict[str, Any]:
@@ -147,7 +139,7 @@ def measure_payload(specs: Specs, warmup: int, steps: int) -> dict[str, Any]:
 
 
 def measure_worker(rank: int, world_size: int, payload: dict) -> dict[str, Any]:
-    """One rank of a measure launch (mist_ds.testing.ranks.launch): the payload's plan, measured."""
+    """One rank of a measure launch (mist_ds.observe.ranks.launch): the payload's plan, measured."""
     import torch.distributed as dist
 
     join_process_group()

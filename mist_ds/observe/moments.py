@@ -1,10 +1,10 @@
-"""The engine census (mist_ds/runtime/census.py) taken at named moments of a training step: right
+"""The engine census (mist_ds/observe/census.py) taken at named moments of a training step: right
 before chosen engine and optimizer methods run, at the torch optimizer's step, and after it."""
 from __future__ import annotations
 
 import gc
 
-from mist_ds.runtime.census import census, live_storages, reachable_storages, unreached_storages
+from mist_ds.observe.census import census, live_storages, reachable_storages, unreached_storages
 
 # Census roles summed into cost/memory.py's model-state fields; buffers sum within one moment, then the
 # larger moment wins.

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from mist_ds.runtime.census import Placement, placement
+from mist_ds.observe.census import Placement, placement
+from mist_ds.observe.moments import field_peaks
 from mist_ds.runtime.layers import BLOCK, EMBEDDING, HEAD
 
 DATA_ALL_REDUCE = "all_reduce/data"
-"""The step census's key of all-reduces over the data-parallel group (mist_ds/runtime/counting.py)."""
+"""The step census's key of all-reduces over the data-parallel group (mist_ds/observe/counting.py)."""
 
 
 def _storages(tensors) -> dict[int, torch.Tensor]:
@@ -44,7 +45,7 @@ def _where(tensors: dict[int, torch.Tensor], where: Placement, allocated_on_host
 def state_devices(engine) -> dict[str, Any]:
     """Where the module's parameters (the partitions under ZeRO-3), the optimizer's parameters (the fp32
     master where there is one) and the optimizer's states live, read from the tensors (module docstring
-    of mist_ds/runtime/census.py for what CPU ranks can and cannot show)."""
+    of mist_ds/observe/census.py for what CPU ranks can and cannot show)."""
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)
     where = placement(engine)
@@ -74,31 +75,36 @@ def recomputed_blocks(layers, passes: dict[int, int], micro_batches: int) -> lis
     return sorted(i - 1 for i, n in passes.items() if n == 2 * micro_batches)
 
 
-def overlap_ran(planned) -> dict[str, Any]:
+def overlap_ran(planned, collectives: dict[str, Any] | None) -> dict[str, Any]:
     """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py): the reduction in the last
     backward, set up by mist_ds's per-layer reducer (ZeRO-0) or by DeepSpeed's hooks (ZeRO-1/2: its
     optimizer's overlap_comm), and how many data-parallel all-reduces the last observed step issued during
-    a backward (seen at the dispatcher, mist_ds/runtime/counting.py; None before any step was observed)
+    a backward (seen at the dispatcher, mist_ds/observe/counting.py; None before any step was observed)
     with the bytes of the reducer's buckets then in flight; the post-step all-gather in the next first
     forward (mist_ds/runtime/gather.py: chunks the last step issued, and how many of the previous step's the
     layers' forward pre-hooks waited for)."""
     reducer = planned.grad_reducer
     hooked = bool(getattr(planned.engine.optimizer, "overlap_comm", False)) and \
         int(planned.engine.zero_optimization_stage()) in (1, 2)
-    observed, gather = planned.observed, planned.weight_gather
+    gather = planned.weight_gather
     return {"overlap_grad_reduce": reducer is not None or hooked,
-            "reduced_in_backward": None if observed is None else observed["calls_in_backward"].get(DATA_ALL_REDUCE, 0),
+            "reduced_in_backward": None if collectives is None else
+            collectives["calls_in_backward"].get(DATA_ALL_REDUCE, 0),
             "reducer_bytes_in_flight": reducer.bytes_in_flight if reducer is not None else 0,
             "gather_weights_in_first_forward": gather is not None,
             "gather_chunks": gather.issued_last if gather is not None else 0,
             "chunks_waited_by_layers": gather.previous_waited_by_layers if gather is not None else 0}
 
 
-def what_ran(planned, recorder=None) -> dict[str, Any]:
-    """The rank's facts as JSON-ready data (`recorder`: the MomentRecorder watching model states, if any:
-    its peaks per field and the storages it could not classify)."""
-    from mist_ds.runtime.moments import field_peaks
-
+def what_ran(planned) -> dict[str, Any]:
+    """What this rank's PlannedEngine did, as JSON-ready data; where its model states are watched
+    (mist_ds/observe/engine.py watch_model_states), their peaks per field after one more census at the
+    moment "after", and the storages the census could not classify."""
+    watched = planned.observer  # an EngineObservation, once anything here observed the engine
+    recorder = watched.recorder if watched is not None else None
+    if recorder is not None:
+        recorder.measuring = True
+        recorder("after")
     engine = planned.engine
     report = {"rank": int(engine.global_rank), "stage": planned.stage, "tp_rank": planned.tp_rank,
               "engine": type(engine).__name__,
@@ -106,7 +112,8 @@ def what_ran(planned, recorder=None) -> dict[str, Any]:
               "recomputed_blocks": recomputed_blocks(planned.layers, planned.last_block_passes,
                                                      planned.plan.strategy.parallelism.grad_accum),
               "optimizer": type(engine.optimizer).__name__, "zero_stage": int(engine.zero_optimization_stage()),
-              "state_devices": state_devices(engine), "overlap": overlap_ran(planned)}
+              "state_devices": state_devices(engine),
+              "overlap": overlap_ran(planned, watched.collectives if watched is not None else None)}
     if recorder is not None:
         report["model_state_bytes"] = field_peaks(recorder.moments)
         report["unclassified"] = sorted(recorder.unclassified)
