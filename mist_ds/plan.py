@@ -130,10 +130,12 @@ def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
                f"{now.get('frozen', [])}: give the plan's model.frozen, or re-run `mist-ds tune` for this one")
     elif same_hf:
         fix = (f"the config at {now['name_or_path']} changed since the plan was tuned (sha256 "
-               f"{planned.get('config_sha256', '?')[:12]} then, {now['config_sha256'][:12]} now): re-run `mist-ds tune`")
+               f"{planned.get('config_sha256', '?')[:12]} then, {now['config_sha256'][:12]} now): "
+               "re-run `mist-ds tune`")
     elif planned.get("kind") == now["kind"] == "module" and planned.get("class") == now["class"]:
         fix = (f"{now['class']} changed since the plan was tuned (its structure, code, kwargs or loss: sha256 "
-               f"{planned.get('module_sha256', '?')[:12]} then, {now['module_sha256'][:12]} now): re-run `mist-ds tune`")
+               f"{planned.get('module_sha256', '?')[:12]} then, {now['module_sha256'][:12]} now): "
+               "re-run `mist-ds tune`")
     else:
         fix = f"it is a plan for {planned}, and the model here is {now}: tune a plan for this model"
     raise ConfigError(PLAN_FIELD, source, fix, rule="plan.model-source")
@@ -166,11 +168,13 @@ def load_plan(path: str | Path) -> Plan:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as error:
-        raise ConfigError(PLAN_FIELD, str(path), "no such file; give the plan.json that `mist-ds tune` wrote") from error
+        raise ConfigError(PLAN_FIELD, str(path),
+                          "no such file; give the plan.json that `mist-ds tune` wrote") from error
     except IsADirectoryError as error:
         raise ConfigError(PLAN_FIELD, str(path), "is a folder; give the plan.json inside it") from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(PLAN_FIELD, str(path), f"not valid JSON ({error}); give a plan.json from `mist-ds tune`") from error
+        raise ConfigError(PLAN_FIELD, str(path),
+                          f"not valid JSON ({error}); give a plan.json from `mist-ds tune`") from error
     return plan_from_dict(data, str(path))
 
 

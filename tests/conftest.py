@@ -23,8 +23,8 @@ def zoo(group: str) -> list[str]:
                   and p.stem not in NOT_ZOO)
 
 
-LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep", "test_model_states",
-                               "test_measure", "test_profile", "test_hf_models"})
+LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep",
+                               "test_model_states", "test_measure", "test_profile", "test_hf_models"})
 """Test modules that start DeepSpeed ranks (2-4 processes on loopback, each job's port picked free just before its
 ranks bind it): under pytest-xdist (launch/test.sh) they share one worker, so no two launches run at once."""
 

@@ -73,7 +73,8 @@ def test_param_count_near_published(name):
 
 
 def test_gpt_flops_per_token_match_closed_form():
-    """docs/design.md (Symbols and units): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per iteration, i.e. per token / s / B."""
+    """docs/design.md (Symbols and units): 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per iteration,
+    i.e. per token / s / B."""
     model = compose(["model=gpt3-175b"], with_strategy=False).model
     h, s, l, v = model.hidden_size, model.seq_len, model.num_layers, model.vocab_size
     assert model.training_flops_per_token() == pytest.approx(72 * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h)))

@@ -110,3 +110,30 @@ def test_pyproject_pins_the_ranges_checked_at_start_up():
               for line in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
     for package, supported in (("deepspeed", SUPPORTED_DEEPSPEED), ("hydra-core", SUPPORTED_HYDRA)):
         assert pinned[package] == requirement(package, supported), (package, pinned[package])
+
+
+MAX_LINE_CHARACTERS = 120
+PYTHON_FOLDERS = ("mist_ds", "tests", "benchmarks", "launch", "hydra_plugins", "examples")
+
+
+def _tracked_python_files() -> list[str]:
+    """The repository's tracked .py files (git ls-files); without git, every .py file under PYTHON_FOLDERS."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--", "*.py"], cwd=REPO, capture_output=True, check=True)
+        return sorted(name for name in listed.stdout.decode().split("\0") if name)
+    except (OSError, subprocess.CalledProcessError):
+        return sorted(str(path.relative_to(REPO)) for folder in PYTHON_FOLDERS
+                      for path in (REPO / folder).rglob("*.py") if "__pycache__" not in path.parts)
+
+
+def test_lines_are_at_most_120_characters():
+    """Every line of every tracked .py file is at most MAX_LINE_CHARACTERS characters long."""
+    files = _tracked_python_files()
+    assert files
+    long_lines = [f"{name}:{number} ({len(line)})"
+                  for name in files if (REPO / name).is_file()
+                  for number, line in enumerate((REPO / name).read_text(encoding="utf-8").splitlines(), start=1)
+                  if len(line) > MAX_LINE_CHARACTERS]
+    assert not long_lines, f"{len(long_lines)} lines over {MAX_LINE_CHARACTERS} characters:\n" + "\n".join(long_lines)

@@ -135,7 +135,8 @@ def test_extras_on_every_stage_do_not_chain(data, stages, grad_accum):
     """Every stage has first-forward and last-backward extras (Mist's in-pass optimizer step and
     reduction): they hide in the fill / drain wait instead of adding up along the pipeline, so the
     makespan grows by at most the largest of each, and never shrinks."""
-    draw = lambda lo, hi: np.array(data.draw(st.lists(st.floats(lo, hi), min_size=stages, max_size=stages)))  # noqa: E731
+    draw = lambda lo, hi: np.array(  # noqa: E731
+        data.draw(st.lists(st.floats(lo, hi), min_size=stages, max_size=stages)))
     f, b, first, last = draw(0.2, 1.5), draw(0.4, 3.0), draw(0.0, 3.0), draw(0.0, 3.0)
     without, _ = simulate(f, b, [0.0] * stages, [0.0] * stages, grad_accum)
     simulated, _ = simulate(f, b, first, last, grad_accum)
@@ -259,7 +260,8 @@ def test_l4_table_is_not_monotone_so_the_envelope_differs():
     joined = busy.copy()
     joined[0, 2] = 0.01
     assert overlapped_time_s(joined, table)[0] < overlapped_time_s(busy, table)[0]
-    assert overlapped_time_s(joined, monotone_envelope(table))[0] >= overlapped_time_s(busy, monotone_envelope(table))[0]
+    assert (overlapped_time_s(joined, monotone_envelope(table))[0]
+            >= overlapped_time_s(busy, monotone_envelope(table))[0])
 
 
 @pytest.mark.parametrize("exponent", [0.7, 1.0, 1.345, 3.0])

@@ -15,7 +15,8 @@ def assert_prediction_equal(recorded: dict, new: dict, where: str) -> None:
     """Every recorded number equal (keys added since are new interface, not a change); the recorded
     strategy's keys a subset of the new strategy, same values."""
     assert set(recorded) <= set(new), f"{where}: keys gone from predict's JSON: {sorted(set(recorded) - set(new))}"
-    assert {k: new[k] for k in recorded if k != "strategy"} == {k: v for k, v in recorded.items() if k != "strategy"}, where
+    assert ({k: new[k] for k in recorded if k != "strategy"}
+            == {k: v for k, v in recorded.items() if k != "strategy"}), where
     missing = {k: v for k, v in recorded["strategy"].items() if new["strategy"].get(k) != v}
     assert not missing, f"{where}: strategy differs in {missing} (now {new['strategy']})"
 

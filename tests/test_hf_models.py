@@ -94,7 +94,8 @@ def test_an_hf_config_prices_as_the_zoo_model_of_its_shapes(configs, zoo, name, 
 
 def test_hf_fields_are_overridden_and_checked(configs):
     specs = hf(configs["qwen2"], "model.seq_len=64", "+model.hf.num_hidden_layers=3")
-    assert specs.model.num_layers == 3 and specs.model.hf.config_sha256 != hf(configs["qwen2"], "model.seq_len=64").model.hf.config_sha256
+    assert (specs.model.num_layers == 3
+            and specs.model.hf.config_sha256 != hf(configs["qwen2"], "model.seq_len=64").model.hf.config_sha256)
     with pytest.raises(ConfigError, match=r"did you mean \+model.hf.num_hidden_layers"):
         hf(configs["qwen2"], "model.seq_len=64", "+model.hf.num_hidden_layer=3")
     with pytest.raises(ConfigError, match="model.hf.num_hidden_layers"):  # the zoo's name for it is refused
@@ -104,8 +105,9 @@ def test_hf_fields_are_overridden_and_checked(configs):
 
 
 def test_a_config_read_once_is_planned_again_without_transformers_or_torch(configs):
-    """What a config builds (shape, parameters by part, buffers) is kept in the cache once read: composing the same model
-    again, in a new process, imports neither transformers nor torch (a warm `mist-ds tune` pays neither import)."""
+    """What a config builds (shape, parameters by part, buffers) is kept in the cache once read: composing the same
+    model again, in a new process, imports neither transformers nor torch (a warm `mist-ds tune` pays neither
+    import)."""
     overrides = [f"model.name_or_path={configs['phi3']}", "model.seq_len=32", "model.frozen=[lm_head.weight]"]
     first = compose(["model=hf", *overrides]).model
     code = ("import sys\nfrom mist_ds.config import compose\n"
@@ -203,9 +205,12 @@ def test_autotp_is_priced_as_deepspeed_shards_the_model(configs):
     costs, b, s, t = model_costs(specs), 2, 64, 2
     activation = b * s * h * 2  # bf16
     assert costs.block("fwd_flops", b, s, t) * 2 == costs.block("fwd_flops", b, s, 1)
-    assert costs.block("tp_collectives_fwd", b, s, t) == 2 and costs.block("tp_comm_bytes_fwd", b, s, t) == 2 * activation
-    assert costs.block("tp_collectives_bwd", b, s, t) == 5 and costs.block("tp_comm_bytes_bwd", b, s, t) == 5 * activation
-    assert costs.head("tp_gathers_fwd", b, s, t) == 1 and costs.head("tp_gather_bytes_fwd", b, s, t) == b * s * vocab // 2 * 2
+    assert (costs.block("tp_collectives_fwd", b, s, t) == 2
+            and costs.block("tp_comm_bytes_fwd", b, s, t) == 2 * activation)
+    assert (costs.block("tp_collectives_bwd", b, s, t) == 5
+            and costs.block("tp_comm_bytes_bwd", b, s, t) == 5 * activation)
+    assert (costs.head("tp_gathers_fwd", b, s, t) == 1
+            and costs.head("tp_gather_bytes_fwd", b, s, t) == b * s * vocab // 2 * 2)
     assert costs.head("tp_collectives_bwd", b, s, t) == 1 and costs.embedding("tp_collectives_bwd", b, s, t) == 0
     assert "all_gather/tensor" in predict(specs).comm_bytes_per_rank[0]
     config = ds_config(specs.strategy, specs.train, specs.model)
@@ -289,7 +294,8 @@ def test_a_plan_records_its_model_and_is_refused_once_the_config_changed(configs
             "tuner.compare_baselines=false", f"hydra.run.dir={run_dir}"]
     assert subprocess.run(tune, capture_output=True, text=True, cwd=REPO, env=env).returncode == 0
     source = json.loads((run_dir / "plan.json").read_text())["model_source"]
-    assert source["kind"] == "hf" and source["architecture"] == "Qwen2ForCausalLM" and len(source["config_sha256"]) == 64
+    assert (source["kind"] == "hf" and source["architecture"] == "Qwen2ForCausalLM"
+            and len(source["config_sha256"]) == 64)
     predict = [sys.executable, "-m", "mist_ds.cli.main", "predict", f"plan={run_dir / 'plan.json'}"]
     assert subprocess.run(predict, capture_output=True, text=True, cwd=REPO, env=env).returncode == 0
     config = json.loads((folder / "config.json").read_text())
@@ -332,8 +338,8 @@ def test_hf_models_on_deepspeed_count_what_was_priced(configs, tmp_path_factory)
     folders = {**configs, "gpt2": gpt2}
     cases, planned = [], {}
     for name, (config, strategy) in ENGINE_CASES.items():
-        specs = hf(folders[config], "model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2", "train.precision=bf16",
-                   "train.global_batch_size=4", "strategy.micro_batch_size=2", *strategy)
+        specs = hf(folders[config], "model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2",
+                   "train.precision=bf16", "train.global_batch_size=4", "strategy.micro_batch_size=2", *strategy)
         plan = ds_config(specs.strategy, specs.train, specs.model)
         planned[name] = (specs, plan, predict(specs).to_dict())
         cases.append({"name": name, "config": plan, "strategy": specs.strategy.to_dict(),

@@ -25,7 +25,8 @@ def test_measure_reports_predicted_beside_measured_per_rank(tmp_path):
         assert len(record[f"predicted_{key}"]) == len(record[f"measured_{key}"]) == 2, key
     assert record["measured_flops"] == record["predicted_flops"]  # the step census, counted in the engine
     assert all(set(m) >= set(p) for m, p in zip(record["measured_comm_bytes"], record["predicted_comm_bytes"]))
-    assert all(t > 0 for t in record["measured_iteration_time_s"]) and all(p > 0 for p in record["measured_peak_memory_bytes"])
+    assert (all(t > 0 for t in record["measured_iteration_time_s"])
+            and all(p > 0 for p in record["measured_peak_memory_bytes"]))
     for states, peak in zip(record["measured_model_state_bytes"], record["measured_peak_memory_bytes"]):
         # a step's peak holds at least the weights, gradients and optimizer states the engine keeps throughout
         # (it was once read from the profiler's running total alone, which starts at 0: below the weights)
@@ -37,7 +38,8 @@ def test_measure_reports_predicted_beside_measured_per_rank(tmp_path):
         assert did["engine"] == "PipelineEngine" and did["overlap"]["reduced_in_backward"] == 0
         assert did["state_devices"]["module_params"]["bytes"] == measured["weights"]
     assert json.loads((tmp_path / "run" / "measure.json").read_text()) == record
-    assert json.loads(table.read_text().splitlines()[-1]) == record and "| tiny | 2 |" in table.with_suffix(".md").read_text()
+    assert (json.loads(table.read_text().splitlines()[-1]) == record
+            and "| tiny | 2 |" in table.with_suffix(".md").read_text())
 
 
 class _Engine:

@@ -337,7 +337,8 @@ def test_zero1_without_a_pipeline_emits_overlap_comm_with_one_block_buckets_and_
     block = mist_specs.model.block_params(1)
     zero = ds_config(mist_specs.strategy, mist_specs.train, mist_specs.model)["zero_optimization"]
     assert zero["overlap_comm"] and zero["reduce_bucket_size"] == block
-    assert not ds_config(stock_specs.strategy, stock_specs.train, stock_specs.model)["zero_optimization"]["overlap_comm"]
+    assert not ds_config(stock_specs.strategy, stock_specs.train,
+                         stock_specs.model)["zero_optimization"]["overlap_comm"]
     stock, mist = predict(stock_specs).to_dict(), predict(mist_specs).to_dict()
     assert mist["tail_s"] < stock["tail_s"] and mist["iteration_time_s"] < stock["iteration_time_s"]
     assert mist["stage_stable_s"] == stock["stage_stable_s"]

@@ -60,7 +60,8 @@ CASES = {
                           "cluster.gpu.memory_gib=0.038"]),
     # ZeRO-3 with parameter and optimizer offload: the only plans that fit under the cap
     "zero3-offload": (2, ["model=tiny", "model.hidden_size=384", "model.num_layers=4", "train.global_batch_size=2",
-                          "tuner.pp=[1]", "tuner.tp=[1]", "tuner.micro_batch_sizes=[1]", "cluster.gpu.memory_gib=0.11"]),
+                          "tuner.pp=[1]", "tuner.tp=[1]", "tuner.micro_batch_sizes=[1]",
+                          "cluster.gpu.memory_gib=0.11"]),
     "tp2": (2, ["model=tiny", "train.global_batch_size=8", "tuner.tp=[2]", "tuner.pp=[1]"]),
     "pp2-fp32": (2, ["model=tiny", "model.tie_embeddings=false", "train.global_batch_size=16", "tuner.pp=[2]",
                      "tuner.micro_batch_sizes=[4]", *FP32]),
@@ -407,7 +408,8 @@ def test_the_step_census_is_the_accounting(plans, ran, name):
     plan = plans[name]
     for result in ran[name]:
         stage, census = result["what_ran"]["stage"], result["census"]
-        mismatches = step_census_mismatches(census["flops"], census["comm_bytes"], plan.prediction["flops_per_rank"][stage],
+        mismatches = step_census_mismatches(census["flops"], census["comm_bytes"],
+                                            plan.prediction["flops_per_rank"][stage],
                                             plan.prediction["comm_bytes_per_rank"][stage],
                                             plan.specs.strategy.stages[stage].zero_stage == 3)
         assert not mismatches, f"{name} rank {result['what_ran']['rank']}: {mismatches}"

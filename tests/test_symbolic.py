@@ -400,8 +400,8 @@ def test_pytorch_cpu_attention_kernel_is_counted(cache_dir):
     """PyTorch's CPU attention kernel (`_scaled_dot_product_flash_attention_for_cpu`, which torch's FlopCounterMode
     registry lacks: a traced nn.TransformerEncoderLayer or HF model had no s^2 term) is counted by the closed form:
     forward QK^T and PV, 4 b N s^2 K; backward the recomputed QK^T, dV, dP, dQ, dK, 10 b N s^2 K (no causal
-    discount: torch's own rule for its GPU kernels), with grouped KV heads expanded to the query heads. The runtime's census counts it the same
-    way on a real CPU run."""
+    discount: torch's own rule for its GPU kernels), with grouped KV heads expanded to the query heads. The runtime's
+    census counts it the same way on a real CPU run."""
     from mist_ds.models.attention import flop_counter_mapping
 
     width, heads, kv_heads = 64, 4, 2

@@ -146,7 +146,8 @@ def test_help_lists_mist_deepspeed_s_own_flags_first(tmp_path):
 
 def test_the_script_gets_the_plan_as_it_accepts_it(tmp_path):
     plan = tmp_path / "plan" / "plan.json"
-    hydra_launcher, hydra_args = launcher.hand_over(["--num_gpus", "2"], ["model=tiny", "hydra.run.dir=old"], plan, tmp_path)
+    hydra_launcher, hydra_args = launcher.hand_over(["--num_gpus", "2"], ["model=tiny", "hydra.run.dir=old"], plan,
+                                                    tmp_path)
     assert hydra_launcher == ["--num_gpus", "2", "--no_local_rank"]
     assert hydra_args == ["model=tiny", f"mist.plan={plan}", f"hydra.run.dir={tmp_path}"]
     # issue 25: a relative token file would not be found by cmd.txt run from another directory
@@ -236,7 +237,8 @@ def test_the_shim_leaves_plain_deepspeed_commands_to_deepspeed(tmp_path):
     direct = run([str(Path(sys.executable).parent / "deepspeed"), "--help"], tmp_path, timeout_s=60)
     shimmed = run(["deepspeed", "--help"], tmp_path, timeout_s=60, path_first=SHIM.parent)
     assert shimmed[0] == direct[0] == 0
-    strip = lambda text: [line for line in text.splitlines() if "[WARNING]" not in line and "[INFO]" not in line]  # noqa: E731
+    strip = lambda text: [line for line in text.splitlines()  # noqa: E731
+                          if "[WARNING]" not in line and "[INFO]" not in line]
     assert strip(shimmed[1]) == strip(direct[1])
 
 

@@ -51,7 +51,8 @@ def exhaustive(specs, runtime, point):
             ok &= np.all(opt["zero"] == opt["zero"][:, :1], axis=1)
         c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
                                G=point.grad_accum, stage=np.arange(S)[None], layers=np.array(layers)[None],
-                               ckpt=opt["ckpt"], zero=opt["zero"], wo=opt["wo"], go=opt["go"], oo=opt["oo"], ao=opt["ao"])
+                               ckpt=opt["ckpt"], zero=opt["zero"], wo=opt["wo"], go=opt["go"], oo=opt["oo"],
+                               ao=opt["ao"])
         times, memory = stage_times(costs, hw, caps, specs.train, c), stage_memory(costs, hw, caps, specs.train, c)
         ok &= np.all(memory.peak_bytes <= usable, axis=1) & _host_fits(specs, memory.host_bytes, point)
         tail = times.end_s.max(axis=1)
@@ -85,7 +86,8 @@ def _per_point(overrides, runtime):
     ctx = SearchContext(specs=specs, space=specs.tuner.space, caps=runtime_capabilities(runtime))
     for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space, ctx.caps):
         tuned = [r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None]
-        yield specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None, exhaustive(specs, runtime, point)
+        yield (specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None,
+               exhaustive(specs, runtime, point))
 
 
 GIB = 2**30
@@ -165,7 +167,8 @@ def test_the_exhaustive_cases_exercise_uneven_layers_memory_and_imbalance():
     tight_overrides = overrides + _tight_memory(overrides, runtime)
     tight = exhaustive(compose(tight_overrides, with_strategy=False), runtime, _point(**PIPELINE))
     assert tight[0] < math.inf
-    assert (tight[1], {k: v.tolist() for k, v in tight[2].items()}) != (free[1], {k: v.tolist() for k, v in free[2].items()})
+    assert ((tight[1], {k: v.tolist() for k, v in tight[2].items()})
+            != (free[1], {k: v.tolist() for k, v in free[2].items()}))
 
 
 def test_vectorized_runtime_rules_agree_with_check_runtime():
@@ -195,7 +198,8 @@ def test_same_inputs_same_plan_whatever_the_worker_count(tmp_path):
     spawned = tune_specs(compose(overrides + ["tuner.workers=2"], with_strategy=False), progress=False)
     assert first.strategy == again.strategy == spawned.strategy
     assert first.prediction == again.prediction == spawned.prediction
-    assert [(p.point, p.objective_s) for p in first.search.points] == [(p.point, p.objective_s) for p in spawned.search.points]
+    assert ([(p.point, p.objective_s) for p in first.search.points]
+            == [(p.point, p.objective_s) for p in spawned.search.points])
 
 
 def test_megatron_space_interleaves_when_it_pays_and_prices_it_like_predict():

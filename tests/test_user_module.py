@@ -104,7 +104,8 @@ class EncoderLm(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList([nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0,
-                                                                batch_first=True, norm_first=True) for _ in range(layers)])
+                                                                batch_first=True, norm_first=True)
+                                     for _ in range(layers)])
         self.norm = nn.LayerNorm(hidden)
         self.out = nn.Linear(hidden, vocab)
 

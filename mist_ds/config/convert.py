@@ -41,7 +41,8 @@ def model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
         require(field in ("num_kv_heads", "ffn_hidden_size") or getattr(cfg, field) is not None, f"model.{field}",
                 None, f"required for a {cfg.family} model: give it in the model's YAML or as model.{field}=...")
     require(cfg.name is not None, "model.name", None, "required for a zoo-family model: name it (model.name=...)")
-    ffn = cfg.ffn_hidden_size if cfg.ffn_hidden_size is not None else default_ffn_hidden_size(cfg.family, cfg.hidden_size)
+    ffn = (cfg.ffn_hidden_size if cfg.ffn_hidden_size is not None
+           else default_ffn_hidden_size(cfg.family, cfg.hidden_size))
     return ModelSpec(
         name=cfg.name, family=cfg.family, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads if cfg.num_kv_heads is not None else cfg.num_heads,
@@ -136,7 +137,8 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
         runtime_capabilities(cfg.runtime, field="tuner.runtime")
     return TunerSpec(space=cfg.space, runtime=cfg.runtime, micro_batch_sizes=tuple(cfg.micro_batch_sizes),
                      max_tp=cfg.max_tp, tp=None if cfg.tp is None else tuple(cfg.tp),
-                     pp=None if cfg.pp is None else tuple(cfg.pp), workers=cfg.workers, compare_baselines=cfg.compare_baselines,
+                     pp=None if cfg.pp is None else tuple(cfg.pp), workers=cfg.workers,
+                     compare_baselines=cfg.compare_baselines,
                      milp_time_limit_s=cfg.milp_time_limit_s, layer_slack=cfg.layer_slack,
                      weights_offload_ratios=tuple(cfg.weights_offload_ratios),
                      grads_offload_ratios=tuple(cfg.grads_offload_ratios),
@@ -160,8 +162,8 @@ def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, t
 def to_specs(cfg: MistDsConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Validate and convert a whole config; raises ConfigError naming the first bad field. `module`, `loss`: a
     user's nn.Module and loss function handed to Python (model=module)."""
-    return specs_of(model_spec(cfg.model, module, loss), cluster_spec(cfg.cluster), train_spec(cfg.train), tuner_spec(cfg.tuner),
-                    cfg.strategy if with_strategy else None)
+    return specs_of(model_spec(cfg.model, module, loss), cluster_spec(cfg.cluster), train_spec(cfg.train),
+                    tuner_spec(cfg.tuner), cfg.strategy if with_strategy else None)
 
 
 def specs_of(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,

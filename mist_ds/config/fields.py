@@ -15,15 +15,22 @@ from mist_ds.config import schema
 GROUPS = (("model", schema.ModelConfig), ("cluster", schema.ClusterConfig), ("train", schema.TrainConfig),
           ("strategy", schema.StrategyConfig), ("tuner", schema.TunerConfig))
 _FIELD_LINE = re.compile(r"^\s+(\w+): [^=]+?(?:= (.+?))?\s+# (.+)$")
+_CONTINUED_LINE = re.compile(r"^\s+# (.+)$")
 
 
 def _doc_lines(cls: type) -> dict[str, tuple[str, str]]:
-    """field -> (default as written, doc comment) from the class source."""
-    found = {}
+    """field -> (default as written, doc comment) from the class source. A doc comment too long for one line goes on
+    in comment-only lines right below its field, joined with a space."""
+    found, last = {}, None
     for line in inspect.getsource(cls).splitlines():
-        match = _FIELD_LINE.match(line)
+        match, continued = _FIELD_LINE.match(line), _CONTINUED_LINE.match(line)
         if match:
-            found[match.group(1)] = ((match.group(2) or "required").replace("MISSING", "required"), match.group(3))
+            last = match.group(1)
+            found[last] = ((match.group(2) or "required").replace("MISSING", "required"), match.group(3))
+        elif continued and last is not None:
+            found[last] = (found[last][0], f"{found[last][1]} {continued.group(1).strip()}")
+        else:
+            last = None
     return found
 
 

@@ -19,10 +19,12 @@ from omegaconf import MISSING
 @dataclass
 class ModelConfig:
     name: Optional[str] = None  # zoo name, e.g. gpt3-1.3b; free text for your own model; null (hf) = its folder or id
-    family: str = MISSING  # gpt | llama | falcon: the zoo's reference layers; hf: a Hugging Face config; module: your nn.Module
+    family: str = MISSING  # gpt | llama | falcon: the zoo's reference layers; hf: a Hugging Face config;
+    #                        module: your nn.Module
     hidden_size: Optional[int] = None  # model width h (zoo: required; hf: from its config)
     num_layers: Optional[int] = None  # transformer blocks L (zoo: required; hf: from its config)
-    num_heads: Optional[int] = None  # query heads a (zoo: required; hf: from its config; module: from its blocks, else required)
+    num_heads: Optional[int] = None  # query heads a (zoo: required; hf: from its config; module: from its blocks,
+    #                                  else required)
     num_kv_heads: Optional[int] = None  # KV heads for grouped / multi-query attention; null = num_heads
     ffn_hidden_size: Optional[int] = None  # MLP width; null = 4h (gpt, falcon) or 8h/3 rounded up to 256 (llama)
     vocab_size: Optional[int] = None  # embedding rows V (zoo: required; pad to 128 x tp as Megatron-LM does)
@@ -32,12 +34,18 @@ class ModelConfig:
     dropout: float = 0.0  # dropout probability after attention probs, attention out and MLP out
     name_or_path: Optional[str] = None  # hf: a folder holding config.json, a config.json, or a model id in the HF cache
     attn_implementation: str = "sdpa"  # hf: the attention your model runs: sdpa | eager | flash_attention_2
-    hf: Dict[str, Any] = field(default_factory=dict)  # hf: fields of its config to change, e.g. +model.hf.num_hidden_layers=4
-    frozen: List[str] = field(default_factory=list)  # hf: parameters your script freezes (fnmatch on names), e.g. ['model.layers.*.self_attn.*']
-    _target_: Optional[str] = None  # module: import path of a function returning your nn.Module (called on the meta device)
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # module: keyword arguments of model._target_, e.g. +model.kwargs.n_layer=4
-    blocks_attr: Optional[str] = None  # module: path of the blocks' nn.ModuleList, e.g. transformer.h; null = the longest of one class
-    loss: Optional[str] = None  # module: import path of loss(logits (b, s, V), labels (b, s)); null = next-token cross entropy
+    hf: Dict[str, Any] = field(default_factory=dict)  # hf: fields of its config to change,
+    #                                                   e.g. +model.hf.num_hidden_layers=4
+    frozen: List[str] = field(default_factory=list)  # hf: parameters your script freezes (fnmatch on names),
+    #                                                  e.g. ['model.layers.*.self_attn.*']
+    _target_: Optional[str] = None  # module: import path of a function returning your nn.Module
+    #                                 (called on the meta device)
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # module: keyword arguments of model._target_,
+    #                                                       e.g. +model.kwargs.n_layer=4
+    blocks_attr: Optional[str] = None  # module: path of the blocks' nn.ModuleList, e.g. transformer.h;
+    #                                    null = the longest of one class
+    loss: Optional[str] = None  # module: import path of loss(logits (b, s, V), labels (b, s));
+    #                             null = next-token cross entropy
 
 
 @dataclass
@@ -157,7 +165,8 @@ class MistDsConfig:
     strategy: StrategyConfig = MISSING
     tuner: TunerConfig = MISSING
     json: bool = False  # machine-readable output: the result as JSON on stdout instead of text
-    plan: Optional[str] = None  # a plan.json from `mist-ds tune` that predict prices and explain explains; null = `strategy`
+    plan: Optional[str] = None  # a plan.json from `mist-ds tune` that predict prices and explain explains;
+    #                             null = `strategy`
     cases: Optional[str] = None  # (predict-many) a text file: one case of overrides a line, priced together
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -7,8 +7,9 @@ Fused path: the op `mist_ds::flash_attention` saves exactly what FlashAttention-
 (q, k, v, the output and the fp32 logsumexp, plus its RNG state when dropout is on) and keeps KV
 heads unexpanded (GQA in the kernel), on every device. So a CPU trace of the model sees the same
 saved set as a CUDA run, and one op stands for the whole attention: `attention_flop_rule` gives its
-FLOPs (torch's counter has none for it), for the symbolic analysis and the runtime's step census. Explicit path: matmul, scale, causal bias, softmax, dropout, matmul: the
-tensors Korthikanti et al. (2022) count.
+FLOPs (torch's counter has none for it), for the symbolic analysis and the runtime's step census.
+Explicit path: matmul, scale, causal bias, softmax, dropout, matmul: the tensors Korthikanti et al.
+(2022) count.
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ class GroupedQueryAttention(nn.Module):
         self.dropout_p, self.fused = cfg.dropout, cfg.fused_attention
         qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
         self.qkv = ColumnParallelLinear(s.hidden, qkv_width, False, cfg.tp, cfg.dtype, copy_input=copy_input,
-                                        segments=(s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim))
+                                        segments=(s.heads * s.head_dim, s.kv_heads * s.head_dim,
+                                                  s.kv_heads * s.head_dim))
         self.proj = RowParallelLinear(s.heads * s.head_dim, s.hidden, False, cfg.tp, reduce_output=reduce_output,
                                       dtype=cfg.dtype)
 

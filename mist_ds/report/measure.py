@@ -71,7 +71,8 @@ def append_to_table(path: Path, record: dict[str, Any]) -> list[Path]:
     rows = ["| model | ranks | layout | predicted s | measured s | error |", "|---|---|---|---|---|---|"]
     for r in records:
         rows.append(f"| {r['model']} | {r['world_size']} | {_layout(r['strategy'])} | "
-                    f"{r['predicted_iteration_time_s'][0]:.4f} | {statistics.median(r['measured_iteration_time_s']):.4f} | "
+                    f"{r['predicted_iteration_time_s'][0]:.4f} | "
+                    f"{statistics.median(r['measured_iteration_time_s']):.4f} | "
                     f"{r['time_error']:+.1%} |")
     table = path.with_suffix(".md")
     write_atomic(table, "\n".join(rows) + "\n")

@@ -17,7 +17,8 @@ def render_prediction(p: Prediction) -> str:
         f"{p.throughput_samples_per_s:.2f} samples/s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, HFU {p.hfu:.1%}",
         f"bubble {p.bubble_s:.3f} s, optimizer {p.optimizer_s:.3f} s, tail {p.tail_s:.3f} s",
         f"{'fits' if p.fits else 'DOES NOT FIT'} in GPU memory; host memory per node {_gib(p.host_memory_bytes)}",
-        "stage  layers ckpt zero  stable s  delta s  peak memory  (weights grads optimizer activations transient buffers)",
+        "stage  layers ckpt zero  stable s  delta s  peak memory  "
+        "(weights grads optimizer activations transient buffers)",
     ]
     for i, (stable, delta, peak, parts) in enumerate(zip(p.stage_stable_s, p.stage_delta_s, p.peak_memory_bytes,
                                                          p.memory_breakdown)):

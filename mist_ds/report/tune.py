@@ -75,7 +75,8 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
     for i, st in enumerate(strategy.stages):
         peak = p["peak_memory_bytes"][i]
         lines.append(
-            f"| {i} | {st.layers} | {st.ckpt_layers} | {st.zero_stage} | {st.weights_offload:g} / {st.grads_offload:g} / "
+            f"| {i} | {st.layers} | {st.ckpt_layers} | {st.zero_stage} | "
+            f"{st.weights_offload:g} / {st.grads_offload:g} / "
             f"{st.optimizer_offload:g} / {st.activations_offload:g} | {p['stage_stable_s'][i]:.4f} | "
             f"{p['stage_delta_s'][i]:.4f} | {_gib(peak)} | {_gib(usable - peak)} |")
     if plan.baselines:
@@ -85,8 +86,9 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
                 lines.append(f"| {b['space']} | no plan fits | - | - |")
                 continue
             s = b["strategy"]
-            lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | tp {s['tp']} pp {s['pp']} "
-                         f"dp {s['dp']} b {s['micro_batch_size']} layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
+            lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | "
+                         f"tp {s['tp']} pp {s['pp']} dp {s['dp']} b {s['micro_batch_size']} "
+                         f"layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
                          f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
     lines += runner_up_lines(plan.runner_ups)
     lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]

@@ -82,7 +82,8 @@ class TokenFile:
         rows = np.stack([np.asarray(self.ids[i:i + spec.seq_len + 1], dtype=np.int64) for i in starts])
         if rows.max() >= self.vocab_size:  # checked where read: a full scan would read the whole file per rank
             raise ConfigError("run.tokens_file", str(self.path),
-                              f"holds id {rows.max()}, outside model.vocab_size={self.vocab_size}; check run.tokens_dtype")
+                              f"holds id {rows.max()}, outside model.vocab_size={self.vocab_size}; "
+                              "check run.tokens_dtype")
         return torch.from_numpy(rows)
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from mist_ds.specs.cluster import ClusterSpec, GpuSpec, InterferenceSpec
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.model import ModelSpec
-from mist_ds.specs.runtime import (RUNTIMES, OverlapFeatures, RuntimeCapabilities, check_runtime, grad_reduce_overlapped,
-                                   runtime_capabilities, weight_gather_overlapped)
+from mist_ds.specs.runtime import (RUNTIMES, OverlapFeatures, RuntimeCapabilities, check_runtime,
+                                   grad_reduce_overlapped, runtime_capabilities, weight_gather_overlapped)
 from mist_ds.specs.strategy import Parallelism, StageStrategy, StrategySpec
 from mist_ds.specs.train import TrainSpec
 from mist_ds.specs.tuner import TunerSpec
@@ -31,7 +31,7 @@ class Specs:
 
 
 __all__ = [
-    "ClusterSpec", "ConfigError", "GpuSpec", "InterferenceSpec", "ModelSpec", "OverlapFeatures", "Parallelism", "RUNTIMES",
-    "RuntimeCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
+    "ClusterSpec", "ConfigError", "GpuSpec", "InterferenceSpec", "ModelSpec", "OverlapFeatures", "Parallelism",
+    "RUNTIMES", "RuntimeCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
     "check_runtime", "grad_reduce_overlapped", "runtime_capabilities", "weight_gather_overlapped",
 ]

@@ -123,8 +123,9 @@ def _config_file(name_or_path: str) -> Path:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError as error:  # transformers brings huggingface_hub
-        raise ConfigError("model.name_or_path", name_or_path, "is no file or directory here, and transformers is "
-                                                              "not installed to look in the Hugging Face cache") from error
+        raise ConfigError("model.name_or_path", name_or_path,
+                          "is no file or directory here, and transformers is "
+                          "not installed to look in the Hugging Face cache") from error
     cached = try_to_load_from_cache(name_or_path, "config.json") if "/" in name_or_path else None
     if isinstance(cached, str):
         return Path(cached).resolve()
@@ -183,7 +184,8 @@ def _refuse_unpriceable(config, name_or_path: str) -> str:
     experts = {f: getattr(config, f) for f in MIXTURE_OF_EXPERTS_FIELDS if getattr(config, f, None)}
     if experts:
         raise ConfigError("model.name_or_path", name_or_path,
-                          f"{model_type} is a mixture-of-experts model ({', '.join(f'{k}={v}' for k, v in experts.items())}):"
+                          f"{model_type} is a mixture-of-experts model "
+                          f"({', '.join(f'{k}={v}' for k, v in experts.items())}):"
                           " expert parallelism and routed FLOPs are not priced")
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if architecture is None:
@@ -343,8 +345,9 @@ def _freeze_as_asked(model, frozen: tuple[str, ...], architecture: str) -> None:
     except ValueError as error:
         names = [name for name, _ in model.named_parameters()]
         near = difflib.get_close_matches(str(error), names, n=3, cutoff=0.3) or names[:3]
-        raise ConfigError("model.frozen", str(error), f"matches no parameter of {architecture}; names look like "
-                                                      f"{', '.join(near)} (fnmatch patterns: model.layers.*.self_attn.*)")
+        raise ConfigError("model.frozen", str(error),
+                          f"matches no parameter of {architecture}; names look like "
+                          f"{', '.join(near)} (fnmatch patterns: model.layers.*.self_attn.*)")
 
 
 def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementation: str, frozen=()):
@@ -377,12 +380,14 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
         raise ConfigError("model.name_or_path", name_or_path, f"{architecture}: {error}; mist_ds prices models whose "
                                                               "blocks are one repeated class") from error
     if len(blocks) != config.num_hidden_layers:
-        raise ConfigError("model.name_or_path", name_or_path, f"{architecture} builds {len(blocks)} blocks in "
-                                                              f"{blocks_attr}, its config says {config.num_hidden_layers}")
+        raise ConfigError("model.name_or_path", name_or_path,
+                          f"{architecture} builds {len(blocks)} blocks in "
+                          f"{blocks_attr}, its config says {config.num_hidden_layers}")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     source = HfSource(name_or_path=name_or_path, config_path=str(config_file), config_sha256=config_hash(config),
-                      architecture=architecture, config_json=config_json(config), attn_implementation=attn_implementation,
+                      architecture=architecture, config_json=config_json(config),
+                      attn_implementation=attn_implementation,
                       params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model),
                       buffers=read_buffers(model, blocks, {id(b) for module in head_modules(model, blocks_attr)
                                                            for b in module.buffers()}), frozen=frozen)

@@ -70,8 +70,8 @@ class ModelSpec:
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
                       "vocab_size", "seq_len"):
             require_positive(f"model.{field}", getattr(self, field))
-        require(self.read_model is not None or self.hidden_size % self.num_heads == 0, "model.hidden_size", self.hidden_size,
-                f"must be a multiple of model.num_heads={self.num_heads} (head dim = hidden / heads)")
+        require(self.read_model is not None or self.hidden_size % self.num_heads == 0, "model.hidden_size",
+                self.hidden_size, f"must be a multiple of model.num_heads={self.num_heads} (head dim = hidden / heads)")
         require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
                 f"must divide model.num_heads={self.num_heads} (each KV head serves a group of query heads)")
         if self.family == "llama":
@@ -82,8 +82,8 @@ class ModelSpec:
             trains = [p.trainable for part in ("embedding", "block") for p in self.read_model.part_params(part)]
             field, value = ("model.frozen", list(self.hf.frozen)) if self.hf is not None else ("model", self.name)
             require(any(trains), field, value, "freezes the embedding and every block: only the head would train, "
-                    "and no block's backward would run, which is not priced (each block is priced with its backward); leave a block parameter "
-                    "trainable")
+                    "and no block's backward would run, which is not priced (each block is priced with its backward); "
+                    "leave a block parameter trainable")
 
     @property
     def read_model(self) -> HfSource | ModuleSource | None:

@@ -55,7 +55,8 @@ class ModuleSource:
     head_dim: int
     tied: bool
     buffers: tuple[ModuleBuffer, ...] = ()
-    """Its buffers after a forward (one may register them on first use): a block's in "block", the rest in "embedding"."""
+    """Its buffers after a forward (one may register them on first use): a block's in "block", the rest in
+    "embedding"."""
     loss: str = DEFAULT_LOSS
     """The loss priced: DEFAULT_LOSS, or the user's function (its import path or module.qualname)."""
     target: str | None = None
@@ -130,8 +131,9 @@ def find_module_blocks(model, blocks_attr: str | None) -> tuple[str, Any]:
     longest = max(len(m) for m in alike.values())
     top = [path for path, m in alike.items() if len(m) == longest]
     if len(top) > 1:
-        raise ConfigError("model.blocks_attr", None, f"{name} has several ModuleLists of {longest} blocks "
-                                                     f"({', '.join(top)}): name the blocks, e.g. model.blocks_attr={top[0]}")
+        raise ConfigError("model.blocks_attr", None,
+                          f"{name} has several ModuleLists of {longest} blocks "
+                          f"({', '.join(top)}): name the blocks, e.g. model.blocks_attr={top[0]}")
     return top[0], alike[top[0]]
 
 
@@ -229,7 +231,8 @@ def _read_run(meta, blocks, seq_len: int) -> tuple[_Run, int, int]:
         raise _refuse(meta, f"its forward called its {len(blocks)} blocks {run.block_calls} times; each block must "
                             "run once per forward (name the blocks with model.blocks_attr)")
     _, hidden_BSD = hidden_input(*run.first_call)
-    if not isinstance(hidden_BSD, torch.Tensor) or tuple(hidden_BSD.shape[:2]) != (batch, seq_len) or hidden_BSD.dim() != 3:
+    if (not isinstance(hidden_BSD, torch.Tensor) or tuple(hidden_BSD.shape[:2]) != (batch, seq_len)
+            or hidden_BSD.dim() != 3):
         raise _refuse(meta, f"its first block gets {getattr(hidden_BSD, 'shape', hidden_BSD)}, not hidden states "
                             f"(b, s, h) = ({batch}, {seq_len}, h)")
     logits_BSV = logits_of(run.output)
@@ -329,7 +332,8 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
         raise ConfigError("model", type(module).__qualname__, f"{error}: freeze (requires_grad_(False)) the same "
                                                               "parameters in every block") from error
     except ValueError as error:
-        raise ConfigError("model.blocks_attr", path, f"{error}: mist_ds prices blocks of one class and shape") from error
+        raise ConfigError("model.blocks_attr", path,
+                          f"{error}: mist_ds prices blocks of one class and shape") from error
     identity = module_hash(meta, path, loss)  # before its forward runs: a forward may register buffers on first use
     run, hidden, vocab = _read_run(meta, blocks, seq_len)
     params, tied = read_params(meta, path, blocks, run, vocab, hidden)

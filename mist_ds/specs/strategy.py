@@ -159,7 +159,8 @@ def strategy_from_dict(data: Any, field: str = "strategy") -> StrategySpec:
     require(pp >= 1, f"{field}.pp", pp, "must be >= 1")
     parallelism = Parallelism(**{k: _read_int(data, k, field) for k in ("tp", "dp", "micro_batch_size", "grad_accum")},
                               pp=pp)
-    layers, ckpt, zero = (_read_list(data, k, field, pp, int) for k in ("layers_per_stage", "ckpt_layers", "zero_stage"))
+    layers, ckpt, zero = (_read_list(data, k, field, pp, int)
+                          for k in ("layers_per_stage", "ckpt_layers", "zero_stage"))
     offload = data["offload"]
     require(isinstance(offload, Mapping) and set(offload) == set(OFFLOAD_KINDS), f"{field}.offload", offload,
             f"must map each of {', '.join(OFFLOAD_KINDS)} to one ratio per stage")
@@ -216,7 +217,8 @@ def layout_text(strategy: StrategySpec) -> str:
     `tp 1 x pp 2 x dp 2, b 1 x G 4; layers [2 (x2)]; recompute [0, 1]; ZeRO [1 (x2)]; offload oo [0, 1]`."""
     stages = strategy.stages
     ratios = {kind: [getattr(s, f"{kind}_offload") for s in stages] for kind in OFFLOAD_KINDS}
-    offloads = [f"{OFFLOAD_SYMBOLS[kind]} [{run_length_text(values)}]" for kind, values in ratios.items() if any(values)]
+    offloads = [f"{OFFLOAD_SYMBOLS[kind]} [{run_length_text(values)}]"
+                for kind, values in ratios.items() if any(values)]
     return (f"{degrees_text(strategy.parallelism)}; layers [{run_length_text(s.layers for s in stages)}]; "
             f"recompute [{run_length_text(s.ckpt_layers for s in stages)}]; "
             f"ZeRO [{run_length_text(s.zero_stage for s in stages)}]; offload {'; '.join(offloads) or 'none'}")

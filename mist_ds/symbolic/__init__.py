@@ -1,4 +1,5 @@
-"""Symbolic analysis: each layer's FLOPs, bytes and memory as expressions in b, s, t (docs/design.md, Symbolic analysis).
+"""Symbolic analysis: each layer's FLOPs, bytes and memory as expressions in b, s, t (docs/design.md,
+Symbolic analysis).
 
 `analyze_model` and `LayerCost` load without torch or sympy; `analyze_layers` (tracing a user's own
 layers) imports them when called.

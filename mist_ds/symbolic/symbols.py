@@ -1,4 +1,5 @@
-"""The symbols every cost expression is written in (docs/design.md, Symbols and units): b micro-batch, s sequence, t TP degree.
+"""The symbols every cost expression is written in (docs/design.md, Symbols and units): b micro-batch,
+s sequence, t TP degree.
 
 Tracing also uses rank-local sizes as symbols (query heads n, KV heads m, query heads per KV head g,
 FFN width f, vocabulary rows v, all per TP rank), then substitutes them by their values in t, so the

@@ -127,7 +127,8 @@ def build_module(case: dict, dtype):
     from deepspeed.pipe import PipelineModule
 
     return PipelineModule(layers=build_layers(dtype, specs=True), num_stages=case["stages"],
-                          partition_method="parameters", loss_fn=lambda out, target: ((out.float() - target) ** 2).mean())
+                          partition_method="parameters",
+                          loss_fn=lambda out, target: ((out.float() - target) ** 2).mean())
 
 
 def train(engine, case: dict, dtype, recorder: MomentRecorder) -> None:
@@ -389,8 +390,8 @@ def measured_bytes(result: dict) -> dict[str, int]:
     return field_peaks(result["moments"])
 
 
-DEVICE_ROLES = ("weights", "module_buffers", "persistent", "gathered", "grads", "master", "adam", "step_grads", "bucket",
-                "device_staging")
+DEVICE_ROLES = ("weights", "module_buffers", "persistent", "gathered", "grads", "master", "adam", "step_grads",
+                "bucket", "device_staging")
 
 
 def device_peak_bytes(result: dict) -> int:
