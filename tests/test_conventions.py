@@ -25,7 +25,8 @@ COUNTS = {
     "activations_offload_ratios",
     "dropout", "fallback", "grad_clip", "gemm_curve_exponent", "virtual_stages", "weights_offload", "grads_offload",
     "optimizer_offload",
-    "activations_offload", "weights", "grads", "optimizer", "activations", "offload", "layers_per_stage", "micro_batch_sizes",
+    "activations_offload", "weights", "grads", "optimizer", "activations", "offload", "layers_per_stage",
+    "micro_batch_sizes",
     "top_n",  # runner-up plans kept (the issue names the field tuner.top_n)
 }
 POLYMORPHIC_ANY = {("StrategyConfig", "ckpt_layers"), ("StrategyConfig", "zero_stage"),
