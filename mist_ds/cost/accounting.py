@@ -34,8 +34,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from mist_ds.cost.stage import (PARTITION_META_BYTES, ModelCosts, StageCandidates, data_parallel_traffic, stage_params,
-                                stage_trainable_params)
+from mist_ds.cost.candidates import ModelCosts, StageCandidates, stage_params, stage_trainable_params
+from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES, data_parallel_traffic
 from mist_ds.specs import RuntimeCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
@@ -68,7 +68,7 @@ def _tp_bytes(costs: ModelCosts, c: StageCandidates, key: str = "tp_comm_bytes")
 def _data_parallel(z: int, pipeline: bool, bf16: bool, dtype_bytes: float, params: float, trained: float, d: int,
                    G: int, tied_vocab: float) -> dict[tuple[str, str], float]:
     """(kind, role) -> bytes of one rank's gradient reduction and weight gathers: the collectives
-    cost/stage.py prices (data_parallel_traffic), as payload (module docstring); `trained` of the `params`
+    cost/executors/deepspeed.py prices (data_parallel_traffic), as payload (module docstring); `trained` of the `params`
     elements have requires_grad (only they are reduced, and only they are in a flat group)."""
     traffic = data_parallel_traffic(z, pipeline, bf16, dtype_bytes * params, dtype_bytes * tied_vocab,
                                     trained_bytes=dtype_bytes * trained)

@@ -34,7 +34,7 @@ the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 b
 - ZeRO 3 (DeepSpeed pads each parameter to d: a few elements above p3): weights b p3, gradient
   partition b p3, fp32 master + Adam 12 p3, buffers b R + max(4 p3, b N): the bucket is never
   freed, the step's fp32 gradients add to it, the whole small parameters are resident outside the
-  step. The layers gathered while they run are not model states (cost/stage.py counts them).
+  step. The layers gathered while they run are not model states (cost/stage_memory.py counts them).
 - optimizer offload (cpu): master, Adam and the fp32 gradient partition live on the host, 16 bytes
   per element, with a b-byte copy of the updated partition; no device gradient partition. ZeRO-1/2:
   gradients b max(P, U) (ZeRO-1's full .grad) or 0 (ZeRO-2), buffers k b R + b L, host
@@ -49,7 +49,7 @@ buffer that lives all iteration, in fp32 with bf16 (accumulate_allreduce_grads_i
 and in the model dtype otherwise. Its mixed-precision optimizer hands Adam `main_grad.float()`, an
 alias of an fp32 buffer but a new fp32 copy of a half one: with fp16 gradients the step adds 4 bytes
 per parameter it updates (the shard with the distributed optimizer), while the activations are freed
-(`step_only`: the stage's peak is the larger of backward and the step, cost/stage.py).
+(`step_only`: the stage's peak is the larger of backward and the step, cost/stage_memory.py).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class ModelStateBytes:
     step_only: np.ndarray | float = 0.0
     """Device bytes that exist only during the optimizer step, when no activation is held: part of the
     model states' own peak (`gpu_total`); a stage's peak counts them only beyond its activations
-    (cost/stage.py)."""
+    (cost/stage_memory.py)."""
 
     @property
     def gpu_total(self) -> np.ndarray:

@@ -1,0 +1,32 @@
+"""How each priced runtime executes a stage, one module per distinct behaviour, chosen by capability fields
+(never by a runtime's name; docs/design.md, The stage template):
+
+- the data moves, by RuntimeCapabilities.collectives: `deepspeed` (DeepSpeed 0.19.8's stock engines) or
+  `ideal` (the textbook collectives);
+- the end-of-iteration policy, by RuntimeCapabilities.overlap: `first_forward_step` (optimizer_in_first_forward),
+  `mist` (overlap_grad_reduce or gather_weights_in_first_forward), else `end_work`.
+
+A runtime whose data moves differ adds a module with `moves(StageInputs) -> StageMoves`, a CollectiveModel value
+and its row in MOVES; one whose end of iteration differs adds a module with `end_of_iteration` and its feature.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from mist_ds.cost.executors import deepspeed, end_work, first_forward_step, ideal, mist
+from mist_ds.cost.executors.interface import StageInputs, StageMoves
+from mist_ds.specs.runtime import CollectiveModel, OverlapFeatures
+
+MOVES: Mapping[CollectiveModel, Callable[[StageInputs], StageMoves]] = MappingProxyType(
+    {"deepspeed": deepspeed.moves, "ideal": ideal.moves})
+"""RuntimeCapabilities.collectives -> the function pricing that runtime's data moves."""
+
+
+def end_of_iteration_policy(overlap: OverlapFeatures):
+    """The end_of_iteration function placing the reduction and the step for these overlap features."""
+    if overlap.optimizer_in_first_forward:
+        return first_forward_step.end_of_iteration
+    if overlap.overlap_grad_reduce or overlap.gather_weights_in_first_forward:
+        return mist.end_of_iteration
+    return end_work.end_of_iteration
