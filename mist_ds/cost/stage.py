@@ -14,7 +14,7 @@ import numpy as np
 
 from mist_ds.cost.candidates import (ModelCosts, ShapeIndex, StageCandidates, stage_params, stage_trainable_params,
                                      vocab_shard_elements)
-from mist_ds.cost.executors import MOVES, end_of_iteration_policy
+from mist_ds.cost.executors import COLLECTIVE_EXECUTORS, CollectiveExecutor, end_of_iteration_policy
 from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES
 from mist_ds.cost.executors.interface import (EndOfIteration, OptimizerStep, PassPhases, PassWork, StageInputs,
                                               StageMoves)
@@ -110,12 +110,13 @@ def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarra
 
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                 c: StageCandidates) -> StageTimes:
-    """Seconds of one stage of each candidate: its inputs, the runtime's data moves (executors.MOVES by
-    caps.collectives), the passes and how their channels overlap, the optimizer step, and where the runtime
+    """Seconds of one stage of each candidate: its inputs, the runtime's data moves (executors.COLLECTIVE_EXECUTORS
+    by caps.collectives), the passes and how their channels overlap, the optimizer step, and where the runtime
     places the reduction and the step (executors.end_of_iteration_policy by caps.overlap)."""
     x = stage_inputs(costs, hw, caps, train, c)
-    moves = MOVES[caps.collectives](x)
-    work = pass_work(x, moves)
+    executor = COLLECTIVE_EXECUTORS[caps.collectives]
+    moves = executor.moves(x)
+    work = pass_work(x, executor, moves)
     phases = pass_phases(x, work, moves)
     step = optimizer_step(x, moves)
     end = end_of_iteration_policy(caps.overlap)(x, work, phases, moves, step)
@@ -137,7 +138,7 @@ def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                        saved_offloaded=saved_offloaded, data_parallel=hw.group(c.d, c.t))
 
 
-def pass_work(x: StageInputs, moves: StageMoves) -> PassWork:
+def pass_work(x: StageInputs, executor: CollectiveExecutor, moves: StageMoves) -> PassWork:
     """Compute, TP collectives and p2p of one micro-batch."""
     c, emb, block, head = x.c, x.emb_times, x.block_times, x.head_times
     fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
@@ -145,8 +146,7 @@ def pass_work(x: StageInputs, moves: StageMoves) -> PassWork:
     bwd_compute = c.layers * block.bwd_compute_s + c.first * emb.bwd_compute_s + c.last * head.bwd_compute_s
     fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
     bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
-    p2p = _p2p_s(x.costs, x.hw, c, c.shapes, x.caps.p2p_scatter_gather,
-                 partitioned=x.caps.collectives == "deepspeed")
+    p2p = _p2p_s(x.costs, x.hw, c, c.shapes, x.caps.p2p_scatter_gather, executor.partitioned_sends)
     fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
     return PassWork(fwd_compute=fwd_compute, bwd_compute=bwd_compute, recompute=recompute, fwd_tp=fwd_tp,
                     bwd_tp=bwd_tp, tp=fwd_tp + bwd_tp, p2p=p2p)

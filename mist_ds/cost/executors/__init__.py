@@ -7,10 +7,11 @@
   `mist` (overlap_grad_reduce or gather_weights_in_first_forward), else `end_work`.
 
 A runtime whose data moves differ adds a module with `moves(StageInputs) -> StageMoves`, a CollectiveModel value
-and its row in MOVES; one whose end of iteration differs adds a module with `end_of_iteration` and its feature.
+and its row in COLLECTIVE_EXECUTORS; one whose end of iteration differs adds a module with `end_of_iteration` and its feature.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -18,9 +19,19 @@ from mist_ds.cost.executors import deepspeed, end_work, first_forward_step, idea
 from mist_ds.cost.executors.interface import StageInputs, StageMoves
 from mist_ds.specs.runtime import CollectiveModel, OverlapFeatures
 
-MOVES: Mapping[CollectiveModel, Callable[[StageInputs], StageMoves]] = MappingProxyType(
-    {"deepspeed": deepspeed.moves, "ideal": ideal.moves})
-"""RuntimeCapabilities.collectives -> the function pricing that runtime's data moves."""
+
+@dataclass(frozen=True)
+class CollectiveExecutor:
+    moves: Callable[[StageInputs], StageMoves]
+    """Prices the stage's data moves per micro-batch and per step."""
+    partitioned_sends: bool
+    """With t > 1 each TP rank sends 1 / t of a pipeline activation (its re-assembly: StageMoves.fwd_tp, bwd_tp)."""
+
+
+COLLECTIVE_EXECUTORS: Mapping[CollectiveModel, CollectiveExecutor] = MappingProxyType({
+    "deepspeed": CollectiveExecutor(deepspeed.moves, partitioned_sends=True),
+    "ideal": CollectiveExecutor(ideal.moves, partitioned_sends=False)})
+"""RuntimeCapabilities.collectives -> how that runtime moves a stage's data."""
 
 
 def end_of_iteration_policy(overlap: OverlapFeatures):
