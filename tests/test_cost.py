@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mist_ds.config import compose
 from mist_ds.cost.iteration import imbalance_s, iteration_time_s
 from mist_ds.cost.layer_time import layer_times
-from mist_ds.cost.memory import model_state_bytes
+from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.cost.predict import model_costs, predict, predict_strategy, stage_candidates
 from mist_ds.cost.simulate import schedule, simulate, simulate_interleaved
 from mist_ds.cost.stage import norm_sync_s, stage_times
@@ -400,7 +400,7 @@ def test_megatron_fp16_step_copies_gradients_to_fp32(costs_13b, zero):
     # the model states alone (what `show` reports) peak at the step: 2 + 2 + 12 + 4 bytes per
     # parameter at ZeRO-0, the shard's 12 + 4 at ZeRO-1
     params = 1e9
-    states = model_state_bytes("megatron", params, 8, zero, 2, True, bf16=False).gpu_total
+    states = model_state_bytes("megatron", ModelStateShape(params, 8, zero, 2, True, bf16=False)).gpu_total
     assert states == pytest.approx((2 + 2 + (12 + 4) / (8 if zero else 1)) * params)
 
 

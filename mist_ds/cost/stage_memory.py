@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, ShapeIndex, StageCandidates, stage_params, stage_trainable_params
-from mist_ds.cost.memory import model_state_bytes
+from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, weight_gather_overlapped
 from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
@@ -124,12 +124,12 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     bucket = reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, ev(costs.block, "params"))
     deepspeed = caps.model_states == "deepspeed"  # only DeepSpeed's engines size buffers by their tensors
     oversized = oversized_tensors(costs.model, c, bucket) if deepspeed else None
-    states = model_state_bytes(caps.model_states, params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision,
-                               pipeline=c.pp > 1, weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
-                               bf16=train.precision == "bf16", overlap_comm=hooked, reduce_bucket_elements=bucket,
-                               largest_param_elements=largest_tensor(costs.model, c) if deepspeed else 0.0,
-                               grad_accum=c.G, oversized_param_elements=oversized,
-                               trainable_params=stage_trainable_params(costs, c, ev))
+    states = model_state_bytes(caps.model_states, ModelStateShape(
+        params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision, bf16=train.precision == "bf16", pipeline=c.pp > 1,
+        weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
+        trainable_params=stage_trainable_params(costs, c, ev), grad_accum=c.G, reduce_bucket_elements=bucket,
+        largest_param_elements=largest_tensor(costs.model, c) if deepspeed else 0.0, overlap_comm=hooked,
+        oversized_param_elements=oversized))
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = saved_bytes(costs, c, ev, caps)
     activations = (saved - saved_offloaded) * in_flight
