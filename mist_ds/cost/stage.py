@@ -28,7 +28,6 @@ from mist_ds.specs import RuntimeCapabilities, TrainSpec
 NORM_MESSAGE_BYTES = 8
 
 
-
 @dataclass(frozen=True)
 class StageTimes:
     stable_s: np.ndarray
@@ -54,6 +53,7 @@ class StageTimes:
 
 def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex,
            fused: bool) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
+    """Embedding, block and head times, evaluated once per distinct (b, s, t) and spread over the candidates."""
     out = []
     for cost in (costs.embedding, costs.block, costs.head):
         unique = layer_times(cost, hw, ev.b, ev.s, ev.t, fused)
@@ -113,18 +113,20 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     """Seconds of one stage of each candidate: its inputs, the runtime's data moves (executors.COLLECTIVE_EXECUTORS
     by caps.collectives), the passes and how their channels overlap, the optimizer step, and where the runtime
     places the reduction and the step (executors.end_of_iteration_policy by caps.overlap)."""
-    x = stage_inputs(costs, hw, caps, train, c)
+    inputs = stage_inputs(costs, hw, caps, train, c)
     executor = COLLECTIVE_EXECUTORS[caps.collectives]
-    moves = executor.moves(x)
-    work = pass_work(x, executor, moves)
-    phases = pass_phases(x, work, moves)
-    step = optimizer_step(x, moves)
-    end = end_of_iteration_policy(caps.overlap)(x, work, phases, moves, step)
+    moves = executor.moves(inputs)
+    work = pass_work(inputs, executor, moves)
+    phases = pass_phases(inputs, work, moves)
+    step = optimizer_step(inputs, moves)
+    end = end_of_iteration_policy(caps.overlap)(inputs, work, phases, moves, step)
     return _stage_times_of(work, phases, moves, step, end)
 
 
 def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageInputs:
+    """What every step of stage_times reads: the layers' times, the stage's parameters and weight bytes, the
+    gradient element's bytes on this runtime, the offloaded activations, the data-parallel group."""
     ev = c.shapes
     emb, block, head = _times(costs, hw, ev, caps.fused_kernels)
     params = stage_params(costs, c, ev)
@@ -138,28 +140,28 @@ def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
                        saved_offloaded=saved_offloaded, data_parallel=hw.group(c.d, c.t))
 
 
-def pass_work(x: StageInputs, executor: CollectiveExecutor, moves: StageMoves) -> PassWork:
+def pass_work(inputs: StageInputs, executor: CollectiveExecutor, moves: StageMoves) -> PassWork:
     """Compute, TP collectives and p2p of one micro-batch."""
-    c, emb, block, head = x.c, x.emb_times, x.block_times, x.head_times
+    c, emb, block, head = inputs.c, inputs.emb_times, inputs.block_times, inputs.head_times
     fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
     recompute = c.ckpt * block.fwd_compute_s
     bwd_compute = c.layers * block.bwd_compute_s + c.first * emb.bwd_compute_s + c.last * head.bwd_compute_s
     fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
     bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
-    p2p = _p2p_s(x.costs, x.hw, c, c.shapes, x.caps.p2p_scatter_gather, executor.partitioned_sends)
+    p2p = _p2p_s(inputs.costs, inputs.hw, c, c.shapes, inputs.caps.p2p_scatter_gather, executor.partitioned_sends)
     fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
     return PassWork(fwd_compute=fwd_compute, bwd_compute=bwd_compute, recompute=recompute, fwd_tp=fwd_tp,
                     bwd_tp=bwd_tp, tp=fwd_tp + bwd_tp, p2p=p2p)
 
 
-def pass_phases(x: StageInputs, work: PassWork, moves: StageMoves) -> PassPhases:
+def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassPhases:
     """Each pass's compute joined with its data moves on the runtime's channels."""
-    hw, c = x.hw, x.c
+    hw, c = inputs.hw, inputs.c
     fwd_compute, bwd_compute, recompute = work.fwd_compute, work.bwd_compute, work.recompute
     fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
     fwd_h2d, fwd_d2h, bwd_h2d, bwd_d2h = moves.fwd_h2d, moves.fwd_d2h, moves.bwd_h2d, moves.bwd_d2h
-    g2g_overlapped = x.caps.zero3_overlaps_compute
-    if x.caps.overlap.offload_overlapped:
+    g2g_overlapped = inputs.caps.zero3_overlaps_compute
+    if inputs.caps.overlap.offload_overlapped:
         fwd_phase = hw.overlapped_time_s(fwd_compute, fwd_g2g, fwd_h2d, fwd_d2h)
         bwd_phase = hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g, bwd_h2d, bwd_d2h)
     else:
@@ -175,10 +177,10 @@ def pass_phases(x: StageInputs, work: PassWork, moves: StageMoves) -> PassPhases
     return PassPhases(fwd_phase=fwd_phase, bwd_phase=bwd_phase, stable=fwd_phase + bwd_phase + work.tp + work.p2p)
 
 
-def optimizer_step(x: StageInputs, moves: StageMoves) -> OptimizerStep:
+def optimizer_step(inputs: StageInputs, moves: StageMoves) -> OptimizerStep:
     """The step over the rank's stepped parameters, on the device and (the offloaded share oo) on the host,
     and the tied embedding's all-reduce between the first and the last stage."""
-    hw, c, costs = x.hw, x.c, x.costs
+    hw, c, costs = inputs.hw, inputs.c, inputs.costs
     b_w, partition, step_bytes = hw.dtype_bytes, moves.step_params, moves.step_bytes_per_param
     gpu_step = hw.memory_bound_time_s((step_bytes + b_w) * partition * (1 - c.oo))
     cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(moves.step_host_bytes_per_param

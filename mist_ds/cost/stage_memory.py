@@ -167,7 +167,8 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     # The module's own buffers (rotary tables, masks) sit beside its weights, whole on every rank
     # (specs/hf.py ModuleBuffer).
     weights = states.weights + (c.first * costs.model.buffer_bytes("embedding")
-                                + c.layers * costs.model.buffer_bytes("block") + c.last * costs.model.buffer_bytes("head"))
+                                + c.layers * costs.model.buffer_bytes("block")
+                                + c.last * costs.model.buffer_bytes("head"))
     peak = weights + states.grads + states.optimizer + activations + transient + buffers
     return StageMemory(peak_bytes=peak, weights=weights, grads=states.grads, optimizer=states.optimizer,
                        activations=activations, transient=transient, buffers=buffers,

@@ -7,7 +7,8 @@
   `mist` (overlap_grad_reduce or gather_weights_in_first_forward), else `end_work`.
 
 A runtime whose data moves differ adds a module with `moves(StageInputs) -> StageMoves`, a CollectiveModel value
-and its row in COLLECTIVE_EXECUTORS; one whose end of iteration differs adds a module with `end_of_iteration` and its feature.
+and its row in COLLECTIVE_EXECUTORS; one whose end of iteration differs adds a module with `end_of_iteration` and
+the overlap feature that selects it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from mist_ds.cost.executors import deepspeed, end_work, first_forward_step, ideal, mist
-from mist_ds.cost.executors.interface import StageInputs, StageMoves
+from mist_ds.cost.executors.interface import (EndOfIteration, OptimizerStep, PassPhases, PassWork, StageInputs,
+                                              StageMoves)
 from mist_ds.specs.runtime import CollectiveModel, OverlapFeatures
 
 
@@ -34,7 +36,10 @@ COLLECTIVE_EXECUTORS: Mapping[CollectiveModel, CollectiveExecutor] = MappingProx
 """RuntimeCapabilities.collectives -> how that runtime moves a stage's data."""
 
 
-def end_of_iteration_policy(overlap: OverlapFeatures):
+EndOfIterationPolicy = Callable[[StageInputs, PassWork, PassPhases, StageMoves, OptimizerStep], EndOfIteration]
+
+
+def end_of_iteration_policy(overlap: OverlapFeatures) -> EndOfIterationPolicy:
     """The end_of_iteration function placing the reduction and the step for these overlap features."""
     if overlap.optimizer_in_first_forward:
         return first_forward_step.end_of_iteration

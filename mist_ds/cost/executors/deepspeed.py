@@ -69,8 +69,8 @@ def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weigh
         partitioned_step=(zero >= 1) | bf16_optimizer)
 
 
-def moves(x: StageInputs) -> StageMoves:
-    """What DeepSpeed 0.19.8 moves for a stage of `x.weight_bytes` whose `x.trained` elements train
+def moves(inputs: StageInputs) -> StageMoves:
+    """What DeepSpeed 0.19.8 moves for a stage of `inputs.weight_bytes` whose `inputs.trained` elements train
     (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What DeepSpeed does):
     - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
       gather of ZeRO-1/2 and BF16_Optimizer, ZeRO-3's gathers and reduce-scatters); ZeRO-3's first gather
@@ -87,8 +87,8 @@ def moves(x: StageInputs) -> StageMoves:
       add to the pass (offload_overlapped is off);
     - with the reduction in the last backward (runtime `mist`): executors/mist.py layerwise_reduce.
     """
-    costs, hw, train, c, data_parallel = x.costs, x.hw, x.train, x.c, x.data_parallel
-    weight_bytes, params, saved_offloaded = x.weight_bytes, x.trained, x.saved_offloaded
+    costs, hw, train, c, data_parallel = inputs.costs, inputs.hw, inputs.train, inputs.c, inputs.data_parallel
+    weight_bytes, params, saved_offloaded = inputs.weight_bytes, inputs.trained, inputs.saved_offloaded
     b_w, ev = hw.dtype_bytes, c.shapes
     model = costs.model
     shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * vocab_shard_elements(model, c), 0.0)
@@ -133,4 +133,4 @@ def moves(x: StageInputs) -> StageMoves:
         step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
         step_gather=ran(data_parallel.all_gather_time_s, traffic.step_all_gather),
         step_gather_bytes=traffic.step_all_gather,
-        **layerwise_reduce(x, ran, traffic.step_all_gather))
+        **layerwise_reduce(inputs, ran, traffic.step_all_gather))

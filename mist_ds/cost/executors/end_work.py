@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from mist_ds.cost.executors.interface import EndOfIteration, OptimizerStep, PassPhases, PassWork, StageInputs, StageMoves
+from mist_ds.cost.executors.interface import (EndOfIteration, OptimizerStep, PassPhases, PassWork, StageInputs,
+                                              StageMoves)
 
 
-def end_of_iteration(x: StageInputs, work: PassWork, phases: PassPhases, moves: StageMoves,
+def end_of_iteration(inputs: StageInputs, work: PassWork, phases: PassPhases, moves: StageMoves,
                      step: OptimizerStep) -> EndOfIteration:
     """No first-forward or last-backward extra; the end is the reduction, the step and the tied all-reduce."""
     none = np.zeros_like(phases.stable)

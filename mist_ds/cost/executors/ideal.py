@@ -13,15 +13,16 @@ from mist_ds.cost.memory import FP32_BYTES
 ADAM_STEP_BYTES_PER_PARAM = 28
 
 
-def moves(x: StageInputs) -> StageMoves:
+def moves(inputs: StageInputs) -> StageMoves:
     """Each gradient byte crosses the group once (RuntimeCapabilities.collectives 'ideal'). ZeRO-3
     gathers the stage's weights in forward and again in backward, and reduce-scatters gradients in
     backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch. Offload with Mist's
     semantics: the offloaded fraction of the stage's weights comes in for each pass, its gradients go
     out and come back every micro-batch. Gradients and the step cover the trainable elements; frozen weights
     are gathered only."""
-    hw, c, data_parallel, weight_bytes, params = x.hw, x.c, x.data_parallel, x.weight_bytes, x.trained
-    grad_bytes, saved_offloaded = x.grad_bytes * params, x.saved_offloaded
+    hw, c, data_parallel = inputs.hw, inputs.c, inputs.data_parallel
+    weight_bytes, params = inputs.weight_bytes, inputs.trained
+    grad_bytes, saved_offloaded = inputs.grad_bytes * params, inputs.saved_offloaded
     trained_bytes = hw.dtype_bytes * params
     gather = data_parallel.all_gather_time_s(weight_bytes)
     scatter = data_parallel.reduce_scatter_time_s(trained_bytes)

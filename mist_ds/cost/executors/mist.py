@@ -15,7 +15,7 @@ from mist_ds.specs import grad_reduce_overlapped, weight_gather_overlapped
 from mist_ds.specs.runtime import reduce_bucket_elements_of
 
 
-def layerwise_reduce(x: StageInputs, ran, step_all_gather) -> dict[str, np.ndarray]:
+def layerwise_reduce(inputs: StageInputs, ran, step_all_gather) -> dict[str, np.ndarray]:
     """Runtime `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py; where
     grad_reduce_overlapped): at ZeRO-0 one all-reduce per layer, issued once the layer's gradients are
     complete; at ZeRO-1 (S = 1) DeepSpeed's hooks all-reduce a bucket of at most one block's elements
@@ -26,7 +26,7 @@ def layerwise_reduce(x: StageInputs, ran, step_all_gather) -> dict[str, np.ndarr
     orders the two), and so is the post-step gather of the updated weights (at the end, or in the next
     first forward: gather_in_first_forward_s). `ran` prices a collective DeepSpeed runs (0 for no message);
     `step_all_gather`: the post-step gather's full message (bytes)."""
-    costs, hw, caps, c, data_parallel = x.costs, x.hw, x.caps, x.c, x.data_parallel
+    costs, hw, caps, c, data_parallel = inputs.costs, inputs.hw, inputs.caps, inputs.c, inputs.data_parallel
     b_w, ev, model = hw.dtype_bytes, c.shapes, costs.model
     bucket = reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, ev(costs.block, "params"))  # as emitted
     pieces = np.where(c.zero >= 1, np.ceil(ev(costs.block, "trainable_params") / np.maximum(bucket, 1.0)), 1.0)
@@ -83,7 +83,7 @@ def _chunk_count(c: StageCandidates, layout: _GatherLayout) -> np.ndarray:
     return np.where(layout.first_end >= layout.partition, 1.0, count)
 
 
-def gather_in_first_forward_s(x: StageInputs, message_bytes) -> np.ndarray:
+def gather_in_first_forward_s(inputs: StageInputs, message_bytes) -> np.ndarray:
     """Seconds the chunked post-step all-gather adds before and within the next first forward
     (mist_ds/runtime/gather.py), from where the stage's layers lie in its flat weights (embedding on the
     first stage, l blocks, head on the last; W elements, partitions of P = W / d). K = gather_chunk_count
@@ -94,7 +94,8 @@ def gather_in_first_forward_s(x: StageInputs, message_bytes) -> np.ndarray:
     before it (0 when the embedding holds it). Between them the needed chunk and the compute grow
     together, so the worst wait is at one of the two: exposed = max(first chunk, T - S*), T the K
     all-gathers, plus the interference of the window where both run."""
-    costs, hw, c, data_parallel, emb, block = x.costs, x.hw, x.c, x.data_parallel, x.emb_times, x.block_times
+    costs, hw, c, data_parallel = inputs.costs, inputs.hw, inputs.c, inputs.data_parallel
+    emb, block = inputs.emb_times, inputs.block_times
     layout = _gather_layout(costs, c)
     chunks = _chunk_count(c, layout)
     embedding, per_block, partition, first_end = layout.embedding, layout.block, layout.partition, layout.first_end
@@ -114,20 +115,20 @@ def gather_in_first_forward_s(x: StageInputs, message_bytes) -> np.ndarray:
     return exposed + hw.overlapped_time_s(window, window, 0, 0) - window
 
 
-def end_of_iteration(x: StageInputs, work: PassWork, phases: PassPhases, moves: StageMoves,
+def end_of_iteration(inputs: StageInputs, work: PassWork, phases: PassPhases, moves: StageMoves,
                      step: OptimizerStep) -> EndOfIteration:
     """Runtime `mist` (overlap.overlap_grad_reduce or gather_weights_in_first_forward): where
     grad_reduce_overlapped, the gradient reduction runs in the last backward (layerwise_reduce's split into
     hidden, exposed and the rest at the end); where weight_gather_overlapped, the post-step all-gather leaves
     the end for the next first forward (gather_in_first_forward_s). Elsewhere the reduction and the step are
     end work, as on stock DeepSpeed."""
-    caps, c, hw = x.caps, x.c, x.hw
+    caps, c, hw = inputs.caps, inputs.c, inputs.hw
     overlap = caps.overlap
     bwd_compute, recompute, bwd_g2g = work.bwd_compute, work.recompute, moves.bwd_g2g
     layerwise = grad_reduce_overlapped(caps, overlap, c.pp, c.zero)
-    gathered = weight_gather_overlapped(overlap, c.pp, c.zero, c.d, x.train.precision == "bf16") & (
+    gathered = weight_gather_overlapped(overlap, c.pp, c.zero, c.d, inputs.train.precision == "bf16") & (
         moves.step_gather > 0)
-    first_extra = np.where(gathered, gather_in_first_forward_s(x, moves.step_gather_bytes), 0.0)
+    first_extra = np.where(gathered, gather_in_first_forward_s(inputs, moves.step_gather_bytes), 0.0)
     last_extra = np.where(layerwise, hw.overlapped_time_s(bwd_compute + recompute, bwd_g2g + moves.reduce_hidden,
                                                           0, 0) + moves.reduce_exposed
                           - (bwd_compute + recompute + bwd_g2g), 0.0)
