@@ -18,7 +18,9 @@ import numpy as np
 
 from mist_ds.config import compose
 from mist_ds.cost.predict import model_costs
-from mist_ds.cost.stage import StageCandidates, stage_memory, stage_times
+from mist_ds.cost.candidates import StageCandidates
+from mist_ds.cost.stage import stage_times
+from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.interference import COMPILE_FROM_ROWS, compiled_elapsed_rows
 from mist_ds.specs import runtime_capabilities

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mist_ds.config import compose
 from mist_ds.cost.iteration import imbalance_s, iteration_time_s
 from mist_ds.cost.layer_time import layer_times
-from mist_ds.cost.memory import model_state_bytes
+from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.cost.predict import model_costs, predict, predict_strategy, stage_candidates
 from mist_ds.cost.simulate import schedule, simulate, simulate_interleaved
 from mist_ds.cost.stage import norm_sync_s, stage_times
@@ -402,7 +402,7 @@ def test_megatron_fp16_step_copies_gradients_to_fp32(costs_13b, zero):
     # the model states alone (what `show` reports) peak at the step: 2 + 2 + 12 + 4 bytes per
     # parameter at ZeRO-0, the shard's 12 + 4 at ZeRO-1
     params = 1e9
-    states = model_state_bytes("megatron", params, 8, zero, 2, True, bf16=False).gpu_total
+    states = model_state_bytes("megatron", ModelStateShape(params, 8, zero, 2, True, bf16=False)).gpu_total
     assert states == pytest.approx((2 + 2 + (12 + 4) / (8 if zero else 1)) * params)
 
 
@@ -442,7 +442,7 @@ def test_vectorized_path_matches_single_strategy(costs_13b):
 def _both(specs, costs):
     """Stage times, the hardware and the stage's parameters per GPU on the deepspeed runtime, and the
     times of the same runtime with each gradient byte crossing the group once ('ideal')."""
-    from mist_ds.cost.stage import stage_params
+    from mist_ds.cost.candidates import stage_params
 
     hw = hardware_model(specs.cluster, specs.train.precision)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
@@ -479,7 +479,7 @@ def test_bf16_optimizer_steps_its_partition_and_gathers_it(costs_13b, precision)
     weights = hw.dtype_bytes * params
     all_reduce, gather = hw.all_reduce_time_s(weights, 4, 1), hw.all_gather_time_s(weights, 4, 1)
     stepped = params / 4 if precision == "bf16" else params
-    from mist_ds.cost.stage import TORCH_ADAMW_STEP_BYTES_PER_PARAM
+    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_STEP_BYTES_PER_PARAM
 
     step = hw.memory_bound_time_s((TORCH_ADAMW_STEP_BYTES_PER_PARAM + hw.dtype_bytes) * stepped)
     assert deepspeed.grad_reduce_s == pytest.approx(all_reduce + (gather if precision == "bf16" else 0.0))
@@ -487,7 +487,8 @@ def test_bf16_optimizer_steps_its_partition_and_gathers_it(costs_13b, precision)
 
 
 def test_deepspeed_steps_with_torch_adamw_passes(costs_13b):
-    from mist_ds.cost.stage import ADAM_STEP_BYTES_PER_PARAM, TORCH_ADAMW_STEP_BYTES_PER_PARAM
+    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_STEP_BYTES_PER_PARAM
+    from mist_ds.cost.executors.ideal import ADAM_STEP_BYTES_PER_PARAM
 
     deepspeed, ideal, hw, _ = _both(specs_of(), costs_13b)
     b = hw.dtype_bytes
@@ -498,7 +499,7 @@ def test_deepspeed_steps_with_torch_adamw_passes(costs_13b):
 def test_deepspeed_splits_pipeline_sends_over_tp_ranks(costs_13b):
     """With t = 2 each TP rank sends half an activation after a 72-byte header; the receiving stage
     re-gathers it in forward, the sending stage re-gathers the gradient and its own output in backward."""
-    from mist_ds.cost.stage import PARTITION_META_BYTES
+    from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES
 
     specs = specs_of("strategy.pp=2", "strategy.tp=2", "strategy.dp=2")
     deepspeed, ideal, hw, _ = _both(specs, costs_13b)

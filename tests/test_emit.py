@@ -113,7 +113,7 @@ def test_zero3_buckets_are_the_ones_the_cost_model_counts():
     zero = ds_config(specs.strategy, specs.train, specs.model)["zero_optimization"]
     block = specs.model.block_params(2)  # one block on one TP rank
     assert zero["stage3_prefetch_bucket_size"] == block
-    assert zero["stage3_max_live_parameters"] == 2 * block  # running + prefetched block (cost/stage.py)
+    assert zero["stage3_max_live_parameters"] == 2 * block  # running + prefetched block (cost/stage_memory.py)
     assert zero["stage3_param_persistence_threshold"] == 0  # memory.py: no persistent parameters
     assert zero["reduce_bucket_size"] == PLANNED_REDUCE_BUCKET_ELEMENTS
     without_model = ds_config(specs.strategy, specs.train)["zero_optimization"]

@@ -315,3 +315,14 @@ def test_initialize_applies_each_overlap_feature_by_exactly_one_apply_function()
     for function, mechanisms in OVERLAP_FEATURES.items():
         assert by_function.get(function) == mechanisms, f"{function} installs {by_function.get(function)}, " \
                                                         f"expected {sorted(mechanisms)}"
+
+
+COST_MODULE_MAX_LINES = 400
+"""A cost module past this mixes concerns (issue 27: a runtime's data moves and end of iteration live in a module of
+their own under cost/executors, memory in cost/stage_memory.py)."""
+
+
+def test_no_cost_module_exceeds_the_line_limit():
+    long = {str(path.relative_to(REPO)): n for path in sorted((PACKAGE / "cost").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > COST_MODULE_MAX_LINES}
+    assert not long, f"over {COST_MODULE_MAX_LINES} lines: " + ", ".join(f"{p} ({n} lines)" for p, n in long.items())

@@ -133,7 +133,8 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
     same weights, bit for bit, as under stock DeepSpeed, which gathered them before its step returned; and
     the layers' pre-hooks, not a final flush, waited for every chunk. Elsewhere nothing changes."""
     from mist_ds.cost.predict import model_costs
-    from mist_ds.cost.stage import StageCandidates, gather_chunk_count
+    from mist_ds.cost.candidates import StageCandidates
+    from mist_ds.cost.executors.mist import gather_chunk_count
 
     data = mist["data_ranks"]
 
@@ -209,7 +210,7 @@ def check_offload(results, precision: str, immediate: bool, ao: float, key: str 
     """Activation offload: losses bitwise equal to stock; the pack hook moved exactly the planned bytes
     (the cost model's offloaded activations of a micro-batch, times G) into distinct host storages, and
     every byte came back in backward."""
-    from mist_ds.cost.stage import in_flight_micro_batches
+    from mist_ds.cost.stage_memory import in_flight_micro_batches
 
     stock = results[("deepspeed", precision, immediate, layout)]
     offloaded = results[(key, precision, immediate, layout)]

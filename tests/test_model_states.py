@@ -33,8 +33,9 @@ import numpy as np
 import pytest
 import torch
 
-from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
+from mist_ds.cost.memory import FP32_BYTES, ModelStateShape, deepspeed_model_states, partition_touch_elements
 from mist_ds.observe.ranks import SOURCE_ROOT, LaunchTimeout, launch
+from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS
 from mist_ds.testing.model_states import (ADAM_WITH_MASTER_BYTES, BF16_BYTES, FIELDS, LAUNCHES, LAYERS, MICRO_BATCH,
                                           OFFLOADED_BYTES, SEED, SLOW_LAUNCHES, WORKER, Facts, device_peak_bytes,
                                           estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes,
@@ -220,12 +221,16 @@ def test_memory_py_broadcasts_over_candidates():
     grid = [(p, d, z, pipe, off, big) for p in (4885, 10**9 + 7) for d in (1, 2, 8) for z in range(4)
             for pipe in (False, True) for off in (0.0, 1.0) for big in (0, 2145, 6 * 10**7)]
     p, d, z, pipe, off, big = (np.array(column) for column in zip(*grid))
-    together = deepspeed_model_states(p, d, z, BF16_BYTES, True, pipe, off, 0.0, largest_param_elements=big,
-                                      persistent_param_elements=100)
-    for i, candidate in enumerate(grid):
+    def states(*candidate):
         params, dp, zero, pipeline, offload, largest = candidate
-        alone = deepspeed_model_states(params, dp, zero, BF16_BYTES, True, pipeline, offload, 0.0,
-                                       largest_param_elements=largest, persistent_param_elements=100)
+        return deepspeed_model_states(ModelStateShape(
+            params, dp, zero, BF16_BYTES, True, pipeline=pipeline, optimizer_offload=offload,
+            reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS, largest_param_elements=largest,
+            persistent_param_elements=100))
+
+    together = states(p, d, z, pipe, off, big)
+    for i, candidate in enumerate(grid):
+        alone = states(*candidate)
         for field in FIELDS:
             assert getattr(together, field)[i] == float(getattr(alone, field)), (candidate, field)
 

@@ -4,13 +4,16 @@ the entry points price."""
 from __future__ import annotations
 
 import dataclasses
+from typing import get_args
 
 import pytest
 
 from mist_ds.config import compose
+from mist_ds.cost.executors import COLLECTIVE_EXECUTORS, end_of_iteration_policy, end_work, first_forward_step, mist
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
 from mist_ds.specs import RUNTIMES, ConfigError
+from mist_ds.specs.runtime import CollectiveModel, OverlapFeatures
 from mist_ds.tuner import tune_specs
 from tests.golden import SMALL, predict_cases
 
@@ -73,3 +76,17 @@ def test_an_ablation_prices_the_modified_value():
     not_on_deepspeed = dataclasses.replace(RUNTIMES["deepspeed"], executes_on_deepspeed=False)
     with pytest.raises(ConfigError, match="not-on-deepspeed"):
         ds_config(specs.strategy, specs.train, caps=not_on_deepspeed)
+
+
+def test_every_collective_model_has_an_executor():
+    """Pricing a runtime's data moves goes through its `collectives` value: each value names one executor."""
+    assert set(COLLECTIVE_EXECUTORS) == set(get_args(CollectiveModel))
+    assert {caps.collectives for caps in RUNTIMES.values()} <= set(COLLECTIVE_EXECUTORS)
+
+
+def test_the_end_of_iteration_policy_follows_the_overlap_features():
+    assert end_of_iteration_policy(OverlapFeatures()) is end_work.end_of_iteration
+    assert end_of_iteration_policy(OverlapFeatures(overlap_grad_reduce=True)) is mist.end_of_iteration
+    assert end_of_iteration_policy(OverlapFeatures(gather_weights_in_first_forward=True)) is mist.end_of_iteration
+    both = OverlapFeatures(overlap_grad_reduce=True, optimizer_in_first_forward=True)
+    assert end_of_iteration_policy(both) is first_forward_step.end_of_iteration

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from mist_ds.config import compose
 from mist_ds.cost.iteration import imbalance_s, iteration_time_s
 from mist_ds.cost.predict import model_costs, predict_strategy
-from mist_ds.cost.stage import StageCandidates, norm_sync_s, stage_memory, stage_times
+from mist_ds.cost.candidates import StageCandidates
+from mist_ds.cost.stage import norm_sync_s, stage_times
+from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import ConfigError, check_runtime, runtime_capabilities
 from mist_ds.specs.runtime import allowed_stage_options

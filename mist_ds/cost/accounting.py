@@ -34,8 +34,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from mist_ds.cost.stage import (PARTITION_META_BYTES, ModelCosts, StageCandidates, data_parallel_traffic, stage_params,
-                                stage_trainable_params)
+from mist_ds.cost.candidates import ModelCosts, StageCandidates, stage_params, stage_trainable_params
+from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES, DataParallelTraffic, data_parallel_traffic
 from mist_ds.specs import RuntimeCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
@@ -65,13 +65,11 @@ def _tp_bytes(costs: ModelCosts, c: StageCandidates, key: str = "tp_comm_bytes")
     return c.G * per_micro
 
 
-def _data_parallel(z: int, pipeline: bool, bf16: bool, dtype_bytes: float, params: float, trained: float, d: int,
-                   G: int, tied_vocab: float) -> dict[tuple[str, str], float]:
+def _data_parallel(traffic: DataParallelTraffic, dtype_bytes: float, trained: float, d: int,
+                   G: int) -> dict[tuple[str, str], float]:
     """(kind, role) -> bytes of one rank's gradient reduction and weight gathers: the collectives
-    cost/stage.py prices (data_parallel_traffic), as payload (module docstring); `trained` of the `params`
-    elements have requires_grad (only they are reduced, and only they are in a flat group)."""
-    traffic = data_parallel_traffic(z, pipeline, bf16, dtype_bytes * params, dtype_bytes * tied_vocab,
-                                    trained_bytes=dtype_bytes * trained)
+    cost/executors/deepspeed.py prices (`traffic`), as payload (module docstring); `trained`: the elements with
+    requires_grad (only they are reduced, and only they are in a flat group)."""
     padded = np.ceil(trained / (2 * d)) * (2 * d)  # the flat buffer DeepSpeed pads to a multiple of 2 d
     terms = {("all_reduce", "data"): G * traffic.micro_all_reduce + traffic.step_all_reduce,
              ("reduce_scatter", "data"): G * traffic.micro_reduce_scatter,
@@ -118,9 +116,10 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
                 terms[("all_gather", "tensor")] += float(tp_gathered[i])
         vocab_shard = model.vocab_tensor(par.tp)
         tied_vocab = vocab_shard if model.tie_embeddings and par.pp == 1 else 0.0
-        for key, value in _data_parallel(stage.zero_stage, par.pp > 1, train.precision == "bf16", dtype_bytes,
-                                         float(params[i]), float(trained[i]), par.dp, par.grad_accum,
-                                         tied_vocab).items():
+        traffic = data_parallel_traffic(stage.zero_stage, par.pp > 1, train.precision == "bf16",
+                                        dtype_bytes * float(params[i]), dtype_bytes * tied_vocab,
+                                        trained_bytes=dtype_bytes * float(trained[i]))
+        for key, value in _data_parallel(traffic, dtype_bytes, float(trained[i]), par.dp, par.grad_accum).items():
             terms[key] += value
         if par.pp > 1:
             for key, value in _pipeline(c, i, float(activation[i]), par.tp, par.grad_accum).items():

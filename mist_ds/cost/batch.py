@@ -19,7 +19,9 @@ from typing import Sequence
 import numpy as np
 
 from mist_ds.cost.predict import Prediction, checked_caps, model_costs, prediction_of, stage_candidates, stage_work
-from mist_ds.cost.stage import StageCandidates, stage_memory, stage_times
+from mist_ds.cost.candidates import StageCandidates
+from mist_ds.cost.stage import stage_times
+from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
 from mist_ds.specs.errors import noting_case

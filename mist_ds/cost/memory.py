@@ -34,7 +34,7 @@ the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 b
 - ZeRO 3 (DeepSpeed pads each parameter to d: a few elements above p3): weights b p3, gradient
   partition b p3, fp32 master + Adam 12 p3, buffers b R + max(4 p3, b N): the bucket is never
   freed, the step's fp32 gradients add to it, the whole small parameters are resident outside the
-  step. The layers gathered while they run are not model states (cost/stage.py counts them).
+  step. The layers gathered while they run are not model states (cost/stage_memory.py counts them).
 - optimizer offload (cpu): master, Adam and the fp32 gradient partition live on the host, 16 bytes
   per element, with a b-byte copy of the updated partition; no device gradient partition. ZeRO-1/2:
   gradients b max(P, U) (ZeRO-1's full .grad) or 0 (ZeRO-2), buffers k b R + b L, host
@@ -49,15 +49,16 @@ buffer that lives all iteration, in fp32 with bf16 (accumulate_allreduce_grads_i
 and in the model dtype otherwise. Its mixed-precision optimizer hands Adam `main_grad.float()`, an
 alias of an fp32 buffer but a new fp32 copy of a half one: with fp16 gradients the step adds 4 bytes
 per parameter it updates (the shard with the distributed optimizer), while the activations are freed
-(`step_only`: the stage's peak is the larger of backward and the step, cost/stage.py).
+(`step_only`: the stage's peak is the larger of backward and the step, cost/stage_memory.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
-from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS, PLANNED_REDUCE_BUCKET_ELEMENTS
+from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs.runtime import ModelStateAccounting, runs_bf16_optimizer
 
 FP32_BYTES = 4
@@ -79,12 +80,49 @@ class ModelStateBytes:
     step_only: np.ndarray | float = 0.0
     """Device bytes that exist only during the optimizer step, when no activation is held: part of the
     model states' own peak (`gpu_total`); a stage's peak counts them only beyond its activations
-    (cost/stage.py)."""
+    (cost/stage_memory.py)."""
 
     @property
     def gpu_total(self) -> np.ndarray:
         """The model states' peak on the device: every field at its peak, the step's own bytes too."""
         return self.weights + self.grads + self.optimizer + self.buffers + self.step_only
+
+
+@dataclass(frozen=True)
+class ModelStateShape:
+    """What a model-state accounting reads of one stage (module docstring's symbols); arrays broadcast, elements
+    on one TP rank."""
+
+    params: Any
+    """P: the stage's parameters on the GPU (elements)."""
+    dp: Any
+    """d: data-parallel ranks."""
+    zero: Any
+    dtype_bytes: float
+    """b: bytes of the model dtype."""
+    mixed_precision: bool = True
+    bf16: bool = True
+    pipeline: Any = False
+    """S > 1 (DeepSpeed steps bf16 ZeRO-0 pipelines with BF16_Optimizer, ZeRO-1 keeps a second bucket)."""
+    weights_offload: Any = 0.0
+    grads_offload: Any = 0.0
+    optimizer_offload: Any = 0.0
+    """Offloaded fractions (DeepSpeed's: any fraction > 0 offloads the whole)."""
+    trainable_params: Any = None
+    """The elements with requires_grad (None: all P); frozen ones hold weights only."""
+    grad_accum: Any = 1
+    """G: micro-batches per step (ZeRO-2 keeps two gradient partitions with more than one)."""
+    reduce_bucket_elements: Any = PLANNED_REDUCE_BUCKET_ELEMENTS
+    """R: the reduce bucket (the planned one by default, as mist_ds/emit writes it)."""
+    largest_param_elements: Any = 0.0
+    """L: the largest single parameter tensor (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps,
+    offload staging at 0)."""
+    persistent_param_elements: Any = 0.0
+    """N: ZeRO-3 parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it)."""
+    overlap_comm: Any = False
+    """DeepSpeed's overlap_comm at ZeRO-1/2: a second bucket (setup_buckets in stage_1_and_2.py)."""
+    oversized_param_elements: Any = None
+    """O: elements of the tensors larger than R (None = unknown; read by ZeRO-1 with overlap_comm at G = 1)."""
 
 
 def _padded(params, dp):
@@ -109,58 +147,51 @@ def partition_touch_elements(params, dp, largest_param_elements):
     return np.maximum(np.minimum(p, part + 2 * reach), np.minimum(padded, part + reach))
 
 
-def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
-                           weights_offload, reduce_bucket_elements=DEFAULT_REDUCE_BUCKET_ELEMENTS,
-                           largest_param_elements=0.0, persistent_param_elements=0.0,
-                           bf16: bool = True, grad_accum=1, overlap_comm=False,
-                           oversized_param_elements=None, trainable_params=None) -> ModelStateBytes:
-    """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring: P `params`, d `dp`,
-    R `reduce_bucket_elements`, L `largest_param_elements`, N `persistent_param_elements`, G
-    `grad_accum` micro-batches per step; `overlap_comm` on at ZeRO-1/2: a second bucket, setup_buckets
-    in stage_1_and_2.py; O `oversized_param_elements`, the elements of the tensors larger than R, None
-    when unknown: ZeRO-1's gradients are then b max(P, U) at G = 1 too, an upper bound).
+def deepspeed_model_states(shape: ModelStateShape) -> ModelStateBytes:
+    """Model states a DeepSpeed 0.19.8 engine holds on one GPU (module docstring; ModelStateShape's fields:
+    with O unknown, ZeRO-1's gradients are b max(P, U) at G = 1 too, an upper bound).
 
-    `trainable_params` (None: all P): the elements with requires_grad. DeepSpeed's optimizers own only those
-    (`is_optimized_parameter`, deepspeed/runtime/utils.py: ZeRO-1/2's flat groups, BF16_Optimizer,
-    FP16_UnfusedOptimizer, ZeRO-3's trainable groups), so every formula above reads P as the trainable
-    elements (L and O too are of trainable tensors), and the frozen F = P - T add their weights only: whole on
-    every rank at ZeRO 0-2 (left out of the flat group), partitioned at ZeRO-3 (the engine partitions every
-    parameter of the module), b F or b ceil(F / d)."""
-    whole = np.asarray(params, dtype=np.float64)
-    p = whole if trainable_params is None else np.asarray(trainable_params, dtype=np.float64)
+    DeepSpeed's optimizers own only the trainable elements T (`is_optimized_parameter`,
+    deepspeed/runtime/utils.py: ZeRO-1/2's flat groups, BF16_Optimizer, FP16_UnfusedOptimizer, ZeRO-3's trainable
+    groups), so every formula above reads P as T (L and O too are of trainable tensors), and the frozen F = P - T
+    add their weights only: whole on every rank at ZeRO 0-2 (left out of the flat group), partitioned at ZeRO-3
+    (the engine partitions every parameter of the module), b F or b ceil(F / d)."""
+    whole = np.asarray(shape.params, dtype=np.float64)
+    p = whole if shape.trainable_params is None else np.asarray(shape.trainable_params, dtype=np.float64)
     frozen = whole - p
-    d = np.asarray(dp, dtype=np.float64)
-    z = np.asarray(zero)
-    b = float(dtype_bytes)
-    pipe = np.asarray(pipeline, dtype=bool)
-    largest = np.asarray(largest_param_elements, dtype=np.float64)
-    offloaded = np.asarray(optimizer_offload) > 0
+    d = np.asarray(shape.dp, dtype=np.float64)
+    z = np.asarray(shape.zero)
+    b = float(shape.dtype_bytes)
+    pipe = np.asarray(shape.pipeline, dtype=bool)
+    overlap_comm = np.asarray(shape.overlap_comm, dtype=bool)
+    largest = np.asarray(shape.largest_param_elements, dtype=np.float64)
+    offloaded = np.asarray(shape.optimizer_offload) > 0
     padded = _padded(p, d)
     part = padded / d
     p3 = np.ceil(p / d)  # DeepSpeed pads each parameter to d: a few elements more
     touch = partition_touch_elements(p, d, largest)
     zero12 = (z == 1) | (z == 2)
-    bf16_optimizer = runs_bf16_optimizer(z, pipe, bool(mixed_precision and bf16))
+    bf16_optimizer = runs_bf16_optimizer(z, pipe, bool(shape.mixed_precision and shape.bf16))
     torch_optimizer = (z == 0) & ~bf16_optimizer  # FP16_UnfusedOptimizer, or torch AdamW in fp32
-    master = MASTER_BYTES if mixed_precision else 0  # fp32 training: the weights are the master (ZeRO-0 only)
+    master = MASTER_BYTES if shape.mixed_precision else 0  # fp32 training: the weights are the master (ZeRO-0 only)
     shard = np.select([torch_optimizer, z == 3], [p, p3], default=part)  # elements the optimizer updates
 
     weights = b * np.select([z == 3, torch_optimizer], [p3, p], default=padded)
     weights = weights + b * np.where(z == 3, np.ceil(frozen / d), frozen)
-    zero2_partitions = np.where(np.asarray(grad_accum) > 1, 2.0, 1.0)
+    zero2_partitions = np.where(np.asarray(shape.grad_accum) > 1, 2.0, 1.0)
     grads = b * np.select([torch_optimizer, bf16_optimizer, z == 1, z == 2, z == 3],
                           [p, padded + p, np.maximum(p, touch), zero2_partitions * touch, p3])
     grads = np.where(offloaded & (z >= 2), 0.0, grads)  # no device partition: gradients go to the host
-    if oversized_param_elements is not None:  # ZeRO-1, overlap_comm, G = 1: no full .grad (module docstring)
-        whole = np.asarray(oversized_param_elements, dtype=np.float64) + np.where(offloaded, 0.0, touch)
-        hooked_alone = (z == 1) & np.asarray(overlap_comm, dtype=bool) & (np.asarray(grad_accum) == 1)
+    if shape.oversized_param_elements is not None:  # ZeRO-1, overlap_comm, G = 1: no full .grad (module docstring)
+        whole = np.asarray(shape.oversized_param_elements, dtype=np.float64) + np.where(offloaded, 0.0, touch)
+        hooked_alone = (z == 1) & overlap_comm & (np.asarray(shape.grad_accum) == 1)
         grads = np.where(hooked_alone, b * np.minimum(np.maximum(p, touch), whole), grads)
     optimizer = np.where(torch_optimizer, (master + ADAM_MOMENT_BYTES) * p, MASTER_ADAM_BYTES * shard)
     step_grads = np.where(torch_optimizer & (master == 0), 0.0, FP32_BYTES * shard)
-    bucket = b * np.asarray(reduce_bucket_elements, dtype=np.float64) * np.select(
-        [zero12, z == 3], [np.where((pipe & (z == 1)) | np.asarray(overlap_comm, dtype=bool), 2, 1), 1], default=0)
+    bucket = b * np.asarray(shape.reduce_bucket_elements, dtype=np.float64) * np.select(
+        [zero12, z == 3], [np.where((pipe & (z == 1)) | overlap_comm, 2, 1), 1], default=0)
     staging = np.where(offloaded & zero12, b * largest, 0.0)  # one on the device, one on the host
-    persistent = np.where(z == 3, b * np.asarray(persistent_param_elements, dtype=np.float64), 0.0)
+    persistent = np.where(z == 3, b * np.asarray(shape.persistent_param_elements, dtype=np.float64), 0.0)
 
     host = np.where(offloaded, optimizer + step_grads + b * shard + staging, 0.0)
     optimizer = np.where(offloaded, 0.0, optimizer)
@@ -168,75 +199,59 @@ def deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipel
     # ZeRO-1/2 release the bucket before the step's fp32 gradients exist; ZeRO-3 keeps it, and its
     # persistent parameters are resident outside the step only.
     buffers = np.where(z == 3, bucket + np.maximum(step_grads, persistent), np.maximum(bucket, step_grads) + staging)
-    weights_on_host = np.asarray(weights_offload) > 0
+    weights_on_host = np.asarray(shape.weights_offload) > 0
     host = host + np.where(weights_on_host, weights, 0.0)
     weights = np.where(weights_on_host, 0.0, weights)
     return ModelStateBytes(weights=weights, grads=grads, optimizer=optimizer, buffers=buffers, host=host)
 
 
-def textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload=0.0, grads_offload=0.0,
-                          optimizer_offload=0.0, grad_bytes=None, trainable_params=None) -> ModelStateBytes:
-    """b + b + 12 bytes per parameter (ZeRO paper), sharded by ZeRO stage, times (1 - offload); gradients and
-    optimizer states of the `trainable_params` only (None: all)."""
+def textbook_model_states(shape: ModelStateShape, grad_bytes=None) -> ModelStateBytes:
+    """b + b + 12 bytes per parameter (ZeRO paper), sharded by ZeRO stage, times (1 - offload); gradients (of
+    `grad_bytes` each, None: b) and optimizer states of the trainable elements only. Reads P, d, ZeRO, b, mixed
+    precision, the offload fractions and the trainable elements of `shape`."""
+    params, dp, zero, dtype_bytes, trainable_params = (shape.params, shape.dp, shape.zero, shape.dtype_bytes,
+                                                       shape.trainable_params)
     p = np.asarray(params, dtype=np.float64)
     trained = p if trainable_params is None else np.asarray(trainable_params, dtype=np.float64)
     d = np.asarray(dp, dtype=np.float64)
     z = np.asarray(zero)
     b = float(dtype_bytes)
-    optimizer_bytes = (MASTER_BYTES if mixed_precision else 0) + ADAM_MOMENT_BYTES
+    optimizer_bytes = (MASTER_BYTES if shape.mixed_precision else 0) + ADAM_MOMENT_BYTES
     g = b if grad_bytes is None else float(grad_bytes)
     weights = np.where(z >= 3, b * p / d, b * p)
     grads = np.where(z >= 2, g * trained / d, g * trained)
     optimizer = np.where(z >= 1, optimizer_bytes * trained / d, optimizer_bytes * trained)
-    wo, go, oo = (np.asarray(x, dtype=np.float64) for x in (weights_offload, grads_offload, optimizer_offload))
+    wo, go, oo = (np.asarray(x, dtype=np.float64)
+                  for x in (shape.weights_offload, shape.grads_offload, shape.optimizer_offload))
     host = weights * wo + grads * go + optimizer * oo
     return ModelStateBytes(weights=weights * (1 - wo), grads=grads * (1 - go), optimizer=optimizer * (1 - oo),
                            buffers=np.zeros_like(p), host=host)
 
 
-def megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload=0.0,
-                          bf16: bool = True, trainable_params=None) -> ModelStateBytes:
+def megatron_model_states(shape: ModelStateShape) -> ModelStateBytes:
     """Megatron-LM (module docstring): the distributed optimizer is ZeRO-1; gradients in fp32 with
-    bf16; with fp16 gradients the step's fp32 copy of the gradients it updates is `step_only`."""
-    half_grads = bool(mixed_precision and dtype_bytes == 2)
-    fp32_main_grads = half_grads and bf16
-    zero1 = np.minimum(zero, 1)
-    states = textbook_model_states(params, dp, zero1, dtype_bytes, mixed_precision,
-                                   optimizer_offload=optimizer_offload,
-                                   grad_bytes=FP32_BYTES if fp32_main_grads else None,
-                                   trainable_params=trainable_params)
+    bf16; with fp16 gradients the step's fp32 copy of the gradients it updates is `step_only`. Nothing but
+    the optimizer states offloads."""
+    params, dp, dtype_bytes, optimizer_offload = shape.params, shape.dp, shape.dtype_bytes, shape.optimizer_offload
+    half_grads = bool(shape.mixed_precision and dtype_bytes == 2)
+    fp32_main_grads = half_grads and shape.bf16
+    zero1 = np.minimum(shape.zero, 1)
+    states = textbook_model_states(replace(shape, zero=zero1, weights_offload=0.0, grads_offload=0.0),
+                                   grad_bytes=FP32_BYTES if fp32_main_grads else None)
     if not half_grads or fp32_main_grads:
         return states
-    p = np.asarray(params if trainable_params is None else trainable_params, dtype=np.float64)
+    p = np.asarray(params if shape.trainable_params is None else shape.trainable_params, dtype=np.float64)
     updated = np.where(zero1 >= 1, p / np.asarray(dp, dtype=np.float64), p)
     on_device = 1.0 - np.asarray(optimizer_offload, dtype=np.float64)  # an offloaded share steps on the host
     return replace(states, step_only=FP32_BYTES * updated * on_device)
 
 
-def model_state_bytes(accounting: ModelStateAccounting, params, dp, zero, dtype_bytes, mixed_precision=True, pipeline=False,
-                      weights_offload=0.0, grads_offload=0.0, optimizer_offload=0.0,
-                      reduce_bucket_elements=PLANNED_REDUCE_BUCKET_ELEMENTS, bf16: bool = True,
-                      largest_param_elements=0.0, persistent_param_elements=0.0, grad_accum=1,
-                      overlap_comm=False, oversized_param_elements=None, trainable_params=None) -> ModelStateBytes:
-    """Model states per GPU under a runtime's `accounting` (RuntimeCapabilities.model_states; module
-    docstring). The one function show / predict / tune use.
-
-    DeepSpeed's accounting reads three more sizes, elements on one TP rank of the stage: the reduce bucket
-    (the planned one by default, as mist_ds/emit writes it), the largest single parameter tensor L
-    (0 = unknown: ZeRO-1/2 gradient partitions are priced at ps, offload staging at 0) and the ZeRO-3
-    parameters kept whole (0, as the emitter's stage3_param_persistence_threshold of 0 makes it), the
-    micro-batches per step (ZeRO-2 keeps two gradient partitions with more than one), and the elements
-    of the tensors larger than the reduce bucket (None = unknown; read by ZeRO-1 with overlap_comm at G = 1).
-    `trainable_params`: the elements with requires_grad (None: all); frozen ones hold weights only.
-    """
+def model_state_bytes(accounting: ModelStateAccounting, shape: ModelStateShape) -> ModelStateBytes:
+    """Model states per GPU of a stage of `shape` under a runtime's `accounting` (RuntimeCapabilities.model_states;
+    module docstring). The one function show / predict / tune use; only DeepSpeed's accounting reads the reduce
+    bucket, L, N, G, overlap_comm and O."""
     if accounting == "deepspeed":
-        return deepspeed_model_states(params, dp, zero, dtype_bytes, mixed_precision, pipeline, optimizer_offload,
-                                      weights_offload, reduce_bucket_elements, largest_param_elements,
-                                      persistent_param_elements, bf16=bf16, grad_accum=grad_accum,
-                                      overlap_comm=overlap_comm, oversized_param_elements=oversized_param_elements,
-                                      trainable_params=trainable_params)
+        return deepspeed_model_states(shape)
     if accounting == "megatron":
-        return megatron_model_states(params, dp, zero, dtype_bytes, mixed_precision, optimizer_offload, bf16,
-                                     trainable_params=trainable_params)
-    return textbook_model_states(params, dp, zero, dtype_bytes, mixed_precision, weights_offload, grads_offload,
-                                 optimizer_offload, trainable_params=trainable_params)
+        return megatron_model_states(shape)
+    return textbook_model_states(shape)

@@ -12,8 +12,9 @@ from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.layer_time import profile_sources
 from mist_ds.cost.simulate import Span, simulate, simulate_interleaved
-from mist_ds.cost.stage import (ModelCosts, StageCandidates, StageMemory, StageTimes, stage_memory, stage_times,
-                                tail_s)
+from mist_ds.cost.candidates import ModelCosts, StageCandidates
+from mist_ds.cost.stage import StageTimes, stage_times, tail_s
+from mist_ds.cost.stage_memory import StageMemory, stage_memory
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec, check_runtime
 from mist_ds.specs.runtime import capabilities_of

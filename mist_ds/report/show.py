@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mist_ds.cost.memory import model_state_bytes
+from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.specs import Specs, runtime_capabilities
 from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 
@@ -40,12 +40,12 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     block = model.block_params(par.tp)
 
     def states_at(zero: int) -> float:  # the runtime's reduce buckets at that ZeRO stage (specs.runtime)
-        return float(model_state_bytes(
-            caps.model_states, heaviest, par.dp, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
+        return float(model_state_bytes(caps.model_states, ModelStateShape(
+            heaviest, par.dp, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
             bf16=train.precision == "bf16", largest_param_elements=largest,
             overlap_comm=reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, zero),
             reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, par.pp, zero, block),
-            trainable_params=trained).gpu_total)
+            trainable_params=trained)).gpu_total)
 
     states = {str(z): states_at(z) for z in ZERO_STAGES}
     tokens_per_step = train.global_batch_size * model.seq_len

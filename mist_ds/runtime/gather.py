@@ -12,7 +12,7 @@ partition into its place in the flat buffer (the same bytes; DeepSpeed's checkpo
 ranks' pieces of a chunk are not contiguous in the flat buffer, so torch's process groups (gloo and NCCL
 alike) gather each chunk into a flat receive buffer of d pieces and copy it out: these buffers, the
 stage's weights in all, live from the step until the chunk is waited for (the cost model prices them,
-mist_ds/cost/stage.py stage_memory). A forward pre-hook on each layer waits, in issue order, for the chunks
+mist_ds/cost/stage_memory.py stage_memory). A forward pre-hook on each layer waits, in issue order, for the chunks
 that hold the layer's weights before it runs. At dp = d there are K = ceil(layers / d) chunks: the first
 holds what the stage's first layer needs (on the first stage a large embedding can be most of rank 0's
 partition: it waits for that one collective, not for several), the rest split the remainder equally, so

@@ -45,7 +45,7 @@ def bucket_sizes(model: ModelSpec | None, tp: int,
                  reduce_bucket_elements: int = PLANNED_REDUCE_BUCKET_ELEMENTS) -> BucketSizes:
     """The buckets the cost model assumes for `model` split over `tp` tensor-parallel ranks.
 
-    cost/stage.py counts two gathered blocks under ZeRO-3 (the running one and the prefetched next), so
+    cost/stage_memory.py counts two gathered blocks under ZeRO-3 (the running one and the prefetched next), so
     the prefetch bucket is one block's parameters on a TP rank, the live limit two, and a block reused
     within one block's worth of parameters stays gathered (DeepSpeed's 1e9-element default could keep
     several blocks, ~2 GB in bf16, that the plan never counted). Without a model these stay at

@@ -42,8 +42,8 @@ class OverlapFeatures:
 ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
 """Which allocation model cost/memory.py prices model states with (its module docstring)."""
 CollectiveModel = Literal["deepspeed", "ideal"]
-"""Which collectives a runtime runs for data parallelism, pipelines and the optimizer step
-(cost/stage.py data_parallel_traffic; docs/design.md, What DeepSpeed does)."""
+"""Which collectives a runtime runs for data parallelism, pipelines and the optimizer step: names the module of
+cost/executors that prices its data moves (cost/executors/__init__.py COLLECTIVE_EXECUTORS; docs/design.md, What DeepSpeed does)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mist_ds.cost.memory import FP32_BYTES, deepspeed_model_states, partition_touch_elements
+from mist_ds.cost.memory import FP32_BYTES, ModelStateShape, deepspeed_model_states, partition_touch_elements
 from mist_ds.observe.census import storage_keys
 from mist_ds.observe.moments import MomentRecorder, field_peaks
 from mist_ds.observe.ranks import close_cpu_distributed, init_cpu_distributed
@@ -315,12 +315,11 @@ class Facts:
 
 def predicted_bytes(f: Facts) -> dict[str, float]:
     """memory.py's per-rank model states for the same P, d, ZeRO stage, dtype, pipeline and offload."""
-    states = deepspeed_model_states(f.P + f.F, f.d, f.zero, f.b, f.bf16, f.pipeline, 1.0 if f.offload else 0.0,
-                                    1.0 if f.params_offload else 0.0,
-                                    reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
-                                    persistent_param_elements=f.persistent, bf16=f.bf16,
-                                    grad_accum=f.micro_batches, overlap_comm=f.overlap_comm,
-                                    oversized_param_elements=f.oversized, trainable_params=f.P)
+    states = deepspeed_model_states(ModelStateShape(
+        f.P + f.F, f.d, f.zero, f.b, f.bf16, bf16=f.bf16, pipeline=f.pipeline,
+        weights_offload=1.0 if f.params_offload else 0.0, optimizer_offload=1.0 if f.offload else 0.0,
+        trainable_params=f.P, grad_accum=f.micro_batches, reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
+        persistent_param_elements=f.persistent, overlap_comm=f.overlap_comm, oversized_param_elements=f.oversized))
     held = {field: float(getattr(states, field)) for field in FIELDS}
     return {**held, "weights": held["weights"] + f.module_buffer_bytes}
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mist_ds.cost.stage import (ModelCosts, StageCandidates, in_flight_micro_batches, stage_boundaries_cross_nodes,
-                                stage_memory, stage_times)
+from mist_ds.cost.candidates import ModelCosts, StageCandidates
+from mist_ds.cost.stage import stage_boundaries_cross_nodes, stage_times
+from mist_ds.cost.stage_memory import in_flight_micro_batches, stage_memory
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import RuntimeCapabilities, TrainSpec
 from mist_ds.tuner.partition_model import StageOptions, front_of_sorted, pareto_columns, pareto_front

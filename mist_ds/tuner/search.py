@@ -25,7 +25,9 @@ import numpy as np
 from mist_ds.cost.host import host_fits, position_host_limits, shared_nodes
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.cost.predict import model_costs
-from mist_ds.cost.stage import ModelCosts, StageCandidates, stage_memory, stage_times, tail_s
+from mist_ds.cost.candidates import ModelCosts, StageCandidates
+from mist_ds.cost.stage import stage_times, tail_s
+from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.cost.iteration import iteration_time_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.hardware.interference import monotone_envelope

@@ -1,0 +1,136 @@
+"""DeepSpeed 0.19.8's stock engines (RuntimeCapabilities.collectives 'deepspeed': runtimes `deepspeed`,
+`mist`): the data-parallel collectives its ZeRO optimizers and BF16_Optimizer run, partitioned pipeline
+sends, offload of the rank's partition, torch's AdamW (docs/design.md, What DeepSpeed does)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mist_ds.cost.candidates import vocab_shard_elements
+from mist_ds.cost.executors.interface import StageInputs, StageMoves
+from mist_ds.cost.executors.mist import layerwise_reduce
+from mist_ds.cost.memory import FP32_BYTES
+from mist_ds.specs.runtime import runs_bf16_optimizer
+
+# torch's AdamW as DeepSpeed runs it with `torch_adam: true` (foreach on a GPU, torch/optim/adam.py
+# _multi_tensor_adam; the single-tensor loop elsewhere does the same passes): eight passes over fp32
+# tensors, each reading and writing whole tensors: weight decay on p (r+w, 8), lerp of exp_avg with g
+# (12), exp_avg_sq *= beta2 (8), addcmul with g twice (16), sqrt into a new tensor (8), div (8), add eps
+# (8), addcdiv into p (16).
+TORCH_ADAMW_STEP_BYTES_PER_PARAM = 84
+# A partitioned pipeline send's header: PartitionedTensor.to_meta, nine int64 (deepspeed/runtime/utils.py).
+PARTITION_META_BYTES = 72
+
+
+@dataclass(frozen=True)
+class DataParallelTraffic:
+    """The data-parallel collectives DeepSpeed 0.19.8 runs for one stage, as full message bytes (what an
+    all-reduce reduces, what an all-gather assembles), by when they run (docs/design.md, What DeepSpeed
+    does; cost/accounting.py cites the lines). Arrays broadcast with the inputs."""
+
+    micro_all_reduce: np.ndarray
+    """Every micro-batch's backward: ZeRO-2 all-reduces its gradient buckets (average_tensor with
+    use_multi_rank_bucket_allreduce)."""
+    micro_reduce_scatter: np.ndarray
+    """Every micro-batch's backward: ZeRO-3 reduce-scatters the gradients."""
+    micro_gather_fwd: np.ndarray
+    micro_gather_bwd: np.ndarray
+    """ZeRO-3 gathers every parameter in each forward (a weight two modules share, once more) and
+    backward."""
+    step_all_reduce: np.ndarray
+    """Once per step: ZeRO-0 and ZeRO-1 all-reduce the gradients (BF16_Optimizer too)."""
+    step_all_gather: np.ndarray
+    """After the step: ZeRO-1/2 and BF16_Optimizer all-gather the updated weights."""
+    partitioned_step: np.ndarray
+    """The optimizer steps the rank's 1 / d of the parameters (ZeRO >= 1, BF16_Optimizer)."""
+
+
+def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weight_bytes=0.0,
+                          trained_bytes=None) -> DataParallelTraffic:
+    """What DeepSpeed's optimizer for ZeRO stage `zero` moves over the data-parallel group for a stage of
+    `weight_bytes` (model dtype); BF16_Optimizer runs bf16 pipelines with ZeRO-0. `shared_weight_bytes`:
+    a weight two modules of the stage use (ZeRO-3 gathers it for each). `trained_bytes` (None: all the
+    weights): those with requires_grad, the only ones reduced and, in ZeRO-1/2's and BF16_Optimizer's flat
+    groups, gathered after the step; ZeRO-3 gathers frozen weights too."""
+    trained_bytes = weight_bytes if trained_bytes is None else trained_bytes
+    zero, pipeline, weight_bytes, trained_bytes = np.broadcast_arrays(*(
+        np.asarray(x, dtype=np.float64) for x in (zero, pipeline, weight_bytes, trained_bytes)))
+    bf16_optimizer = runs_bf16_optimizer(zero, pipeline, bf16)
+    none = np.zeros_like(weight_bytes)
+    zero3 = zero == 3
+    return DataParallelTraffic(
+        micro_all_reduce=np.where(zero == 2, trained_bytes, none),
+        micro_reduce_scatter=np.where(zero3, trained_bytes, none),
+        micro_gather_fwd=np.where(zero3, weight_bytes + shared_weight_bytes, none),
+        micro_gather_bwd=np.where(zero3, weight_bytes, none),
+        step_all_reduce=np.where(zero <= 1, trained_bytes, none),
+        step_all_gather=np.where((zero == 1) | (zero == 2) | bf16_optimizer, trained_bytes, none),
+        partitioned_step=(zero >= 1) | bf16_optimizer)
+
+
+def moves(inputs: StageInputs) -> StageMoves:
+    """What DeepSpeed 0.19.8 moves for a stage of `inputs.weight_bytes` whose `inputs.trained` elements train
+    (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What DeepSpeed does):
+    - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
+      gather of ZeRO-1/2 and BF16_Optimizer, ZeRO-3's gathers and reduce-scatters); ZeRO-3's first gather
+      of a forward and last reduce-scatter of a backward hide behind no compute;
+    - pipelines with t > 1 send 1 / t of each activation and gradient and re-assemble it with an
+      all-gather over the TP group (pipe_partitioned / grad_partitioned): one in forward on a receiving
+      stage, two in backward on a sending one (the received gradient and its own output);
+    - offload moves the rank's partition (P / d): offload_param copies it in before each gather;
+      gradients of ZeRO-2/3 go out every micro-batch and come back to accumulate (ZeRO-1 once, at the
+      boundary, when there are several micro-batches); at the boundary the fp32 gradient goes down and the
+      updated weights come up (not with offload_param: they stay on the host);
+    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned;
+    - offloaded activations (runtime `mist`) go down in forward and come back in backward, copies that
+      add to the pass (offload_overlapped is off);
+    - with the reduction in the last backward (runtime `mist`): executors/mist.py layerwise_reduce.
+    """
+    costs, hw, train, c, data_parallel = inputs.costs, inputs.hw, inputs.train, inputs.c, inputs.data_parallel
+    weight_bytes, params, saved_offloaded = inputs.weight_bytes, inputs.trained, inputs.saved_offloaded
+    b_w, ev = hw.dtype_bytes, c.shapes
+    model = costs.model
+    shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * vocab_shard_elements(model, c), 0.0)
+    traffic = data_parallel_traffic(c.zero, c.pp > 1, train.precision == "bf16", weight_bytes, shared,
+                                    trained_bytes=b_w * params)
+    layer_bytes = b_w * ev(costs.block, "params")
+    layer_trained_bytes = b_w * ev(costs.block, "trainable_params")
+    zero3 = c.zero == 3
+    fwd_exposed = np.where(zero3, data_parallel.all_gather_time_s(layer_bytes), 0.0)
+    bwd_exposed = np.where(zero3 & (layer_trained_bytes > 0), data_parallel.reduce_scatter_time_s(layer_trained_bytes),
+                           0.0)
+
+    several = c.G > 1
+    grads_every_micro = (c.go > 0) & (zero3 | ((c.zero == 2) & several))
+    grads_at_boundary = (c.go > 0) & (c.zero == 1) & several
+    grad_copy = hw.host_copy_time_s(c.go * b_w * params / c.d)
+    weight_in = hw.host_copy_time_s(c.wo * weight_bytes / c.d)
+
+    activations_copy = np.where(saved_offloaded > 0, hw.host_copy_time_s(saved_offloaded), 0.0)
+    activation = ev(costs.block, "output_bytes")
+    rebuild = np.where((c.pp > 1) & (c.t > 1), hw.all_gather_time_s(activation, c.t, 1), 0.0)
+    none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
+
+    def ran(collective, message):  # a collective DeepSpeed does not run costs nothing, latency included
+        return np.where(message > 0, collective(message), 0.0)
+
+    return StageMoves(
+        fwd_g2g=ran(data_parallel.all_gather_time_s, traffic.micro_gather_fwd),
+        bwd_g2g=(ran(data_parallel.all_gather_time_s, traffic.micro_gather_bwd)
+                 + ran(data_parallel.reduce_scatter_time_s, traffic.micro_reduce_scatter)
+                 + ran(data_parallel.all_reduce_time_s, traffic.micro_all_reduce)),
+        fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed,
+        fwd_h2d=weight_in, fwd_d2h=none + activations_copy,
+        bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0) + activations_copy,
+        bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
+        fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild,
+        step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce)
+                     + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
+        step_params=np.where(traffic.partitioned_step, params / c.d, params),
+        step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
+        step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
+        step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
+        step_gather=ran(data_parallel.all_gather_time_s, traffic.step_all_gather),
+        step_gather_bytes=traffic.step_all_gather,
+        **layerwise_reduce(inputs, ran, traffic.step_all_gather))
