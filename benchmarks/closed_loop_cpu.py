@@ -1,7 +1,7 @@
 """The closed loop on this machine's 2 CPU ranks: profile -> tune -> measure, and the measure benchmark rerun
 with the profiled values.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/closed_loop_cpu.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu \\
         > benchmarks/results/closed_loop_cpu.md
 
 1. `mist-ds profile model=tiny cluster=cpu profile.quick=true` (bf16, and again with train.precision=fp32 as
@@ -27,15 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree, spearman  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
-from measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs  # noqa: E402
+from benchmarks.common import source_tree, spearman
+from benchmarks.cpu_constants import machine_text
+from benchmarks.measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs
 
 from mist_ds.cost.predict import predict  # noqa: E402
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/closed_loop_cpu.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu "
            "> benchmarks/results/closed_loop_cpu.md")
 COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
 PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}

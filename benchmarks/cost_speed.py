@@ -1,6 +1,6 @@
 """Speed of the cost model: 10^6 stage candidates in one vectorized call, and `mist-ds predict` end to end.
 
-    .venv/bin/python benchmarks/cost_speed.py > benchmarks/results/cost_speed.md
+    .venv/bin/python -m benchmarks.cost_speed > benchmarks/results/cost_speed.md
 
 Targets (development machine, 2 cores): 10^6 candidates < 1 s; one predict end to end < 3 s (cached
 analysis, fresh process, as a user runs it).
@@ -66,7 +66,7 @@ def main() -> None:
         subprocess.run(command, capture_output=True, check=True)
         ends.append(time.perf_counter() - start)
     print("# Cost model speed\n")
-    print("Command: `.venv/bin/python benchmarks/cost_speed.py`  ")
+    print("Command: `.venv/bin/python -m benchmarks.cost_speed`  ")
     print(f"Machine: {os.cpu_count()} cores (a shared VM: wall times of identical runs spread by up to 1.5x, "
           f"hence the CPU-time column); gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "
           "derived arrays). Random candidates over every knob; on mist-paper most rows run 3-4 channels at once "

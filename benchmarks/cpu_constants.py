@@ -1,6 +1,6 @@
 """The `cpu` cluster's hardware constants, measured on this machine by microbenchmarks, never fitted on plans.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_constants.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cpu_constants \\
         > benchmarks/results/cpu_constants.md
 
 Two CPU ranks (one process per core, as `mist-ds measure` runs them on this 2-core machine, gloo over
@@ -40,21 +40,17 @@ from __future__ import annotations
 import math
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from mist_ds.profiling.microbench import (  # noqa: E402
     ACTIVATION_COPY_BYTES, ATTENTION_SHAPES, DTYPES, FIT_GAP_BYTES, INTERLEAVED_BYTES, MIN_REPEATS, MIN_TIMED_S, ROUNDS,
     OtherLoad, adam_sweep, attention_sweep, collective_sweep, combine_tree, fit_alpha_beta, fit_gemm, gemm_sweep,
     layer_overhead, memory_sweep, op_chain)
 from mist_ds.testing.ranks import launch  # noqa: E402
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_constants.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cpu_constants "
            "> benchmarks/results/cpu_constants.md")
 WORKER = "benchmarks.cpu_constants:constants_worker"
 RANKS = 2  # one process per core of this machine, never more
@@ -269,7 +265,7 @@ def machine_text() -> str:
 
     import torch
 
-    from common import cpu_model, deepspeed_version
+    from benchmarks.common import cpu_model, deepspeed_version
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{os.cpu_count()}-core VM ({cpu_model()}), load average at start {load}; "

@@ -1,6 +1,6 @@
 """`mist-ds tune` on a Hugging Face Llama-3-8B config against the zoo's llama3-8b (issue 26's timing targets).
 
-    .venv/bin/python benchmarks/hf_tune.py > benchmarks/results/hf_tune.md
+    .venv/bin/python -m benchmarks.hf_tune > benchmarks/results/hf_tune.md
 
 The config is written here with transformers' own LlamaConfig at Llama-3-8B's published shapes (no download). Each
 run is the command a user types, in a process of its own, timed from start to exit (imports included):
@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, source_tree  # noqa: E402
+from benchmarks.common import machine_description, source_tree
 
 REPO = Path(__file__).resolve().parents[1]
-COMMAND = ".venv/bin/python benchmarks/hf_tune.py > benchmarks/results/hf_tune.md"
+COMMAND = ".venv/bin/python -m benchmarks.hf_tune > benchmarks/results/hf_tune.md"
 RUN = ("model.seq_len=8192", "cluster=a100-80g", "cluster.nodes=2")
 WARM_REPEATS = 3
 COLD_TARGET_S = 60.0

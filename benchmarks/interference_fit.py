@@ -1,6 +1,6 @@
 """The interference factor table `mist-ds profile` fits, judged on a held-out part of its grid (2 CPU ranks).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interference_fit \\
         > benchmarks/results/interference_fit.md
 
 The full grid of mist_ds.profiling.interference (every set of 2-4 of the channels C, G2G, H2D, D2H; per set
@@ -15,16 +15,13 @@ scalar's.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
+from benchmarks.common import source_tree
+from benchmarks.cpu_constants import machine_text
 
 from mist_ds.files import write_json_atomic  # noqa: E402
 from mist_ds.profiling.interference import elapsed_errors, fit_factors, fit_scalar  # noqa: E402
@@ -33,7 +30,7 @@ from mist_ds.profiling.run import slowest  # noqa: E402
 from mist_ds.profiling.worker import INTERFERENCE_REPEATS, PROFILE_WORKER, UNIT_S  # noqa: E402
 from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interference_fit "
            "> benchmarks/results/interference_fit.md")
 RANKS = 2
 FIT_PATTERNS = (0, 1)

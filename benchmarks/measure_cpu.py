@@ -1,6 +1,6 @@
 """Predicted against measured iteration time of real DeepSpeed steps on 2 CPU ranks (runtime `deepspeed`).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measure_cpu.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu \\
         > benchmarks/results/measure_cpu.md
 
 Each plan, a strategy given outright on the `tiny` model or a variant of it (hidden size, layers,
@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree, spearman  # noqa: E402
-from cpu_constants import OtherLoad, machine_text  # noqa: E402
+from benchmarks.common import source_tree, spearman
+from benchmarks.cpu_constants import OtherLoad, machine_text
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
@@ -41,7 +38,7 @@ from mist_ds.report.measure import measure_record  # noqa: E402
 from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E402
 from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measure_cpu.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu "
            "> benchmarks/results/measure_cpu.md")
 RANKS = 2  # one process per core: never more ranks than cores
 WARMUP_STEPS = 2

@@ -1,10 +1,10 @@
 """Runtime `mist` against runtime `deepspeed`: on the same plan and on each runtime's best plan, predicted and
 measured on CPU ranks as `mist-ds measure` runs them (issue 16).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mist_runtime.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime \\
         > benchmarks/results/mist_runtime.md
-    nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper > benchmarks/results/mist_runtime_paper.md
-    nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper gpt3-1.3B   # some cases, for development
+    nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper > benchmarks/results/mist_runtime_paper.md
+    nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper gpt3-1.3B   # some cases, for development
 
 The second form is predicted only: on the Mist paper's cases, the best plan of every space on runtime `mist`
 against the best on runtime `deepspeed`: benchmarks/plan_quality.py's table of that name, alone.
@@ -27,13 +27,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
-from measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_overrides  # noqa: E402
+from benchmarks.common import source_tree
+from benchmarks.cpu_constants import machine_text
+from benchmarks.measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_overrides
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
@@ -41,9 +38,9 @@ from mist_ds.runtime.measure import MEASURE_WORKER, measure_payload  # noqa: E40
 from mist_ds.testing.ranks import CPU_ENV, launch  # noqa: E402
 from mist_ds.tuner import tune_specs  # noqa: E402
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mist_runtime.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime "
            "> benchmarks/results/mist_runtime.md")
-PAPER_COMMAND = "nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper > benchmarks/results/mist_runtime_paper.md"
+PAPER_COMMAND = "nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper > benchmarks/results/mist_runtime_paper.md"
 RUNTIMES = ("deepspeed", "mist")
 
 # name -> (ranks, overrides): the same strategy under both runtimes
@@ -149,7 +146,7 @@ def main() -> None:
 def paper(only: tuple[str, ...]) -> None:
     """Predicted only: each runtime's best plan of every space on the Mist paper's cases (`only`: case names,
     all when empty), as benchmarks/plan_quality.py tunes and tabulates them."""
-    from plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
+    from benchmarks.plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
 
     start, machine = time.perf_counter(), machine_text()  # the load average before tuning
     outcomes = [run(case, runtime) for runtime in (STOCK, BUILT) for case in cases(only)]

@@ -1,7 +1,7 @@
 """Model-state bytes per rank: a real DeepSpeed 0.19.8 engine, mist_ds's memory.py, DeepSpeed's estimators.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions \\
-        .venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md
+        .venv/bin/python -m benchmarks.model_states > benchmarks/results/model_states.md
 
 Runs every launch of mist_ds/testing/model_states.py, the cases tests/test_model_states.py checks
 (ZeRO 0-3, fp32 and bf16, pipelines, optimizer offload, small reduce buckets), and prints, per case
@@ -13,21 +13,16 @@ option (estimate_zero{2,3}_model_states_mem_needs, the numbers its `_all_cold` t
 from __future__ import annotations
 
 import platform
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from mist_ds.testing.model_states import (FIELDS, LAUNCHES, LAYERS, WORKER, device_peak_bytes,  # noqa: E402
                                           estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes)
 from mist_ds.testing.ranks import launch  # noqa: E402
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-from common import deepspeed_version  # noqa: E402
+from benchmarks.common import deepspeed_version
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions "
-           ".venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md")
+           ".venv/bin/python -m benchmarks.model_states > benchmarks/results/model_states.md")
 
 
 def cell(measured: int, predicted: float, matches: bool) -> str:

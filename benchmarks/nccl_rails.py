@@ -1,6 +1,6 @@
 """The rails model against published multi-node NCCL all-reduce bus bandwidths (A100 nodes, 2 to 16 nodes).
 
-    .venv/bin/python benchmarks/nccl_rails.py > benchmarks/results/nccl_rails.md
+    .venv/bin/python -m benchmarks.nccl_rails > benchmarks/results/nccl_rails.md
 
 Rows: benchmarks/reference/nccl_allreduce_abci_a100.csv, nccl-tests all_reduce_perf on ABCI 2.0's A100 nodes
 (8 A100-SXM4-40GB on NVSwitch, 4 HDR NICs, 100 GB/s per node), NCCL 2.8.4, 4 B to 32 MiB, 2 runs on each of
@@ -19,7 +19,6 @@ latencies), as a diagnostic of the small-message error; it is not part of mist_d
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -27,8 +26,7 @@ from scipy.optimize import least_squares
 from mist_ds.config import compose
 from mist_ds.hardware.network import RingGroup
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import reference_rows  # noqa: E402
+from benchmarks.common import reference_rows
 
 REFERENCE = "nccl_allreduce_abci_a100"
 FIT_NODES = 2
@@ -87,7 +85,7 @@ def main() -> None:
     node_counts = sorted(set(table["nodes"].astype(int)))
 
     print("# The rails model against published multi-node NCCL all-reduce bus bandwidths\n")
-    print("Command: `.venv/bin/python benchmarks/nccl_rails.py`  ")
+    print("Command: `.venv/bin/python -m benchmarks.nccl_rails`  ")
     print(f"Rows: `benchmarks/reference/{REFERENCE}.csv` ({len(table['time_s'])} rows: nccl-tests all_reduce_perf, "
           "NCCL 2.8.4, ABCI 2.0 A100 nodes, 8 GPUs and 4x HDR 200 Gb/s = 100 GB/s per node, 4 B - 32 MiB, "
           "2 runs per node count; the source of every row is in the file). Every group spans whole nodes: "

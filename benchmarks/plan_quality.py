@@ -2,8 +2,8 @@
 megatron, deepspeed and aceso spaces, beside the cost model's ranking accuracy; and runtime `mist`'s
 predicted speedup over stock `deepspeed`, each runtime's best plan of every space.
 
-    nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md
-    nice -n 5 .venv/bin/python benchmarks/plan_quality.py gpt3-1.3B llama-22B   # some cases, for development
+    nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md
+    nice -n 5 .venv/bin/python -m benchmarks.plan_quality gpt3-1.3B llama-22B   # some cases, for development
 
 Cases (Mist, Zhu et al., EuroSys'25, end-to-end evaluation): GPT-3 and Llama shapes at 1.3B on 2 GPUs,
 2.7B/4, 7B/8, 13B/16, 22B/32; global batch 16 x GPUs; flash attention on; L4-24GB at sequence 2048
@@ -26,8 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs, machine_description, plan_text, source_tree  # noqa: E402
+from benchmarks.common import base_specs, machine_description, plan_text, source_tree
 
 from mist_ds.specs import Specs  # noqa: E402
 from mist_ds.specs.model import default_ffn_hidden_size  # noqa: E402
@@ -386,7 +385,7 @@ def main() -> None:
     names = compared_runtimes()
     only = tuple(sys.argv[1:])  # case names (gpt3-1.3b, llama-22B, ...) for development; all when empty
     print("# Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the baselines\n")
-    print("Command: `nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md`  ")
+    print("Command: `nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md`  ")
     print(f"Machine: {machine_description()}.  ")
     print(f"Source: {source_tree()}.\n")
     print(f"Cases: GPT-3 and Llama shapes at 1.3B on 2 GPUs, 2.7B/4, 7B/8, 13B/16, 22B/32; global batch "

@@ -1,8 +1,8 @@
 """Soak: every runtime-`mist` case of the tests, launched again and again on CPU ranks as `mist-ds measure` runs
 it; crashes, hangs and census mismatches counted (issue 25).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py 6 pp2-dp2-bf16-all   # some, for development
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak > benchmarks/results/soak.md
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak 6 pp2-dp2-bf16-all   # some, for development
 
 The first argument is the number of launches in all (default 50), spread round-robin over the cases (the
 rest: names of cases to run). Each launch is one real DeepSpeed job on local gloo ranks through
@@ -30,12 +30,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
+from benchmarks.common import source_tree
+from benchmarks.cpu_constants import machine_text
 
 from mist_ds.config import compose  # noqa: E402
 from mist_ds.cost.predict import predict  # noqa: E402
@@ -45,7 +42,7 @@ from mist_ds.testing.model_states import assert_model_states_are_predicted  # no
 from mist_ds.testing.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
 from mist_ds.testing.step_census import step_census_mismatches  # noqa: E402
 
-COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md"
+COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak > benchmarks/results/soak.md"
 LAUNCHES = 50
 WARMUP_STEPS = 1
 TIMED_STEPS = 2

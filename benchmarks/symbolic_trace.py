@@ -1,6 +1,6 @@
 """Benchmark: symbolic analysis of zoo models, cold (trace) and cached (load), in-process after imports.
 
-    .venv/bin/python benchmarks/symbolic_trace.py > benchmarks/results/symbolic_trace.md
+    .venv/bin/python -m benchmarks.symbolic_trace > benchmarks/results/symbolic_trace.md
 
 Targets on the 2-core development machine (issue: Symbolic analysis): cold < 10 s, cached < 0.2 s.
 Each model is analyzed once cold into a fresh cache directory, then loaded from it `REPEATS` times;
@@ -38,7 +38,7 @@ def main() -> None:
                 loads.append(time.perf_counter() - start)
         rows.append((name, cold, statistics.median(loads), max(loads)))
     print("# Symbolic analysis: cold trace and cached load\n")
-    print(f"Command: `.venv/bin/python benchmarks/symbolic_trace.py`  ")
+    print(f"Command: `.venv/bin/python -m benchmarks.symbolic_trace`  ")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; in-process, after imports; bf16.\n")
     print("| model | cold (trace 3 layers x 2 TP variants) s | cached load median s | cached load max s |")

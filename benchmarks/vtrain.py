@@ -1,6 +1,6 @@
 """Accuracy and ranking on vTrain's single-node A100 measurements (runtime megatron, full recompute).
 
-    .venv/bin/python benchmarks/vtrain.py > benchmarks/results/vtrain.md
+    .venv/bin/python -m benchmarks.vtrain > benchmarks/results/vtrain.md
 
 1,440 measured iterations on 2, 4 or 8 A100s of one node, many (tp, dp, pp, micro-batch) splits per
 model and global batch. Reported: MAPE; per (model, GPU count) group the Spearman rank correlation
@@ -11,13 +11,11 @@ the held-out rows separately. A constant-efficiency baseline, fitted on the same
 """
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 
 import numpy as np
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import (VTRAIN_FIT_GPUS, mape, predict_specs, reference_rows, spearman, top1_regret,  # noqa: E402
+from benchmarks.common import (VTRAIN_FIT_GPUS, mape, predict_specs, reference_rows, spearman, top1_regret,
                     vtrain_row_specs)
 
 
@@ -212,7 +210,7 @@ def main() -> None:
     fit = np.array([int(r["gpus"]) in VTRAIN_FIT_GPUS for r in rows])
     efficiency = float(np.exp(np.mean(np.log(ideal[fit] / measured[fit]))))
     print("# vTrain single-node A100: predicted vs measured iteration time\n")
-    print("Command: `.venv/bin/python benchmarks/vtrain.py`  ")
+    print("Command: `.venv/bin/python -m benchmarks.vtrain`  ")
     print("Runtime `megatron`, cluster `a100-80g` with gpus_per_node = the row's GPUs, fp16, full recompute, "
           f"no flash attention, vocab 51200. Constant-efficiency baseline: e = {efficiency:.3f} "
           "(fitted on the 2- and 4-GPU rows).\n")
