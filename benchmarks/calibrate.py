@@ -34,7 +34,8 @@ import dataclasses
 import numpy as np
 from scipy.optimize import least_squares
 
-from benchmarks.common import VTRAIN_FIT_GPUS, predict_specs, reference_rows, sc21_row_specs, vtrain_row_specs
+from benchmarks.common import (VTRAIN_FIT_GPUS, predict_specs, reference_rows, results_header, sc21_row_specs,
+                               vtrain_row_specs)
 
 SC21_FIT_PP = 1  # SC'21 rows with pp == 1 join the fit
 
@@ -88,8 +89,10 @@ def main() -> None:
     start = [p[4] for p in PARAMETERS]
     fit = least_squares(residuals, start, bounds=([p[2] for p in PARAMETERS], [p[3] for p in PARAMETERS]),
                         args=args, x_scale="jac", diff_step=1e-3, max_nfev=200)
-    print("# Calibration of the A100 constants\n")
-    print(f"Command: `.venv/bin/python -m benchmarks.calibrate --sc21-weight {sc21_weight:g}`  ")
+    command = (f".venv/bin/python -m benchmarks.calibrate --sc21-weight {sc21_weight:g} "
+               "> benchmarks/results/calibration_a100.md")
+    print(results_header("Calibration of the A100 constants", command,
+                         "fitted: every error below is on the fit's own rows"))
     print(f"Fitted on {len(rows)} vTrain rows (2 and 4 GPUs, every {STRIDE}rd row) and the {len(sc21_rows)} SC'21 "
           f"rows with pp = 1; the SC'21 source weighs {sc21_weight:g} x vTrain's in total; loss: squared log error.\n")
     print("| parameter | start | fitted |")
