@@ -16,7 +16,6 @@ with the profiled values.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import source_tree, spearman
+from benchmarks.common import load_average, load_span, results_header, spearman
 from benchmarks.cpu_constants import machine_text
 from benchmarks.measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs
 
@@ -57,7 +56,7 @@ def committed_figures() -> tuple[float, float]:
 
 
 def main() -> None:
-    start, machine = time.perf_counter(), machine_text()
+    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
     with tempfile.TemporaryDirectory(prefix="mist_ds_closed_loop_") as tmp:
         folder = Path(tmp, "calib")  # the config dir: only cluster/ in it (a plan/ folder would be a config group)
         profile_s = {}
@@ -92,11 +91,12 @@ def main() -> None:
     committed_error, committed_rho = committed_figures()
     tuned_measured = statistics.median(tuned["measured_iteration_time_s"])
     tuned_predicted = tuned["predicted_iteration_time_s"][0]
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = ["# The closed loop on 2 CPU ranks: profile -> tune -> measure", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; load average at the end {load}. Source: {source_tree()}. {wall_s:.0f} s in all. "
-             "The machine is shared with other jobs and was heavily loaded (load average well above its 2 cores): "
+    lines = [results_header("The closed loop on 2 CPU ranks: profile -> tune -> measure", COMMAND,
+                            "fitted and validation: the profiled constants are fitted on this run's microbenchmarks; "
+                            "the measured plans are not in any fit but were read while the cost model changed",
+                            machine=machine, load=load_span(load_at_start)),
+             f"{wall_s:.0f} s in all. The machine is shared with other jobs and was heavily loaded (load average "
+             "well above its 2 cores): "
              "every time here, profiled or measured, moves by up to 2x with the load.", "",
              "## The loop", "",
              "1. `mist-ds profile model=tiny cluster=cpu train.global_batch_size=8 profile.quick=true "

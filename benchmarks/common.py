@@ -204,6 +204,11 @@ def load_average() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def load_span(at_start: str) -> str:
+    """The Load field of a run that read `at_start` (load_average()) when it began and ends now."""
+    return f"load average at start {at_start}, at the end {load_average()} (1, 5, 15 minutes)"
+
+
 def machine_description() -> str:
     """The machine in words: cores, CPU model, Python and numpy (the load is a header field of its own)."""
     return (f"{os.cpu_count()}-core VM ({cpu_model()}), Python {platform.python_version()}, numpy {np.__version__}, "

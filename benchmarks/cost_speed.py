@@ -8,7 +8,6 @@ analysis, fresh process, as a user runs it).
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from mist_ds.cost.stage import StageCandidates, stage_memory, stage_times
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.interference import COMPILE_FROM_ROWS, compiled_elapsed_rows
 from mist_ds.specs import runtime_capabilities
+
+from benchmarks.common import load_average, load_span, machine_description, results_header
 
 CANDIDATES = 1_000_000
 REPEATS = 7
@@ -39,6 +40,7 @@ def candidates(n: int, seed: int = 0) -> StageCandidates:
 
 
 def main() -> None:
+    load_at_start = load_average()
     specs = compose(["model=gpt3-13b", "cluster=a100-80g"], with_strategy=False)
     costs = model_costs(specs)
     hw = hardware_model(specs.cluster, specs.train.precision)
@@ -65,10 +67,12 @@ def main() -> None:
         start = time.perf_counter()
         subprocess.run(command, capture_output=True, check=True)
         ends.append(time.perf_counter() - start)
-    print("# Cost model speed\n")
-    print("Command: `.venv/bin/python -m benchmarks.cost_speed`  ")
-    print(f"Machine: {os.cpu_count()} cores (a shared VM: wall times of identical runs spread by up to 1.5x, "
-          f"hence the CPU-time column); gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "
+    print(results_header("Cost model speed",
+                         ".venv/bin/python -m benchmarks.cost_speed > benchmarks/results/cost_speed.md",
+                         "none: wall and CPU seconds, no reference data", load=load_span(load_at_start),
+                         machine=f"{machine_description()}; a shared VM: wall times of identical runs spread by up "
+                                 "to 1.5x, hence the CPU-time column"))
+    print(f"gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "
           "derived arrays). Random candidates over every knob; on mist-paper most rows run 3-4 channels at once "
           "(four calls of the interference loop, ~0.05 s each). The loop runs compiled (numba) for calls of "
           f"{COMPILE_FROM_ROWS} rows or more, and for every call once loaded; loading it costs {load_s:.2f} s "

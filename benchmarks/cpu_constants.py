@@ -134,11 +134,14 @@ def overrides(s: dict, dtype: str) -> list[str]:
 
 # --- report --------------------------------------------------------------------------------------------
 
-def report(s: dict, machine: str, wall_s: float) -> list[str]:
+def report(s: dict, machine: str, load_at_start: str, wall_s: float) -> list[str]:
+    from benchmarks.common import load_span, results_header
+
     g32, g16 = s["gemm"]["fp32"], s["gemm"]["bf16"]
-    lines = ["# The `cpu` cluster's constants, measured on this machine", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; {RANKS} ranks (one process per core), OMP_NUM_THREADS=1, every "
+    lines = [results_header("The `cpu` cluster's constants, measured on this machine", COMMAND,
+                            "fitted: the constants are this run's fits to its own microbenchmarks", machine=machine,
+                            load=load_span(load_at_start)),
+             f"{RANKS} ranks (one process per core), OMP_NUM_THREADS=1, every "
              f"microbenchmark run by both ranks at once; medians over >= {MIN_REPEATS} calls and >= "
              f"{MIN_TIMED_S * 1e3:.0f} ms after 2 warm-up calls, the median of {ROUNDS} rounds, then the slower "
              f"rank's figure. {wall_s:.0f} s in all. The machine is shared: other jobs used {s['other_cores']:.2f} "
@@ -260,16 +263,14 @@ def _tables(s: dict) -> list[str]:
 
 
 def machine_text() -> str:
-    """Cores, CPU model, load average now, Python, torch and DeepSpeed versions."""
+    """Cores, CPU model, Python, torch and DeepSpeed versions (the load is a header field of its own)."""
     import os
 
     import torch
 
     from benchmarks.common import cpu_model, deepspeed_version
 
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()}-core VM ({cpu_model()}), load average at start {load}; "
-            f"Python {platform.python_version()}, "
+    return (f"{os.cpu_count()}-core VM ({cpu_model()}); Python {platform.python_version()}, "
             f"torch {torch.__version__}, DeepSpeed {deepspeed_version()}")
 
 
@@ -281,9 +282,11 @@ def measure_constants() -> dict:
 
 
 def main() -> None:
-    start, machine = time.perf_counter(), machine_text()  # the load average at start
+    from benchmarks.common import load_average
+
+    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
     summary = measure_constants()
-    print("\n".join(report(summary, machine, time.perf_counter() - start)))
+    print("\n".join(report(summary, machine, load_at_start, time.perf_counter() - start)))
 
 
 if __name__ == "__main__":

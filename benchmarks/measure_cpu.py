@@ -22,14 +22,13 @@ time at the end: the difference between the two launches is the machine's run-to
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import source_tree, spearman
+from benchmarks.common import load_average, load_span, results_header, spearman
 from benchmarks.cpu_constants import OtherLoad, machine_text
 
 from mist_ds.config import compose  # noqa: E402
@@ -129,7 +128,8 @@ def _layout(specs) -> str:
 
 
 def main() -> None:
-    start, machine, constants = time.perf_counter(), machine_text(), constants_overrides()
+    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    constants = constants_overrides()
     clusters = measured_clusters(constants)
     rows = {name: measure(name, clusters) for name in PLANS}
     repeat, _ = measure(REPEATED, clusters)
@@ -143,14 +143,15 @@ def main() -> None:
     passed = median_error <= GATE_MEDIAN_ERROR and rho >= GATE_SPEARMAN
     first = statistics.median(rows[REPEATED][0]["measured_iteration_time_s"])
     again = statistics.median(repeat["measured_iteration_time_s"])
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
-    lines = ["# Iteration time on 2 CPU ranks: real DeepSpeed steps against the prediction", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; load average at the end {load}. {RANKS} ranks, one process per core (gloo, "
+    lines = [results_header("Iteration time on 2 CPU ranks: real DeepSpeed steps against the prediction", COMMAND,
+                            "validation: the constants are measured by microbenchmarks, never fitted on these plans, "
+                            "but the plans were read while the cost model changed", machine=machine,
+                            load=load_span(load_at_start)),
+             f"{RANKS} ranks, one process per core (gloo, "
              f"loopback, OMP_NUM_THREADS=1); {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed steps per plan, a "
              "rank's time the median of its timed steps, a plan's the median over its ranks (`mist-ds measure`'s "
-             f"definitions). Source: {source_tree()}. {wall_s:.0f} s in all.  ",
+             f"definitions). {wall_s:.0f} s in all.  ",
              f"Prediction: `mist-ds predict` on `{' '.join(CLUSTER)}` with the constants "
              "benchmarks/cpu_constants.py measured (benchmarks/results/cpu_constants.md), per precision:  ",
              *[f"{dtype}: `{' '.join(values)}`  " for dtype, values in constants.items()], "",

@@ -23,12 +23,11 @@ they cost a copy and save nothing. The 4-rank rows run two ranks per core.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
 
-from benchmarks.common import source_tree
+from benchmarks.common import load_average, load_span, results_header
 from benchmarks.cpu_constants import machine_text
 from benchmarks.measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_overrides
 
@@ -96,7 +95,7 @@ def row(name: str, pair: dict) -> str:
 
 
 def main() -> None:
-    start, constants = time.perf_counter(), constants_overrides()
+    start, load_at_start, constants = time.perf_counter(), load_average(), constants_overrides()
     rows = {}
     for name, (ranks, overrides) in SAME_PLAN.items():
         pair = {}
@@ -113,12 +112,13 @@ def main() -> None:
             pair[runtime] = (specs, predict(specs).iteration_time_s, measured_s(specs))
         rows[f"best plan of each runtime, {ranks} ranks"] = pair
     wall_s = time.perf_counter() - start
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = ["# Runtime `mist` against `deepspeed` on CPU ranks", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine_text()}; load average at the end {load} (shared with other jobs: timings vary up "
-             f"to 2x between identical runs). {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed steps per plan and "
-             f"runtime (`mist-ds measure`'s worker and definitions). Source: {source_tree()}. {wall_s:.0f} s in all.",
+    lines = [results_header("Runtime `mist` against `deepspeed` on CPU ranks", COMMAND,
+                            "validation: measured plans beside their predictions; nothing is fitted on them, but "
+                            "they were read while runtime `mist`'s terms changed", machine=machine_text(),
+                            load=load_span(load_at_start)),
+             f"The machine is shared with other jobs: timings vary up to 2x between identical runs. {WARMUP_STEPS} "
+             f"warm-up and {TIMED_STEPS} timed steps per plan and runtime (`mist-ds measure`'s worker and "
+             f"definitions). {wall_s:.0f} s in all.",
              "",
              "Built in `mist` (docs/design.md, The `mist` schedule): the data-parallel reduction in the last "
              "backward (ZeRO-0 per layer at any pp, ZeRO-1 at pp = 1 by DeepSpeed's hooks), the post-step "
@@ -148,11 +148,11 @@ def paper(only: tuple[str, ...]) -> None:
     all when empty), as benchmarks/plan_quality.py tunes and tabulates them."""
     from benchmarks.plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
 
-    start, machine = time.perf_counter(), machine_text()  # the load average before tuning
+    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
     outcomes = [run(case, runtime) for runtime in (STOCK, BUILT) for case in cases(only)]
-    lines = ["# Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", "",
-             f"Command: `{PAPER_COMMAND}`  ",
-             f"Machine: {machine}. Source: {source_tree()}.", "",
+    lines = [results_header("Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", PAPER_COMMAND,
+                            "none: predicted plans only, no measurement", machine=machine,
+                            load=load_span(load_at_start)),
              "Cases of benchmarks/plan_quality.py (Mist, EuroSys'25: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "
              "global batch 16 x GPUs, fp16). Each tuned on each runtime in the mist space and the megatron, "
              "deepspeed and aceso spaces (`tune_specs`, baselines on); time = `predict` of the fastest of the four "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 
-from benchmarks.common import base_specs, machine_description, plan_text, source_tree
+from benchmarks.common import base_specs, machine_description, plan_text, results_header
 from benchmarks.plan_quality import MIST_PAPER, Case, cases, runtimes, shorten
 
 from mist_ds.tuner import NoPlanFits, tune_specs  # noqa: E402
@@ -105,10 +105,9 @@ def host_sweep(chosen: list[Case]) -> list[str]:
 def main() -> None:
     wanted = sys.argv[1:]
     chosen = [c for c in cases() if not wanted or c.name in wanted]
-    print("# Offload grids and shared host memory on the Mist paper's cases\n")
-    print("Command: `nice -n 5 .venv/bin/python -m benchmarks.offload_grid > benchmarks/results/offload_grid.md`  ")
-    print(f"Machine: {machine_description()}; no GPU.  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Offload grids and shared host memory on the Mist paper's cases",
+                         "nice -n 5 .venv/bin/python -m benchmarks.offload_grid > benchmarks/results/offload_grid.md",
+                         "none: predicted plans only, no measurement", machine=f"{machine_description()}; no GPU"))
     print("Cases, shapes and batches: benchmarks/plan_quality.py (fp16, global batch 16 x GPUs). Each case is tuned "
           "in space mist with baselines off four ways: grid default ([0, .5, 1] for every offload fraction) or mist "
           "(wo, go in {0, .25, .375, .5, .75, 1}; oo, ao in {0, .25, .375, .5, .625, .75, .875, 1}), and host "

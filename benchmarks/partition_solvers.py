@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import base_specs, machine_description, plan_text, source_tree
+from benchmarks.common import base_specs, machine_description, plan_text, results_header
 from benchmarks.tune_speed import CASES
 
 from mist_ds.cost.predict import model_costs  # noqa: E402
@@ -121,11 +121,11 @@ def run_case(case, rows: list[str], grid_rows: list[str]) -> None:
 
 def main() -> None:
     chosen = [c for c in CASES if len(sys.argv) < 2 or c.name in sys.argv[1:]]
-    print("# Partition solvers: the DP and the MILP on the tune_speed cases\n")
-    print("Command: `nice -n 5 .venv/bin/python -m benchmarks.partition_solvers > "
-          "benchmarks/results/partition_solvers.md`  ")
-    print(f"Machine: {machine_description()}; no GPU.  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Partition solvers: the DP and the MILP on the tune_speed cases",
+                         "nice -n 5 .venv/bin/python -m benchmarks.partition_solvers "
+                         "> benchmarks/results/partition_solvers.md",
+                         "none: solver seconds and plans, no reference data",
+                         machine=f"{machine_description()}; no GPU"))
     print(f"Each search (space mist, baselines off, `search(specs, runtime=...)` in-process, the analysis read from a "
           f"warm disk cache) ran {REPEATS} times; a cell a-b gives the fastest and slowest run, the noise of the "
           "shared machine. The milp / dp ratio compares the fastest CPU times. Solver seconds: the partition "

@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.common import base_specs, machine_description, plan_text, source_tree
+from benchmarks.common import base_specs, plan_text, results_header
 
 from mist_ds.specs import Specs  # noqa: E402
 from mist_ds.specs.model import default_ffn_hidden_size  # noqa: E402
@@ -384,10 +384,10 @@ def main() -> None:
     accuracy = cost_model_accuracy()  # parsed first: a stale or changed results file stops the run early
     names = compared_runtimes()
     only = tuple(sys.argv[1:])  # case names (gpt3-1.3b, llama-22B, ...) for development; all when empty
-    print("# Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the baselines\n")
-    print("Command: `nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md`  ")
-    print(f"Machine: {machine_description()}.  ")
-    print(f"Source: {source_tree()}.\n")
+    print(results_header("Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the "
+                         "baselines",
+                         "nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md",
+                         "none: predicted plans only; the ranking accuracy beside them is quoted from vtrain.md"))
     print(f"Cases: GPT-3 and Llama shapes at 1.3B on 2 GPUs, 2.7B/4, 7B/8, 13B/16, 22B/32; global batch "
           f"{SAMPLES_PER_GPU} x GPUs; `l4-24g` at sequence {CLUSTERS[0][1]}, `a100-40g` at sequence "
           f"{CLUSTERS[1][1]}; flash attention on. N GPUs: `cluster.nodes=1 cluster.gpus_per_node=N` when N fits "

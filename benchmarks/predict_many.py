@@ -12,34 +12,31 @@ load average is printed beside them.
 from __future__ import annotations
 
 import json
-import os
 import time
 
-from benchmarks.common import reference_rows, vtrain_row_overrides, vtrain_row_specs
+from benchmarks.common import load_average, reference_rows, results_header, vtrain_row_overrides, vtrain_row_specs
 
 import mist_ds  # noqa: E402
 from mist_ds.config.many import compose_many  # noqa: E402
 
 
-def _load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def main() -> None:
-    rows = reference_rows("vtrain_a100_single_node")
+    load_at_start, rows = load_average(), reference_rows("vtrain_a100_single_node")
     cases = [vtrain_row_overrides(r) for r in rows]
     same_specs = sum(a == b for a, b in zip(compose_many(cases), (vtrain_row_specs(r) for r in rows)))
     runs = []
     for _ in range(3):
         start = time.perf_counter()
         many = mist_ds.predict_many(cases)
-        runs.append((time.perf_counter() - start, _load()))
+        runs.append((time.perf_counter() - start, load_average()))
     start = time.perf_counter()
     one = [mist_ds.predict(c) for c in cases]
-    one_s, one_load = time.perf_counter() - start, _load()
+    one_s, one_load = time.perf_counter() - start, load_average()
     identical = sum(json.dumps(a.to_dict()) == json.dumps(b.to_dict()) for a, b in zip(many, one))
-    print("# Batch what-if: the vTrain rows through predict_many\n")
-    print("Command: `.venv/bin/python -m benchmarks.predict_many`  ")
+    print(results_header("Batch what-if: the vTrain rows through predict_many",
+                         ".venv/bin/python -m benchmarks.predict_many > benchmarks/results/predict_many.md",
+                         "none: seconds per row and bit-identity with `predict`, no reference data",
+                         load=f"load average at start {load_at_start} (1, 5, 15 minutes); beside each time below"))
     print(f"{len(cases)} rows of benchmarks/reference/vtrain_a100_single_node.csv as override lists; their specs "
           f"equal benchmarks/vtrain.py's on {same_specs} of {len(cases)} rows. Machine: 2 shared CPU cores, "
           "loaded by other jobs while this ran (load average over 1, 5, 15 minutes beside each time): "

@@ -25,8 +25,8 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks.common import (predict_specs, reference_rows, run_length_text, sc21_row_specs, sc21_virtual_stages,
-                    source_tree)
+from benchmarks.common import (predict_specs, reference_rows, results_header, run_length_text, sc21_row_specs,
+                               sc21_virtual_stages)
 
 from mist_ds.cost.predict import Prediction  # noqa: E402
 from mist_ds.tuner.search import PointResult, SearchResult, search  # noqa: E402
@@ -139,9 +139,9 @@ def verdict(t: Tuned) -> str:
 
 def main() -> None:
     rows = reference_rows("megatron_sc21_table1")
-    print("# Megatron-LM SC'21 Table 1: does the tuner recover the published layouts?\n")
-    print("Command: `nice -n 5 .venv/bin/python -m benchmarks.sc21_tune > benchmarks/results/sc21_tune.md`  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Megatron-LM SC'21 Table 1: does the tuner recover the published layouts?",
+                         "nice -n 5 .venv/bin/python -m benchmarks.sc21_tune > benchmarks/results/sc21_tune.md",
+                         "validation: the published layouts were read while the tuner's space changed"))
     print(f"Space `megatron`, runtime `megatron`, cluster `a100-80g`, fp16, no flash attention, vocab 51200, seq 2048 "
           f"(specs as benchmarks/megatron_sc21.py); tuner.micro_batch_sizes={list(MICRO_BATCH_SIZES)}, "
           f"tuner.max_tp={MAX_TP}, default optimizer offload ratios and layer_slack. Layouts are (t, pp, b). "

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import statistics
 import sys
 import time
 
-from benchmarks.common import source_tree
+from benchmarks.common import load_average, load_span, results_header
 from benchmarks.cpu_constants import machine_text
 
 from mist_ds.config import compose  # noqa: E402
@@ -150,15 +149,14 @@ def soak(names: list[str], launches: int) -> dict[str, Tally]:
 def main() -> None:
     launches = int(sys.argv[1]) if len(sys.argv) > 1 else LAUNCHES
     names = sys.argv[2:] or list(CASES)
-    started, machine = time.perf_counter(), machine_text()
+    started, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
     tallies = soak(names, launches)
-    load_end = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     total = lambda attr: sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)  # noqa: E731
                              for t in tallies.values())
-    print("# Soak: runtime `mist` launched again and again on CPU ranks\n")
-    print(f"Command: `{COMMAND}`  ")
-    print(f"Machine: {machine}; load average at the end {load_end}. Source: {source_tree()}. "
-          f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "
+    print(results_header("Soak: runtime `mist` launched again and again on CPU ranks", COMMAND,
+                         "none: counts crashes, hangs and census mismatches; no reference data", machine=machine,
+                         load=load_span(load_at_start)))
+    print(f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "
           f"steps, the peak-memory step, the step census and the model-state census, as `mist-ds measure` runs them.\n")
     print(f"**{total('launches')} launches: {total('crashes')} crashes, {total('hangs')} hangs, "
           f"{total('mismatches')} census mismatches.**\n")

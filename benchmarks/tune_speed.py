@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import base_specs, machine_description, plan_text, reference_rows, source_tree
+from benchmarks.common import base_specs, plan_text, reference_rows, results_header
 
 from mist_ds.cost.predict import model_costs, predict_strategy  # noqa: E402
 from mist_ds.hardware import hardware_model  # noqa: E402
@@ -151,10 +151,9 @@ def main() -> None:
     chosen = [c for c in CASES if len(sys.argv) < 2 or c.name in sys.argv[1:]]
     specs = base_specs(CASES[0].overrides)
     tuner = specs.tuner
-    print("# Tuner speed: `search` (space mist, baselines off) on the development machine\n")
-    print("Command: `nice -n 5 .venv/bin/python -m benchmarks.tune_speed > benchmarks/results/tune_speed.md`  ")
-    print(f"Machine: {machine_description()}.  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Tuner speed: `search` (space mist, baselines off) on the development machine",
+                         "nice -n 5 .venv/bin/python -m benchmarks.tune_speed > benchmarks/results/tune_speed.md",
+                         "none: search seconds and plans, no reference data"))
     print(f"Tuner grids (defaults): micro-batch sizes {list(tuner.micro_batch_sizes)}, max_tp {tuner.max_tp}, "
           f"layer_slack {tuner.layer_slack}, weights/grads/optimizer/activations offload ratios "
           f"{list(tuner.weights_offload_ratios)}, {list(tuner.grads_offload_ratios)}, "
