@@ -34,8 +34,8 @@ import dataclasses
 import numpy as np
 from scipy.optimize import least_squares
 
-from benchmarks.common import (VTRAIN_FIT_GPUS, load_average, load_span, predict_specs, reference_rows,
-                               results_header, sc21_row_specs, source_tree, vtrain_row_specs)
+from benchmarks.common import (VTRAIN_FIT_GPUS, predict_specs, reference_rows, results_header, run_start,
+                               sc21_row_specs, vtrain_row_specs)
 
 SC21_FIT_PP = 1  # SC'21 rows with pp == 1 join the fit
 
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--sc21-weight", type=float, default=1.0,
                         help="weight of the SC'21 source relative to vTrain's (1 = the sources count equally)")
     sc21_weight = parser.parse_args().sc21_weight
-    commit, load_at_start = source_tree(), load_average()  # the fit runs for minutes
+    at_start = run_start()  # the fit runs for minutes: the header records the commit and load as it began
     rows = [r for r in reference_rows("vtrain_a100_single_node") if int(r["gpus"]) in VTRAIN_FIT_GPUS][::STRIDE]
     measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
     sc21_rows = [r for r in reference_rows("megatron_sc21_table1") if int(r["pp"]) == SC21_FIT_PP]
@@ -93,8 +93,7 @@ def main() -> None:
     command = (f".venv/bin/python -m benchmarks.calibrate --sc21-weight {sc21_weight:g} "
                "> benchmarks/results/calibration_a100.md")
     print(results_header("Calibration of the A100 constants", command,
-                         "fitted: every error below is on the fit's own rows", commit=commit,
-                         load=load_span(load_at_start)))
+                         "fitted: every error below is on the fit's own rows", started=at_start))
     print(f"Fitted on {len(rows)} vTrain rows (2 and 4 GPUs, every {STRIDE}rd row) and the {len(sc21_rows)} SC'21 "
           f"rows with pp = 1; the SC'21 source weighs {sc21_weight:g} x vTrain's in total; loss: squared log error.\n")
     print("| parameter | start | fitted |")

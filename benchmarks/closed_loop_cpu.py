@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import load_average, load_span, results_header, spearman
+from benchmarks.common import results_header, run_start, spearman
 from benchmarks.cpu_constants import machine_text
 from benchmarks.measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs
 
@@ -56,7 +56,7 @@ def committed_figures() -> tuple[float, float]:
 
 
 def main() -> None:
-    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     with tempfile.TemporaryDirectory(prefix="mist_ds_closed_loop_") as tmp:
         folder = Path(tmp, "calib")  # the config dir: only cluster/ in it (a plan/ folder would be a config group)
         profile_s = {}
@@ -94,7 +94,7 @@ def main() -> None:
     lines = [results_header("The closed loop on 2 CPU ranks: profile -> tune -> measure", COMMAND,
                             "fitted and validation: the profiled constants are fitted on this run's microbenchmarks; "
                             "the measured plans are not in any fit but were read while the cost model changed",
-                            machine=machine, load=load_span(load_at_start)),
+                            machine=machine, started=at_start),
              f"{wall_s:.0f} s in all. The machine is shared with other jobs and was heavily loaded (load average "
              "well above its 2 cores): "
              "every time here, profiled or measured, moves by up to 2x with the load.", "",

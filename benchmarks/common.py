@@ -223,12 +223,27 @@ HEADER_FIELDS = ("Command", "Commit", "Machine", "Load", "Data")
 DATA_KINDS = ("fitted", "validation", "held out", "none")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+    """What the header of a run that prints it at its end records as the run begins: the commit (a tree edited
+    during a long run would be misreported) and the load average."""
+    commit: str
+    load: str
+
+
+def run_start() -> RunStart:
+    return RunStart(source_tree(), load_average())
+
+
 def results_header(title: str, command: str, data: str, *, machine: str | None = None, load: str | None = None,
-                   commit: str | None = None) -> str:
+                   commit: str | None = None, started: RunStart | None = None) -> str:
     """The header of a results file: its title, then one line per HEADER_FIELDS field, which the index
     (benchmarks/index.py) and tests/test_benchmarks.py read. `data` starts with DATA_KINDS joined by ' and '
     (what part of the file is which, after a colon); `load` defaults to the load average as the header is
-    written, so a script that prints its header after the run passes the load it read at start."""
+    written; a script that prints its header after the run passes `started` (run_start() as it began), whose
+    commit and load at start the header records, with the load at the end."""
+    if started is not None:
+        commit, load = commit or started.commit, load or load_span(started.load)
     kinds = data.split(":", 1)[0].split(" and ")
     if not all(kind in DATA_KINDS for kind in kinds):
         raise ValueError(f"data must start with {' and '.join(DATA_KINDS)}, joined by ' and ': {data!r}")

@@ -22,7 +22,7 @@ from mist_ds.hardware import hardware_model
 from mist_ds.hardware.interference import COMPILE_FROM_ROWS, compiled_elapsed_rows
 from mist_ds.specs import runtime_capabilities
 
-from benchmarks.common import load_average, load_span, machine_description, results_header
+from benchmarks.common import machine_description, results_header, run_start
 
 CANDIDATES = 1_000_000
 REPEATS = 7
@@ -40,7 +40,7 @@ def candidates(n: int, seed: int = 0) -> StageCandidates:
 
 
 def main() -> None:
-    load_at_start = load_average()
+    at_start = run_start()
     specs = compose(["model=gpt3-13b", "cluster=a100-80g"], with_strategy=False)
     costs = model_costs(specs)
     hw = hardware_model(specs.cluster, specs.train.precision)
@@ -69,7 +69,7 @@ def main() -> None:
         ends.append(time.perf_counter() - start)
     print(results_header("Cost model speed",
                          ".venv/bin/python -m benchmarks.cost_speed > benchmarks/results/cost_speed.md",
-                         "none: wall and CPU seconds, no reference data", load=load_span(load_at_start),
+                         "none: wall and CPU seconds, no reference data", started=at_start,
                          machine=f"{machine_description()}; a shared VM: wall times of identical runs spread by up "
                                  "to 1.5x, hence the CPU-time column"))
     print(f"gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "

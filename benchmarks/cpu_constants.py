@@ -41,6 +41,7 @@ import math
 import platform
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -49,6 +50,9 @@ from mist_ds.profiling.microbench import (  # noqa: E402
     OtherLoad, adam_sweep, attention_sweep, collective_sweep, combine_tree, fit_alpha_beta, fit_gemm, gemm_sweep,
     layer_overhead, memory_sweep, op_chain)
 from mist_ds.testing.ranks import launch  # noqa: E402
+
+if TYPE_CHECKING:  # benchmarks.common is imported where used: the ranks import this module and need none of it
+    from benchmarks.common import RunStart
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cpu_constants "
            "> benchmarks/results/cpu_constants.md")
@@ -134,13 +138,13 @@ def overrides(s: dict, dtype: str) -> list[str]:
 
 # --- report --------------------------------------------------------------------------------------------
 
-def report(s: dict, machine: str, load_at_start: str, wall_s: float) -> list[str]:
-    from benchmarks.common import load_span, results_header
+def report(s: dict, machine: str, at_start: RunStart, wall_s: float) -> list[str]:
+    from benchmarks.common import results_header
 
     g32, g16 = s["gemm"]["fp32"], s["gemm"]["bf16"]
     lines = [results_header("The `cpu` cluster's constants, measured on this machine", COMMAND,
                             "fitted: the constants are this run's fits to its own microbenchmarks", machine=machine,
-                            load=load_span(load_at_start)),
+                            started=at_start),
              f"{RANKS} ranks (one process per core), OMP_NUM_THREADS=1, every "
              f"microbenchmark run by both ranks at once; medians over >= {MIN_REPEATS} calls and >= "
              f"{MIN_TIMED_S * 1e3:.0f} ms after 2 warm-up calls, the median of {ROUNDS} rounds, then the slower "
@@ -282,11 +286,11 @@ def measure_constants() -> dict:
 
 
 def main() -> None:
-    from benchmarks.common import load_average
+    from benchmarks.common import run_start
 
-    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     summary = measure_constants()
-    print("\n".join(report(summary, machine, load_at_start, time.perf_counter() - start)))
+    print("\n".join(report(summary, machine, at_start, time.perf_counter() - start)))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import load_average, load_span, results_header
+from benchmarks.common import results_header, run_start
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python -m benchmarks.hf_tune > benchmarks/results/hf_tune.md"
@@ -57,7 +57,7 @@ def layout(plan: dict) -> str:
 def main() -> None:
     import transformers
 
-    load_at_start, root = load_average(), Path(tempfile.mkdtemp(prefix="hf_tune_"))
+    at_start, root = run_start(), Path(tempfile.mkdtemp(prefix="hf_tune_"))
     config_dir = root / "llama3-8b-config"
     transformers.LlamaConfig(**LLAMA3_8B).save_pretrained(config_dir)
     hf = ["model=hf", f"model.name_or_path={config_dir}", *RUN]
@@ -75,7 +75,7 @@ def main() -> None:
     forced = {t: tune([*hf, f"tuner.tp=[{t}]"], hf_cache, out())[1] for t in (1, 2, 4, 8)}
 
     print(results_header("`mist-ds tune` on a Hugging Face Llama-3-8B config vs the zoo's llama3-8b", COMMAND,
-                         "none: wall seconds and plans, no reference data", load=load_span(load_at_start)))
+                         "none: wall seconds and plans, no reference data", started=at_start))
     print(f"Every run: `mist-ds tune {' '.join(RUN)}` with `model=hf model.name_or_path=<LlamaConfig at Llama-3-8B's "
           "shapes>` or `model=llama3-8b`, one process each, wall seconds from start to exit (imports included); warm: "
           f"the best of {WARM_REPEATS}.")

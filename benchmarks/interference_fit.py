@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import load_average, load_span, results_header
+from benchmarks.common import results_header, run_start
 from benchmarks.cpu_constants import machine_text
 
 from mist_ds.files import write_json_atomic  # noqa: E402
@@ -39,7 +39,7 @@ RAW = Path(__file__).resolve().parent / "results" / "interference_fit.json"
 
 
 def main() -> None:
-    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     payload = {"device": "cpu", "dtype": "fp32", "quick": False, "rounds": 1, "sections": ["interference"],
                "shapes": {"gemm": [], "attention": []}}
     with OtherLoad() as other:
@@ -57,7 +57,7 @@ def main() -> None:
     lines = [results_header("The interference fit on a held-out part of its grid (2 CPU ranks)", COMMAND,
                             f"fitted and held out: the factors are fitted on patterns {FIT_PATTERNS}; the gate is "
                             "scored on the other patterns, out of the fit", machine=machine,
-                            load=load_span(load_at_start)),
+                            started=at_start),
              f"Other jobs took {other.cores:.2f} of the machine's 2 cores on average meanwhile (the machine is shared: "
              f"the channels' times move with the load). {time.perf_counter() - start:.0f} s in all.  ",
              f"Channels on each rank, each on its own thread: C a 512 x 512 fp32 GEMM, G2G a 1 MiB gloo all-reduce, "

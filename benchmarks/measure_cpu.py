@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import load_average, load_span, results_header, spearman
+from benchmarks.common import results_header, run_start, spearman
 from benchmarks.cpu_constants import OtherLoad, machine_text
 
 from mist_ds.config import compose  # noqa: E402
@@ -128,7 +128,7 @@ def _layout(specs) -> str:
 
 
 def main() -> None:
-    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     constants = constants_overrides()
     clusters = measured_clusters(constants)
     rows = {name: measure(name, clusters) for name in PLANS}
@@ -147,7 +147,7 @@ def main() -> None:
     lines = [results_header("Iteration time on 2 CPU ranks: real DeepSpeed steps against the prediction", COMMAND,
                             "validation: the constants are measured by microbenchmarks, never fitted on these plans, "
                             "but the plans were read while the cost model changed", machine=machine,
-                            load=load_span(load_at_start)),
+                            started=at_start),
              f"{RANKS} ranks, one process per core (gloo, "
              f"loopback, OMP_NUM_THREADS=1); {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed steps per plan, a "
              "rank's time the median of its timed steps, a plan's the median over its ranks (`mist-ds measure`'s "

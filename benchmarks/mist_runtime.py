@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import load_average, load_span, results_header
+from benchmarks.common import results_header, run_start
 from benchmarks.cpu_constants import machine_text
 from benchmarks.measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_overrides
 
@@ -95,7 +95,7 @@ def row(name: str, pair: dict) -> str:
 
 
 def main() -> None:
-    start, load_at_start, constants = time.perf_counter(), load_average(), constants_overrides()
+    start, at_start, constants = time.perf_counter(), run_start(), constants_overrides()
     rows = {}
     for name, (ranks, overrides) in SAME_PLAN.items():
         pair = {}
@@ -115,7 +115,7 @@ def main() -> None:
     lines = [results_header("Runtime `mist` against `deepspeed` on CPU ranks", COMMAND,
                             "validation: measured plans beside their predictions; nothing is fitted on them, but "
                             "they were read while runtime `mist`'s terms changed", machine=machine_text(),
-                            load=load_span(load_at_start)),
+                            started=at_start),
              f"The machine is shared with other jobs: timings vary up to 2x between identical runs. {WARMUP_STEPS} "
              f"warm-up and {TIMED_STEPS} timed steps per plan and runtime (`mist-ds measure`'s worker and "
              f"definitions). {wall_s:.0f} s in all.",
@@ -148,11 +148,11 @@ def paper(only: tuple[str, ...]) -> None:
     all when empty), as benchmarks/plan_quality.py tunes and tabulates them."""
     from benchmarks.plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
 
-    start, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     outcomes = [run(case, runtime) for runtime in (STOCK, BUILT) for case in cases(only)]
     lines = [results_header("Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", PAPER_COMMAND,
                             "none: predicted plans only, no measurement", machine=machine,
-                            load=load_span(load_at_start)),
+                            started=at_start),
              "Cases of benchmarks/plan_quality.py (Mist, EuroSys'25: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "
              "global batch 16 x GPUs, fp16). Each tuned on each runtime in the mist space and the megatron, "
              "deepspeed and aceso spaces (`tune_specs`, baselines on); time = `predict` of the fastest of the four "

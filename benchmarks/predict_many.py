@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import time
 
-from benchmarks.common import load_average, reference_rows, results_header, vtrain_row_overrides, vtrain_row_specs
+from benchmarks.common import (load_average, reference_rows, results_header, run_start, vtrain_row_overrides,
+                               vtrain_row_specs)
 
 import mist_ds  # noqa: E402
 from mist_ds.config.many import compose_many  # noqa: E402
 
 
 def main() -> None:
-    load_at_start, rows = load_average(), reference_rows("vtrain_a100_single_node")
+    at_start, rows = run_start(), reference_rows("vtrain_a100_single_node")
     cases = [vtrain_row_overrides(r) for r in rows]
     same_specs = sum(a == b for a, b in zip(compose_many(cases), (vtrain_row_specs(r) for r in rows)))
     runs = []
@@ -36,7 +37,8 @@ def main() -> None:
     print(results_header("Batch what-if: the vTrain rows through predict_many",
                          ".venv/bin/python -m benchmarks.predict_many > benchmarks/results/predict_many.md",
                          "none: seconds per row and bit-identity with `predict`, no reference data",
-                         load=f"load average at start {load_at_start} (1, 5, 15 minutes); beside each time below"))
+                         started=at_start,
+                         load=f"load average at start {at_start.load} (1, 5, 15 minutes); beside each time below"))
     print(f"{len(cases)} rows of benchmarks/reference/vtrain_a100_single_node.csv as override lists; their specs "
           f"equal benchmarks/vtrain.py's on {same_specs} of {len(cases)} rows. Machine: 2 shared CPU cores, "
           "loaded by other jobs while this ran (load average over 1, 5, 15 minutes beside each time): "

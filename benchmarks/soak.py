@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import load_average, load_span, results_header
+from benchmarks.common import results_header, run_start
 from benchmarks.cpu_constants import machine_text
 
 from mist_ds.config import compose  # noqa: E402
@@ -149,13 +149,13 @@ def soak(names: list[str], launches: int) -> dict[str, Tally]:
 def main() -> None:
     launches = int(sys.argv[1]) if len(sys.argv) > 1 else LAUNCHES
     names = sys.argv[2:] or list(CASES)
-    started, machine, load_at_start = time.perf_counter(), machine_text(), load_average()
+    started, machine, at_start = time.perf_counter(), machine_text(), run_start()
     tallies = soak(names, launches)
     total = lambda attr: sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)  # noqa: E731
                              for t in tallies.values())
     print(results_header("Soak: runtime `mist` launched again and again on CPU ranks", COMMAND,
                          "none: counts crashes, hangs and census mismatches; no reference data", machine=machine,
-                         load=load_span(load_at_start)))
+                         started=at_start))
     print(f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "
           f"steps, the peak-memory step, the step census and the model-state census, as `mist-ds measure` runs them.\n")
     print(f"**{total('launches')} launches: {total('crashes')} crashes, {total('hangs')} hangs, "

@@ -25,9 +25,9 @@ PICTURES = Path(__file__).resolve().parent / "results" / "pictures"
 
 
 def main() -> int:
-    from benchmarks.common import load_average, load_span, results_header
+    from benchmarks.common import results_header, run_start
 
-    load_at_start = load_average()
+    at_start = run_start()
     with tempfile.TemporaryDirectory(prefix="sweep-pictures-") as scratch:
         sweep = Path(scratch) / "sweep"
         command = ["mist-ds", "tune", "-m", *SWEEP, f"hydra.sweep.dir={sweep}"]
@@ -44,7 +44,7 @@ def main() -> int:
     shown = shlex.join(["mist-ds", "tune", "-m", *SWEEP, "hydra.sweep.dir=sweep"])
     print(results_header("A sweep of `mist-ds tune -m` and the pictures of one of its plans",
                          ".venv/bin/python -m benchmarks.sweep_pictures > benchmarks/results/sweep_pictures.md",
-                         "none: tuned plans and their pictures, no reference data", load=load_span(load_at_start)))
+                         "none: tuned plans and their pictures, no reference data", started=at_start))
     print(f"The command runs\n\n    {shown}\n")
     print(f"Pictures of job {pictured.name} ({PICTURED['model']} on {PICTURED['gpus']}x {PICTURED['cluster']}), its "
           "`timeline.svg` and `memory.svg`, copied to `benchmarks/results/pictures/`:\n")

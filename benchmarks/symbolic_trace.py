@@ -22,9 +22,9 @@ def main() -> None:
     from mist_ds.config import compose
     from mist_ds.symbolic import analyze_model
 
-    from benchmarks.common import load_average, load_span, results_header
+    from benchmarks.common import results_header, run_start
 
-    load_at_start, rows = load_average(), []
+    at_start, rows = run_start(), []
     for name in MODELS:
         spec = compose([f"model={name}"], with_strategy=False).model
         with tempfile.TemporaryDirectory() as cache:
@@ -39,7 +39,7 @@ def main() -> None:
         rows.append((name, cold, statistics.median(loads), max(loads)))
     print(results_header("Symbolic analysis: cold trace and cached load",
                          ".venv/bin/python -m benchmarks.symbolic_trace > benchmarks/results/symbolic_trace.md",
-                         "none: trace and load seconds, no reference data", load=load_span(load_at_start)))
+                         "none: trace and load seconds, no reference data", started=at_start))
     print("In-process, after imports; bf16.\n")
     print("| model | cold (trace 3 layers x 2 TP variants) s | cached load median s | cached load max s |")
     print("|---|---|---|---|")

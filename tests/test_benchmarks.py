@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-from benchmarks.common import DATA_KINDS, HEADER_FIELDS, results_header
+from benchmarks.common import DATA_KINDS, HEADER_FIELDS, RunStart, results_header
 from benchmarks.index import (HEADLINES, README, header_fields, headline, read_entry, results_files,
                               with_readme_table)
 from tests.conftest import REPO
@@ -60,6 +60,9 @@ def test_the_header_reads_back_and_refuses_an_unknown_data_kind():
                             commit="abc1234 (clean)")
     assert header_fields(header + "\n| a |") == {"Command": "`python -m benchmarks.x`", "Commit": "abc1234 (clean)",
                                                  "Machine": "m", "Load": "l", "Data": "fitted and held out: why"}
+    started = RunStart("abc1234 (clean)", "1.0")
+    begun = header_fields(results_header("T", "c", "none: why", machine="m", started=started))
+    assert begun["Commit"] == "abc1234 (clean)" and begun["Load"].startswith("load average at start 1.0, at the end")
     with pytest.raises(ValueError):
         results_header("T", "c", "measured: a kind that is none of DATA_KINDS")
 
