@@ -1,6 +1,6 @@
 """Fit the A100's physical efficiency constants on a named subset of measurements.
 
-    .venv/bin/python benchmarks/calibrate.py > benchmarks/results/calibration_a100.md
+    .venv/bin/python -m benchmarks.calibrate > benchmarks/results/calibration_a100.md
 
 Fitted: gpu.gemm_efficiency, gpu.gemm_half_gflop, gpu.memory_efficiency, gpu.kernel_overhead_us,
 gpu.gemm_curve_exponent and gpu.host_dispatch_us, minimizing the squared log error of predicted iteration times on a
@@ -30,13 +30,12 @@ and 13% slow at 4-8, a size trend that a sharper knee removes.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import numpy as np
 from scipy.optimize import least_squares
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import VTRAIN_FIT_GPUS, predict_specs, reference_rows, sc21_row_specs, vtrain_row_specs  # noqa: E402
+from benchmarks.common import (VTRAIN_FIT_GPUS, predict_specs, reference_rows, results_header, run_start,
+                               sc21_row_specs, vtrain_row_specs)
 
 SC21_FIT_PP = 1  # SC'21 rows with pp == 1 join the fit
 
@@ -82,6 +81,7 @@ def main() -> None:
     parser.add_argument("--sc21-weight", type=float, default=1.0,
                         help="weight of the SC'21 source relative to vTrain's (1 = the sources count equally)")
     sc21_weight = parser.parse_args().sc21_weight
+    at_start = run_start()  # the fit runs for minutes: the header records the commit and load as it began
     rows = [r for r in reference_rows("vtrain_a100_single_node") if int(r["gpus"]) in VTRAIN_FIT_GPUS][::STRIDE]
     measured = np.array([float(r["iter_ms"]) / 1e3 for r in rows])
     sc21_rows = [r for r in reference_rows("megatron_sc21_table1") if int(r["pp"]) == SC21_FIT_PP]
@@ -90,8 +90,10 @@ def main() -> None:
     start = [p[4] for p in PARAMETERS]
     fit = least_squares(residuals, start, bounds=([p[2] for p in PARAMETERS], [p[3] for p in PARAMETERS]),
                         args=args, x_scale="jac", diff_step=1e-3, max_nfev=200)
-    print("# Calibration of the A100 constants\n")
-    print(f"Command: `.venv/bin/python benchmarks/calibrate.py --sc21-weight {sc21_weight:g}`  ")
+    command = (f".venv/bin/python -m benchmarks.calibrate --sc21-weight {sc21_weight:g} "
+               "> benchmarks/results/calibration_a100.md")
+    print(results_header("Calibration of the A100 constants", command,
+                         "fitted: every error below is on the fit's own rows", started=at_start))
     print(f"Fitted on {len(rows)} vTrain rows (2 and 4 GPUs, every {STRIDE}rd row) and the {len(sc21_rows)} SC'21 "
           f"rows with pp = 1; the SC'21 source weighs {sc21_weight:g} x vTrain's in total; loss: squared log error.\n")
     print("| parameter | start | fitted |")

@@ -1,7 +1,7 @@
 """The closed loop on this machine's 2 CPU ranks: profile -> tune -> measure, and the measure benchmark rerun
 with the profiled values.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/closed_loop_cpu.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu \\
         > benchmarks/results/closed_loop_cpu.md
 
 1. `mist-ds profile model=tiny cluster=cpu profile.quick=true` (bf16, and again with train.precision=fp32 as
@@ -16,7 +16,6 @@ with the profiled values.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -27,15 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree, spearman  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
-from measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs  # noqa: E402
+from benchmarks.common import results_header, run_start, spearman
+from benchmarks.cpu_constants import machine_text
+from benchmarks.measure_cpu import PLANS, constants_overrides, measure, measured_clusters, plan_specs
 
-from mist_ds.cost.predict import predict  # noqa: E402
+from mist_ds.cost.predict import predict
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/closed_loop_cpu.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu "
            "> benchmarks/results/closed_loop_cpu.md")
 COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
 PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}
@@ -59,7 +56,7 @@ def committed_figures() -> tuple[float, float]:
 
 
 def main() -> None:
-    start, machine = time.perf_counter(), machine_text()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     with tempfile.TemporaryDirectory(prefix="mist_ds_closed_loop_") as tmp:
         folder = Path(tmp, "calib")  # the config dir: only cluster/ in it (a plan/ folder would be a config group)
         profile_s = {}
@@ -94,11 +91,12 @@ def main() -> None:
     committed_error, committed_rho = committed_figures()
     tuned_measured = statistics.median(tuned["measured_iteration_time_s"])
     tuned_predicted = tuned["predicted_iteration_time_s"][0]
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = ["# The closed loop on 2 CPU ranks: profile -> tune -> measure", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; load average at the end {load}. Source: {source_tree()}. {wall_s:.0f} s in all. "
-             "The machine is shared with other jobs and was heavily loaded (load average well above its 2 cores): "
+    lines = [results_header("The closed loop on 2 CPU ranks: profile -> tune -> measure", COMMAND,
+                            "fitted and validation: the profiled constants are fitted on this run's microbenchmarks; "
+                            "the measured plans are not in any fit but were read while the cost model changed",
+                            machine=machine, started=at_start),
+             f"{wall_s:.0f} s in all. The machine is shared with other jobs and was heavily loaded (load average "
+             "well above its 2 cores): "
              "every time here, profiled or measured, moves by up to 2x with the load.", "",
              "## The loop", "",
              "1. `mist-ds profile model=tiny cluster=cpu train.global_batch_size=8 profile.quick=true "

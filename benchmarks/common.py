@@ -28,7 +28,8 @@ from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
 if TYPE_CHECKING:
     from mist_ds.tuner.search import PointResult
 
-REFERENCE = Path(__file__).resolve().parent / "reference"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = REPO_ROOT / "benchmarks" / "reference"
 
 
 def reference_rows(name: str) -> list[dict[str, str]]:
@@ -174,14 +175,15 @@ def plan_text(best: PointResult) -> str:
             f"zero [{run_length_text(s.zero_stage for s in stages)}]; offload " + ("; ".join(offloads) or "none"))
 
 
-def source_tree(paths: tuple[str, ...] = ("mist_ds", "benchmarks")) -> str:
-    """The commit the numbers come from, and which of `paths` had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    dirty = sorted({line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--", *paths).splitlines()
-                    if not line.startswith("??")})
-    return f"commit {git('rev-parse', '--short', 'HEAD')}" + (
-        f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+def source_tree(paths: tuple[str, ...] = ("mist_ds", "benchmarks", "pyproject.toml")) -> str:
+    """The commit the numbers come from, and which of `paths` had uncommitted changes. benchmarks/results/ is
+    left out: a run redirected into its results file has already emptied that file when this is asked."""
+    git = lambda *args: subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True,  # noqa: E731
+                                       text=True).stdout.strip()
+    changed = git("status", "--porcelain", "--", *paths, ":(exclude)benchmarks/results").splitlines()
+    dirty = sorted({line.split(maxsplit=1)[1] for line in changed if not line.startswith("??")})
+    return f"{git('rev-parse', '--short', 'HEAD')} " + (
+        f"(dirty: uncommitted changes to {', '.join(dirty)})" if dirty else "(clean)")
 
 
 def cpu_model() -> str:
@@ -197,9 +199,57 @@ def deepspeed_version() -> str:
     return importlib.metadata.version("deepspeed")
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages now: the machine is shared, and its load moves every timing."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def load_span(at_start: str) -> str:
+    """The Load field of a run that read `at_start` (load_average()) when it began and ends now."""
+    return f"load average at start {at_start}, at the end {load_average()} (1, 5, 15 minutes)"
+
+
 def machine_description() -> str:
-    """The machine the timings come from: cores, CPU model, load average at start, Python and numpy."""
-    cpu = cpu_model()
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()}-core VM ({cpu}), shared with another job (load average at start {load}), "
-            f"Python {platform.python_version()}, numpy {np.__version__}, single process (tuner.workers=1)")
+    """The machine in words: cores, CPU model, Python and numpy (the load is a header field of its own)."""
+    return (f"{os.cpu_count()}-core VM ({cpu_model()}), Python {platform.python_version()}, numpy {np.__version__}, "
+            "single process (tuner.workers=1)")
+
+
+# --- the header every results file starts with ---------------------------------------------------------------
+
+HEADER_FIELDS = ("Command", "Commit", "Machine", "Load", "Data")
+# fitted: the numbers were fitted on these rows; validation: reference rows looked at while the model changed;
+# held out: rows nobody tuned against; none: no reference data (a speed, stability or plan-only result).
+DATA_KINDS = ("fitted", "validation", "held out", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+    """What the header of a run that prints it at its end records as the run begins: the commit (a tree edited
+    during a long run would be misreported) and the load average."""
+    commit: str
+    load: str
+
+
+def run_start() -> RunStart:
+    return RunStart(source_tree(), load_average())
+
+
+def results_header(title: str, command: str, data: str, *, machine: str | None = None, load: str | None = None,
+                   commit: str | None = None, started: RunStart | None = None) -> str:
+    """The header of a results file: its title, then one line per HEADER_FIELDS field, which the index
+    (benchmarks/index.py) and tests/test_benchmarks.py read. `data` starts with DATA_KINDS joined by ' and '
+    (what part of the file is which, after a colon); `load` defaults to the load average as the header is
+    written; a script that prints its header after the run passes `started` (run_start() as it began), whose
+    commit and load at start the header records, with the load at the end."""
+    if started is not None:
+        commit, load = commit or started.commit, load or load_span(started.load)
+    kinds = data.split(":", 1)[0].split(" and ")
+    if not all(kind in DATA_KINDS for kind in kinds):
+        raise ValueError(f"data must start with {' and '.join(DATA_KINDS)}, joined by ' and ': {data!r}")
+    return "\n".join([f"# {title}", "",
+                      f"Command: `{command}`  ",
+                      f"Commit: {commit or source_tree()}  ",
+                      f"Machine: {machine or machine_description()}  ",
+                      f"Load: {load or 'load average ' + load_average() + ' (1, 5, 15 minutes) as the run started'}  ",
+                      f"Data: {data}", ""])

@@ -1,6 +1,6 @@
 """Speed of the cost model: 10^6 stage candidates in one vectorized call, and `mist-ds predict` end to end.
 
-    .venv/bin/python benchmarks/cost_speed.py > benchmarks/results/cost_speed.md
+    .venv/bin/python -m benchmarks.cost_speed > benchmarks/results/cost_speed.md
 
 Targets (development machine, 2 cores): 10^6 candidates < 1 s; one predict end to end < 3 s (cached
 analysis, fresh process, as a user runs it).
@@ -8,7 +8,6 @@ analysis, fresh process, as a user runs it).
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.interference import COMPILE_FROM_ROWS, compiled_elapsed_rows
 from mist_ds.specs import runtime_capabilities
+
+from benchmarks.common import machine_description, results_header, run_start
 
 CANDIDATES = 1_000_000
 REPEATS = 7
@@ -41,6 +42,7 @@ def candidates(n: int, seed: int = 0) -> StageCandidates:
 
 
 def main() -> None:
+    at_start = run_start()
     specs = compose(["model=gpt3-13b", "cluster=a100-80g"], with_strategy=False)
     costs = model_costs(specs)
     hw = hardware_model(specs.cluster, specs.train.precision)
@@ -67,10 +69,12 @@ def main() -> None:
         start = time.perf_counter()
         subprocess.run(command, capture_output=True, check=True)
         ends.append(time.perf_counter() - start)
-    print("# Cost model speed\n")
-    print("Command: `.venv/bin/python benchmarks/cost_speed.py`  ")
-    print(f"Machine: {os.cpu_count()} cores (a shared VM: wall times of identical runs spread by up to 1.5x, "
-          f"hence the CPU-time column); gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "
+    print(results_header("Cost model speed",
+                         ".venv/bin/python -m benchmarks.cost_speed > benchmarks/results/cost_speed.md",
+                         "none: wall and CPU seconds, no reference data", started=at_start,
+                         machine=f"{machine_description()}; a shared VM: wall times of identical runs spread by up "
+                                 "to 1.5x, hence the CPU-time column"))
+    print(f"gpt3-13b layers; {REPEATS} repeats, each on fresh candidates (no cached "
           "derived arrays). Random candidates over every knob; on mist-paper most rows run 3-4 channels at once "
           "(four calls of the interference loop, ~0.05 s each). The loop runs compiled (numba) for calls of "
           f"{COMPILE_FROM_ROWS} rows or more, and for every call once loaded; loading it costs {load_s:.2f} s "

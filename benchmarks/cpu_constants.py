@@ -1,6 +1,6 @@
 """The `cpu` cluster's hardware constants, measured on this machine by microbenchmarks, never fitted on plans.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_constants.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cpu_constants \\
         > benchmarks/results/cpu_constants.md
 
 Two CPU ranks (one process per core, as `mist-ds measure` runs them on this 2-core machine, gloo over
@@ -40,21 +40,21 @@ from __future__ import annotations
 import math
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from mist_ds.observe.ranks import launch  # noqa: E402
-from mist_ds.profiling.microbench import (  # noqa: E402
+from mist_ds.observe.ranks import launch
+from mist_ds.profiling.microbench import (
     ACTIVATION_COPY_BYTES, ATTENTION_SHAPES, DTYPES, FIT_GAP_BYTES, INTERLEAVED_BYTES, MIN_REPEATS, MIN_TIMED_S, ROUNDS,
     OtherLoad, adam_sweep, attention_sweep, collective_sweep, combine_tree, fit_alpha_beta, fit_gemm, gemm_sweep,
     layer_overhead, memory_sweep, op_chain)
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_constants.py "
+if TYPE_CHECKING:  # benchmarks.common is imported where used: the ranks import this module and need none of it
+    from benchmarks.common import RunStart
+
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cpu_constants "
            "> benchmarks/results/cpu_constants.md")
 WORKER = "benchmarks.cpu_constants:constants_worker"
 RANKS = 2  # one process per core of this machine, never more
@@ -138,11 +138,14 @@ def overrides(s: dict, dtype: str) -> list[str]:
 
 # --- report --------------------------------------------------------------------------------------------
 
-def report(s: dict, machine: str, wall_s: float) -> list[str]:
+def report(s: dict, machine: str, at_start: RunStart, wall_s: float) -> list[str]:
+    from benchmarks.common import results_header
+
     g32, g16 = s["gemm"]["fp32"], s["gemm"]["bf16"]
-    lines = ["# The `cpu` cluster's constants, measured on this machine", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; {RANKS} ranks (one process per core), OMP_NUM_THREADS=1, every "
+    lines = [results_header("The `cpu` cluster's constants, measured on this machine", COMMAND,
+                            "fitted: the constants are this run's fits to its own microbenchmarks", machine=machine,
+                            started=at_start),
+             f"{RANKS} ranks (one process per core), OMP_NUM_THREADS=1, every "
              f"microbenchmark run by both ranks at once; medians over >= {MIN_REPEATS} calls and >= "
              f"{MIN_TIMED_S * 1e3:.0f} ms after 2 warm-up calls, the median of {ROUNDS} rounds, then the slower "
              f"rank's figure. {wall_s:.0f} s in all. The machine is shared: other jobs used {s['other_cores']:.2f} "
@@ -264,16 +267,14 @@ def _tables(s: dict) -> list[str]:
 
 
 def machine_text() -> str:
-    """Cores, CPU model, load average now, Python, torch and DeepSpeed versions."""
+    """Cores, CPU model, Python, torch and DeepSpeed versions (the load is a header field of its own)."""
     import os
 
     import torch
 
-    from common import cpu_model, deepspeed_version
+    from benchmarks.common import cpu_model, deepspeed_version
 
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()}-core VM ({cpu_model()}), load average at start {load}; "
-            f"Python {platform.python_version()}, "
+    return (f"{os.cpu_count()}-core VM ({cpu_model()}); Python {platform.python_version()}, "
             f"torch {torch.__version__}, DeepSpeed {deepspeed_version()}")
 
 
@@ -285,9 +286,11 @@ def measure_constants() -> dict:
 
 
 def main() -> None:
-    start, machine = time.perf_counter(), machine_text()  # the load average at start
+    from benchmarks.common import run_start
+
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     summary = measure_constants()
-    print("\n".join(report(summary, machine, time.perf_counter() - start)))
+    print("\n".join(report(summary, machine, at_start, time.perf_counter() - start)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`mist-ds tune` on a Hugging Face Llama-3-8B config against the zoo's llama3-8b (issue 26's timing targets).
 
-    .venv/bin/python benchmarks/hf_tune.py > benchmarks/results/hf_tune.md
+    .venv/bin/python -m benchmarks.hf_tune > benchmarks/results/hf_tune.md
 
 The config is written here with transformers' own LlamaConfig at Llama-3-8B's published shapes (no download). Each
 run is the command a user types, in a process of its own, timed from start to exit (imports included):
@@ -21,11 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, source_tree  # noqa: E402
+from benchmarks.common import results_header, run_start
 
 REPO = Path(__file__).resolve().parents[1]
-COMMAND = ".venv/bin/python benchmarks/hf_tune.py > benchmarks/results/hf_tune.md"
+COMMAND = ".venv/bin/python -m benchmarks.hf_tune > benchmarks/results/hf_tune.md"
 RUN = ("model.seq_len=8192", "cluster=a100-80g", "cluster.nodes=2")
 WARM_REPEATS = 3
 COLD_TARGET_S = 60.0
@@ -58,7 +57,7 @@ def layout(plan: dict) -> str:
 def main() -> None:
     import transformers
 
-    root = Path(tempfile.mkdtemp(prefix="hf_tune_"))
+    at_start, root = run_start(), Path(tempfile.mkdtemp(prefix="hf_tune_"))
     config_dir = root / "llama3-8b-config"
     transformers.LlamaConfig(**LLAMA3_8B).save_pretrained(config_dir)
     hf = ["model=hf", f"model.name_or_path={config_dir}", *RUN]
@@ -75,9 +74,8 @@ def main() -> None:
     hf_plan, zoo_plan = hf_warm[0][1], zoo_warm[0][1]
     forced = {t: tune([*hf, f"tuner.tp=[{t}]"], hf_cache, out())[1] for t in (1, 2, 4, 8)}
 
-    print("# `mist-ds tune` on a Hugging Face Llama-3-8B config vs the zoo's llama3-8b")
-    print()
-    print(f"Command: `{COMMAND}`. Source: {source_tree()}. Machine: {machine_description()}.")
+    print(results_header("`mist-ds tune` on a Hugging Face Llama-3-8B config vs the zoo's llama3-8b", COMMAND,
+                         "none: wall seconds and plans, no reference data", started=at_start))
     print(f"Every run: `mist-ds tune {' '.join(RUN)}` with `model=hf model.name_or_path=<LlamaConfig at Llama-3-8B's "
           "shapes>` or `model=llama3-8b`, one process each, wall seconds from start to exit (imports included); warm: "
           f"the best of {WARM_REPEATS}.")

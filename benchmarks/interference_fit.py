@@ -1,6 +1,6 @@
 """The interference factor table `mist-ds profile` fits, judged on a held-out part of its grid (2 CPU ranks).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interference_fit \\
         > benchmarks/results/interference_fit.md
 
 The full grid of mist_ds.profiling.interference (every set of 2-4 of the channels C, G2G, H2D, D2H; per set
@@ -14,26 +14,22 @@ scalar's.
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
+from benchmarks.common import results_header, run_start
+from benchmarks.cpu_constants import machine_text
 
-from mist_ds.files import write_json_atomic  # noqa: E402
-from mist_ds.observe.ranks import CPU_ENV, launch  # noqa: E402
-from mist_ds.profiling.interference import elapsed_errors, fit_factors, fit_scalar  # noqa: E402
-from mist_ds.profiling.microbench import OtherLoad  # noqa: E402
-from mist_ds.profiling.run import slowest  # noqa: E402
-from mist_ds.profiling.worker import INTERFERENCE_REPEATS, PROFILE_WORKER, UNIT_S  # noqa: E402
+from mist_ds.files import write_json_atomic
+from mist_ds.observe.ranks import CPU_ENV, launch
+from mist_ds.profiling.interference import elapsed_errors, fit_factors, fit_scalar
+from mist_ds.profiling.microbench import OtherLoad
+from mist_ds.profiling.run import slowest
+from mist_ds.profiling.worker import INTERFERENCE_REPEATS, PROFILE_WORKER, UNIT_S
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/interference_fit.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.interference_fit "
            "> benchmarks/results/interference_fit.md")
 RANKS = 2
 FIT_PATTERNS = (0, 1)
@@ -43,7 +39,7 @@ RAW = Path(__file__).resolve().parent / "results" / "interference_fit.json"
 
 
 def main() -> None:
-    start, machine = time.perf_counter(), machine_text()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     payload = {"device": "cpu", "dtype": "fp32", "quick": False, "rounds": 1, "sections": ["interference"],
                "shapes": {"gemm": [], "attention": []}}
     with OtherLoad() as other:
@@ -57,13 +53,13 @@ def main() -> None:
     no_interference = np.array([max(p["alone_s"].values()) / max(p["finish_s"].values()) - 1 for p in held_out])
     mean_table, mean_scalar = float(np.mean(np.abs(table_err))), float(np.mean(np.abs(scalar_err)))
     passed = mean_table <= GATE and mean_table < mean_scalar
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     scalar_value = next(iter(scalar.factors.values()))
-    lines = ["# The interference fit on a held-out part of its grid (2 CPU ranks)", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; load average at the end {load}; other jobs took {other.cores:.2f} of its 2 cores "
-             f"on average meanwhile (the machine is shared: the channels' times move with the load). Source: "
-             f"{source_tree()}. {time.perf_counter() - start:.0f} s in all.  ",
+    lines = [results_header("The interference fit on a held-out part of its grid (2 CPU ranks)", COMMAND,
+                            f"fitted and held out: the factors are fitted on patterns {FIT_PATTERNS}; the gate is "
+                            "scored on the other patterns, out of the fit", machine=machine,
+                            started=at_start),
+             f"Other jobs took {other.cores:.2f} of the machine's 2 cores on average meanwhile (the machine is shared: "
+             f"the channels' times move with the load). {time.perf_counter() - start:.0f} s in all.  ",
              f"Channels on each rank, each on its own thread: C a 512 x 512 fp32 GEMM, G2G a 1 MiB gloo all-reduce, "
              f"H2D and D2H 8 MiB copies (host memory on a CPU); a unit of work is about {UNIT_S * 1e3:.0f} ms of a "
              f"channel alone; each point the median of {INTERFERENCE_REPEATS} runs, its channels alone beside each, "

@@ -1,6 +1,6 @@
 """Predicted against measured iteration time of real DeepSpeed steps on 2 CPU ranks (runtime `deepspeed`).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measure_cpu.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu \\
         > benchmarks/results/measure_cpu.md
 
 Each plan, a strategy given outright on the `tiny` model or a variant of it (hidden size, layers,
@@ -22,26 +22,22 @@ time at the end: the difference between the two launches is the machine's run-to
 """
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree, spearman  # noqa: E402
-from cpu_constants import OtherLoad, machine_text  # noqa: E402
+from benchmarks.common import results_header, run_start, spearman
+from benchmarks.cpu_constants import OtherLoad, machine_text
 
-from mist_ds.config import compose  # noqa: E402
-from mist_ds.cost.predict import predict  # noqa: E402
-from mist_ds.observe.measure import MEASURE_WORKER, measure_payload  # noqa: E402
-from mist_ds.observe.ranks import CPU_ENV, launch  # noqa: E402
-from mist_ds.report.measure import measure_record  # noqa: E402
+from mist_ds.config import compose
+from mist_ds.cost.predict import predict
+from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
+from mist_ds.observe.ranks import CPU_ENV, launch
+from mist_ds.report.measure import measure_record
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measure_cpu.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu "
            "> benchmarks/results/measure_cpu.md")
 RANKS = 2  # one process per core: never more ranks than cores
 WARMUP_STEPS = 2
@@ -132,7 +128,8 @@ def _layout(specs) -> str:
 
 
 def main() -> None:
-    start, machine, constants = time.perf_counter(), machine_text(), constants_overrides()
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
+    constants = constants_overrides()
     clusters = measured_clusters(constants)
     rows = {name: measure(name, clusters) for name in PLANS}
     repeat, _ = measure(REPEATED, clusters)
@@ -146,14 +143,15 @@ def main() -> None:
     passed = median_error <= GATE_MEDIAN_ERROR and rho >= GATE_SPEARMAN
     first = statistics.median(rows[REPEATED][0]["measured_iteration_time_s"])
     again = statistics.median(repeat["measured_iteration_time_s"])
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
-    lines = ["# Iteration time on 2 CPU ranks: real DeepSpeed steps against the prediction", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine}; load average at the end {load}. {RANKS} ranks, one process per core (gloo, "
+    lines = [results_header("Iteration time on 2 CPU ranks: real DeepSpeed steps against the prediction", COMMAND,
+                            "validation: the constants are measured by microbenchmarks, never fitted on these plans, "
+                            "but the plans were read while the cost model changed", machine=machine,
+                            started=at_start),
+             f"{RANKS} ranks, one process per core (gloo, "
              f"loopback, OMP_NUM_THREADS=1); {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed steps per plan, a "
              "rank's time the median of its timed steps, a plan's the median over its ranks (`mist-ds measure`'s "
-             f"definitions). Source: {source_tree()}. {wall_s:.0f} s in all.  ",
+             f"definitions). {wall_s:.0f} s in all.  ",
              f"Prediction: `mist-ds predict` on `{' '.join(CLUSTER)}` with the constants "
              "benchmarks/cpu_constants.py measured (benchmarks/results/cpu_constants.md), per precision:  ",
              *[f"{dtype}: `{' '.join(values)}`  " for dtype, values in constants.items()], "",

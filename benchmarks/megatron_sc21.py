@@ -1,6 +1,6 @@
 """Accuracy on Megatron-LM's SC'21 Table 1 (runtime megatron, A100-80GB, full recompute).
 
-    .venv/bin/python benchmarks/megatron_sc21.py > benchmarks/results/megatron_sc21.md
+    .venv/bin/python -m benchmarks.megatron_sc21 > benchmarks/results/megatron_sc21.md
 
 Each row: the published configuration priced by `predict`, against the time implied by the paper's
 TFLOP/s per GPU. Rows 76B to 530B used the interleaved 1F1B schedule: they are priced with it, at the
@@ -11,12 +11,13 @@ constant-efficiency baseline (time = FLOPs / (GPUs x e x peak), e fitted on the 
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import mape, predict_specs, reference_rows, sc21_row_specs, sc21_virtual_stages  # noqa: E402
+from benchmarks.common import mape, predict_specs, reference_rows, results_header, sc21_row_specs, sc21_virtual_stages
+
+COMMAND = ".venv/bin/python -m benchmarks.megatron_sc21 > benchmarks/results/megatron_sc21.md"
+DATA = ("fitted and validation: the calibration (calibration_a100.md) fits the 4 rows with pp = 1; the pipelined "
+        "rows were in this table while the cost model changed")
 
 
 def main() -> None:
@@ -34,8 +35,7 @@ def main() -> None:
     ideal = np.array([f / (int(r["gpus"]) * 312e12) for r, _, f in results])
     efficiency = float(np.exp(np.mean(np.log(ideal / measured))))  # least squares in log space
     constant = ideal / efficiency
-    print("# Megatron-LM SC'21 Table 1: predicted vs implied iteration time\n")
-    print("Command: `.venv/bin/python benchmarks/megatron_sc21.py`  ")
+    print(results_header("Megatron-LM SC'21 Table 1: predicted vs implied iteration time", COMMAND, DATA))
     print("Runtime `megatron`, cluster `a100-80g` (values and their calibration subset: the cluster file), "
           "fp16 mixed precision (2021), full recompute, no flash attention, vocab 51200, seq 2048.\n")
     print("| model | tp | pp | dp | micro | chunks v | measured s | predicted s | error | as plain 1F1B s | error | "

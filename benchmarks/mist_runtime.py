@@ -1,10 +1,10 @@
 """Runtime `mist` against runtime `deepspeed`: on the same plan and on each runtime's best plan, predicted and
 measured on CPU ranks as `mist-ds measure` runs them (issue 16).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mist_runtime.py \\
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime \\
         > benchmarks/results/mist_runtime.md
-    nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper > benchmarks/results/mist_runtime_paper.md
-    nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper gpt3-1.3B   # some cases, for development
+    nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper > benchmarks/results/mist_runtime_paper.md
+    nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper gpt3-1.3B   # some cases, for development
 
 The second form is predicted only: on the Mist paper's cases, the best plan of every space on runtime `mist`
 against the best on runtime `deepspeed`: benchmarks/plan_quality.py's table of that name, alone.
@@ -23,27 +23,23 @@ they cost a copy and save nothing. The 4-rank rows run two ranks per core.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
-from measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_overrides  # noqa: E402
+from benchmarks.common import results_header, run_start
+from benchmarks.cpu_constants import machine_text
+from benchmarks.measure_cpu import LAUNCH_TIMEOUT_S, TIMED_STEPS, WARMUP_STEPS, constants_overrides
 
-from mist_ds.config import compose  # noqa: E402
-from mist_ds.cost.predict import predict  # noqa: E402
-from mist_ds.observe.measure import MEASURE_WORKER, measure_payload  # noqa: E402
-from mist_ds.observe.ranks import CPU_ENV, launch  # noqa: E402
-from mist_ds.tuner import tune_specs  # noqa: E402
+from mist_ds.config import compose
+from mist_ds.cost.predict import predict
+from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
+from mist_ds.observe.ranks import CPU_ENV, launch
+from mist_ds.tuner import tune_specs
 
-COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mist_runtime.py "
+COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime "
            "> benchmarks/results/mist_runtime.md")
-PAPER_COMMAND = "nice -n 5 .venv/bin/python benchmarks/mist_runtime.py paper > benchmarks/results/mist_runtime_paper.md"
+PAPER_COMMAND = "nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper > benchmarks/results/mist_runtime_paper.md"
 RUNTIMES = ("deepspeed", "mist")
 
 # name -> (ranks, overrides): the same strategy under both runtimes
@@ -99,7 +95,7 @@ def row(name: str, pair: dict) -> str:
 
 
 def main() -> None:
-    start, constants = time.perf_counter(), constants_overrides()
+    start, at_start, constants = time.perf_counter(), run_start(), constants_overrides()
     rows = {}
     for name, (ranks, overrides) in SAME_PLAN.items():
         pair = {}
@@ -116,12 +112,13 @@ def main() -> None:
             pair[runtime] = (specs, predict(specs).iteration_time_s, measured_s(specs))
         rows[f"best plan of each runtime, {ranks} ranks"] = pair
     wall_s = time.perf_counter() - start
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    lines = ["# Runtime `mist` against `deepspeed` on CPU ranks", "",
-             f"Command: `{COMMAND}`  ",
-             f"Machine: {machine_text()}; load average at the end {load} (shared with other jobs: timings vary up "
-             f"to 2x between identical runs). {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed steps per plan and "
-             f"runtime (`mist-ds measure`'s worker and definitions). Source: {source_tree()}. {wall_s:.0f} s in all.",
+    lines = [results_header("Runtime `mist` against `deepspeed` on CPU ranks", COMMAND,
+                            "validation: measured plans beside their predictions; nothing is fitted on them, but "
+                            "they were read while runtime `mist`'s terms changed", machine=machine_text(),
+                            started=at_start),
+             f"The machine is shared with other jobs: timings vary up to 2x between identical runs. {WARMUP_STEPS} "
+             f"warm-up and {TIMED_STEPS} timed steps per plan and runtime (`mist-ds measure`'s worker and "
+             f"definitions). {wall_s:.0f} s in all.",
              "",
              "Built in `mist` (docs/design.md, The `mist` schedule): the data-parallel reduction in the last "
              "backward (ZeRO-0 per layer at any pp, ZeRO-1 at pp = 1 by DeepSpeed's hooks), the post-step "
@@ -149,13 +146,13 @@ def main() -> None:
 def paper(only: tuple[str, ...]) -> None:
     """Predicted only: each runtime's best plan of every space on the Mist paper's cases (`only`: case names,
     all when empty), as benchmarks/plan_quality.py tunes and tabulates them."""
-    from plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
+    from benchmarks.plan_quality import BUILT, STOCK, cases, run, runtime_pairs, runtime_speedup_lines
 
-    start, machine = time.perf_counter(), machine_text()  # the load average before tuning
+    start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     outcomes = [run(case, runtime) for runtime in (STOCK, BUILT) for case in cases(only)]
-    lines = ["# Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", "",
-             f"Command: `{PAPER_COMMAND}`  ",
-             f"Machine: {machine}. Source: {source_tree()}.", "",
+    lines = [results_header("Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", PAPER_COMMAND,
+                            "none: predicted plans only, no measurement", machine=machine,
+                            started=at_start),
              "Cases of benchmarks/plan_quality.py (Mist, EuroSys'25: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "
              "global batch 16 x GPUs, fp16). Each tuned on each runtime in the mist space and the megatron, "
              "deepspeed and aceso spaces (`tune_specs`, baselines on); time = `predict` of the fastest of the four "

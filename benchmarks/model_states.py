@@ -1,7 +1,7 @@
 """Model-state bytes per rank: a real DeepSpeed 0.19.8 engine, mist_ds's memory.py, DeepSpeed's estimators.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions \\
-        .venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md
+        .venv/bin/python -m benchmarks.model_states > benchmarks/results/model_states.md
 
 Runs every launch of mist_ds/testing/model_states.py, the cases tests/test_model_states.py checks
 (ZeRO 0-3, fp32 and bf16, pipelines, optimizer offload, small reduce buckets), and prints, per case
@@ -12,22 +12,21 @@ option (estimate_zero{2,3}_model_states_mem_needs, the numbers its `_all_cold` t
 """
 from __future__ import annotations
 
+import os
 import platform
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from mist_ds.observe.ranks import launch  # noqa: E402
-from mist_ds.testing.model_states import (FIELDS, LAUNCHES, LAYERS, WORKER, device_peak_bytes,  # noqa: E402
+from mist_ds.observe.ranks import launch
+from mist_ds.testing.model_states import (FIELDS, LAUNCHES, LAYERS, WORKER, device_peak_bytes,
                                           estimator_option, facts, measured_bytes, predicted_bytes, residual_bytes)
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-from common import deepspeed_version  # noqa: E402
+from benchmarks.common import deepspeed_version, results_header
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=.torch_extensions "
-           ".venv/bin/python benchmarks/model_states.py > benchmarks/results/model_states.md")
+           ".venv/bin/python -m benchmarks.model_states > benchmarks/results/model_states.md")
+
+DATA = ("validation: memory.py's formulas and the residuals tests/test_model_states.py states were written "
+        "against these engines")
 
 
 def cell(measured: int, predicted: float, matches: bool) -> str:
@@ -101,12 +100,11 @@ def tally(cases_results: list[tuple[dict, int, dict]]) -> list[str]:
 def main() -> None:
     import torch
 
-    out = ["# Model states per rank: a real DeepSpeed engine vs mist_ds and DeepSpeed's estimators", "",
-           f"Command: `{COMMAND}`  ",
-           f"Machine: {platform.machine()} VM, {__import__('os').cpu_count()} CPU cores, no GPU; Python "
-           f"{platform.python_version()}, torch {torch.__version__}, DeepSpeed {deepspeed_version()} on its CPU "
-           "accelerator (gloo). Every tensor lives in CPU memory; `host` is what the offloading optimizer "
-           "allocates on 'cpu'.  ",
+    machine = (f"{platform.machine()} VM, {os.cpu_count()} CPU cores, no GPU; Python {platform.python_version()}, "
+               f"torch {torch.__version__}, DeepSpeed {deepspeed_version()} on its CPU accelerator (gloo)")
+    out = [results_header("Model states per rank: a real DeepSpeed engine vs mist_ds and DeepSpeed's estimators",
+                          COMMAND, DATA, machine=machine),
+           "Every tensor lives in CPU memory; `host` is what the offloading optimizer allocates on 'cpu'.  ",
            f"Model: Linear layers (in, out, bias) {list(LAYERS)}, ReLU between; two training steps, the second counted.",
            "",
            "Cells: bytes per rank, **measured / memory.py** (`deepspeed_model_states` for the same P, d, ZeRO stage, "

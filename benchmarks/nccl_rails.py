@@ -1,6 +1,6 @@
 """The rails model against published multi-node NCCL all-reduce bus bandwidths (A100 nodes, 2 to 16 nodes).
 
-    .venv/bin/python benchmarks/nccl_rails.py > benchmarks/results/nccl_rails.md
+    .venv/bin/python -m benchmarks.nccl_rails > benchmarks/results/nccl_rails.md
 
 Rows: benchmarks/reference/nccl_allreduce_abci_a100.csv, nccl-tests all_reduce_perf on ABCI 2.0's A100 nodes
 (8 A100-SXM4-40GB on NVSwitch, 4 HDR NICs, 100 GB/s per node), NCCL 2.8.4, 4 B to 32 MiB, 2 runs on each of
@@ -19,16 +19,17 @@ latencies), as a diagnostic of the small-message error; it is not part of mist_d
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 from scipy.optimize import least_squares
 
 from mist_ds.config import compose
 from mist_ds.hardware.network import RingGroup
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import reference_rows  # noqa: E402
+from benchmarks.common import reference_rows, results_header
+
+COMMAND = ".venv/bin/python -m benchmarks.nccl_rails > benchmarks/results/nccl_rails.md"
+DATA = ("fitted and validation: alpha and e are fitted on the 2-node rows; the 4- to 16-node rows are out of the "
+        "fit but chose the rails rule over the per-GPU share, so validation")
 
 REFERENCE = "nccl_allreduce_abci_a100"
 FIT_NODES = 2
@@ -86,8 +87,7 @@ def main() -> None:
     error = predicted / table["time_s"] - 1.0
     node_counts = sorted(set(table["nodes"].astype(int)))
 
-    print("# The rails model against published multi-node NCCL all-reduce bus bandwidths\n")
-    print("Command: `.venv/bin/python benchmarks/nccl_rails.py`  ")
+    print(results_header("The rails model against published multi-node NCCL all-reduce bus bandwidths", COMMAND, DATA))
     print(f"Rows: `benchmarks/reference/{REFERENCE}.csv` ({len(table['time_s'])} rows: nccl-tests all_reduce_perf, "
           "NCCL 2.8.4, ABCI 2.0 A100 nodes, 8 GPUs and 4x HDR 200 Gb/s = 100 GB/s per node, 4 B - 32 MiB, "
           "2 runs per node count; the source of every row is in the file). Every group spans whole nodes: "

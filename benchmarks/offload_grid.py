@@ -1,8 +1,8 @@
 """What Mist's full offload grids (tuner.grid=mist) and host memory shared per node (tuner.host_memory=per-node)
 buy on the Mist paper's cases (benchmarks/plan_quality.py), case by case, and what they cost in tuning time.
 
-    nice -n 5 .venv/bin/python benchmarks/offload_grid.py > benchmarks/results/offload_grid.md
-    nice -n 5 .venv/bin/python benchmarks/offload_grid.py gpt3-1.3B llama-22B   # some cases, for development
+    nice -n 5 .venv/bin/python -m benchmarks.offload_grid > benchmarks/results/offload_grid.md
+    nice -n 5 .venv/bin/python -m benchmarks.offload_grid gpt3-1.3B llama-22B   # some cases, for development
 
 Each case is tuned (space mist, baselines off) four ways on runtime mist-paper (Mist's whole space) and on the
 default runtime: the default grid or Mist's, each rank within its share of the node's host memory (per-gpu) or
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs, machine_description, plan_text, source_tree  # noqa: E402
-from plan_quality import MIST_PAPER, Case, cases, runtimes, shorten  # noqa: E402
+from benchmarks.common import base_specs, machine_description, plan_text, results_header
+from benchmarks.plan_quality import MIST_PAPER, Case, cases, runtimes, shorten
 
-from mist_ds.tuner import NoPlanFits, tune_specs  # noqa: E402
+from mist_ds.tuner import NoPlanFits, tune_specs
 
 SETTINGS = (("default", "per-gpu"), ("mist", "per-gpu"), ("default", "per-node"), ("mist", "per-node"))
 HOST_SWEEP_GIB = (96, 48, 24, 12)  # host memory per L4 node (8 GPUs) for the last section
@@ -107,10 +105,9 @@ def host_sweep(chosen: list[Case]) -> list[str]:
 def main() -> None:
     wanted = sys.argv[1:]
     chosen = [c for c in cases() if not wanted or c.name in wanted]
-    print("# Offload grids and shared host memory on the Mist paper's cases\n")
-    print("Command: `nice -n 5 .venv/bin/python benchmarks/offload_grid.py > benchmarks/results/offload_grid.md`  ")
-    print(f"Machine: {machine_description()}; no GPU.  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Offload grids and shared host memory on the Mist paper's cases",
+                         "nice -n 5 .venv/bin/python -m benchmarks.offload_grid > benchmarks/results/offload_grid.md",
+                         "none: predicted plans only, no measurement", machine=f"{machine_description()}; no GPU"))
     print("Cases, shapes and batches: benchmarks/plan_quality.py (fp16, global batch 16 x GPUs). Each case is tuned "
           "in space mist with baselines off four ways: grid default ([0, .5, 1] for every offload fraction) or mist "
           "(wo, go in {0, .25, .375, .5, .75, 1}; oo, ao in {0, .25, .375, .5, .625, .75, .875, 1}), and host "

@@ -1,8 +1,8 @@
 """The partition solvers side by side: `search` (space mist, baselines off) on the tune_speed cases with
 tuner.partition_solver=dp and =milp, and gpt3-22b on 32x L4 with tuner.grid=mist on runtime mist-paper.
 
-    nice -n 5 .venv/bin/python benchmarks/partition_solvers.py > benchmarks/results/partition_solvers.md
-    nice -n 5 .venv/bin/python benchmarks/partition_solvers.py 22b      # one case, for development
+    nice -n 5 .venv/bin/python -m benchmarks.partition_solvers > benchmarks/results/partition_solvers.md
+    nice -n 5 .venv/bin/python -m benchmarks.partition_solvers 22b      # one case, for development
 
 Targets (issue 18): with milp the search takes at most 3x the DP's and finds the same plan; 22B on 32x L4
 with tuner.grid=mist on mist-paper within 10 s. Every search runs REPEATS times (the machine is shared:
@@ -16,12 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs, machine_description, plan_text, source_tree  # noqa: E402
-from tune_speed import CASES  # noqa: E402
+from benchmarks.common import base_specs, machine_description, plan_text, results_header
+from benchmarks.tune_speed import CASES
 
-from mist_ds.cost.predict import model_costs  # noqa: E402
-from mist_ds.tuner.search import SearchResult, search  # noqa: E402
+from mist_ds.cost.predict import model_costs
+from mist_ds.tuner.search import SearchResult, search
 
 RUNTIMES = ("deepspeed", "mist-paper")
 SOLVERS = ("dp", "milp")
@@ -122,11 +121,11 @@ def run_case(case, rows: list[str], grid_rows: list[str]) -> None:
 
 def main() -> None:
     chosen = [c for c in CASES if len(sys.argv) < 2 or c.name in sys.argv[1:]]
-    print("# Partition solvers: the DP and the MILP on the tune_speed cases\n")
-    print("Command: `nice -n 5 .venv/bin/python benchmarks/partition_solvers.py > "
-          "benchmarks/results/partition_solvers.md`  ")
-    print(f"Machine: {machine_description()}; no GPU.  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Partition solvers: the DP and the MILP on the tune_speed cases",
+                         "nice -n 5 .venv/bin/python -m benchmarks.partition_solvers "
+                         "> benchmarks/results/partition_solvers.md",
+                         "none: solver seconds and plans, no reference data",
+                         machine=f"{machine_description()}; no GPU"))
     print(f"Each search (space mist, baselines off, `search(specs, runtime=...)` in-process, the analysis read from a "
           f"warm disk cache) ran {REPEATS} times; a cell a-b gives the fastest and slowest run, the noise of the "
           "shared machine. The milp / dp ratio compares the fastest CPU times. Solver seconds: the partition "

@@ -2,8 +2,8 @@
 megatron, deepspeed and aceso spaces, beside the cost model's ranking accuracy; and runtime `mist`'s
 predicted speedup over stock `deepspeed`, each runtime's best plan of every space.
 
-    nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md
-    nice -n 5 .venv/bin/python benchmarks/plan_quality.py gpt3-1.3B llama-22B   # some cases, for development
+    nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md
+    nice -n 5 .venv/bin/python -m benchmarks.plan_quality gpt3-1.3B llama-22B   # some cases, for development
 
 Cases (Mist, Zhu et al., EuroSys'25, end-to-end evaluation): GPT-3 and Llama shapes at 1.3B on 2 GPUs,
 2.7B/4, 7B/8, 13B/16, 22B/32; global batch 16 x GPUs; flash attention on; L4-24GB at sequence 2048
@@ -26,13 +26,12 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs, machine_description, plan_text, source_tree  # noqa: E402
+from benchmarks.common import base_specs, plan_text, results_header
 
-from mist_ds.specs import Specs  # noqa: E402
-from mist_ds.specs.model import default_ffn_hidden_size  # noqa: E402
-from mist_ds.tuner import BASELINE_SPACES, NoPlanFits, TuneResult, tune_specs  # noqa: E402
-from mist_ds.tuner.space import tuner_runtime  # noqa: E402
+from mist_ds.specs import Specs
+from mist_ds.specs.model import default_ffn_hidden_size
+from mist_ds.tuner import BASELINE_SPACES, NoPlanFits, TuneResult, tune_specs
+from mist_ds.tuner.space import tuner_runtime
 
 if TYPE_CHECKING:
     from mist_ds.tuner.search import PointResult
@@ -385,10 +384,10 @@ def main() -> None:
     accuracy = cost_model_accuracy()  # parsed first: a stale or changed results file stops the run early
     names = compared_runtimes()
     only = tuple(sys.argv[1:])  # case names (gpt3-1.3b, llama-22B, ...) for development; all when empty
-    print("# Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the baselines\n")
-    print("Command: `nice -n 5 .venv/bin/python benchmarks/plan_quality.py > benchmarks/results/plan_quality.md`  ")
-    print(f"Machine: {machine_description()}.  ")
-    print(f"Source: {source_tree()}.\n")
+    print(results_header("Plan quality on the Mist paper's cases: predicted speedup of the mist plan over the "
+                         "baselines",
+                         "nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md",
+                         "none: predicted plans only; the ranking accuracy beside them is quoted from vtrain.md"))
     print(f"Cases: GPT-3 and Llama shapes at 1.3B on 2 GPUs, 2.7B/4, 7B/8, 13B/16, 22B/32; global batch "
           f"{SAMPLES_PER_GPU} x GPUs; `l4-24g` at sequence {CLUSTERS[0][1]}, `a100-40g` at sequence "
           f"{CLUSTERS[1][1]}; flash attention on. N GPUs: `cluster.nodes=1 cluster.gpus_per_node=N` when N fits "

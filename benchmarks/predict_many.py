@@ -1,6 +1,6 @@
 """Batch what-if: the 1,440 vTrain rows through `mist_ds.predict_many`, against one-by-one `mist_ds.predict`.
 
-    .venv/bin/python benchmarks/predict_many.py > benchmarks/results/predict_many.md
+    .venv/bin/python -m benchmarks.predict_many > benchmarks/results/predict_many.md
 
 Each row is a list of Hydra overrides (benchmarks/common.py, vtrain_row_overrides: the specs
 benchmarks/vtrain.py prices). predict_many is timed three times in one process, from the override
@@ -12,36 +12,33 @@ load average is printed beside them.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import reference_rows, vtrain_row_overrides, vtrain_row_specs  # noqa: E402
+from benchmarks.common import (load_average, reference_rows, results_header, run_start, vtrain_row_overrides,
+                               vtrain_row_specs)
 
-import mist_ds  # noqa: E402
-from mist_ds.config.many import compose_many  # noqa: E402
-
-
-def _load() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+import mist_ds
+from mist_ds.config.many import compose_many
 
 
 def main() -> None:
-    rows = reference_rows("vtrain_a100_single_node")
+    at_start, rows = run_start(), reference_rows("vtrain_a100_single_node")
     cases = [vtrain_row_overrides(r) for r in rows]
     same_specs = sum(a == b for a, b in zip(compose_many(cases), (vtrain_row_specs(r) for r in rows)))
     runs = []
     for _ in range(3):
         start = time.perf_counter()
         many = mist_ds.predict_many(cases)
-        runs.append((time.perf_counter() - start, _load()))
+        runs.append((time.perf_counter() - start, load_average()))
     start = time.perf_counter()
     one = [mist_ds.predict(c) for c in cases]
-    one_s, one_load = time.perf_counter() - start, _load()
+    one_s, one_load = time.perf_counter() - start, load_average()
     identical = sum(json.dumps(a.to_dict()) == json.dumps(b.to_dict()) for a, b in zip(many, one))
-    print("# Batch what-if: the vTrain rows through predict_many\n")
-    print("Command: `.venv/bin/python benchmarks/predict_many.py`  ")
+    print(results_header("Batch what-if: the vTrain rows through predict_many",
+                         ".venv/bin/python -m benchmarks.predict_many > benchmarks/results/predict_many.md",
+                         "none: seconds per row and bit-identity with `predict`, no reference data",
+                         started=at_start,
+                         load=f"load average at start {at_start.load} (1, 5, 15 minutes); beside each time below"))
     print(f"{len(cases)} rows of benchmarks/reference/vtrain_a100_single_node.csv as override lists; their specs "
           f"equal benchmarks/vtrain.py's on {same_specs} of {len(cases)} rows. Machine: 2 shared CPU cores, "
           "loaded by other jobs while this ran (load average over 1, 5, 15 minutes beside each time): "

@@ -1,6 +1,6 @@
 """Does the tuner find Megatron-LM's published layouts? SC'21 Table 1, space megatron, runtime megatron.
 
-    nice -n 5 .venv/bin/python benchmarks/sc21_tune.py > benchmarks/results/sc21_tune.md
+    nice -n 5 .venv/bin/python -m benchmarks.sc21_tune > benchmarks/results/sc21_tune.md
 
 Per row of benchmarks/reference/megatron_sc21_table1.csv (model shape, GPUs, global batch; specs built
 as benchmarks/megatron_sc21.py builds them): `search` over the megatron space (uniform partition or
@@ -21,18 +21,16 @@ import dataclasses
 import importlib
 import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (predict_specs, reference_rows, run_length_text, sc21_row_specs, sc21_virtual_stages,  # noqa: E402
-                    source_tree)
+from benchmarks.common import (predict_specs, reference_rows, results_header, run_length_text, sc21_row_specs,
+                               sc21_virtual_stages)
 
-from mist_ds.cost.predict import Prediction  # noqa: E402
-from mist_ds.tuner.search import PointResult, SearchResult, search  # noqa: E402
-from mist_ds.tuner.space import stage_option_grid  # noqa: E402
+from mist_ds.cost.predict import Prediction
+from mist_ds.tuner.search import PointResult, SearchResult, search
+from mist_ds.tuner.space import stage_option_grid
 
 SEARCH_MODULE = importlib.import_module("mist_ds.tuner.search")  # the package re-exports the function `search`
 
@@ -141,9 +139,9 @@ def verdict(t: Tuned) -> str:
 
 def main() -> None:
     rows = reference_rows("megatron_sc21_table1")
-    print("# Megatron-LM SC'21 Table 1: does the tuner recover the published layouts?\n")
-    print("Command: `nice -n 5 .venv/bin/python benchmarks/sc21_tune.py > benchmarks/results/sc21_tune.md`  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Megatron-LM SC'21 Table 1: does the tuner recover the published layouts?",
+                         "nice -n 5 .venv/bin/python -m benchmarks.sc21_tune > benchmarks/results/sc21_tune.md",
+                         "validation: the published layouts were read while the tuner's space changed"))
     print(f"Space `megatron`, runtime `megatron`, cluster `a100-80g`, fp16, no flash attention, vocab 51200, seq 2048 "
           f"(specs as benchmarks/megatron_sc21.py); tuner.micro_batch_sizes={list(MICRO_BATCH_SIZES)}, "
           f"tuner.max_tp={MAX_TP}, default optimizer offload ratios and layer_slack. Layouts are (t, pp, b). "

@@ -1,8 +1,8 @@
 """Soak: every runtime-`mist` case of the tests, launched again and again on CPU ranks as `mist-ds measure` runs
 it; crashes, hangs and census mismatches counted (issue 25).
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py 6 pp2-dp2-bf16-all   # some, for development
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak > benchmarks/results/soak.md
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak 6 pp2-dp2-bf16-all   # some, for development
 
 The first argument is the number of launches in all (default 50), spread round-robin over the cases (the
 rest: names of cases to run). Each launch is one real DeepSpeed job on local gloo ranks through
@@ -26,26 +26,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import source_tree  # noqa: E402
-from cpu_constants import machine_text  # noqa: E402
+from benchmarks.common import results_header, run_start
+from benchmarks.cpu_constants import machine_text
 
-from mist_ds.config import compose  # noqa: E402
-from mist_ds.cost.predict import predict  # noqa: E402
-from mist_ds.observe.measure import MEASURE_WORKER, measure_payload  # noqa: E402
-from mist_ds.observe.ranks import CPU_ENV, LaunchTimeout, launch  # noqa: E402
-from mist_ds.specs.groups import stage_of  # noqa: E402
-from mist_ds.testing.model_states import assert_model_states_are_predicted  # noqa: E402
-from mist_ds.testing.step_census import step_census_mismatches  # noqa: E402
+from mist_ds.config import compose
+from mist_ds.cost.predict import predict
+from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
+from mist_ds.observe.ranks import CPU_ENV, LaunchTimeout, launch
+from mist_ds.specs.groups import stage_of
+from mist_ds.testing.model_states import assert_model_states_are_predicted
+from mist_ds.testing.step_census import step_census_mismatches
 
-COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py > benchmarks/results/soak.md"
+COMMAND = "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak > benchmarks/results/soak.md"
 LAUNCHES = 50
 WARMUP_STEPS = 1
 TIMED_STEPS = 2
@@ -153,15 +149,14 @@ def soak(names: list[str], launches: int) -> dict[str, Tally]:
 def main() -> None:
     launches = int(sys.argv[1]) if len(sys.argv) > 1 else LAUNCHES
     names = sys.argv[2:] or list(CASES)
-    started, machine = time.perf_counter(), machine_text()
+    started, machine, at_start = time.perf_counter(), machine_text(), run_start()
     tallies = soak(names, launches)
-    load_end = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     total = lambda attr: sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)  # noqa: E731
                              for t in tallies.values())
-    print("# Soak: runtime `mist` launched again and again on CPU ranks\n")
-    print(f"Command: `{COMMAND}`  ")
-    print(f"Machine: {machine}; load average at the end {load_end}. Source: {source_tree()}. "
-          f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "
+    print(results_header("Soak: runtime `mist` launched again and again on CPU ranks", COMMAND,
+                         "none: counts crashes, hangs and census mismatches; no reference data", machine=machine,
+                         started=at_start))
+    print(f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "
           f"steps, the peak-memory step, the step census and the model-state census, as `mist-ds measure` runs them.\n")
     print(f"**{total('launches')} launches: {total('crashes')} crashes, {total('hangs')} hangs, "
           f"{total('mismatches')} census mismatches.**\n")

@@ -1,6 +1,6 @@
 """The README's sweep table and plan pictures, made by the commands it documents.
 
-    .venv/bin/python benchmarks/sweep_pictures.py > benchmarks/results/sweep_pictures.md
+    .venv/bin/python -m benchmarks.sweep_pictures > benchmarks/results/sweep_pictures.md
 
 Runs `mist-ds tune -m` over two models, two clusters and one or two nodes (SWEEP, baselines off) in a
 scratch dir, prints its sweep.md, and copies one plan's timeline.svg and memory.svg (PICTURED: the job
@@ -25,6 +25,9 @@ PICTURES = Path(__file__).resolve().parent / "results" / "pictures"
 
 
 def main() -> int:
+    from benchmarks.common import results_header, run_start
+
+    at_start = run_start()
     with tempfile.TemporaryDirectory(prefix="sweep-pictures-") as scratch:
         sweep = Path(scratch) / "sweep"
         command = ["mist-ds", "tune", "-m", *SWEEP, f"hydra.sweep.dir={sweep}"]
@@ -39,8 +42,10 @@ def main() -> int:
             shutil.copyfile(pictured / name, PICTURES / name)
         table = (sweep / "sweep.md").read_text().replace(str(sweep) + "/", "")
     shown = shlex.join(["mist-ds", "tune", "-m", *SWEEP, "hydra.sweep.dir=sweep"])
-    print(f"Command: `.venv/bin/python benchmarks/sweep_pictures.py > benchmarks/results/sweep_pictures.md`, which "
-          f"runs\n\n    {shown}\n")
+    print(results_header("A sweep of `mist-ds tune -m` and the pictures of one of its plans",
+                         ".venv/bin/python -m benchmarks.sweep_pictures > benchmarks/results/sweep_pictures.md",
+                         "none: tuned plans and their pictures, no reference data", started=at_start))
+    print(f"The command runs\n\n    {shown}\n")
     print(f"Pictures of job {pictured.name} ({PICTURED['model']} on {PICTURED['gpus']}x {PICTURED['cluster']}), its "
           "`timeline.svg` and `memory.svg`, copied to `benchmarks/results/pictures/`:\n")
     print("![timeline](pictures/timeline.svg)\n\n![memory](pictures/memory.svg)\n")

@@ -1,6 +1,6 @@
 """Benchmark: symbolic analysis of zoo models, cold (trace) and cached (load), in-process after imports.
 
-    .venv/bin/python benchmarks/symbolic_trace.py > benchmarks/results/symbolic_trace.md
+    .venv/bin/python -m benchmarks.symbolic_trace > benchmarks/results/symbolic_trace.md
 
 Targets on the 2-core development machine (issue: Symbolic analysis): cold < 10 s, cached < 0.2 s.
 Each model is analyzed once cold into a fresh cache directory, then loaded from it `REPEATS` times;
@@ -8,8 +8,6 @@ the table gives the cold time and the median / max cached load.
 """
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -24,7 +22,9 @@ def main() -> None:
     from mist_ds.config import compose
     from mist_ds.symbolic import analyze_model
 
-    rows = []
+    from benchmarks.common import results_header, run_start
+
+    at_start, rows = run_start(), []
     for name in MODELS:
         spec = compose([f"model={name}"], with_strategy=False).model
         with tempfile.TemporaryDirectory() as cache:
@@ -37,10 +37,10 @@ def main() -> None:
                 analyze_model(spec, "bf16", cache_dir=Path(cache))
                 loads.append(time.perf_counter() - start)
         rows.append((name, cold, statistics.median(loads), max(loads)))
-    print("# Symbolic analysis: cold trace and cached load\n")
-    print(f"Command: `.venv/bin/python benchmarks/symbolic_trace.py`  ")
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; in-process, after imports; bf16.\n")
+    print(results_header("Symbolic analysis: cold trace and cached load",
+                         ".venv/bin/python -m benchmarks.symbolic_trace > benchmarks/results/symbolic_trace.md",
+                         "none: trace and load seconds, no reference data", started=at_start))
+    print("In-process, after imports; bf16.\n")
     print("| model | cold (trace 3 layers x 2 TP variants) s | cached load median s | cached load max s |")
     print("|---|---|---|---|")
     for name, cold, median, worst in rows:

@@ -1,7 +1,7 @@
 """Speed of the tuner (`search`, space mist, baselines off) on three sizes, on the development machine.
 
-    nice -n 5 .venv/bin/python benchmarks/tune_speed.py > benchmarks/results/tune_speed.md
-    nice -n 5 .venv/bin/python benchmarks/tune_speed.py 1t   # one case (a name below), for development
+    nice -n 5 .venv/bin/python -m benchmarks.tune_speed > benchmarks/results/tune_speed.md
+    nice -n 5 .venv/bin/python -m benchmarks.tune_speed 1t   # one case (a name below), for development
 
 Cases and targets (wall seconds of one `search`, in-process, after imports and after the analysis has
 filled a fresh disk cache; the cold analysis is timed separately):
@@ -21,12 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_specs, machine_description, plan_text, reference_rows, source_tree  # noqa: E402
+from benchmarks.common import base_specs, plan_text, reference_rows, results_header
 
-from mist_ds.cost.predict import model_costs, predict_strategy  # noqa: E402
-from mist_ds.hardware import hardware_model  # noqa: E402
-from mist_ds.tuner.search import SearchResult, search  # noqa: E402
+from mist_ds.cost.predict import model_costs, predict_strategy
+from mist_ds.hardware import hardware_model
+from mist_ds.tuner.search import SearchResult, search
 
 RUNTIMES = ("deepspeed", "mist-paper")
 CASE_LIMIT_S = 600
@@ -152,10 +151,9 @@ def main() -> None:
     chosen = [c for c in CASES if len(sys.argv) < 2 or c.name in sys.argv[1:]]
     specs = base_specs(CASES[0].overrides)
     tuner = specs.tuner
-    print("# Tuner speed: `search` (space mist, baselines off) on the development machine\n")
-    print("Command: `nice -n 5 .venv/bin/python benchmarks/tune_speed.py > benchmarks/results/tune_speed.md`  ")
-    print(f"Machine: {machine_description()}.  ")
-    print(f"Source: {source_tree()}.  ")
+    print(results_header("Tuner speed: `search` (space mist, baselines off) on the development machine",
+                         "nice -n 5 .venv/bin/python -m benchmarks.tune_speed > benchmarks/results/tune_speed.md",
+                         "none: search seconds and plans, no reference data"))
     print(f"Tuner grids (defaults): micro-batch sizes {list(tuner.micro_batch_sizes)}, max_tp {tuner.max_tp}, "
           f"layer_slack {tuner.layer_slack}, weights/grads/optimizer/activations offload ratios "
           f"{list(tuner.weights_offload_ratios)}, {list(tuner.grads_offload_ratios)}, "

@@ -1,0 +1,105 @@
+"""The benchmarks say whether they are current: every results file starts with results_header's fields and is in
+benchmarks/results/index.md, the scripts run as `python -m benchmarks.<name>` without editing sys.path, and
+(slow) the deterministic benchmarks rerun to the tables their committed files hold."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import DATA_KINDS, HEADER_FIELDS, RunStart, results_header
+from benchmarks.index import (HEADLINES, README, header_fields, headline, read_entry, results_files,
+                              with_readme_table)
+from tests.conftest import REPO
+
+BENCHMARKS = REPO / "benchmarks"
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if p.name != "__init__.py")
+DETERMINISTIC = {"vtrain": ((), "vtrain.md"), "megatron_sc21": ((), "megatron_sc21.md"), "mist_l4": ((), "mist_l4.md"),
+                 "nccl_rails": ((), "nccl_rails.md"), "model_states": ((), "model_states.md"),
+                 "calibrate": (("--sc21-weight", "1"), "calibration_a100.md")}
+"""Benchmarks whose tables hold no timing: their arguments and results files (model_states starts 2-4 DeepSpeed
+ranks; its per-launch seconds sit in headings, outside the tables). On this 2-core shared machine a run takes 3 s
+(nccl_rails), 17 s (vtrain), about 2 minutes (model_states; megatron_sc21 and mist_l4, the symbolic analysis of
+their shapes) and 5 minutes (calibrate's least squares)."""
+
+
+def table_rows(text: str) -> list[str]:
+    """The Markdown table rows of a results file: its numbers, without the header's commit, machine and load."""
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.parametrize("path", results_files(), ids=lambda p: p.name)
+def test_every_results_file_starts_with_the_header(path):
+    entry = read_entry(path)
+    assert set(entry.fields) == set(HEADER_FIELDS)
+    assert all(kind in DATA_KINDS for kind in entry.data_kind.split(" and ")), entry.data_kind
+    assert re.search(r"-m benchmarks\.\w+", entry.fields["Command"]), entry.fields["Command"]
+    assert re.search(r"\b[0-9a-f]{7,40}\b", entry.fields["Commit"]), entry.fields["Commit"]
+    assert headline(path)  # raises where a quoted number is no longer in the file
+
+
+def test_every_results_file_is_in_the_index():
+    index = (BENCHMARKS / "results" / "index.md").read_text()
+    listed = set(re.findall(r"^\| \[([\w.]+\.md)\]", index, re.MULTILINE))
+    assert listed == {p.name for p in results_files()}
+    assert set(HEADLINES) == listed
+
+
+def test_the_readme_quotes_the_results_files_as_the_index_does():
+    readme = README.read_text()
+    assert readme == with_readme_table(readme), "rerun `python -m benchmarks.index --readme`"
+
+
+def test_the_header_reads_back_and_refuses_an_unknown_data_kind():
+    header = results_header("T", "python -m benchmarks.x", "fitted and held out: why", machine="m", load="l",
+                            commit="abc1234 (clean)")
+    assert header_fields(header + "\n| a |") == {"Command": "`python -m benchmarks.x`", "Commit": "abc1234 (clean)",
+                                                 "Machine": "m", "Load": "l", "Data": "fitted and held out: why"}
+    started = RunStart("abc1234 (clean)", "1.0")
+    begun = header_fields(results_header("T", "c", "none: why", machine="m", started=started))
+    assert begun["Commit"] == "abc1234 (clean)" and begun["Load"].startswith("load average at start 1.0, at the end")
+    with pytest.raises(ValueError):
+        results_header("T", "c", "measured: a kind that is none of DATA_KINDS")
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_no_benchmark_edits_sys_path_or_imports_a_sibling_bare(path):
+    source = path.read_text()
+    assert "sys.path" not in source
+    siblings = {p.stem for p in SCRIPTS}
+    bare = [node.module for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in siblings]
+    assert not bare, f"import these as benchmarks.<name>: {bare}"
+
+
+@pytest.mark.parametrize("path", [p for p in SCRIPTS if p.stem != "common"], ids=lambda p: p.name)
+def test_every_script_documents_its_launch_as_a_module(path):
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert f"python -m benchmarks.{path.stem}" in docstring
+
+
+def test_the_benchmarks_package_is_not_shipped():
+    # read as text: tomllib is Python 3.11+, and the project supports 3.10
+    find = (REPO / "pyproject.toml").read_text().split("[tool.setuptools.packages.find]", 1)[1].split("\n[", 1)[0]
+    include = re.findall(r'"([^"]+)"', re.search(r"^include = \[(.*)\]$", find, re.MULTILINE).group(1))
+    assert include, "pyproject names the packages it ships"
+    assert (BENCHMARKS / "__init__.py").is_file()
+    assert not any(re.fullmatch(pattern.replace("*", ".*"), "benchmarks") for pattern in include), include
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(DETERMINISTIC))
+def test_a_deterministic_benchmark_reruns_to_its_committed_tables(script):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    arguments, results_file = DETERMINISTIC[script]
+    run = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", *arguments], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    committed = (BENCHMARKS / "results" / results_file).read_text()
+    assert table_rows(run.stdout) == table_rows(committed), (
+        f"benchmarks/results/{results_file} is stale: rerun `python -m benchmarks.{script}` and commit it")
