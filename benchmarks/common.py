@@ -23,7 +23,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import RuntimeCapabilities, Specs
-from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
+from mist_ds.specs.strategy import StrategyRequest, layout_text, resolve_strategy
 
 if TYPE_CHECKING:
     from mist_ds.tuner.search import PointResult
@@ -146,33 +146,9 @@ def vtrain_row_specs(row: dict, **gpu_changes) -> Specs:
 
 # --- tuner reports -----------------------------------------------------------------------------------------
 
-def run_length_text(values) -> str:
-    """Run-length text of a per-stage list: [13, 12, 12, 12, 11] -> '13, 12 (x3), 11'."""
-    out, i = [], 0
-    values = list(values)
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[i]:
-            j += 1
-        out.append(f"{values[i]:g}" + (f" (x{j - i + 1})" if j > i else ""))
-        i = j + 1
-    return ", ".join(out)
-
-
 def plan_text(best: PointResult) -> str:
-    """One line of a tuned plan: its (t, S, d, b, G) and per stage its layers, recomputed layers, ZeRO stage
-    and the offload fractions that are not all zero."""
-    p, stages = best.point, best.strategy.stages
-    offloads = []
-    for name, key in (("wo", "weights_offload"), ("go", "grads_offload"), ("oo", "optimizer_offload"),
-                      ("ao", "activations_offload")):
-        values = [getattr(s, key) for s in stages]
-        if any(values):
-            offloads.append(f"{name} [{run_length_text(values)}]")
-    return (f"t {p.tp}, S {p.pp}, d {p.dp}, b {p.micro_batch_size}, G {p.grad_accum}; "
-            f"layers [{run_length_text(s.layers for s in stages)}]; "
-            f"ckpt [{run_length_text(s.ckpt_layers for s in stages)}]; "
-            f"zero [{run_length_text(s.zero_stage for s in stages)}]; offload " + ("; ".join(offloads) or "none"))
+    """One line of a tuned plan: the one layout text every report prints (docs/design.md, Glossary)."""
+    return layout_text(best.strategy)
 
 
 def source_tree(paths: tuple[str, ...] = ("mist_ds", "benchmarks", "pyproject.toml")) -> str:

@@ -36,7 +36,8 @@ def candidates(n: int, seed: int = 0) -> StageCandidates:
     layers = rng.integers(1, 25, n)
     return StageCandidates.of(b=rng.choice([1, 2, 4], n), s=2048, t=rng.choice([1, 2, 4, 8], n),
                               d=rng.choice([1, 2, 4, 8], n), pp=pp, G=rng.integers(1, 65, n),
-                              stage=rng.integers(0, 8, n) % pp, layers=layers, ckpt=rng.integers(0, 25, n) % (layers + 1),
+                              stage=rng.integers(0, 8, n) % pp, layers=layers,
+                              ckpt=rng.integers(0, 25, n) % (layers + 1),
                               zero=rng.integers(0, 4, n), wo=rng.choice([0, 0.5, 1], n), go=rng.choice([0, 0.5, 1], n),
                               oo=rng.choice([0, 0.5, 1], n), ao=rng.choice([0, 0.5, 1], n))
 

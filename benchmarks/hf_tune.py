@@ -82,7 +82,8 @@ def main() -> None:
     print()
     print("| run | wall s | plan | predicted iteration s |")
     print("|---|---:|---|---:|")
-    print(f"| hf, cold cache | {cold_s:.1f} | {layout(cold_plan)} | {cold_plan['prediction']['iteration_time_s']:.3f} |")
+    print(f"| hf, cold cache | {cold_s:.1f} | {layout(cold_plan)} | "
+          f"{cold_plan['prediction']['iteration_time_s']:.3f} |")
     print(f"| hf, warm cache | {hf_s:.1f} | {layout(hf_plan)} | {hf_plan['prediction']['iteration_time_s']:.3f} |")
     print(f"| zoo llama3-8b, warm cache | {zoo_s:.1f} | {layout(zoo_plan)} | "
           f"{zoo_plan['prediction']['iteration_time_s']:.3f} |")

@@ -47,7 +47,8 @@ def l4_specs(row: dict, pp: int, micro_batch: int, layers, ckpt, opt_offload, fl
                  f"model.flash_attention={'true' if flash else 'false'}", "model.ffn_hidden_size=null",
                  "cluster=l4-24g", "train.precision=fp16")
     return specs_for(overrides, nodes=1, gpus_per_node=gpus, global_batch=global_batch,
-                     gpu_changes={"peak_flops_per_s": {"fp16": PINNED_PEAK_TFLOPS * 1e12, "bf16": PINNED_PEAK_TFLOPS * 1e12,
+                     gpu_changes={"peak_flops_per_s": {"fp16": PINNED_PEAK_TFLOPS * 1e12,
+                                                       "bf16": PINNED_PEAK_TFLOPS * 1e12,
                                                        "fp32": 30.3e12 * 1050 / 2040}},
                      runtime="mist-paper", schedule="mist", tp=1, pp=pp, micro_batch_size=micro_batch,
                      layers_per_stage=layers, ckpt_layers=ckpt, zero_stage=zero,

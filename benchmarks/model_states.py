@@ -105,7 +105,8 @@ def main() -> None:
     out = [results_header("Model states per rank: a real DeepSpeed engine vs mist_ds and DeepSpeed's estimators",
                           COMMAND, DATA, machine=machine),
            "Every tensor lives in CPU memory; `host` is what the offloading optimizer allocates on 'cpu'.  ",
-           f"Model: Linear layers (in, out, bias) {list(LAYERS)}, ReLU between; two training steps, the second counted.",
+           f"Model: Linear layers (in, out, bias) {list(LAYERS)}, ReLU between; two training steps, the second "
+           "counted.",
            "",
            "Cells: bytes per rank, **measured / memory.py** (`deepspeed_model_states` for the same P, d, ZeRO stage, "
            "dtype, pipeline, offload, R, largest parameter L, persistent parameters). Measured: every storage "

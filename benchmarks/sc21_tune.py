@@ -25,10 +25,10 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks.common import (predict_specs, reference_rows, results_header, run_length_text, sc21_row_specs,
-                               sc21_virtual_stages)
+from benchmarks.common import predict_specs, reference_rows, results_header, sc21_row_specs, sc21_virtual_stages
 
 from mist_ds.cost.predict import Prediction
+from mist_ds.specs.strategy import run_length_text
 from mist_ds.tuner.search import PointResult, SearchResult, search
 from mist_ds.tuner.space import stage_option_grid
 

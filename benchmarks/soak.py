@@ -2,7 +2,8 @@
 it; crashes, hangs and census mismatches counted (issue 25).
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak > benchmarks/results/soak.md
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak 6 pp2-dp2-bf16-all   # some, for development
+    # some cases, for development:
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak 6 pp2-dp2-bf16-all
 
 The first argument is the number of launches in all (default 50), spread round-robin over the cases (the
 rest: names of cases to run). Each launch is one real DeepSpeed job on local gloo ranks through
@@ -82,8 +83,8 @@ def census_mismatches(specs, config: dict, prediction, results: list[dict]) -> l
         stage = stage_of(par, rank)
         zero3 = specs.strategy.stages[stage].zero_stage == 3
         found += [f"rank {rank} {mismatch}" for mismatch in step_census_mismatches(
-            result["flops"], result["comm_bytes"], prediction.flops_per_rank[stage], prediction.comm_bytes_per_rank[stage],
-            zero3)]
+            result["flops"], result["comm_bytes"], prediction.flops_per_rank[stage],
+            prediction.comm_bytes_per_rank[stage], zero3)]
     try:  # model states field by field, up to the residual formulas the project states (testing/model_states.py)
         assert_model_states_are_predicted(specs, config, prediction.to_dict(), results, "soak")
     except AssertionError as error:
@@ -151,8 +152,11 @@ def main() -> None:
     names = sys.argv[2:] or list(CASES)
     started, machine, at_start = time.perf_counter(), machine_text(), run_start()
     tallies = soak(names, launches)
-    total = lambda attr: sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)  # noqa: E731
-                             for t in tallies.values())
+
+    def total(attr: str) -> int:
+        return sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)
+                   for t in tallies.values())
+
     print(results_header("Soak: runtime `mist` launched again and again on CPU ranks", COMMAND,
                          "none: counts crashes, hangs and census mismatches; no reference data", machine=machine,
                          started=at_start))

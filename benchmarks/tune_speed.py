@@ -45,7 +45,8 @@ def sc21_overrides(model: str) -> tuple[str, ...]:
     row = next(r for r in reference_rows("megatron_sc21_table1") if r["model"] == model)
     return ("model=gpt3-175b", f"model.hidden_size={row['hidden_size']}", f"model.num_layers={row['num_layers']}",
             f"model.num_heads={row['num_heads']}", "model.vocab_size=51200", "model.seq_len=2048",
-            "cluster=a100-80g", f"cluster.nodes={int(row['gpus']) // 8}", f"train.global_batch_size={row['global_batch']}")
+            "cluster=a100-80g", f"cluster.nodes={int(row['gpus']) // 8}",
+            f"train.global_batch_size={row['global_batch']}")
 
 
 CASES = (
@@ -129,7 +130,8 @@ def report(case: Case, runtime: str, result: SearchResult, cpu_s: float, simulat
     print("|---|---|---|---|---|---|---|---|---|")
     best = f"{result.best.objective_s:.3f}" if result.best else "no plan fits"
     print(f"| {result.seconds:.2f} | {cpu_s:.2f} | {target} | {'yes' if ok else 'NO'} | {len(rows)} "
-          f"({len(result.points)} with variants) | {len(result.pruned)} | {result.candidates:,} | {max_gap:.2e} | {best} |\n")
+          f"({len(result.points)} with variants) | {len(result.pruned)} | {result.candidates:,} | {max_gap:.2e} | "
+          f"{best} |\n")
     if result.best:
         print(f"Best plan: {plan_text(result.best)}; solver {result.best.solver}, gap {result.best.gap:.2e}. "
               f"`predict` of this plan (1F1B simulation): {simulated_s:.3f} s, "

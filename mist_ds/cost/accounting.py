@@ -18,7 +18,8 @@ What DeepSpeed does):
   tied embedding at pp = 1, once more per micro-batch) and reduce-scatters the gradients every
   micro-batch. The gathers are an upper bound: DeepSpeed's coordinator keeps a parameter used again
   within stage3_max_reuse_distance gathered (zero/partitioned_param_coordinator.py:658), which the
-  step census shows skipping some re-gathers around the forward-backward turn (not modeled). With d = 1 the reductions still run, on a group of one (`self`); the gathers do not.
+  step census shows skipping some re-gathers around the forward-backward turn (not modeled). With d = 1 the
+  reductions still run, on a group of one (`self`); the gathers do not.
 - Pipelines: one activation sent forward and one gradient back per micro-batch and boundary; with
   t > 1 split over the TP ranks (pipe_partitioned / grad_partitioned, pipe/engine.py:708-748): 1 / t
   of it plus PARTITION_META_BYTES per message, and an all-gather over the TP group to rebuild each

@@ -9,7 +9,8 @@ b = bytes of the model dtype, P = parameters on the GPU, d = data parallel, Pa =
 multiple of 2d, ps = Pa / d, p3 = ceil(P / d), L = elements of the largest single parameter,
 R = reduce_bucket_size elements, N = elements of the ZeRO-3 parameters kept whole
 (<= stage3_param_persistence_threshold), k = 2 for ZeRO-1 in a pipeline (reduce_gradients appends a
-second bucket) and with overlap_comm (runtime `mist` at S = 1), else 1, U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)): an upper bound of the
+second bucket) and with overlap_comm (runtime `mist` at S = 1), else 1,
+U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)): an upper bound of the
 whole parameters overlapping one rank's partition plus the padding inside it (L - 1 taken as 0 when
 L is not given: U = ps). One parameter group; ZeRO-1/2 with overlap_comm off (DeepSpeed's default and
 what mist_ds/emit writes; on, a second bucket). Measured in bf16 and fp32; fp16 follows bf16 but for

@@ -43,7 +43,8 @@ ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
 """Which allocation model cost/memory.py prices model states with (its module docstring)."""
 CollectiveModel = Literal["deepspeed", "ideal"]
 """Which collectives a runtime runs for data parallelism, pipelines and the optimizer step: names the module of
-cost/executors that prices its data moves (cost/executors/__init__.py COLLECTIVE_EXECUTORS; docs/design.md, What DeepSpeed does)."""
+cost/executors that prices its data moves (cost/executors/__init__.py COLLECTIVE_EXECUTORS; docs/design.md, What
+DeepSpeed does)."""
 
 
 @dataclass(frozen=True)
