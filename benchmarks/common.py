@@ -22,7 +22,7 @@ from scipy.stats import spearmanr
 from mist_ds.config import compose
 from mist_ds.cost.predict import Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import RuntimeCapabilities, Specs
+from mist_ds.specs import ExecutorCapabilities, Specs
 from mist_ds.specs.strategy import StrategyRequest, layout_text, resolve_strategy
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def specs_for(overrides: tuple[str, ...], *, nodes: int, gpus_per_node: int, glo
 _costs: dict = {}
 
 
-def predict_specs(specs: Specs, caps: RuntimeCapabilities | None = None) -> Prediction:
+def predict_specs(specs: Specs, caps: ExecutorCapabilities | None = None) -> Prediction:
     """predict of `specs`, on `caps` where given (an ablation), else on the runtime the strategy names."""
     key = (specs.model, specs.train.precision)
     if key not in _costs:

@@ -22,7 +22,7 @@ from mist_ds.cost.stage import stage_times
 from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.interference import COMPILE_FROM_ROWS, compiled_elapsed_rows
-from mist_ds.specs import runtime_capabilities
+from mist_ds.specs import executor_capabilities
 
 from benchmarks.common import machine_description, results_header, run_start
 
@@ -37,7 +37,7 @@ def candidates(n: int, seed: int = 0) -> StageCandidates:
     return StageCandidates.of(b=rng.choice([1, 2, 4], n), s=2048, t=rng.choice([1, 2, 4, 8], n),
                               d=rng.choice([1, 2, 4, 8], n), pp=pp, G=rng.integers(1, 65, n),
                               stage=rng.integers(0, 8, n) % pp, layers=layers,
-                              ckpt=rng.integers(0, 25, n) % (layers + 1),
+                              recompute=rng.integers(0, 25, n) % (layers + 1),
                               zero=rng.integers(0, 4, n), wo=rng.choice([0, 0.5, 1], n), go=rng.choice([0, 0.5, 1], n),
                               oo=rng.choice([0, 0.5, 1], n), ao=rng.choice([0, 0.5, 1], n))
 
@@ -53,7 +53,7 @@ def main() -> None:
     compiled_elapsed_rows()  # once per process: numba loads (or compiles) the interference loop
     load_s = time.perf_counter() - start
     for runtime in ("deepspeed", "mist-paper"):
-        caps = runtime_capabilities(runtime)
+        caps = executor_capabilities(runtime)
         timings[runtime] = []
         for _ in range(REPEATS):
             fresh = dataclasses.replace(batch)  # same arrays, none of the cached derived ones

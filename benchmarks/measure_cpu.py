@@ -1,4 +1,4 @@
-"""Predicted against measured iteration time of real DeepSpeed steps on 2 CPU ranks (runtime `deepspeed`).
+"""Predicted against measured iteration time of real DeepSpeed steps on 2 CPU ranks (executor `deepspeed`).
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu \\
         > benchmarks/results/measure_cpu.md

@@ -36,7 +36,7 @@ def main() -> None:
     efficiency = float(np.exp(np.mean(np.log(ideal / measured))))  # least squares in log space
     constant = ideal / efficiency
     print(results_header("Megatron-LM SC'21 Table 1: predicted vs implied iteration time", COMMAND, DATA))
-    print("Runtime `megatron`, cluster `a100-80g` (values and their calibration subset: the cluster file), "
+    print("Executor `megatron`, cluster `a100-80g` (values and their calibration subset: the cluster file), "
           "fp16 mixed precision (2021), full recompute, no flash attention, vocab 51200, seq 2048.\n")
     print("| model | tp | pp | dp | micro | chunks v | measured s | predicted s | error | as plain 1F1B s | error | "
           "constant-eff s | error |")

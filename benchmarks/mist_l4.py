@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks.common import mape, predict_specs, reference_rows, results_header, specs_for
 
-from mist_ds.specs import runtime_capabilities
+from mist_ds.specs import executor_capabilities
 
 COMMAND = ".venv/bin/python -m benchmarks.mist_l4 > benchmarks/results/mist_l4.md"
 DATA = ("validation: no constant is fitted on these rows (cluster l4-24g's come from Mist's own fits), but the "
@@ -58,7 +58,7 @@ def l4_specs(row: dict, pp: int, micro_batch: int, layers, ckpt, opt_offload, fl
 def main() -> None:
     rows = reference_rows("mist_l4_measured")
     print(results_header("Mist artifact, L4 (pinned clocks): predicted vs measured", COMMAND, DATA))
-    print("Runtime `mist-paper`, cluster `l4-24g` with the dense fp16 peak at 62.3 TFLOP/s (pinned clocks), "
+    print("Executor `mist-paper`, cluster `l4-24g` with the dense fp16 peak at 62.3 TFLOP/s (pinned clocks), "
           "fp16, seq 2048, vocab 50304, TP 1, ZeRO-1. Micro-batch b: the csv leaves it out; the table "
           "reads it from the plan's file in the Mist artifact (tuned_configs/l4-24gb): b = 2 for the two "
           "1.3B flash rows, b = 1 for the rest.\n")
@@ -110,7 +110,7 @@ def _hardware_flops(specs, p) -> float:
 
 def _eager(specs):
     """The same prediction with the runtime's element-wise runs priced one kernel per op."""
-    caps = dataclasses.replace(runtime_capabilities(specs.strategy.runtime), fused_kernels=False)
+    caps = dataclasses.replace(executor_capabilities(specs.strategy.runtime), fused_kernels=False)
     return predict_specs(specs, caps)
 
 
@@ -138,7 +138,7 @@ def ablation_section(row_specs: list, measured: list[float], pair: list[dict]) -
         return _hardware_flops(specs, p) / (gpus * PINNED_PEAK_TFLOPS * 1e12 * efficiency)
 
     print("## Ablation\n")
-    print(f"Same rows. Eager: element-wise runs priced one kernel per op (RuntimeCapabilities.fused_kernels off). "
+    print(f"Same rows. Eager: element-wise runs priced one kernel per op (ExecutorCapabilities.fused_kernels off). "
           f"Constant efficiency: e = {efficiency:.3f} fitted on these rows (log error). Pair ratio: megatron-best "
           f"(as run: full recompute) / mist-tuned, measured {measured_ratio:.3f}.\n")
     print("| predictor | time MAPE | max abs error | pair ratio | pair ratio error |")

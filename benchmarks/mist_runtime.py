@@ -1,4 +1,4 @@
-"""Runtime `mist` against runtime `deepspeed`: on the same plan and on each runtime's best plan, predicted and
+"""Executor `mist` against executor `deepspeed`: on the same plan and on each runtime's best plan, predicted and
 measured on CPU ranks as `mist-ds measure` runs them (issue 16).
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime \\
@@ -6,8 +6,8 @@ measured on CPU ranks as `mist-ds measure` runs them (issue 16).
     nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper > benchmarks/results/mist_runtime_paper.md
     nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper gpt3-1.3B   # some cases, for development
 
-The second form is predicted only: on the Mist paper's cases, the best plan of every space on runtime `mist`
-against the best on runtime `deepspeed`: benchmarks/plan_quality.py's table of that name, alone.
+The second form is predicted only: on the Mist paper's cases, the best plan of every space on executor `mist`
+against the best on executor `deepspeed`: benchmarks/plan_quality.py's table of that name, alone.
 
 Each row is one plan under both runtimes: a strategy given outright on `tiny` (or the tuner's best plan on
 each runtime), predicted on the CPU cluster with the constants benchmarks/cpu_constants.py measured
@@ -40,7 +40,7 @@ from mist_ds.tuner import tune_specs
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime "
            "> benchmarks/results/mist_runtime.md")
 PAPER_COMMAND = "nice -n 5 .venv/bin/python -m benchmarks.mist_runtime paper > benchmarks/results/mist_runtime_paper.md"
-RUNTIMES = ("deepspeed", "mist")
+EXECUTORS = ("deepspeed", "mist")
 
 # name -> (ranks, overrides): the same strategy under both runtimes
 SAME_PLAN = {
@@ -99,7 +99,7 @@ def main() -> None:
     rows = {}
     for name, (ranks, overrides) in SAME_PLAN.items():
         pair = {}
-        for runtime in RUNTIMES:
+        for runtime in EXECUTORS:
             extra = [f"strategy.offload.activations={AO_ON_MIST[name]}"] if runtime == "mist" and name in AO_ON_MIST \
                 else []
             specs = specs_of(ranks, [*overrides, *extra], runtime, constants)
@@ -107,14 +107,14 @@ def main() -> None:
         rows[name] = pair
     for ranks in (2, 4):
         pair = {}
-        for runtime in RUNTIMES:
+        for runtime in EXECUTORS:
             specs = best_specs(runtime, ranks, constants)
             pair[runtime] = (specs, predict(specs).iteration_time_s, measured_s(specs))
         rows[f"best plan of each runtime, {ranks} ranks"] = pair
     wall_s = time.perf_counter() - start
-    lines = [results_header("Runtime `mist` against `deepspeed` on CPU ranks", COMMAND,
+    lines = [results_header("Executor `mist` against `deepspeed` on CPU ranks", COMMAND,
                             "validation: measured plans beside their predictions; nothing is fitted on them, but "
-                            "they were read while runtime `mist`'s terms changed", machine=machine_text(),
+                            "they were read while executor `mist`'s terms changed", machine=machine_text(),
                             started=at_start),
              f"The machine is shared with other jobs: timings vary up to 2x between identical runs. {WARMUP_STEPS} "
              f"warm-up and {TIMED_STEPS} timed steps per plan and runtime (`mist-ds measure`'s worker and "
@@ -150,7 +150,7 @@ def paper(only: tuple[str, ...]) -> None:
 
     start, machine, at_start = time.perf_counter(), machine_text(), run_start()
     outcomes = [run(case, runtime) for runtime in (STOCK, BUILT) for case in cases(only)]
-    lines = [results_header("Runtime `mist` against `deepspeed` on the Mist paper's cases (predicted)", PAPER_COMMAND,
+    lines = [results_header("Executor `mist` against `deepspeed` on the Mist paper's cases (predicted)", PAPER_COMMAND,
                             "none: predicted plans only, no measurement", machine=machine,
                             started=at_start),
              "Cases of benchmarks/plan_quality.py (Mist, EuroSys'25: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "

@@ -22,7 +22,7 @@ from benchmarks.tune_speed import CASES
 from mist_ds.cost.predict import model_costs
 from mist_ds.tuner.search import SearchResult, search
 
-RUNTIMES = ("deepspeed", "mist-paper")
+EXECUTORS = ("deepspeed", "mist-paper")
 SOLVERS = ("dp", "milp")
 REPEATS = 2
 GRID_CASE = "22b"
@@ -80,7 +80,7 @@ def spread(values: list[float]) -> str:
 def run_case(case, rows: list[str], grid_rows: list[str]) -> None:
     with tempfile.TemporaryDirectory() as cache:
         model_costs(base_specs(case.overrides), Path(cache))  # fills the cache: no search below traces
-        for runtime in RUNTIMES:
+        for runtime in EXECUTORS:
             runs = {solver: [timed_search(case.overrides + (f"tuner.partition_solver={solver}",), runtime, Path(cache))
                              for _ in range(REPEATS)] for solver in SOLVERS}
             walls = {s: [r.seconds for r, _, _ in runs[s]] for s in SOLVERS}

@@ -1,5 +1,5 @@
 """Plan quality on the Mist paper's cases: the mist plan's predicted speedup over the best plan of the
-megatron, deepspeed and aceso spaces, beside the cost model's ranking accuracy; and runtime `mist`'s
+megatron, deepspeed and aceso spaces, beside the cost model's ranking accuracy; and executor `mist`'s
 predicted speedup over stock `deepspeed`, each runtime's best plan of every space.
 
     nice -n 5 .venv/bin/python -m benchmarks.plan_quality > benchmarks/results/plan_quality.md
@@ -10,7 +10,7 @@ Cases (Mist, Zhu et al., EuroSys'25, end-to-end evaluation): GPT-3 and Llama sha
 and A100-40GB at sequence 4096. N GPUs: one node of N GPUs when N fits in a node, else N / gpus_per_node
 full nodes. Each case is tuned (`tune_specs`, baselines on) on runtime mist-paper (Mist's whole space,
 as the paper compares), on the default runtime (the best one mist_ds executes) and on the two built
-runtimes `deepspeed` and `mist` where the default is not one of them; every space of a row is searched on
+executors `deepspeed` and `mist` where the default is not one of them; every space of a row is searched on
 that row's runtime, so the speedups isolate the search space. The last table crosses runtimes: the best
 plan of every space on `mist` against the best on stock `deepspeed` (benchmarks/mist_runtime.py `paper`
 prints the same table alone).

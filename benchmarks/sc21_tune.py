@@ -12,7 +12,7 @@ divides a stage). Times are `predict` (the pipeline simulation) of each strategy
 (t, pp, b), or the published layout is predicted within GOAL_WITHIN of the tuned optimum.
 
 The tuned optimum restricted to full recompute (what every published row used) is the same search with
-the space's recompute choices cut to "full" on every stage (the module's `ckpt_choices`, patched here).
+the space's recompute choices cut to "full" on every stage (the module's `recompute_choices`, patched here).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def tune(specs, variant: str) -> SearchResult:
     specs = dataclasses.replace(specs, tuner=tuner)
     with contextlib.ExitStack() as patches:
         if variant in ("full", "sc21"):
-            patches.enter_context(mock.patch.object(SEARCH_MODULE, "ckpt_choices", full_recompute_only))
+            patches.enter_context(mock.patch.object(SEARCH_MODULE, "recompute_choices", full_recompute_only))
         if variant == "sc21":
             patches.enter_context(mock.patch.object(SEARCH_MODULE, "stage_option_grid", zero0_grid))
         return search(specs, space="megatron", runtime="megatron", progress=False)
@@ -74,7 +74,7 @@ def layout(p) -> tuple[int, int, int]:
     return (p.tp, p.pp, p.micro_batch_size)
 
 
-def ckpt_text(best: PointResult) -> str:
+def recompute_text(best: PointResult) -> str:
     stages = best.strategy.stages
     if all(s.ckpt_layers == s.layers for s in stages):
         return "full"
@@ -87,7 +87,7 @@ def plan_text(best: PointResult | None) -> str:
     stages = best.strategy.stages
     uneven = "" if len({s.layers for s in stages}) == 1 else f", layers [{run_length_text(s.layers for s in stages)}]"
     oo = stages[0].optimizer_offload
-    return (f"({best.point.tp}, {best.point.pp}, {best.point.micro_batch_size}) ckpt {ckpt_text(best)}"
+    return (f"({best.point.tp}, {best.point.pp}, {best.point.micro_batch_size}) ckpt {recompute_text(best)}"
             + uneven + (f", oo {oo:g}" if oo else "")
             + (f", interleaved x{best.strategy.virtual_stages}" if best.strategy.virtual_stages > 1 else ""))
 
@@ -142,7 +142,7 @@ def main() -> None:
     print(results_header("Megatron-LM SC'21 Table 1: does the tuner recover the published layouts?",
                          "nice -n 5 .venv/bin/python -m benchmarks.sc21_tune > benchmarks/results/sc21_tune.md",
                          "validation: the published layouts were read while the tuner's space changed"))
-    print(f"Space `megatron`, runtime `megatron`, cluster `a100-80g`, fp16, no flash attention, vocab 51200, seq 2048 "
+    print(f"Space `megatron`, executor `megatron`, cluster `a100-80g`, fp16, no flash attention, vocab 51200, seq 2048 "
           f"(specs as benchmarks/megatron_sc21.py); tuner.micro_batch_sizes={list(MICRO_BATCH_SIZES)}, "
           f"tuner.max_tp={MAX_TP}, default optimizer offload ratios and layer_slack. Layouts are (t, pp, b). "
           "Published: the paper's layout priced as megatron_sc21.py does (full recompute, ZeRO 0, uniform "
@@ -174,7 +174,7 @@ def main() -> None:
     usable_gib = specs.cluster.gpu.usable_memory_bytes / GIB
     print("\n## Restricted to the published rows' features\n")
     print("\"full\": the megatron space with full recompute only (ZeRO-1, optimizer offload allowed); \"SC'21\": "
-          "full recompute, ZeRO 0 and no optimizer offload, as the paper ran (the space's `ckpt_choices` and "
+          "full recompute, ZeRO 0 and no optimizer offload, as the paper ran (the space's `recompute_choices` and "
           "ZeRO grid patched in this script). diff = published predicted / restricted optimum predicted - 1. "
           f"Peak: the plan's fullest GPU as `predict` counts it; usable {usable_gib:.0f} GiB.\n")
     print("| model | published (t, pp, b) | peak GiB | full: optimum | s | peak GiB | diff | at published point | "
@@ -200,8 +200,8 @@ def main() -> None:
 def diagnose(row, key, space: Tuned, full: Tuned, sc21: Tuned, published_peak: float, usable_gib: float) -> str:
     best = space.result.best
     parts = [f"the tuner prefers {plan_text(best)}, predicted {space.diff:.1%} faster than the published {key}"]
-    if best is not None and ckpt_text(best) != "full":
-        parts.append(f"it recomputes {ckpt_text(best)} because memory allows it (every published row used full "
+    if best is not None and recompute_text(best) != "full":
+        parts.append(f"it recomputes {recompute_text(best)} because memory allows it (every published row used full "
                      "recompute)")
     for label, t in (("full recompute", full), ("the SC'21 features", sc21)):
         if t.result.best is not None:

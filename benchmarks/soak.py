@@ -157,7 +157,7 @@ def main() -> None:
         return sum(len(getattr(t, attr)) if isinstance(getattr(t, attr), list) else getattr(t, attr)
                    for t in tallies.values())
 
-    print(results_header("Soak: runtime `mist` launched again and again on CPU ranks", COMMAND,
+    print(results_header("Soak: executor `mist` launched again and again on CPU ranks", COMMAND,
                          "none: counts crashes, hangs and census mismatches; no reference data", machine=machine,
                          started=at_start))
     print(f"{time.perf_counter() - started:.0f} s in all. Each launch: {WARMUP_STEPS} warm-up and {TIMED_STEPS} timed "

@@ -27,7 +27,7 @@ from mist_ds.cost.predict import model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
 from mist_ds.tuner.search import SearchResult, search
 
-RUNTIMES = ("deepspeed", "mist-paper")
+EXECUTORS = ("deepspeed", "mist-paper")
 CASE_LIMIT_S = 600
 SC21_ROW = "1008B"
 
@@ -94,7 +94,7 @@ def run_case(case: Case) -> list[str]:
         print(f"Cold symbolic analysis (fresh cache, `model_costs`): {cold_s:.2f} s; every search below reads "
               "it from the cache.\n")
         summary = []
-        for runtime in RUNTIMES:
+        for runtime in EXECUTORS:
             signal.signal(signal.SIGALRM, _alarm)
             signal.alarm(CASE_LIMIT_S)
             cpu = time.process_time()

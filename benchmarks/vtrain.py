@@ -214,7 +214,7 @@ def main() -> None:
     fit = np.array([int(r["gpus"]) in VTRAIN_FIT_GPUS for r in rows])
     efficiency = float(np.exp(np.mean(np.log(ideal[fit] / measured[fit]))))
     print(results_header("vTrain single-node A100: predicted vs measured iteration time", COMMAND, DATA))
-    print("Runtime `megatron`, cluster `a100-80g` with gpus_per_node = the row's GPUs, fp16, full recompute, "
+    print("Executor `megatron`, cluster `a100-80g` with gpus_per_node = the row's GPUs, fp16, full recompute, "
           f"no flash attention, vocab 51200. Constant-efficiency baseline: e = {efficiency:.3f} "
           "(fitted on the 2- and 4-GPU rows).\n")
     report(rows, predicted, ideal / efficiency)

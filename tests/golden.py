@@ -125,7 +125,7 @@ def tune_record(overrides: list[str]) -> dict:
     the DeepSpeed keys of its ds_config (the `"mist"` block aside); or the no-fit explanation."""
     from mist_ds.config import compose
     from mist_ds.emit import ds_config
-    from mist_ds.specs import runtime_capabilities
+    from mist_ds.specs import executor_capabilities
     from mist_ds.tuner import NoPlanFits, tune_specs
 
     specs = compose(overrides, with_strategy=False)
@@ -142,7 +142,7 @@ def tune_record(overrides: list[str]) -> dict:
                        "speedup": b.speedup, "strategy": b.prediction.strategy if b.prediction else None,
                        "search": search_statistics(b.search)} for b in result.baselines],
     }
-    if runtime_capabilities(strategy.runtime).executes_on_deepspeed:
+    if executor_capabilities(strategy.runtime).executes_on_deepspeed:
         record["ds_config"] = {k: v for k, v in ds_config(strategy, specs.train, specs.model).items() if k != "mist"}
     return record
 

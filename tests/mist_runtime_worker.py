@@ -161,7 +161,7 @@ def run_case(case: dict) -> dict:
 
 
 def run_resume_case(case: dict) -> dict:
-    """Train `steps`, saving after `save_at` (the gather still in flight then, on runtime `mist`); a new
+    """Train `steps`, saving after `save_at` (the gather still in flight then, on executor `mist`); a new
     engine loads that checkpoint and trains the rest: its losses and the first run's."""
     from mist_ds.runtime import initialize
 

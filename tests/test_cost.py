@@ -20,7 +20,7 @@ from mist_ds.hardware import hardware_model
 from mist_ds.hardware.compute import gemm_efficiency, gemm_time_s
 from mist_ds.hardware.interference import (COMPILE_FROM_ROWS, elapsed_rows, factor_table, monotone_envelope,
                                           overlapped_channels_s, overlapped_time_s)
-from mist_ds.specs import ConfigError, InterferenceSpec, runtime_capabilities
+from mist_ds.specs import ConfigError, InterferenceSpec, executor_capabilities
 
 BASE = ["model=gpt3-1.3b", "cluster=a100-40g", "train.global_batch_size=64"]
 
@@ -307,7 +307,7 @@ def test_host_dispatch_floors_a_layer_pass():
 def _times(specs, costs):
     hw = hardware_model(specs.cluster, specs.train.precision)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
-    return stage_times(costs, hw, runtime_capabilities(specs.strategy.runtime), specs.train, c), hw
+    return stage_times(costs, hw, executor_capabilities(specs.strategy.runtime), specs.train, c), hw
 
 
 def test_p2p_is_priced_on_every_pipeline_boundary(costs_13b):
@@ -368,9 +368,9 @@ def test_recompute_costs_a_forward(costs_13b):
 
 def test_memory_drops_with_checkpointing_and_zero(costs_13b):
     base = predict(specs_of())
-    ckpt = predict(specs_of("strategy.ckpt_layers=full"))
+    recompute = predict(specs_of("strategy.ckpt_layers=full"))
     zero = predict(specs_of("strategy.zero_stage=1"))
-    assert ckpt.memory_breakdown[0]["activations"] < base.memory_breakdown[0]["activations"]
+    assert recompute.memory_breakdown[0]["activations"] < base.memory_breakdown[0]["activations"]
     assert zero.memory_breakdown[0]["optimizer"] < base.memory_breakdown[0]["optimizer"]
 
 
@@ -415,8 +415,8 @@ def test_runtime_refuses_what_it_cannot_run():
 def test_megatron_recomputes_one_count_on_every_stage():
     uneven = ["strategy.runtime=megatron", "strategy.pp=2", "strategy.layers_per_stage=[11,13]",
               "strategy.dp=4", "strategy.zero_stage=1"]
-    for ckpt in ("full", "[2,2]", "[11,12]"):  # full on uneven stages; N = 12 recomputes min(12, 11) = 11
-        assert predict(specs_of(*uneven, f"strategy.ckpt_layers={ckpt}")).iteration_time_s > 0
+    for recompute in ("full", "[2,2]", "[11,12]"):  # full on uneven stages; N = 12 recomputes min(12, 11) = 11
+        assert predict(specs_of(*uneven, f"strategy.ckpt_layers={recompute}")).iteration_time_s > 0
     with pytest.raises(ConfigError) as caught:
         predict(specs_of(*uneven, "strategy.ckpt_layers=[2,3]"))
     assert caught.value.rule == "megatron.uniform-recompute"
@@ -426,19 +426,19 @@ def test_vectorized_path_matches_single_strategy(costs_13b):
     """One call over many candidates gives each candidate's single-call numbers."""
     specs = specs_of("strategy.zero_stage=1")
     hw = hardware_model(specs.cluster, specs.train.precision)
-    caps = runtime_capabilities("deepspeed")
+    caps = executor_capabilities("deepspeed")
     single = stage_times(costs_13b, hw, caps, specs.train, stage_candidates(specs.strategy, 2048)).stable_s
     c = stage_candidates(specs.strategy, 2048)
     many = dataclasses.replace(c, b=np.array([1.0, 2.0, 1.0]), s=np.full(3, 2048.0), t=np.ones(3), d=np.full(3, 8.0),
                                pp=np.ones(3), G=np.array([8.0, 4.0, 8.0]), stage=np.zeros(3), layers=np.full(3, 24.0),
-                               ckpt=np.zeros(3), zero=np.ones(3), wo=np.zeros(3), go=np.zeros(3), oo=np.zeros(3),
+                               recompute=np.zeros(3), zero=np.ones(3), wo=np.zeros(3), go=np.zeros(3), oo=np.zeros(3),
                                ao=np.zeros(3))
     stable = stage_times(costs_13b, hw, caps, specs.train, many).stable_s
     assert stable[0] == pytest.approx(float(single[0])) and stable[2] == pytest.approx(float(single[0]))
     assert stable[1] > stable[0]
 
 
-# --- DeepSpeed's own collectives and copies (RuntimeCapabilities.collectives = "deepspeed") ----------------
+# --- DeepSpeed's own collectives and copies (ExecutorCapabilities.collectives = "deepspeed") ----------------
 def _both(specs, costs):
     """Stage times, the hardware and the stage's parameters per GPU on the deepspeed runtime, and the
     times of the same runtime with each gradient byte crossing the group once ('ideal')."""
@@ -446,7 +446,7 @@ def _both(specs, costs):
 
     hw = hardware_model(specs.cluster, specs.train.precision)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
-    caps = runtime_capabilities("deepspeed")
+    caps = executor_capabilities("deepspeed")
     deepspeed = stage_times(costs, hw, caps, specs.train, c)
     ideal = stage_times(costs, hw, dataclasses.replace(caps, collectives="ideal"), specs.train, c)
     return deepspeed, ideal, hw, stage_params(costs, c, c.shapes)

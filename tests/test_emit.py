@@ -10,7 +10,7 @@ import pytest
 
 from mist_ds.config import compose
 from mist_ds.emit import BucketSizes, bucket_sizes, ds_config, read_mist_block, stage_ds_config
-from mist_ds.specs import ConfigError, runtime_capabilities
+from mist_ds.specs import ConfigError, executor_capabilities
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 
 # tiny (8 blocks, 4 heads) on one node of 8 GPUs, global batch 128 = b x G x d.
@@ -22,7 +22,7 @@ CASES = {
     "zero2-fp16": ["strategy.zero_stage=2", "train.precision=fp16"],
     "zero3-fp32": ["strategy.zero_stage=3", "train.precision=fp32"],
     "pp2-tp2-zero0": ["strategy.tp=2", "strategy.pp=2"],
-    "pp2-zero1-ckpt": ["strategy.pp=2", "strategy.zero_stage=1", "strategy.ckpt_layers=full",
+    "pp2-zero1-recompute": ["strategy.pp=2", "strategy.zero_stage=1", "strategy.ckpt_layers=full",
                        "train.grad_clip=0"],
     "zero1-optimizer-offload": ["strategy.zero_stage=1", "strategy.offload.optimizer=1",
                                 "strategy.offload.grads=1"],
@@ -142,7 +142,7 @@ def test_mist_block_holds_every_stage():
     assert mist.stage_layer_ranges == ((0, 3), (3, 8))
     assert [s.ckpt_layers for s in mist.strategy.stages] == [3, 0]
     assert [s.optimizer_offload for s in mist.strategy.stages] == [0.0, 1.0]
-    assert mist.overlap == runtime_capabilities("deepspeed").overlap
+    assert mist.overlap == executor_capabilities("deepspeed").overlap
     # DeepSpeed's keys hold the first stage's local settings; the second stage's offload is in "mist" only.
     assert "offload_optimizer" not in config["zero_optimization"]
     assert stage_ds_config(config, 0)["zero_optimization"] == config["zero_optimization"]

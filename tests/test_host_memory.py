@@ -64,13 +64,13 @@ def test_the_mist_block_carries_the_planned_host_bytes():
 def test_tuned_plan_files_carry_the_predicted_host_bytes():
     import mist_ds
     from mist_ds.report.tune import plan_files
-    from mist_ds.specs import runtime_capabilities
+    from mist_ds.specs import executor_capabilities
 
     overrides = ["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=8",
                  "tuner.compare_baselines=false", "tuner.quiet=true"]
     plan = mist_ds.tune(overrides)
     specs = compose(overrides, with_strategy=False)
-    files = plan_files(plan, specs, runtime_capabilities(plan.strategy.runtime))
+    files = plan_files(plan, specs, executor_capabilities(plan.strategy.runtime))
     block = read_mist_block(json.loads(files["ds_config.json"]))
     assert list(block.host_bytes_per_rank) == plan.prediction["host_bytes_per_rank"]
 

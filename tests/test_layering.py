@@ -236,7 +236,7 @@ OVERLAP_FEATURES = {
     "apply_weight_gather_in_first_forward": {"hook", "update_lp_params"},
     "apply_activation_offload": {"activation_offload"},
 }
-"""Each overlap feature of runtime `mist` (docs/design.md, The `mist` schedule) -> its apply_* function in
+"""Each overlap feature of executor `mist` (docs/design.md, The `mist` schedule) -> its apply_* function in
 runtime/engine.py and the install mechanisms it uses."""
 
 

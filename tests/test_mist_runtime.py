@@ -1,9 +1,9 @@
-"""Runtime `mist` (mist_ds/runtime/overlap.py) on real DeepSpeed (CPU ranks, gloo): the same losses as stock
+"""Executor `mist` (mist_ds/runtime/overlap.py) on real DeepSpeed (CPU ranks, gloo): the same losses as stock
 DeepSpeed bit for bit, the overlap observed at the dispatcher, the step census equal to the accounting, and
 the cost model pricing what was built.
 
-Numerics: 5 steps on the same plan (pp = 2, dp = 2, ZeRO-0, tied embeddings) under runtime `deepspeed`
-(stock TrainSchedule) and runtime `mist`; losses must be bitwise equal. A two-rank sum is order-free, and
+Numerics: 5 steps on the same plan (pp = 2, dp = 2, ZeRO-0, tied embeddings) under executor `deepspeed`
+(stock TrainSchedule) and executor `mist`; losses must be bitwise equal. A two-rank sum is order-free, and
 the reduction scales each element as DeepSpeed does, so only a different order of operations (the tied
 sum after the data-parallel mean, a gradient reduced before it is complete) could move a bit.
 
@@ -26,7 +26,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
 from mist_ds.observe.ranks import launch
-from mist_ds.specs import grad_reduce_overlapped, runtime_capabilities, weight_gather_overlapped
+from mist_ds.specs import grad_reduce_overlapped, executor_capabilities, weight_gather_overlapped
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 
 WORKER = "tests.mist_runtime_worker:mist_runtime_worker"
@@ -46,14 +46,14 @@ ENGINES = {PIPELINE: ("PipelineEngine", "MistPipelineEngine"), FLAT_ZERO0: ("Dee
 
 
 OVERLAP_FEATURES = ("overlap_grad_reduce", "gather_weights_in_first_forward")
-"""Runtime `mist`'s overlap features (activation offload is switched by the stages' ao instead)."""
+"""Executor `mist`'s overlap features (activation offload is switched by the stages' ao instead)."""
 ALONE_AO = 0.5
 
 
 def features_without(runtime: str, off: str | None):
     """The runtime's capabilities with the overlap features in `off` (comma-separated) switched off (None: as
     they are): what a plan whose "mist" block switches them off is priced and emitted with."""
-    caps = runtime_capabilities(runtime)
+    caps = executor_capabilities(runtime)
     if off is None:
         return caps
     return dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap, **{f: False for f in off.split(",")}))
@@ -152,7 +152,7 @@ def check_gather(stock: dict, mist: dict, precision: str, layout, off: str | Non
         return
     layers = specs.strategy.layers_per_stage[stage]
     chunks = int(gather_chunk_count(model_costs(specs), StageCandidates.of(
-        b=1, s=1, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum, stage=stage, layers=layers, ckpt=0, zero=0,
+        b=1, s=1, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum, stage=stage, layers=layers, recompute=0, zero=0,
         wo=0, go=0, oo=0, ao=0)))
     assert len(gathers(stock)) == 1 and len(gathers(mist)) == chunks
     assert sum(e["bytes"] for e in gathers(mist)) == sum(e["bytes"] for e in gathers(stock))
@@ -237,7 +237,7 @@ def test_mist_trains_bitwise_like_stock_deepspeed_and_reduces_during_the_last_ba
 
 
 def check_resume(resumed: list[dict], uninterrupted: list[dict]) -> None:
-    """A checkpoint saved while the post-step gather is in flight (runtime `mist`, bf16 pipeline at d = 2)
+    """A checkpoint saved while the post-step gather is in flight (executor `mist`, bf16 pipeline at d = 2)
     resumes to the uninterrupted run's losses, bit for bit, on an engine initialized with another seed."""
     for ran, whole in zip(resumed, uninterrupted):
         assert ran["whole"] == whole["losses"]
@@ -317,13 +317,13 @@ def test_the_engine_dispatches_the_new_instructions_to_its_own_handlers():
 
 
 def test_the_reduction_moves_at_zero0_anywhere_and_at_zero1_without_a_pipeline():
-    caps = runtime_capabilities("mist")
+    caps = executor_capabilities("mist")
     assert caps.built and caps.overlap.overlap_grad_reduce
     assert grad_reduce_overlapped(caps, caps.overlap, 2, 0) and grad_reduce_overlapped(caps, caps.overlap, 1, 0)
     assert grad_reduce_overlapped(caps, caps.overlap, 1, 1)
     assert not grad_reduce_overlapped(caps, caps.overlap, 2, 1)
     assert not grad_reduce_overlapped(caps, caps.overlap, 1, 2) and not grad_reduce_overlapped(caps, caps.overlap, 1, 3)
-    deepspeed = runtime_capabilities("deepspeed")
+    deepspeed = executor_capabilities("deepspeed")
     assert not grad_reduce_overlapped(deepspeed, deepspeed.overlap, 2, 0)
     assert not grad_reduce_overlapped(deepspeed, deepspeed.overlap, 1, 1)
 
@@ -403,7 +403,7 @@ def test_the_post_step_gather_moves_into_the_first_forward_where_bf16_optimizer_
     bytes stay. Whether the iteration gains depends on the layout (the first stage's embedding may hold
     the whole of rank 0's partition and wait for all of it): not asserted. fp32 (no BF16_Optimizer) and
     dp 1 (nothing gathered) price as without the feature."""
-    caps = runtime_capabilities("mist")
+    caps = executor_capabilities("mist")
     without = dataclasses.replace(caps, overlap=dataclasses.replace(caps.overlap,
                                                                     gather_weights_in_first_forward=False))
     assert weight_gather_overlapped(caps.overlap, 2, 0, 2, True)

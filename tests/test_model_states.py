@@ -274,7 +274,7 @@ class _OwnModule(torch.nn.Module):
 
 
 def test_the_census_walks_every_engine_class_the_runtime_builds():
-    """A subclass of a DeepSpeed engine is a DeepSpeed engine: runtime `mist`'s MistPipelineEngine (defined in
+    """A subclass of a DeepSpeed engine is a DeepSpeed engine: executor `mist`'s MistPipelineEngine (defined in
     mist_ds) and the module classes of mist_ds are walked as DeepSpeed's and torch's own are (the census once
     followed only classes whose own module was DeepSpeed's or torch's, and read 0 B on every `mist` pipeline).
     The engines are made without a process group: only their attributes are walked."""

@@ -39,7 +39,7 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.observe.ranks import launch
 from mist_ds.runtime.engine import PlannedModel
 from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
-from mist_ds.specs import ConfigError, runtime_capabilities
+from mist_ds.specs import ConfigError, executor_capabilities
 from mist_ds.testing.model_states import assert_model_states_are_predicted
 from mist_ds.tuner import tune_specs
 from tests.runtime_worker import DATA_SEED, synthetic_batches
@@ -317,7 +317,7 @@ def test_a_plan_for_another_world_or_model_is_refused_before_deepspeed():
     assert error.value.field == "mist.overlap" and "overlap_grad_reduce" in str(error.value)
     on_mist = dataclasses.replace(plan, strategy=dataclasses.replace(plan.strategy, runtime="mist"))
     check_executable(on_mist, specs.model, 2)  # a plan may switch the runtime's features off, one by one
-    check_executable(dataclasses.replace(on_mist, overlap=runtime_capabilities("mist").overlap), specs.model, 2)
+    check_executable(dataclasses.replace(on_mist, overlap=executor_capabilities("mist").overlap), specs.model, 2)
 
 
 # --- slow lane: plans the tuner draws for random settings ---------------------------------------------

@@ -61,7 +61,7 @@ def assert_trained_the_plan(run_dir: Path, steps: int) -> dict:
 def test_mist_deepspeed_tunes_then_trains_the_plan(tmp_path):
     """The CI launch, issue 16's command as written: `mist-deepspeed --autotune-mist run --num_gpus 2
     launch/train.py model=tiny cluster=cpu tuner.runtime=mist` plans in its own process, starts DeepSpeed's
-    launcher, and the job trains the plan that was tuned, on runtime `mist` with its gradient reduction in
+    launcher, and the job trains the plan that was tuned, on executor `mist` with its gradient reduction in
     the last backward running on every rank (read from the live engines). On two CPU processes the tuner
     picks S = 1 at ZeRO-1, where DeepSpeed's own hooks reduce one-block buckets (tests/test_mist_runtime.py
     checks the numerics and the mechanism of every layout; the stock runtime's launches are the slow

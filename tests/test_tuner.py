@@ -20,8 +20,8 @@ from mist_ds.cost.candidates import StageCandidates
 from mist_ds.cost.stage import norm_sync_s, stage_times
 from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import ConfigError, check_runtime, runtime_capabilities
-from mist_ds.specs.runtime import allowed_stage_options
+from mist_ds.specs import ConfigError, check_executor, executor_capabilities
+from mist_ds.specs.executor_rules import allowed_stage_options
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points, search
 from mist_ds.tuner.space import OPTION_KEYS, fixed_partitions, global_points, layer_counts, stage_option_grid
@@ -38,7 +38,7 @@ def exhaustive(specs, runtime, point):
     """Best (seconds, layers, options [S] per key, imbalance s, peaks, host bytes per rank) of one global
     point by enumerating every partition and every per-stage option, priced [combinations, S] at once."""
     costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
-    caps, space = runtime_capabilities(runtime), specs.tuner.space
+    caps, space = executor_capabilities(runtime), specs.tuner.space
     usable = specs.cluster.gpu.usable_memory_bytes
     L, S = specs.model.num_layers, point.pp
     best = (math.inf, None, None, None, None, None)
@@ -46,14 +46,14 @@ def exhaustive(specs, runtime, point):
         if sum(layers) != L:
             continue
         grids = [stage_option_grid(caps, space, option_grids(specs), l, S > 1) for l in layers]
-        pick = [g.ravel() for g in np.meshgrid(*[np.arange(g["ckpt"].size) for g in grids], indexing="ij")]
+        pick = [g.ravel() for g in np.meshgrid(*[np.arange(g["recompute"].size) for g in grids], indexing="ij")]
         opt = {k: np.stack([grids[i][k][pick[i]] for i in range(S)], axis=1) for k in OPTION_KEYS}
         ok = np.ones(pick[0].size, dtype=bool)
         if caps.uniform_zero:
             ok &= np.all(opt["zero"] == opt["zero"][:, :1], axis=1)
         c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
                                G=point.grad_accum, stage=np.arange(S)[None], layers=np.array(layers)[None],
-                               ckpt=opt["ckpt"], zero=opt["zero"], wo=opt["wo"], go=opt["go"], oo=opt["oo"],
+                               recompute=opt["recompute"], zero=opt["zero"], wo=opt["wo"], go=opt["go"], oo=opt["oo"],
                                ao=opt["ao"])
         times, memory = stage_times(costs, hw, caps, specs.train, c), stage_memory(costs, hw, caps, specs.train, c)
         ok &= np.all(memory.peak_bytes <= usable, axis=1) & _host_fits(specs, memory.host_bytes, point)
@@ -85,7 +85,7 @@ def _host_fits(specs, host_bytes, point):
 
 def _per_point(overrides, runtime):
     specs = compose(overrides, with_strategy=False)
-    ctx = SearchContext(specs=specs, space=specs.tuner.space, caps=runtime_capabilities(runtime))
+    ctx = SearchContext(specs=specs, space=specs.tuner.space, caps=executor_capabilities(runtime))
     for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space, ctx.caps):
         tuned = [r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None]
         yield (specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None,
@@ -150,7 +150,7 @@ def test_tuner_equals_exhaustive_search_at_every_global_point(case):
             continue
         assert tuned.objective_s == pytest.approx(best_s, rel=1e-9), (point, tuned.strategy, layers, options)
         bound = lower_bound_s(model_costs(specs), hardware_model(specs.cluster, specs.train.precision), point,
-                              runtime_capabilities(runtime).fused_kernels)
+                              executor_capabilities(runtime).fused_kernels)
         assert bound <= tuned.objective_s * (1 + 1e-12)
         compared += 1
     assert compared >= 2
@@ -174,23 +174,25 @@ def test_the_exhaustive_cases_exercise_uneven_layers_memory_and_imbalance():
 
 
 def test_vectorized_runtime_rules_agree_with_check_runtime():
-    """allowed_stage_options (the tuner's mask) and check_runtime (predict's refusal) are one rule set."""
+    """allowed_stage_options (the tuner's mask) and check_executor (predict's refusal) are one rule set."""
     from mist_ds.specs import Parallelism, StageStrategy, StrategySpec
 
     values = [0.0, 0.5, 1.0]
     for name in ("deepspeed", "mist", "mist-paper", "megatron"):
-        caps = runtime_capabilities(name)
+        caps = executor_capabilities(name)
         for pp in (1, 2):
-            for ckpt, zero, wo, go, oo, ao in itertools.product([0, 1, 2], range(4), values, values, values, values):
-                mask = allowed_stage_options(caps, 2, pp > 1, ckpt=ckpt, zero=zero, wo=wo, go=go, oo=oo, ao=ao)
-                stage = StageStrategy(2, ckpt, zero, wo, go, oo, ao)
+            for recompute, zero, wo, go, oo, ao in itertools.product([0, 1, 2], range(4), values, values, values,
+                                                                     values):
+                mask = allowed_stage_options(caps, 2, pp > 1, recompute=recompute, zero=zero, wo=wo, go=go, oo=oo,
+                                             ao=ao)
+                stage = StageStrategy(2, recompute, zero, wo, go, oo, ao)
                 strategy = StrategySpec(name, Parallelism(1, pp, 1, 1, 1), (stage,) * pp)
                 try:
-                    check_runtime(strategy)
+                    check_executor(strategy)
                     refused = False
                 except ConfigError:
                     refused = True
-                assert bool(mask) != refused, (name, pp, ckpt, zero, wo, go, oo, ao)
+                assert bool(mask) != refused, (name, pp, recompute, zero, wo, go, oo, ao)
 
 
 def test_same_inputs_same_plan_whatever_the_worker_count(tmp_path):
@@ -334,7 +336,7 @@ def test_shared_host_memory_admits_faster_plans_and_binds(gpu_fraction):
     assert per_node[0] < per_gpu[0]  # per-gpu may have no plan at all (inf)
     assert alone[0] < per_node[0] and np.max(alone[5]) <= node < np.sum(alone[5])
     assert np.sum(per_node[5]) <= node
-    ctx = SearchContext(specs=specs, space="mist", caps=runtime_capabilities(runtime))
+    ctx = SearchContext(specs=specs, space="mist", caps=executor_capabilities(runtime))
     tuned = min((r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None),
                 key=lambda r: r.objective_s)
     assert tuned.solver == "milp" and tuned.objective_s == pytest.approx(per_node[0], rel=1e-9)
@@ -388,9 +390,9 @@ def test_stable_time_grows_with_every_offload_fraction():
     l4 = factor_table(compose(["cluster=l4-24g"], with_strategy=False).cluster.interference)
     measured = dataclasses.replace(own, interference_table=l4)
     enveloped = dataclasses.replace(own, interference_table=monotone_envelope(l4))
-    keys = ("layers", "ckpt", "zero", "wo", "go", "oo", "ao")
+    keys = ("layers", "recompute", "zero", "wo", "go", "oo", "ao")
     for runtime, hw in itertools.product(("deepspeed", "mist", "mist-paper", "megatron"), (own, enveloped)):
-        caps = runtime_capabilities(runtime)
+        caps = executor_capabilities(runtime)
         for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps):
             counts = layer_counts(specs.model.num_layers, point.pp, 1)
             priced = price_options(costs, hw, caps, specs.train, point, "mist", option_grids(specs), counts)
@@ -421,7 +423,7 @@ def test_fine_grid_floors_bound_every_option_on_a_measured_table():
 
     specs = compose(["model=gpt3-1.3b", "cluster=l4-24g", "cluster.nodes=2", "tuner.grid=mist",
                      "train.precision=fp16"], with_strategy=False)
-    caps = runtime_capabilities("mist-paper")
+    caps = executor_capabilities("mist-paper")
     costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
     point = next(p for p in global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps)
                  if (p.tp, p.pp, p.dp) == (8, 1, 2))

@@ -18,7 +18,7 @@ from mist_ds.config.convert import to_specs
 from mist_ds.config.errors import as_config_error
 from mist_ds.config.schema import (ClusterConfig, MistDsConfig, ModelConfig, StrategyConfig, TrainConfig,
                                    TunerConfig)
-from mist_ds.specs import ConfigError, Specs, check_runtime
+from mist_ds.specs import ConfigError, Specs, check_executor
 
 CONFIG_MODULE = "mist_ds.conf"
 PRIMARY_CONFIG = "config"
@@ -133,7 +133,7 @@ def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, 
         raise as_config_error(error) from error
     specs = to_specs(schema, with_strategy=with_strategy, module=module, loss=loss)
     if specs.strategy is not None:
-        check_runtime(specs.strategy, model=specs.model)
+        check_executor(specs.strategy, model=specs.model)
     return specs
 
 

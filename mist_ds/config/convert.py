@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, StrategyConfig, TrainConfig, TunerConfig
 from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
-                           TunerSpec, runtime_capabilities)
+                           TunerSpec, executor_capabilities)
 from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
 from mist_ds.specs.errors import require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
@@ -134,7 +134,7 @@ def train_spec(cfg: TrainConfig) -> TrainSpec:
 
 def tuner_spec(cfg: TunerConfig) -> TunerSpec:
     if cfg.runtime is not None:
-        runtime_capabilities(cfg.runtime, field="tuner.runtime")
+        executor_capabilities(cfg.runtime, field="tuner.runtime")
     return TunerSpec(space=cfg.space, runtime=cfg.runtime, micro_batch_sizes=tuple(cfg.micro_batch_sizes),
                      max_tp=cfg.max_tp, tp=None if cfg.tp is None else tuple(cfg.tp),
                      pp=None if cfg.pp is None else tuple(cfg.pp), workers=cfg.workers,
@@ -149,7 +149,7 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
 
 
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:
-    runtime_capabilities(cfg.runtime)
+    executor_capabilities(cfg.runtime)
     return resolve_strategy(model, cluster, train, StrategyRequest(
         runtime=cfg.runtime, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
         grad_accum=cfg.grad_accum, layers_per_stage=cfg.layers_per_stage, ckpt_layers=cfg.ckpt_layers,

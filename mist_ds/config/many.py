@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from mist_ds.config import compose, compose_config
 from mist_ds.config.convert import cluster_spec, model_spec, specs_of, train_spec, tuner_spec
-from mist_ds.specs import Specs, check_runtime
+from mist_ds.specs import Specs, check_executor
 from mist_ds.specs.errors import noting_case
 
 GROUP_SPECS = {"model": model_spec, "cluster": cluster_spec, "train": train_spec, "tuner": tuner_spec}
@@ -97,7 +97,7 @@ def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs:
     strategy = _group_config(memo, base, "strategy", values.get("strategy", ())) if with_strategy else None
     specs = specs_of(parts["model"], parts["cluster"], parts["train"], parts["tuner"], strategy)
     if specs.strategy is not None:
-        check_runtime(specs.strategy, model=specs.model)
+        check_executor(specs.strategy, model=specs.model)
     return specs
 
 

@@ -5,7 +5,7 @@ same. Groups are named as mist_ds/specs/groups.py names them; payload is what a 
 tensor all-reduced, its shard of an all-gather, the whole input of a reduce-scatter, what it sends or
 receives).
 
-Communication is accounted for the runtimes that execute on DeepSpeed (RuntimeCapabilities
+Communication is accounted for the runtimes that execute on DeepSpeed (ExecutorCapabilities
 .executes_on_deepspeed), as DeepSpeed 0.19.8 moves it (each rule cites its source; docs/design.md,
 What DeepSpeed does):
 - TP: the layers' all-reduces (traced), again for each recomputed block's forward.
@@ -37,7 +37,7 @@ import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates, stage_params, stage_trainable_params
 from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES, DataParallelTraffic, data_parallel_traffic
-from mist_ds.specs import RuntimeCapabilities, StrategySpec, TrainSpec
+from mist_ds.specs import ExecutorCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
 LOSS_BROADCAST_BYTES = 8  # two fp32 losses, broadcast from the last stage (pipe/engine.py _aggregate_total_loss)
@@ -53,7 +53,7 @@ def stage_flops(costs: ModelCosts, c: StageCandidates) -> np.ndarray:
     its layers, plus one more forward of each recomputed block."""
     f = lambda layer: _layer(layer, "fwd_flops", c) + _layer(layer, "bwd_flops", c)  # noqa: E731
     per_micro = (c.layers * f(costs.block) + c.first * f(costs.embedding) + c.last * f(costs.head)
-                 + c.ckpt * _layer(costs.block, "fwd_flops", c))
+                 + c.recompute * _layer(costs.block, "fwd_flops", c))
     return c.G * per_micro
 
 
@@ -62,7 +62,7 @@ def _tp_bytes(costs: ModelCosts, c: StageCandidates, key: str = "tp_comm_bytes")
     tp_gather_bytes (contributed to all-gathers); a recomputed block's forward issues its collectives again."""
     both = lambda layer: _layer(layer, f"{key}_fwd", c) + _layer(layer, f"{key}_bwd", c)  # noqa: E731
     per_micro = (c.layers * both(costs.block) + c.first * both(costs.embedding) + c.last * both(costs.head)
-                 + c.ckpt * _layer(costs.block, f"{key}_fwd", c))
+                 + c.recompute * _layer(costs.block, f"{key}_fwd", c))
     return c.G * per_micro
 
 
@@ -96,7 +96,7 @@ def _pipeline(c: StageCandidates, i: int, activation: float, t: int, G: int) -> 
     return dict(out)
 
 
-def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps: RuntimeCapabilities,
+def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps: ExecutorCapabilities,
                c: StageCandidates, dtype_bytes: float) -> list[dict[str, float]] | None:
     """Per stage: "kind/group" -> payload bytes one rank moves in an iteration (module docstring);
     None for runtimes that do not execute on DeepSpeed."""

@@ -23,7 +23,7 @@ from mist_ds.cost.candidates import StageCandidates
 from mist_ds.cost.stage import stage_times
 from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import RuntimeCapabilities, Specs
+from mist_ds.specs import ExecutorCapabilities, Specs
 from mist_ds.specs.errors import noting_case
 
 
@@ -38,7 +38,7 @@ def _rows(priced, start: int, stop: int):
     return type(priced)(*(getattr(priced, f.name)[start:stop] for f in dataclasses.fields(priced)))
 
 
-def _stack_key(specs: Specs, caps: RuntimeCapabilities) -> tuple:
+def _stack_key(specs: Specs, caps: ExecutorCapabilities) -> tuple:
     """What stacked strategies must share. Stage pricing reads the training setup's precision,
     optimizer and clipping, never its global batch (each candidate's G carries that); interleaved and
     plain schedules take different branches of the pricing, so they are never stacked together. A
@@ -47,7 +47,7 @@ def _stack_key(specs: Specs, caps: RuntimeCapabilities) -> tuple:
     return (specs.model, repr(specs.cluster), train, repr(caps), specs.strategy.virtual_stages > 1)
 
 
-def predict_specs_many(many: Sequence[Specs], caps: RuntimeCapabilities | None = None,
+def predict_specs_many(many: Sequence[Specs], caps: ExecutorCapabilities | None = None,
                        cache_dir: Path | None = None) -> list[Prediction]:
     """Predictions of every specs' strategy, in order; equal to [predict(s, cache_dir, caps) for s in
     many] bit for bit. Raises the ConfigError of the first strategy its runtime refuses."""

@@ -28,7 +28,7 @@ class StageCandidates:
     G: np.ndarray
     stage: np.ndarray
     layers: np.ndarray
-    ckpt: np.ndarray
+    recompute: np.ndarray
     zero: np.ndarray
     wo: np.ndarray
     go: np.ndarray

@@ -46,7 +46,7 @@ def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t) -> np.nd
 
 
 def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False) -> LayerTimes:
-    """fused: price element-wise runs as fused kernels (RuntimeCapabilities.fused_kernels)."""
+    """fused: price element-wise runs as fused kernels (ExecutorCapabilities.fused_kernels)."""
     fwd_tp, bwd_tp = _pass_tp_s(cost, hw, "fwd", b, s, t), _pass_tp_s(cost, hw, "bwd", b, s, t)
     return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t, fused, fwd_tp),
                       bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t, fused, bwd_tp),

@@ -3,13 +3,13 @@
 One function serves `show`, `predict` and `tune`; inputs broadcast as numpy arrays, so the same code
 prices one strategy or millions of candidates. Bytes throughout.
 
-DeepSpeed 0.19.8 (runtimes `deepspeed`, `mist`), measured on real engines on CPU
+DeepSpeed 0.19.8 (executors `deepspeed`, `mist`), measured on real engines on CPU
 (tests/test_model_states.py enumerates every tensor an engine holds, deduplicated by storage).
 b = bytes of the model dtype, P = parameters on the GPU, d = data parallel, Pa = P padded to a
 multiple of 2d, ps = Pa / d, p3 = ceil(P / d), L = elements of the largest single parameter,
 R = reduce_bucket_size elements, N = elements of the ZeRO-3 parameters kept whole
 (<= stage3_param_persistence_threshold), k = 2 for ZeRO-1 in a pipeline (reduce_gradients appends a
-second bucket) and with overlap_comm (runtime `mist` at S = 1), else 1,
+second bucket) and with overlap_comm (executor `mist` at S = 1), else 1,
 U = max(min(P, ps + 2(L - 1)), min(Pa, ps + L - 1)): an upper bound of the
 whole parameters overlapping one rank's partition plus the padding inside it (L - 1 taken as 0 when
 L is not given: U = ps). One parameter group; ZeRO-1/2 with overlap_comm off (DeepSpeed's default and
@@ -60,7 +60,8 @@ from typing import Any
 import numpy as np
 
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
-from mist_ds.specs.runtime import ModelStateAccounting, runs_bf16_optimizer
+from mist_ds.specs.executors import ModelStateAccounting
+from mist_ds.specs.executor_rules import runs_bf16_optimizer
 
 FP32_BYTES = 4
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (Kingma & Ba 2015)
@@ -248,7 +249,7 @@ def megatron_model_states(shape: ModelStateShape) -> ModelStateBytes:
 
 
 def model_state_bytes(accounting: ModelStateAccounting, shape: ModelStateShape) -> ModelStateBytes:
-    """Model states per GPU of a stage of `shape` under a runtime's `accounting` (RuntimeCapabilities.model_states;
+    """Model states per GPU of a stage of `shape` under a runtime's `accounting` (ExecutorCapabilities.model_states;
     module docstring). The one function show / predict / tune use; only DeepSpeed's accounting reads the reduce
     bucket, L, N, G, overlap_comm and O."""
     if accounting == "deepspeed":

@@ -16,8 +16,8 @@ from mist_ds.cost.candidates import ModelCosts, StageCandidates
 from mist_ds.cost.stage import StageTimes, stage_times, tail_s
 from mist_ds.cost.stage_memory import StageMemory, stage_memory
 from mist_ds.hardware import HardwareModel, hardware_model
-from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec, check_runtime
-from mist_ds.specs.runtime import capabilities_of
+from mist_ds.specs import ExecutorCapabilities, Specs, StrategySpec, check_executor
+from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.placement import node_host_bytes
 from mist_ds.symbolic import analyze_model
@@ -81,7 +81,7 @@ def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
     per_stage = lambda attr: np.array([getattr(st, attr) for st in stages], dtype=np.float64)  # noqa: E731
     return StageCandidates.of(
         b=par.micro_batch_size, s=seq_len, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum,
-        stage=np.arange(par.pp), layers=per_stage("layers"), ckpt=per_stage("ckpt_layers"),
+        stage=np.arange(par.pp), layers=per_stage("layers"), recompute=per_stage("ckpt_layers"),
         zero=per_stage("zero_stage"), wo=per_stage("weights_offload"), go=per_stage("grads_offload"),
         oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages)
 
@@ -134,7 +134,7 @@ def _simulated_iteration(specs: Specs, hw: HardwareModel, times: StageTimes) -> 
         sync_s=sync, micro_batches=micro_batches, chunks=chunks, iteration_time_s=simulated, tail_s=tail)
 
 
-def simulate_iteration(specs: Specs, caps: RuntimeCapabilities | None = None,
+def simulate_iteration(specs: Specs, caps: ExecutorCapabilities | None = None,
                        cache_dir: Path | None = None) -> SimulatedIteration:
     """The event simulation behind predict(specs).iteration_time_s, every instruction's span kept."""
     costs, hw = model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision)
@@ -144,7 +144,7 @@ def simulate_iteration(specs: Specs, caps: RuntimeCapabilities | None = None,
 
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
-                     caps: RuntimeCapabilities | None = None) -> Prediction:
+                     caps: ExecutorCapabilities | None = None) -> Prediction:
     """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
     caps = checked_caps(specs, caps)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
@@ -153,10 +153,10 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
     return prediction_of(specs, costs, hw, caps, c, times, memory, stage_work(costs, c))
 
 
-def checked_caps(specs: Specs, caps: RuntimeCapabilities | None) -> RuntimeCapabilities:
+def checked_caps(specs: Specs, caps: ExecutorCapabilities | None) -> ExecutorCapabilities:
     """`caps` (default: the strategy's runtime), the strategy checked against it (ConfigError)."""
     caps = capabilities_of(caps or specs.strategy.runtime)
-    check_runtime(specs.strategy, caps, specs.model)
+    check_executor(specs.strategy, caps, specs.model)
     return caps
 
 
@@ -167,15 +167,15 @@ class StageWork:
     flops_per_rank: np.ndarray
     """An iteration's FLOPs, recompute included (cost/accounting.py, stage_flops)."""
     recompute_flops: np.ndarray
-    """One micro-batch's recomputed forward FLOPs of the whole TP group (ckpt x block forward x t)."""
+    """One micro-batch's recomputed forward FLOPs of the whole TP group (recompute x block forward x t)."""
 
 
 def stage_work(costs: ModelCosts, c: StageCandidates) -> StageWork:
     return StageWork(flops_per_rank=stage_flops(costs, c),
-                     recompute_flops=c.ckpt * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)
+                     recompute_flops=c.recompute * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)
 
 
-def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
+def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
                   c: StageCandidates, times: StageTimes, memory: StageMemory, work: StageWork) -> Prediction:
     """The Prediction of specs.strategy from its stages' priced times, memory and work (`c`: its stages, [S])."""
     strategy = specs.strategy
@@ -219,6 +219,6 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Runt
         comm_bytes_per_rank=comm_bytes(costs, strategy, specs.train, caps, c, hw.dtype_bytes))
 
 
-def predict(specs: Specs, cache_dir: Path | None = None, caps: RuntimeCapabilities | None = None) -> Prediction:
+def predict(specs: Specs, cache_dir: Path | None = None, caps: ExecutorCapabilities | None = None) -> Prediction:
     return predict_strategy(specs, model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision),
                             caps)

@@ -22,7 +22,7 @@ from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES
 from mist_ds.cost.stage_memory import saved_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import RuntimeCapabilities, TrainSpec
+from mist_ds.specs import ExecutorCapabilities, TrainSpec
 
 # Gradient-norm / overflow check: one scalar all-reduced across every GPU.
 NORM_MESSAGE_BYTES = 8
@@ -108,7 +108,7 @@ def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarra
     return whole | on_node_edge(stage * width), whole | on_node_edge((stage + 1) * width)
 
 
-def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+def stage_times(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities, train: TrainSpec,
                 c: StageCandidates) -> StageTimes:
     """Seconds of one stage of each candidate: its inputs, the runtime's data moves (executors.COLLECTIVE_EXECUTORS
     by caps.collectives), the passes and how their channels overlap, the optimizer step, and where the runtime
@@ -123,7 +123,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
     return _stage_times_of(work, phases, moves, step, end)
 
 
-def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageInputs:
     """What every step of stage_times reads: the layers' times, the stage's parameters and weight bytes, the
     gradient element's bytes on this runtime, the offloaded activations, the data-parallel group."""
@@ -144,10 +144,10 @@ def pass_work(inputs: StageInputs, executor: CollectiveExecutor, moves: StageMov
     """Compute, TP collectives and p2p of one micro-batch."""
     c, emb, block, head = inputs.c, inputs.emb_times, inputs.block_times, inputs.head_times
     fwd_compute = c.layers * block.fwd_compute_s + c.first * emb.fwd_compute_s + c.last * head.fwd_compute_s
-    recompute = c.ckpt * block.fwd_compute_s
+    recompute = c.recompute * block.fwd_compute_s
     bwd_compute = c.layers * block.bwd_compute_s + c.first * emb.bwd_compute_s + c.last * head.bwd_compute_s
     fwd_tp = c.layers * block.fwd_tp_s + c.first * emb.fwd_tp_s + c.last * head.fwd_tp_s
-    bwd_tp = c.layers * block.bwd_tp_s + c.ckpt * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
+    bwd_tp = c.layers * block.bwd_tp_s + c.recompute * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
     p2p = _p2p_s(inputs.costs, inputs.hw, c, c.shapes, inputs.caps.p2p_scatter_gather, executor.partitioned_sends)
     fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
     return PassWork(fwd_compute=fwd_compute, bwd_compute=bwd_compute, recompute=recompute, fwd_tp=fwd_tp,

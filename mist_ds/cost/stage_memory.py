@@ -11,8 +11,8 @@ import numpy as np
 from mist_ds.cost.candidates import ModelCosts, ShapeIndex, StageCandidates, stage_params, stage_trainable_params
 from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import ModelSpec, RuntimeCapabilities, TrainSpec, weight_gather_overlapped
-from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs import ModelSpec, ExecutorCapabilities, TrainSpec, weight_gather_overlapped
+from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ def in_flight_micro_batches(stage, pp, grad_accum, chunks=1) -> np.ndarray:
 
 
 def saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
-                 caps: RuntimeCapabilities) -> tuple[np.ndarray, np.ndarray]:
+                 caps: ExecutorCapabilities) -> tuple[np.ndarray, np.ndarray]:
     """Activation bytes one micro-batch leaves for backward on the stage, and the part offloaded;
-    fused: the blocks keep what fused kernels keep (RuntimeCapabilities.fused_kernels). The ends
+    fused: the blocks keep what fused kernels keep (ExecutorCapabilities.fused_kernels). The ends
     stay eager: the L4 rows' last stages (vocabulary-parallel loss) match the eager count. Derived once
     per candidates (time and memory both read it)."""
     fused, whole = caps.fused_kernels, caps.activations_offload_whole_blocks
@@ -60,7 +60,7 @@ def saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex,
 
 
 def offloaded_blocks(c: StageCandidates) -> np.ndarray:
-    """round(ao x l), halves up: the blocks a whole-block activation offload moves (runtime `mist`,
+    """round(ao x l), halves up: the blocks a whole-block activation offload moves (executor `mist`,
     mist_ds/runtime/activations.py offloaded_block_count)."""
     return np.floor(c.ao * c.layers + 0.5)
 
@@ -68,20 +68,20 @@ def offloaded_blocks(c: StageCandidates) -> np.ndarray:
 def _stage_saved_bytes(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex, fused: bool,
                        whole_blocks: bool) -> tuple[np.ndarray, np.ndarray]:
     full = ev(costs.block, "saved_bytes_fused" if fused else "saved_bytes")
-    ckpt = ev(costs.block, "saved_bytes_ckpt")
-    blocks = (c.layers - c.ckpt) * full + c.ckpt * ckpt
+    recompute = ev(costs.block, "saved_bytes_recompute")
+    blocks = (c.layers - c.recompute) * full + c.recompute * recompute
     ends = c.first * ev(costs.embedding, "saved_bytes") + c.last * ev(costs.head, "saved_bytes")
     if not whole_blocks:
         return blocks + ends, blocks * c.ao
     # The first k blocks: the stage's non-recomputed blocks come first, then recomputed ones (which keep
     # their input only). A leaf input stays where it is: on a stage after the first with t > 1, block 0's
     # input is the activation DeepSpeed rebuilds from its TP parts into its pipe buffers (a leaf); with
-    # t = 1 it is a clone of the receive buffer (pipe/engine.py:702-705) and goes (saved_bytes_ckpt is a
+    # t = 1 it is a clone of the receive buffer (pipe/engine.py:702-705) and goes (saved_bytes_recompute is a
     # block's input).
     k = offloaded_blocks(c)
-    kept_full = np.minimum(k, c.layers - c.ckpt)
-    receive_buffer = np.where((k > 0) & (c.first == 0) & (c.t > 1), ckpt, 0.0)
-    return blocks + ends, kept_full * full + (k - kept_full) * ckpt - receive_buffer
+    kept_full = np.minimum(k, c.layers - c.recompute)
+    receive_buffer = np.where((k > 0) & (c.first == 0) & (c.t > 1), recompute, 0.0)
+    return blocks + ends, kept_full * full + (k - kept_full) * recompute - receive_buffer
 
 
 def _trained_vocab(model: ModelSpec, c: StageCandidates) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +115,7 @@ def oversized_tensors(model: ModelSpec, c: StageCandidates, bucket_elements) -> 
     return np.where(block > bucket_elements, np.inf, ends)
 
 
-def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageMemory:
     """Peak bytes on one GPU of the stage (docs/design.md, Memory of a stage)."""
     ev = c.shapes
@@ -138,7 +138,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     transient = np.maximum.reduce([
         ev(costs.block, "fwd_peak_bytes") - block_saved,
         block_bwd_peak - block_saved,
-        np.where(c.ckpt > 0, block_bwd_peak - ev(costs.block, "saved_bytes_ckpt"), 0.0),
+        np.where(c.recompute > 0, block_bwd_peak - ev(costs.block, "saved_bytes_recompute"), 0.0),
         c.first * (np.maximum(ev(costs.embedding, "fwd_peak_bytes"), ev(costs.embedding, "bwd_peak_bytes"))
                    - ev(costs.embedding, "saved_bytes")),
         c.last * (np.maximum(ev(costs.head, "fwd_peak_bytes"), ev(costs.head, "bwd_peak_bytes"))
@@ -157,7 +157,7 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities
     # The step's own bytes (Megatron's fp32 copy of half gradients) raise the peak only by what they
     # exceed the activations, transients and buffers they never coexist with.
     buffers = buffers + np.maximum(states.step_only - (activations + transient + buffers), 0.0)
-    # Runtime `mist`'s chunked post-step gather (mist_ds/runtime/gather.py): its receive buffers, the stage's
+    # Executor `mist`'s chunked post-step gather (mist_ds/runtime/gather.py): its receive buffers, the stage's
     # weights in all, live from the step into the next first forward, beside the model states' own buffers
     # and the pipe buffers, before any activation is saved.
     gathered = weight_gather_overlapped(caps.overlap, c.pp, c.zero, c.d, train.precision == "bf16")

@@ -22,10 +22,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from mist_ds.specs import RUNTIMES, ConfigError, ModelSpec, RuntimeCapabilities, StageStrategy, StrategySpec, TrainSpec
+from mist_ds.specs import (EXECUTORS, ConfigError, ExecutorCapabilities, ModelSpec, StageStrategy, StrategySpec,
+                           TrainSpec)
 from mist_ds.specs.buckets import BucketSizes, bucket_sizes
-from mist_ds.specs.runtime import (OverlapFeatures, capabilities_of, check_runtime, reduce_bucket_elements_of,
-                                   reduced_by_deepspeed_hooks)
+from mist_ds.specs.executors import OverlapFeatures, capabilities_of
+from mist_ds.specs.executor_rules import check_executor, reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 from mist_ds.specs.strategy import strategy_from_dict
 
 MIST_BLOCK_VERSION = 2
@@ -56,16 +57,16 @@ STEPS_PER_PRINT = 1_000_000_000
 """Never within a run: mist_ds measures and logs its own step times (DeepSpeed's print syncs the host)."""
 
 
-def check_emittable(strategy: StrategySpec, caps: RuntimeCapabilities | None = None) -> None:
+def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = None) -> None:
     """Refuse, with the rule's name, a strategy DeepSpeed engines cannot execute as planned."""
     caps = capabilities_of(caps or strategy.runtime)  # an unknown name is refused as such first
     if not caps.executes_on_deepspeed:
         rule = f"{caps.name}.not-on-deepspeed"
-        on_deepspeed = [name for name, c in RUNTIMES.items() if c.executes_on_deepspeed]
+        on_deepspeed = [name for name, c in EXECUTORS.items() if c.executes_on_deepspeed]
         raise ConfigError("strategy.runtime", strategy.runtime,
                           f"plans for runtime {caps.name} are priced, not run on DeepSpeed; use one of "
                           f"{', '.join(on_deepspeed)} [rule {rule}]", rule=rule)
-    check_runtime(strategy, caps)
+    check_executor(strategy, caps)
 
 
 def precision_block(precision: str) -> dict[str, Any]:
@@ -90,7 +91,7 @@ def zero_block(stage: StageStrategy, pipeline: bool, buckets: BucketSizes,
 
     overlap_comm is on for ZeRO-3 without pipelines (the cost model overlaps ZeRO-3's collectives with
     compute) and where the runtime reduces ZeRO-1/2 gradients during the last backward
-    (`reduce_in_backward`: specs.runtime.reduced_by_deepspeed_hooks; two buckets, both counted);
+    (`reduce_in_backward`: specs.executor_rules.reduced_by_deepspeed_hooks; two buckets, both counted);
     elsewhere off: the cost model prices ZeRO-1/2's reduction as blocking with one reduce bucket, and
     DeepSpeed pipelines require it off.
     """
@@ -108,9 +109,9 @@ def zero_block(stage: StageStrategy, pipeline: bool, buckets: BucketSizes,
             if value is not None:
                 block[key] = value
     if stage.optimizer_offload > 0:
-        # All of it (check_runtime): the gradient partition moves with the optimizer states.
+        # All of it (check_executor): the gradient partition moves with the optimizer states.
         block["offload_optimizer"] = {"device": "cpu"}
-    if stage.weights_offload == 1:  # all or nothing, ZeRO-3 only (check_runtime)
+    if stage.weights_offload == 1:  # all or nothing, ZeRO-3 only (check_executor)
         block["offload_param"] = {"device": "cpu"}
     return block
 
@@ -129,7 +130,7 @@ class MistBlock:
     None when the block does not say."""
 
 
-def mist_block(strategy: StrategySpec, buckets: BucketSizes, caps: RuntimeCapabilities | None = None,
+def mist_block(strategy: StrategySpec, buckets: BucketSizes, caps: ExecutorCapabilities | None = None,
                host_bytes_per_rank=None) -> dict[str, Any]:
     """The whole plan for the runtime (DeepSpeed ignores it): the strategy, each stage's block range, the
     buckets every stage's ZeRO block uses, the overlap features of its runtime (`caps`, default the
@@ -210,7 +211,7 @@ def stage_ds_config(config: Mapping[str, Any], stage: int, source: str = "ds_con
 
 
 def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None = None,
-              buckets: BucketSizes | None = None, caps: RuntimeCapabilities | None = None,
+              buckets: BucketSizes | None = None, caps: ExecutorCapabilities | None = None,
               host_bytes_per_rank=None) -> dict[str, Any]:
     """The DeepSpeed config dict of `strategy` (module docstring), JSON-ready.
 

@@ -85,7 +85,7 @@ def _is_scalar(tensor) -> bool:
 
 def _library_object(obj) -> bool:
     """Whether `obj` is a DeepSpeed, torch.optim or torch.nn object: an instance of a class they define,
-    or of a subclass of one (runtime `mist`'s MistPipelineEngine is a PipelineEngine, a PlannedLayer an
+    or of a subclass of one (executor `mist`'s MistPipelineEngine is a PipelineEngine, a PlannedLayer an
     nn.Module), judged by its class's MRO, not by the module its own class lives in."""
     return hasattr(obj, "__dict__") and any(cls.__module__.startswith(LIBRARY_MODULES)
                                             for cls in type(obj).__mro__ if cls is not object)

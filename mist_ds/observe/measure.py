@@ -50,7 +50,7 @@ def allocator_rise_bytes(run) -> int:
     Torch's profiler ends the record of an asynchronous collective on the thread that completes it (gloo's
     worker thread, at the work's completion): a collective issued while it profiles and still in flight
     when it stops ends its record in the profiler's freed state, which crashes the rank (SIGSEGV at
-    `__exit__`, or later in whatever touches that memory: seen with runtime `mist`'s post-step gather, which
+    `__exit__`, or later in whatever touches that memory: seen with executor `mist`'s post-step gather, which
     a step leaves in flight on purpose). `run` must therefore return with nothing it issued in flight."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
@@ -72,7 +72,7 @@ def step_peak_bytes(planned, step) -> int:
 
     GPU: the allocator's peak (max_memory_allocated) over the step. CPU: the live tensor storages at the
     step's start plus the largest rise of the allocator's running total during it. Either way, what a step
-    left in flight before it is waited for first (runtime `mist`'s post-step gather: its receive buffers are
+    left in flight before it is waited for first (executor `mist`'s post-step gather: its receive buffers are
     gloo's, invisible to Python, so the start is a defined one) and what the step itself leaves in flight
     is waited for inside the measured span (`allocator_rise_bytes`: the profiler must not stop with a
     collective it saw issued still running); the gather's receive buffers are counted at the step's end."""

@@ -43,7 +43,7 @@ def wrap_before(obj, name: str, callback) -> None:
 # Moments counted, each right before a call: the end of backward (gradients complete, buffers not
 # yet released: gradients and the reduce bucket peak together), and ZeRO-1/2's step once the fp32
 # gradient partition exists while the low-precision one is still held (free_grad_in_param_list);
-# plus the torch optimizer's step (a pre-hook) and the end of the step. Where runtime `mist`'s per-layer
+# plus the torch optimizer's step (a pre-hook) and the end of the step. Where executor `mist`'s per-layer
 # reducer (mist_ds/runtime/overlap.py) replaces DeepSpeed's reduction, neither engine method runs: its
 # moments are right before the last backward (`arm`: the earlier micro-batches' gradients complete, as
 # at the end of their backward) and at its end (`finish`).

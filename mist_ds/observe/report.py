@@ -76,7 +76,7 @@ def recomputed_blocks(layers, passes: dict[int, int], micro_batches: int) -> lis
 
 
 def overlap_ran(planned, collectives: dict[str, Any] | None) -> dict[str, Any]:
-    """Runtime `mist`'s features this engine runs (mist_ds/runtime/overlap.py): the reduction in the last
+    """Executor `mist`'s features this engine runs (mist_ds/runtime/overlap.py): the reduction in the last
     backward, set up by mist_ds's per-layer reducer (ZeRO-0) or by DeepSpeed's hooks (ZeRO-1/2: its
     optimizer's overlap_comm), and how many data-parallel all-reduces the last observed step issued during
     a backward (seen at the dispatcher, mist_ds/observe/counting.py; None before any step was observed)

@@ -57,7 +57,7 @@ class OpShapes:
 
 def tuner_points(specs: Specs) -> list[tuple[int, int]]:
     """Every (b, t) of the tuner's global points on this model, cluster and batch."""
-    from mist_ds.specs.runtime import capabilities_of
+    from mist_ds.specs.executors import capabilities_of
     from mist_ds.tuner.space import global_points, tuner_runtime
 
     caps = capabilities_of(tuner_runtime(specs.tuner))

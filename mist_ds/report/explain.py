@@ -30,9 +30,9 @@ from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_
 from mist_ds.cost.stage import stage_times
 from mist_ds.hardware import hardware_model
 from mist_ds.plan import Plan
-from mist_ds.specs import ConfigError, Specs, StrategySpec, check_runtime
+from mist_ds.specs import ConfigError, Specs, StrategySpec, check_executor
 from mist_ds.specs.cluster import GIB
-from mist_ds.specs.runtime import capabilities_of
+from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.strategy import StrategyRequest, resolve_strategy, strategy_from_dict
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.runner_ups import strategy_differences
@@ -109,7 +109,7 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
     overlap = caps.overlap
     reduce_at_end = not (overlap.optimizer_in_first_forward or overlap.overlap_grad_reduce)
     end_comm = times.grad_reduce_s if reduce_at_end else np.zeros_like(times.end_s)
-    # The first forward's extra is Mist's optimizer step, or else (runtime `mist`) the exposed part of the
+    # The first forward's extra is Mist's optimizer step, or else (executor `mist`) the exposed part of the
     # post-step all-gather that runs into it: communication.
     first_comm = np.zeros_like(times.end_s) if overlap.optimizer_in_first_forward else times.first_fwd_extra_s
     busy = times.dp_comm_s + times.swap_s
@@ -183,7 +183,7 @@ def _runner_up_strategy(specs: Specs, entry: dict[str, Any], index: int) -> Stra
         data = strategy_from_dict(entry["strategy"], f"{where}.strategy").to_dict()
         request = StrategyRequest(**data, allow_cross_node_tp=data["tp"] > specs.cluster.gpus_per_node)
         resolved = resolve_strategy(specs.model, specs.cluster, specs.train, request)
-        check_runtime(resolved, model=specs.model)
+        check_executor(resolved, model=specs.model)
     except ConfigError as error:
         if error.field.startswith(where):
             raise

@@ -17,14 +17,14 @@ def render_prediction(p: Prediction) -> str:
         f"{p.throughput_samples_per_s:.2f} samples/s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, HFU {p.hfu:.1%}",
         f"bubble {p.bubble_s:.3f} s, optimizer {p.optimizer_s:.3f} s, tail {p.tail_s:.3f} s",
         f"{'fits' if p.fits else 'DOES NOT FIT'} in GPU memory; host memory per node {_gib(p.host_memory_bytes)}",
-        "stage  layers ckpt zero  stable s  delta s  peak memory  "
+        "stage  layers recompute zero  stable s  delta s  peak memory  "
         "(weights grads optimizer activations transient buffers)",
     ]
     for i, (stable, delta, peak, parts) in enumerate(zip(p.stage_stable_s, p.stage_delta_s, p.peak_memory_bytes,
                                                          p.memory_breakdown)):
         detail = " ".join(f"{parts[k] / 2**30:.2f}" for k in ("weights", "grads", "optimizer", "activations",
                                                              "transient", "buffers"))
-        lines.append(f"{i:>5}  {s['layers_per_stage'][i]:>6} {s['ckpt_layers'][i]:>4} {s['zero_stage'][i]:>4}  "
+        lines.append(f"{i:>5}  {s['layers_per_stage'][i]:>6} {s['ckpt_layers'][i]:>9} {s['zero_stage'][i]:>4}  "
                      f"{stable:8.3f} {delta:8.3f}  {_gib(peak):>11}  ({detail})")
     lines.append("times from: " + ", ".join(f"{op} {source}" for op, source in p.sources.items()))
     lines += [f"warning: {w}" for w in p.warnings]

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from mist_ds.cost.memory import ModelStateShape, model_state_bytes
-from mist_ds.specs import Specs, runtime_capabilities
-from mist_ds.specs.runtime import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs import Specs, executor_capabilities
+from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -36,10 +36,10 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     # ZeRO-1/2 gradient partition overshoots its share.
     trained_vocab = model.trains_vocab("embedding") or model.trains_vocab("head")
     largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp) if trained_vocab else 0)
-    caps = runtime_capabilities(strategy.runtime)
+    caps = executor_capabilities(strategy.runtime)
     block = model.block_params(par.tp)
 
-    def states_at(zero: int) -> float:  # the runtime's reduce buckets at that ZeRO stage (specs.runtime)
+    def states_at(zero: int) -> float:  # the runtime's reduce buckets at that ZeRO stage (specs.executor_rules)
         return float(model_state_bytes(caps.model_states, ModelStateShape(
             heaviest, par.dp, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
             bf16=train.precision == "bf16", largest_param_elements=largest,

@@ -13,7 +13,7 @@ from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
 from mist_ds.specs.strategy import layout_text
 from mist_ds.specs.cluster import GIB
-from mist_ds.specs.runtime import RuntimeCapabilities
+from mist_ds.specs.executors import ExecutorCapabilities
 from mist_ds.tuner import TuneResult
 from mist_ds.tuner.runner_ups import runner_up_record
 from mist_ds.tuner.search import SearchResult
@@ -88,7 +88,7 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
             s = b["strategy"]
             lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | "
                          f"tp {s['tp']} pp {s['pp']} dp {s['dp']} b {s['micro_batch_size']} "
-                         f"layers {s['layers_per_stage']} ckpt {s['ckpt_layers']} "
+                         f"layers {s['layers_per_stage']} recompute {s['ckpt_layers']} "
                          f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
     lines += runner_up_lines(plan.runner_ups)
     lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
@@ -124,7 +124,7 @@ def _interleaving(strategy: dict) -> str:
     return f" interleaved x{chunks}" if chunks > 1 else ""
 
 
-def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities, plan_json: str = "plan.json") -> dict[str, str]:
+def plan_files(plan: Plan, specs: Specs, caps: ExecutorCapabilities, plan_json: str = "plan.json") -> dict[str, str]:
     """plan.json, summary.md (its hint naming the plan as `plan_json`), and ds_config.json where the plan runs on
     DeepSpeed (`caps`: its runtime)."""
     files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, plan_json)}
@@ -134,7 +134,7 @@ def plan_files(plan: Plan, specs: Specs, caps: RuntimeCapabilities, plan_json: s
     return files
 
 
-def plan_pictures(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[str, bytes]:
+def plan_pictures(plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> dict[str, bytes]:
     """timeline.png / .svg (the simulated iteration) and memory.png / .svg (each stage's peak by part)."""
     from mist_ds.cost.predict import simulate_iteration
     from mist_ds.report.pictures import figure_files, memory_figure, timeline_figure
@@ -147,7 +147,7 @@ def plan_pictures(plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> dict[s
     return figure_files(timeline_figure(sim, title), "timeline") | figure_files(memory, "memory")
 
 
-def write_plan(directory: Path, plan: Plan, specs: Specs, caps: RuntimeCapabilities) -> list[Path]:
+def write_plan(directory: Path, plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> list[Path]:
     """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs, cmd.txt: the command
     that trains it."""
     directory.mkdir(parents=True, exist_ok=True)

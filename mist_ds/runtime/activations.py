@@ -1,4 +1,4 @@
-"""Runtime `mist`: fractional activation offload (docs/design.md, The `mist` schedule).
+"""Executor `mist`: fractional activation offload (docs/design.md, The `mist` schedule).
 
 A stage with activation offload ao runs its first round(ao x l) blocks (half up) under
 torch.autograd.graph.saved_tensors_hooks: every tensor autograd saves in such a block's forward goes to

@@ -5,7 +5,7 @@ run (`check_executable`, host memory, precision); build this stage (`build_stage
 the cost model does, pipe slowest, then data, then tensor: stage i holds ranks [i t d, (i + 1) t d), TP
 inside a node; the plan's exact layer boundaries, layout-independent weights, the last c_i blocks
 recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
-own config (ZeRO stage, offload); then one `apply_<feature>` per overlap feature of runtime `mist`, each
+own config (ZeRO stage, offload); then one `apply_<feature>` per overlap feature of executor `mist`, each
 installing its feature on the built engine, logging what it applied and returning what it installed:
 `apply_grad_reduce_in_last_backward`, `apply_weight_gather_in_first_forward`, `apply_activation_offload`.
 Every install (a hook, the engine's class, the optimizer's update_lp_params) happens inside its apply_*
@@ -13,7 +13,7 @@ Every install (a hook, the engine's class, the optimizer's update_lp_params) hap
 
 pp = 1 plans run on DeepSpeed's engine (ZeRO 0-3, parameter and optimizer offload); pp > 1 plans on
 its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1, or, where the plan's overlap features
-apply (runtime `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
+apply (executor `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
 
 The runtime runs engines only: what observes them (the census, the step census, what ran, measure) is
 mist_ds/observe, which the runtime never imports; an observer plugs in as `PlannedEngine.observer`.
@@ -38,7 +38,7 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.runtime.versions import check_deepspeed_version
-from mist_ds.specs import (ConfigError, ModelSpec, check_runtime, grad_reduce_overlapped, runtime_capabilities,
+from mist_ds.specs import (ConfigError, ModelSpec, check_executor, grad_reduce_overlapped, executor_capabilities,
                            weight_gather_overlapped)
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class PlannedEngine:
         return float(loss)
 
     def sync_weights(self) -> None:
-        """Wait for the updated weights still being gathered (runtime `mist`, mist_ds/runtime/gather.py):
+        """Wait for the updated weights still being gathered (executor `mist`, mist_ds/runtime/gather.py):
         call before reading the module's parameters outside `train_batch`."""
         if self.weight_gather is not None:
             self.weight_gather.flush()
@@ -215,7 +215,7 @@ def load_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
 def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None:
     """Refuse, naming the rule, what this runtime cannot run, before DeepSpeed sees it."""
     strategy, par = plan.strategy, plan.strategy.parallelism
-    caps = runtime_capabilities(strategy.runtime)
+    caps = executor_capabilities(strategy.runtime)
     if model.hf is not None:
         raise ConfigError("model", f"hf {model.hf.name_or_path}", "mist_ds.runtime builds the zoo's models; a "
                           "Hugging Face model trains in your own DeepSpeed script with the plan's ds_config.json "
@@ -228,7 +228,7 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
     if not (caps.built and caps.executes_on_deepspeed):
         raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
-    check_runtime(strategy, caps, model)
+    check_executor(strategy, caps, model)
     lacking = [name for name, on in dataclasses.asdict(plan.overlap).items() if on and not getattr(caps.overlap, name)]
     if lacking:  # the plan switches features off one by one; it cannot switch on one the runtime lacks
         raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),
@@ -366,7 +366,7 @@ def build_stage(plan: MistBlock, model: ModelSpec, dtype: torch.dtype, seed: int
 
 
 def apply_grad_reduce_in_last_backward(engine, plan: MistBlock, stage: StageModule):
-    """Runtime `mist` at ZeRO-0: the data-parallel gradient reduction per layer during the last backward
+    """Executor `mist` at ZeRO-0: the data-parallel gradient reduction per layer during the last backward
     (mist_ds/runtime/overlap.py). A pipeline's engine is re-classed as MistPipelineEngine (its schedule arms
     the reducer); DeepSpeed's own engine stops all-reducing at the boundary (PlannedEngine arms it). Hooks
     each parameter's accumulated gradient. ZeRO-1's reduction in the last backward is DeepSpeed's own
@@ -375,7 +375,7 @@ def apply_grad_reduce_in_last_backward(engine, plan: MistBlock, stage: StageModu
 
     strategy, par = plan.strategy, plan.strategy.parallelism
     zero = strategy.stages[stage.coord.pipe].zero_stage
-    if zero != 0 or not grad_reduce_overlapped(runtime_capabilities(strategy.runtime), plan.overlap, par.pp, zero):
+    if zero != 0 or not grad_reduce_overlapped(executor_capabilities(strategy.runtime), plan.overlap, par.pp, zero):
         return engine, None
     by_layer = [list(layer.parameters()) for layer in stage.layers]
     if par.pp > 1:
@@ -394,7 +394,7 @@ def apply_grad_reduce_in_last_backward(engine, plan: MistBlock, stage: StageModu
 
 
 def apply_weight_gather_in_first_forward(engine, plan: MistBlock, stage: StageModule, dtype: torch.dtype):
-    """Runtime `mist` in bf16 pipelines at ZeRO-0: the stage's post-step all-gather chunked into the next
+    """Executor `mist` in bf16 pipelines at ZeRO-0: the stage's post-step all-gather chunked into the next
     first forward (mist_ds/runtime/gather.py) on a communicator of its own. Every rank creates every stage's
     communicator (collective) where any stage gathers; this stage replaces its BF16_Optimizer's
     update_lp_params and hooks each layer's forward. Priced only where DeepSpeed steps with BF16_Optimizer,
@@ -439,7 +439,7 @@ def own_communicator(rank_lists: list[list[int]], rank: int):
 
 
 def apply_activation_offload(layers: list[PlannedLayer], ao: float):
-    """Runtime `mist`: the stage's first round(ao x l) blocks offload their activations
+    """Executor `mist`: the stage's first round(ao x l) blocks offload their activations
     (mist_ds/runtime/activations.py); the ActivationOffload they share, or None."""
     from mist_ds.runtime.activations import ActivationOffload, offloaded_block_count
 

@@ -1,4 +1,4 @@
-"""Runtime `mist`: the post-step all-gather of the updated weights overlapped with the next iteration's
+"""Executor `mist`: the post-step all-gather of the updated weights overlapped with the next iteration's
 first forward (OverlapFeatures.gather_weights_in_first_forward; docs/design.md, The `mist` schedule).
 
 Where DeepSpeed runs BF16_Optimizer (bf16 pipelines at ZeRO-0), each data-parallel rank steps its

@@ -1,4 +1,4 @@
-"""Runtime `mist`: the overlap-centric pipeline schedule on DeepSpeed's PipelineEngine (docs/design.md, The
+"""Executor `mist`: the overlap-centric pipeline schedule on DeepSpeed's PipelineEngine (docs/design.md, The
 `mist` schedule).
 
 Built so far: the data-parallel gradient reduction overlapped with the last micro-batch's backward
@@ -42,7 +42,7 @@ backward and finishes it before `engine.step()`. There is no tied sum at S = 1: 
 embedding's parameter, which the reducer assigns to the embedding's layer (its gradient is complete only
 after the embedding's backward).
 What `mist` means at S = 1: the reduction in the last backward at ZeRO-0 and ZeRO-1, and activation
-offload (mist_ds/runtime/activations.py, any S); ZeRO-2 and ZeRO-3 run as on runtime `deepspeed`. In bf16
+offload (mist_ds/runtime/activations.py, any S); ZeRO-2 and ZeRO-3 run as on executor `deepspeed`. In bf16
 pipelines at ZeRO-0 the post-step all-gather also moves into the next first forward
 (mist_ds/runtime/gather.py); at S = 1 DeepSpeed's engine does not use BF16_Optimizer, so it does not apply.
 """

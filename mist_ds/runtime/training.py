@@ -33,7 +33,7 @@ class StepRecord:
 
 def synchronize_compute(device: torch.device) -> None:
     """Wait for the step's kernels on the compute stream (queued asynchronously on a GPU: else a step's
-    time is only the host's). Only that stream: a collective left in flight on purpose (runtime `mist`'s
+    time is only the host's). Only that stream: a collective left in flight on purpose (executor `mist`'s
     post-step gather, mist_ds/runtime/gather.py) runs on into the next step's forward, as it does in a run
     nobody times, and everything a step waited for is behind its compute stream already. Nothing to wait
     for on the CPU."""
@@ -67,7 +67,7 @@ def train(planned: PlannedEngine, data: DataSpec, steps: int, start_step: int = 
         log.info("step %d loss %.4f time %.3f s tokens/s %.0f", record.step, loss, elapsed, record.tokens_per_s)
         if save_every and save_dir is not None and record.step % save_every == 0:
             planned.save(save_dir, record.step)
-    planned.sync_weights()  # the end of training: no gather left in flight (runtime `mist`)
+    planned.sync_weights()  # the end of training: no gather left in flight (executor `mist`)
     return records
 
 

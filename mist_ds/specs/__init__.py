@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from mist_ds.specs.cluster import ClusterSpec, GpuSpec, InterferenceSpec
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.model import ModelSpec
-from mist_ds.specs.runtime import (RUNTIMES, OverlapFeatures, RuntimeCapabilities, check_runtime,
-                                   grad_reduce_overlapped, runtime_capabilities, weight_gather_overlapped)
+from mist_ds.specs.executors import EXECUTORS, ExecutorCapabilities, OverlapFeatures, executor_capabilities
+from mist_ds.specs.executor_rules import check_executor, grad_reduce_overlapped, weight_gather_overlapped
 from mist_ds.specs.strategy import Parallelism, StageStrategy, StrategySpec
 from mist_ds.specs.train import TrainSpec
 from mist_ds.specs.tuner import TunerSpec
@@ -32,6 +32,6 @@ class Specs:
 
 __all__ = [
     "ClusterSpec", "ConfigError", "GpuSpec", "InterferenceSpec", "ModelSpec", "OverlapFeatures", "Parallelism",
-    "RUNTIMES", "RuntimeCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
-    "check_runtime", "grad_reduce_overlapped", "runtime_capabilities", "weight_gather_overlapped",
+    "EXECUTORS", "ExecutorCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
+    "check_executor", "grad_reduce_overlapped", "executor_capabilities", "weight_gather_overlapped",
 ]

@@ -50,7 +50,7 @@ def bucket_sizes(model: ModelSpec | None, tp: int,
     within one block's worth of parameters stays gathered (DeepSpeed's 1e9-element default could keep
     several blocks, ~2 GB in bf16, that the plan never counted). Without a model these stay at
     DeepSpeed's defaults, which the cost model does not count. `reduce_bucket_elements`: the runtime's
-    reduce bucket (specs.runtime.reduce_bucket_elements_of).
+    reduce bucket (specs.executor_rules.reduce_bucket_elements_of).
     """
     if model is None:
         return BucketSizes(reduce_bucket_elements=reduce_bucket_elements)

@@ -148,7 +148,7 @@ def _read_list(data: Mapping[str, Any], key: str, field: str, count: int, kind: 
 def strategy_from_dict(data: Any, field: str = "strategy") -> StrategySpec:
     """Read `StrategySpec.to_dict()` output back, validated as untrusted data: a missing, unknown or
     mistyped key raises ConfigError naming `<field>.<key>`. Checks what needs no model or cluster
-    (the spec's own rules); `check_runtime` and the world size are the reader's to check."""
+    (the spec's own rules); `check_executor` and the world size are the reader's to check."""
     require(isinstance(data, Mapping), field, type(data).__name__, "must be a mapping of the strategy's fields")
     missing, unknown = set(STRATEGY_KEYS) - set(data), set(data) - set(STRATEGY_KEYS)
     require(not missing, field, sorted(missing), "lacks these keys; re-run `mist-ds tune`")
@@ -159,13 +159,13 @@ def strategy_from_dict(data: Any, field: str = "strategy") -> StrategySpec:
     require(pp >= 1, f"{field}.pp", pp, "must be >= 1")
     parallelism = Parallelism(**{k: _read_int(data, k, field) for k in ("tp", "dp", "micro_batch_size", "grad_accum")},
                               pp=pp)
-    layers, ckpt, zero = (_read_list(data, k, field, pp, int)
+    layers, recompute, zero = (_read_list(data, k, field, pp, int)
                           for k in ("layers_per_stage", "ckpt_layers", "zero_stage"))
     offload = data["offload"]
     require(isinstance(offload, Mapping) and set(offload) == set(OFFLOAD_KINDS), f"{field}.offload", offload,
             f"must map each of {', '.join(OFFLOAD_KINDS)} to one ratio per stage")
     ratios = {kind: _read_list(offload, kind, f"{field}.offload", pp, float) for kind in OFFLOAD_KINDS}
-    stages = tuple(StageStrategy(layers=layers[i], ckpt_layers=ckpt[i], zero_stage=zero[i],
+    stages = tuple(StageStrategy(layers=layers[i], ckpt_layers=recompute[i], zero_stage=zero[i],
                                  **{f"{kind}_offload": ratios[kind][i] for kind in OFFLOAD_KINDS}) for i in range(pp))
     return StrategySpec(runtime=data["runtime"], parallelism=parallelism, stages=stages, schedule=data["schedule"],
                         virtual_stages=_read_int(data, "virtual_stages", field))
@@ -258,7 +258,7 @@ def _per_stage(field: str, value: PerStage, num_stages: int, default: float) -> 
     raise ConfigError(field, value, "must be a number or a list with one number per stage")
 
 
-def _ckpt_per_stage(value: PerStage, layers: Sequence[int]) -> list[int]:
+def _recompute_per_stage(value: PerStage, layers: Sequence[int]) -> list[int]:
     if isinstance(value, str):
         require(value in ("full", "none"), "strategy.ckpt_layers", value,
                 "use full, none, one count for every stage, or a list with one count per stage")
@@ -329,7 +329,7 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     require(len(layers) == pp, "strategy.layers_per_stage", layers, f"needs {pp} entries (strategy.pp)")
     require(sum(layers) == model.num_layers, "strategy.layers_per_stage", layers,
             f"must add up to model.num_layers={model.num_layers} (they add up to {sum(layers)})")
-    ckpt = _ckpt_per_stage(request.ckpt_layers, layers)
+    recompute = _recompute_per_stage(request.ckpt_layers, layers)
     zero = _per_stage("strategy.zero_stage", request.zero_stage, pp, 0)
     unknown = set(request.offload) - set(OFFLOAD_KINDS)
     require(not unknown, "strategy.offload", sorted(unknown), f"known kinds: {', '.join(OFFLOAD_KINDS)}")
@@ -338,7 +338,7 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     for i, z in enumerate(zero):
         require(float(z).is_integer(), f"strategy.zero_stage[{i}]", z, "ZeRO stage must be 0, 1, 2 or 3")
     stages = tuple(
-        StageStrategy(layers=layers[i], ckpt_layers=ckpt[i], zero_stage=int(zero[i]),
+        StageStrategy(layers=layers[i], ckpt_layers=recompute[i], zero_stage=int(zero[i]),
                       weights_offload=float(ratios["weights"][i]), grads_offload=float(ratios["grads"][i]),
                       optimizer_offload=float(ratios["optimizer"][i]),
                       activations_offload=float(ratios["activations"][i]))

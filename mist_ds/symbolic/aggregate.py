@@ -224,7 +224,7 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     exprs = {
         "params": trace.params, "trainable_params": trace.trainable_params, "param_bytes": trace.param_bytes, **sums,
         "saved_bytes": saved_bytes(trace), "saved_bytes_fused": fused_saved_bytes(trace),
-        "saved_bytes_ckpt": trace.input_bytes,
+        "saved_bytes_recompute": trace.input_bytes,
         "fwd_peak_bytes": peak_bytes(trace, FORWARD), "bwd_peak_bytes": peak_bytes(trace, BACKWARD),
         "output_bytes": trace.output_bytes, "input_bytes": trace.input_bytes,
     }

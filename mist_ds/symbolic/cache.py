@@ -11,7 +11,7 @@ from mist_ds.specs.cache_root import cache_root
 # Source files whose change invalidates every cached analysis (they define what is traced and how).
 _PACKAGE = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("models", "symbolic")
-CODE_FILES = ("specs/hf.py", "specs/autotp.py")
+CODE_FILES = ("specs/hf.py", "specs/autotp.py", "specs/autotp_worker.py")
 """Beyond CODE_DIRS: how a Hugging Face model is built and sharded for its trace."""
 
 

@@ -13,7 +13,7 @@ import numpy as np
 GEMM_FIELDS = ("batch", "m", "n", "k")
 PUBLIC_SYMBOL_NAMES = ("b", "s", "t")  # micro-batch, sequence length, TP degree (docs/design.md, Symbols and units)
 # The public per-layer quantities (`mist-ds analyze --json`), then the ones the cost model also uses.
-PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_ckpt", "fwd_peak_bytes",
+PUBLIC_KEYS = ("params", "fwd_flops", "bwd_flops", "saved_bytes", "saved_bytes_recompute", "fwd_peak_bytes",
                "bwd_peak_bytes", "output_bytes", "tp_comm_bytes_fwd", "tp_comm_bytes_bwd")
 EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", "bwd_memory_bytes",
               "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels",
@@ -35,7 +35,7 @@ class LayerCost:
     Keys (units): params (elements), trainable_params (the elements of params with requires_grad),
     fwd_flops / bwd_flops (FLOPs, no recompute),
     fwd_attention_flops / bwd_attention_flops (the fused-attention part of them), saved_bytes
-    (kept for backward without checkpointing), saved_bytes_ckpt (kept with checkpointing: the
+    (kept for backward without checkpointing), saved_bytes_recompute (kept with checkpointing: the
     input), fwd_peak_bytes / bwd_peak_bytes (transient peak of the pass, saved tensors included,
     params and their grads excluded), output_bytes (what the next stage receives), input_bytes,
     param_bytes, fwd_memory_bytes / bwd_memory_bytes (HBM traffic of memory-bound ops),

@@ -16,10 +16,10 @@ from pathlib import Path
 from mist_ds.cost.host import PER_NODE, host_use
 from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import RuntimeCapabilities, Specs
+from mist_ds.specs import ExecutorCapabilities, Specs
 from mist_ds.specs.strategy import degrees_text
 from mist_ds.specs.cluster import GIB
-from mist_ds.specs.runtime import capabilities_of
+from mist_ds.specs.executors import capabilities_of
 from mist_ds.tuner.runner_ups import runner_ups
 from mist_ds.tuner.search import PointResult, SearchResult, search
 from mist_ds.tuner.space import tuner_runtime
@@ -46,7 +46,7 @@ class TuneResult:
     prediction: Prediction
     search: SearchResult
     baselines: tuple[Baseline, ...]
-    caps: RuntimeCapabilities
+    caps: ExecutorCapabilities
     """The runtime the plan was tuned for (the one its files and predictions are for)."""
     runner_ups: tuple[tuple[PointResult, Prediction], ...] = ()
     """The best plans of the next-best global points (tuner.top_n), fastest first, each with its prediction."""
@@ -56,11 +56,11 @@ class TuneResult:
         return self.search.best.strategy
 
 
-def _predict(specs: Specs, strategy, costs, hw, caps: RuntimeCapabilities) -> Prediction:
+def _predict(specs: Specs, strategy, costs, hw, caps: ExecutorCapabilities) -> Prediction:
     return predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw, caps)
 
 
-def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeCapabilities) -> str:
+def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: ExecutorCapabilities) -> str:
     """Least memory any plan needs per GPU against what the GPU has, what takes it, what would help."""
     usable = specs.cluster.gpu.usable_memory_bytes
     tried = [p for p in result.points if p.closest is not None]
@@ -110,7 +110,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: RuntimeC
 
 
 def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | None = None,
-               baselines: bool | None = None, caps: RuntimeCapabilities | None = None) -> TuneResult:
+               baselines: bool | None = None, caps: ExecutorCapabilities | None = None) -> TuneResult:
     """The best plan of specs.tuner.space on `caps` (default: the tuner's runtime); the megatron,
     deepspeed and aceso spaces' best with the plan's speedup over each (unless baselines are off).
     Raises NoPlanFits."""

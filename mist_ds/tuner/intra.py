@@ -17,7 +17,7 @@ from mist_ds.cost.candidates import ModelCosts, StageCandidates
 from mist_ds.cost.stage import stage_boundaries_cross_nodes, stage_times
 from mist_ds.cost.stage_memory import in_flight_micro_batches, stage_memory
 from mist_ds.hardware import HardwareModel
-from mist_ds.specs import RuntimeCapabilities, TrainSpec
+from mist_ds.specs import ExecutorCapabilities, TrainSpec
 from mist_ds.tuner.partition_model import StageOptions, front_of_sorted, pareto_columns, pareto_front
 from mist_ds.tuner.space import OPTION_KEYS, GlobalPoint, OptionGrids, stage_option_grid
 
@@ -67,7 +67,7 @@ def position_classes(point: GlobalPoint, gpus_per_node: int) -> tuple[np.ndarray
     return classes.reshape(S), positions[first_index]
 
 
-def price_options(costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities, train: TrainSpec,
+def price_options(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities, train: TrainSpec,
                   point: GlobalPoint, space: str, grids: OptionGrids, layer_counts: list[int],
                   usable_bytes: float = np.inf, host_limits_bytes: np.ndarray | None = None) -> PricedOptions:
     """Memory of every option, then times of those that fit at some position."""
@@ -84,7 +84,7 @@ class PointPricer:
 
     costs: ModelCosts
     hw: HardwareModel
-    caps: RuntimeCapabilities
+    caps: ExecutorCapabilities
     train: TrainSpec
     point: GlobalPoint
     usable_bytes: float = np.inf
@@ -94,7 +94,7 @@ class PointPricer:
         """Every option of the space for these layer counts, nothing priced yet (inf)."""
         point = self.point
         grids_by_l = [stage_option_grid(self.caps, space, grids, l, pipeline=point.pp > 1) for l in layer_counts]
-        layers = np.concatenate([np.full(g["ckpt"].size, l, dtype=np.float64)
+        layers = np.concatenate([np.full(g["recompute"].size, l, dtype=np.float64)
                                  for g, l in zip(grids_by_l, layer_counts)])
         position_class, representatives = position_classes(point, self.hw.cluster.gpus_per_node)
         shape = (representatives.size, layers.size)
@@ -160,7 +160,7 @@ def floor_stable_s(priced: PricedOptions, coarse: tuple[float, ...], grids: Opti
     ratios = dict(zip(("wo", "go", "oo", "ao"), (grids.weights, grids.grads, grids.optimizer, grids.activations)))
     # Mixed-radix codes: layers, recompute and ZeRO are small integers, the fractions indices into their grid.
     first = priced.layers.min()
-    code = ((priced.layers - first) * (priced.options["ckpt"].max() + 1) + priced.options["ckpt"]) * 4
+    code = ((priced.layers - first) * (priced.options["recompute"].max() + 1) + priced.options["recompute"]) * 4
     code = (code + priced.options["zero"]).astype(np.int64)
     floor = code.copy()
     for k, grid in ratios.items():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mist_ds.specs import RuntimeCapabilities, Specs, StrategySpec
+from mist_ds.specs import ExecutorCapabilities, Specs, StrategySpec
 from mist_ds.tuner.search import PointResult, SearchContext, SearchResult, _state, price_points
 
 
@@ -34,7 +34,7 @@ def _rank_key(r: PointResult):
     return (r.objective_s, r.point, r.variant)
 
 
-def runner_ups(specs: Specs, result: SearchResult, caps: RuntimeCapabilities, count: int,
+def runner_ups(specs: Specs, result: SearchResult, caps: ExecutorCapabilities, count: int,
                cache_dir: Path | None = None) -> tuple[RunnerUp, ...]:
     """The `count` best plans of other global points than the plan's, fastest first (by objective)."""
     if count <= 0 or result.best is None:

@@ -31,8 +31,9 @@ from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.cost.iteration import iteration_time_s
 from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.hardware.interference import monotone_envelope
-from mist_ds.specs import ConfigError, Parallelism, RuntimeCapabilities, Specs, StageStrategy, StrategySpec
-from mist_ds.specs.runtime import allowed_stage_options, capabilities_of
+from mist_ds.specs import ConfigError, Parallelism, ExecutorCapabilities, Specs, StageStrategy, StrategySpec
+from mist_ds.specs.executors import capabilities_of
+from mist_ds.specs.executor_rules import allowed_stage_options
 from mist_ds.specs.strategy import partition_uniform
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
 from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
@@ -55,7 +56,7 @@ class SearchContext:
 
     specs: Specs
     space: str
-    caps: RuntimeCapabilities
+    caps: ExecutorCapabilities
     cache_dir: Path | None = None
     incumbent_s: float = math.inf
     """The objective of a plan of this space already found (the default grid's best, when the grid is
@@ -102,7 +103,7 @@ class SearchResult:
         return sum(p.candidates for p in self.points)
 
 
-def _refines_default_grid(specs: Specs, space: str, caps: RuntimeCapabilities) -> bool:
+def _refines_default_grid(specs: Specs, space: str, caps: ExecutorCapabilities) -> bool:
     """The space's per-stage options hold the default grid's and more (tuner.grid=mist on a runtime that
     offloads fractions): searched with the default grid first, for a bound."""
     grids = option_grids(specs)
@@ -135,7 +136,7 @@ def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoin
     """No plan of a point is faster than its bound (seconds; one array call for all points): every
     stage's stable time is at least its compute and TP time, so sum_i T_i >= L m + embedding + head,
     and max_i T_i >= sum_i T_i / S; G max T + (sum T - max T) / v >= sum T (G + (S - 1) / v) / S.
-    fused: the runtime's RuntimeCapabilities.fused_kernels; max_chunks: per point, the most chunks
+    fused: the runtime's ExecutorCapabilities.fused_kernels; max_chunks: per point, the most chunks
     per stage its plans may interleave (None: 1)."""
     if not points:
         return np.zeros(0)
@@ -156,29 +157,29 @@ def lower_bound_s(costs: ModelCosts, hw: HardwareModel, point: GlobalPoint, fuse
 
 # --- one point -------------------------------------------------------------------------------------------
 
-def _variants(caps: RuntimeCapabilities, grid_zero: np.ndarray, point: GlobalPoint,
+def _variants(caps: ExecutorCapabilities, grid_zero: np.ndarray, point: GlobalPoint,
               min_layers: int) -> list[tuple[tuple[str, int], ...]]:
     """Choices a runtime forces to be equal on every stage, enumerated outside the partition solver."""
     zeros = sorted({int(z) for z in grid_zero}) if caps.uniform_zero and point.pp > 1 else [None]
-    ckpts = list(range(min_layers + 1)) if caps.uniform_ckpt and point.pp > 1 else [None]
+    recompute_counts = list(range(min_layers + 1)) if caps.uniform_recompute and point.pp > 1 else [None]
     out = []
     for z in zeros:
-        for k in ckpts:
-            out.append(tuple((name, v) for name, v in (("zero", z), ("ckpt", k)) if v is not None))
+        for k in recompute_counts:
+            out.append(tuple((name, v) for name, v in (("zero", z), ("recompute", k)) if v is not None))
     return out
 
 
-def _stage_strategy(options: dict[str, np.ndarray], k: int, layers: int, ckpt: float) -> StageStrategy:
+def _stage_strategy(options: dict[str, np.ndarray], k: int, layers: int, recompute: float) -> StageStrategy:
     """Stage of `layers` blocks with option k of `options` (recompute count given: the fixed-partition
     spaces keep it apart from the other options)."""
-    return StageStrategy(layers=int(layers), ckpt_layers=int(ckpt), zero_stage=int(options["zero"][k]),
+    return StageStrategy(layers=int(layers), ckpt_layers=int(recompute), zero_stage=int(options["zero"][k]),
                          weights_offload=float(options["wo"][k]), grads_offload=float(options["go"][k]),
                          optimizer_offload=float(options["oo"][k]), activations_offload=float(options["ao"][k]))
 
 
 def _stage_strategies(options: dict[str, np.ndarray], layers: list[int],
                       chosen: list[int]) -> tuple[StageStrategy, ...]:
-    return tuple(_stage_strategy(options, k, l, options["ckpt"][k]) for l, k in zip(layers, chosen))
+    return tuple(_stage_strategy(options, k, l, options["recompute"][k]) for l, k in zip(layers, chosen))
 
 
 def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...], chunks: int = 1) -> StrategySpec:
@@ -286,7 +287,7 @@ def _coarse_plans(ctx: SearchContext, point: GlobalPoint, variants, solve, coars
     return [None if p is None else p.objective_s for p in (solve(priced, v, coarse)[1] for v in variants)]
 
 
-def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
+def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
                 point: GlobalPoint, bound: float) -> list[PointResult]:
     specs = ctx.specs
     L = specs.model.num_layers
@@ -327,7 +328,7 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
     return results
 
 
-def ckpt_choices(layers: tuple[int, ...], space: str) -> np.ndarray:
+def recompute_choices(layers: tuple[int, ...], space: str) -> np.ndarray:
     """[choices, S] recompute counts for spaces with one option on every stage: the same count k on
     every stage (Megatron's uniform recompute), or every layer of every stage ("full")."""
     if space == "deepspeed":
@@ -337,22 +338,23 @@ def ckpt_choices(layers: tuple[int, ...], space: str) -> np.ndarray:
     return np.unique(np.concatenate([uniform, full]), axis=0)
 
 
-def _fixed_candidates(caps: RuntimeCapabilities, space: str, grids: OptionGrids, layers: tuple[int, ...],
+def _fixed_candidates(caps: ExecutorCapabilities, space: str, grids: OptionGrids, layers: tuple[int, ...],
                       pipeline: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(ckpt [n, S], other options [n] each) every stage of the partition can run."""
+    """(recompute [n, S], other options [n] each) every stage of the partition can run."""
     others = stage_option_grid(caps, space, grids, 1, pipeline)
-    keys = [k for k in OPTION_KEYS if k != "ckpt"]
+    keys = [k for k in OPTION_KEYS if k != "recompute"]
     rows = np.unique(np.stack([others[k] for k in keys], axis=1), axis=0)
-    ckpt = ckpt_choices(layers, space)
-    pick_ckpt, pick_row = (a.ravel() for a in np.meshgrid(np.arange(len(ckpt)), np.arange(len(rows)), indexing="ij"))
-    ckpt, options = ckpt[pick_ckpt], {k: rows[pick_row, j] for j, k in enumerate(keys)}
-    ok = np.ones(len(ckpt), dtype=bool)
+    recompute = recompute_choices(layers, space)
+    pick_recompute, pick_row = (a.ravel() for a in np.meshgrid(np.arange(len(recompute)), np.arange(len(rows)),
+                                                               indexing="ij"))
+    recompute, options = recompute[pick_recompute], {k: rows[pick_row, j] for j, k in enumerate(keys)}
+    ok = np.ones(len(recompute), dtype=bool)
     for i, l in enumerate(layers):
-        ok &= allowed_stage_options(caps, l, pipeline, ckpt=ckpt[:, i], **options)
-    return ckpt[ok], {k: v[ok] for k, v in options.items()}
+        ok &= allowed_stage_options(caps, l, pipeline, recompute=recompute[:, i], **options)
+    return recompute[ok], {k: v[ok] for k, v in options.items()}
 
 
-def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: RuntimeCapabilities,
+def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
                  point: GlobalPoint, bound: float) -> list[PointResult]:
     """Spaces with a fixed partition and one option for every stage: price [candidates, S] directly."""
     specs = ctx.specs
@@ -361,21 +363,21 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
     world = point.tp * S * point.dp
     best, closest, count = None, None, 0
     for layers, chunks in _partitions_and_chunks(ctx, caps, point):
-        ckpt, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1)
-        if not len(ckpt):
+        recompute, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1)
+        if not len(recompute):
             continue
         column = {k: v[:, None] for k, v in opts.items()}
         c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
                                G=point.grad_accum, stage=np.arange(S)[None, :], layers=np.array(layers)[None, :],
-                               ckpt=ckpt, v=chunks, **column)
+                               recompute=recompute, v=chunks, **column)
         times = stage_times(costs, hw, caps, specs.train, c)
         memory = stage_memory(costs, hw, caps, specs.train, c)
         count += times.stable_s.size
         worst_peak = np.max(memory.peak_bytes, axis=1)
         j = int(np.argmin(worst_peak))
         if closest is None or worst_peak[j] < closest[0]:
-            closest = (float(worst_peak[j]), _strategy(ctx.runtime, point, _uniform_stages(layers, ckpt[j], opts, j),
-                                                       chunks))
+            stages = _uniform_stages(layers, recompute[j], opts, j)
+            closest = (float(worst_peak[j]), _strategy(ctx.runtime, point, stages, chunks))
         tail = tail_s(hw, specs.train, np.max(times.end_s, axis=1), world)
         total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail, chunks)
         ok = np.all(memory.peak_bytes <= usable, axis=1) & host_fits(specs.cluster, specs.tuner.host_memory,
@@ -383,7 +385,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
         if ok.any():
             j = int(np.flatnonzero(ok)[np.argmin(total[ok])])
             if best is None or total[j] < best[0]:
-                best = (float(total[j]), _strategy(ctx.runtime, point, _uniform_stages(layers, ckpt[j], opts, j),
+                best = (float(total[j]), _strategy(ctx.runtime, point, _uniform_stages(layers, recompute[j], opts, j),
                                                    chunks))
     least, near = closest if closest else (math.inf, None)
     if best is None:
@@ -392,7 +394,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
                         closest=near)]
 
 
-def _partitions_and_chunks(ctx: SearchContext, caps: RuntimeCapabilities, point: GlobalPoint):
+def _partitions_and_chunks(ctx: SearchContext, caps: ExecutorCapabilities, point: GlobalPoint):
     """(layers per stage, chunks per stage) the fixed-partition space prices: each partition with
     plain 1F1B, and, where the runtime interleaves, each uniform one with every chunk count that
     divides its stages (Megatron-LM's rule: micro-batches a multiple of the stages)."""
@@ -404,13 +406,13 @@ def _partitions_and_chunks(ctx: SearchContext, caps: RuntimeCapabilities, point:
                     yield layers, chunks
 
 
-def _interleaves(caps: RuntimeCapabilities, space: str, point: GlobalPoint) -> bool:
+def _interleaves(caps: ExecutorCapabilities, space: str, point: GlobalPoint) -> bool:
     return ("interleaved" in caps.schedules and space == "megatron" and point.pp > 1
             and point.grad_accum % point.pp == 0)
 
 
-def _uniform_stages(layers, ckpt_row, opts, j) -> tuple[StageStrategy, ...]:
-    return tuple(_stage_strategy(opts, j, l, c) for l, c in zip(layers, ckpt_row))
+def _uniform_stages(layers, recompute_row, opts, j) -> tuple[StageStrategy, ...]:
+    return tuple(_stage_strategy(opts, j, l, c) for l, c in zip(layers, recompute_row))
 
 
 # --- workers ------------------------------------------------------------------------------------------------
@@ -437,7 +439,7 @@ def _best(results) -> PointResult | None:
     return min(feasible, key=lambda r: (r.objective_s, r.point, r.variant)) if feasible else None
 
 
-def search(specs: Specs, space: str | None = None, runtime: str | RuntimeCapabilities | None = None,
+def search(specs: Specs, space: str | None = None, runtime: str | ExecutorCapabilities | None = None,
            cache_dir: Path | None = None, progress: bool | None = None) -> SearchResult:
     """Best strategy of `space` (default specs.tuner.space) on `runtime`, a name or a capability value
     (default: the tuner's)."""

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mist_ds.specs import ClusterSpec, ConfigError, ModelSpec, RuntimeCapabilities, TrainSpec, TunerSpec
-from mist_ds.specs.runtime import allowed_stage_options
+from mist_ds.specs import ClusterSpec, ConfigError, ModelSpec, ExecutorCapabilities, TrainSpec, TunerSpec
+from mist_ds.specs.executor_rules import allowed_stage_options
 from mist_ds.specs.strategy import partition_uniform
 
-OPTION_KEYS = ("ckpt", "zero", "wo", "go", "oo", "ao")
+OPTION_KEYS = ("recompute", "zero", "wo", "go", "oo", "ao")
 # Spaces whose stages are free (per-stage Pareto sets + the partition solver); the others fix the
 # partition and use one option for every stage.
 FREE_STAGE_SPACES = ("mist", "aceso")
@@ -50,7 +50,7 @@ def _tp_ok(model: ModelSpec, t: int) -> bool:
 
 
 def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
-                  space: str, caps: RuntimeCapabilities) -> list[GlobalPoint]:
+                  space: str, caps: ExecutorCapabilities) -> list[GlobalPoint]:
     """Every (t, S, d, b, G) the space, the runtime and the tuner's degree limits allow, in a fixed
     order. TP stays inside a node."""
     gpus = cluster.num_gpus
@@ -113,11 +113,11 @@ class OptionGrids:
     activations: tuple[float, ...]
 
 
-def stage_option_grid(caps: RuntimeCapabilities, space: str, grids: OptionGrids, layers: int,
+def stage_option_grid(caps: ExecutorCapabilities, space: str, grids: OptionGrids, layers: int,
                       pipeline: bool) -> dict[str, np.ndarray]:
     """All per-stage options for a stage of `layers` blocks: 1-D arrays keyed by OPTION_KEYS, filtered
-    by the runtime's rules (the same rules `check_runtime` applies) and the space's."""
-    ckpt = np.arange(layers + 1)
+    by the runtime's rules (the same rules `check_executor` applies) and the space's."""
+    recompute = np.arange(layers + 1)
     zero = np.arange(4)
     wo, go, oo, ao = (np.asarray(g, dtype=np.float64) for g in
                       (grids.weights, grids.grads, grids.optimizer, grids.activations))
@@ -127,8 +127,8 @@ def stage_option_grid(caps: RuntimeCapabilities, space: str, grids: OptionGrids,
         if space == "aceso":
             oo = np.zeros(1)
     if space == "deepspeed":
-        ckpt, wo, go, oo, ao = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
-    mesh = np.meshgrid(ckpt, zero, wo, go, oo, ao, indexing="ij")
+        recompute, wo, go, oo, ao = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
+    mesh = np.meshgrid(recompute, zero, wo, go, oo, ao, indexing="ij")
     options = {k: m.ravel().astype(np.float64) for k, m in zip(OPTION_KEYS, mesh)}
     keep = allowed_stage_options(caps, layers, pipeline, **options)
     return {k: v[keep] for k, v in options.items()}
@@ -137,9 +137,10 @@ def stage_option_grid(caps: RuntimeCapabilities, space: str, grids: OptionGrids,
 def tuner_runtime(tuner: TunerSpec) -> str:
     """The runtime plans must run on: the tuner's, else the best built one checked on GPUs (mist once
     its overlap schedule has run on a GPU, DeepSpeed's stock engines until then)."""
-    from mist_ds.specs import RUNTIMES
-    from mist_ds.specs.runtime import DEFAULT_RUNTIME_PREFERENCE
+    from mist_ds.specs import EXECUTORS
+    from mist_ds.specs.executors import DEFAULT_EXECUTOR_PREFERENCE
 
     if tuner.runtime is not None:
         return tuner.runtime
-    return next(name for name in DEFAULT_RUNTIME_PREFERENCE if RUNTIMES[name].built and RUNTIMES[name].checked_on_gpu)
+    return next(name for name in DEFAULT_EXECUTOR_PREFERENCE
+                if EXECUTORS[name].built and EXECUTORS[name].checked_on_gpu)

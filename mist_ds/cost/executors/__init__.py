@@ -1,9 +1,9 @@
 """How each priced runtime executes a stage, one module per distinct behaviour, chosen by capability fields
 (never by a runtime's name; docs/design.md, The stage template):
 
-- the data moves, by RuntimeCapabilities.collectives: `deepspeed` (DeepSpeed 0.19.8's stock engines) or
+- the data moves, by ExecutorCapabilities.collectives: `deepspeed` (DeepSpeed 0.19.8's stock engines) or
   `ideal` (the textbook collectives);
-- the end-of-iteration policy, by RuntimeCapabilities.overlap: `first_forward_step` (optimizer_in_first_forward),
+- the end-of-iteration policy, by ExecutorCapabilities.overlap: `first_forward_step` (optimizer_in_first_forward),
   `mist` (overlap_grad_reduce or gather_weights_in_first_forward), else `end_work`.
 
 A runtime whose data moves differ adds a module with `moves(StageInputs) -> StageMoves`, a CollectiveModel value
@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 from mist_ds.cost.executors import deepspeed, end_work, first_forward_step, ideal, mist
 from mist_ds.cost.executors.interface import (EndOfIteration, OptimizerStep, PassPhases, PassWork, StageInputs,
                                               StageMoves)
-from mist_ds.specs.runtime import CollectiveModel, OverlapFeatures
+from mist_ds.specs.executors import CollectiveModel, OverlapFeatures
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class CollectiveExecutor:
 COLLECTIVE_EXECUTORS: Mapping[CollectiveModel, CollectiveExecutor] = MappingProxyType({
     "deepspeed": CollectiveExecutor(deepspeed.moves, partitioned_sends=True),
     "ideal": CollectiveExecutor(ideal.moves, partitioned_sends=False)})
-"""RuntimeCapabilities.collectives -> how that runtime moves a stage's data."""
+"""ExecutorCapabilities.collectives -> how that runtime moves a stage's data."""
 
 
 EndOfIterationPolicy = Callable[[StageInputs, PassWork, PassPhases, StageMoves, OptimizerStep], EndOfIteration]

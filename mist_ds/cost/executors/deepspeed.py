@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8's stock engines (RuntimeCapabilities.collectives 'deepspeed': runtimes `deepspeed`,
+"""DeepSpeed 0.19.8's stock engines (ExecutorCapabilities.collectives 'deepspeed': executors `deepspeed`,
 `mist`): the data-parallel collectives its ZeRO optimizers and BF16_Optimizer run, partitioned pipeline
 sends, offload of the rank's partition, torch's AdamW (docs/design.md, What DeepSpeed does)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from mist_ds.cost.candidates import vocab_shard_elements
 from mist_ds.cost.executors.interface import StageInputs, StageMoves
 from mist_ds.cost.executors.mist import layerwise_reduce
 from mist_ds.cost.memory import FP32_BYTES
-from mist_ds.specs.runtime import runs_bf16_optimizer
+from mist_ds.specs.executor_rules import runs_bf16_optimizer
 
 # torch's AdamW as DeepSpeed runs it with `torch_adam: true` (foreach on a GPU, torch/optim/adam.py
 # _multi_tensor_adam; the single-tensor loop elsewhere does the same passes): eight passes over fp32
@@ -71,7 +71,7 @@ def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weigh
 
 def moves(inputs: StageInputs) -> StageMoves:
     """What DeepSpeed 0.19.8 moves for a stage of `inputs.weight_bytes` whose `inputs.trained` elements train
-    (RuntimeCapabilities.collectives 'deepspeed'; docs/design.md, What DeepSpeed does):
+    (ExecutorCapabilities.collectives 'deepspeed'; docs/design.md, What DeepSpeed does):
     - data parallel: data_parallel_traffic (ZeRO-2's per-micro-batch bucket all-reduce, the post-step
       gather of ZeRO-1/2 and BF16_Optimizer, ZeRO-3's gathers and reduce-scatters); ZeRO-3's first gather
       of a forward and last reduce-scatter of a backward hide behind no compute;
@@ -83,9 +83,9 @@ def moves(inputs: StageInputs) -> StageMoves:
       boundary, when there are several micro-batches); at the boundary the fp32 gradient goes down and the
       updated weights come up (not with offload_param: they stay on the host);
     - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned;
-    - offloaded activations (runtime `mist`) go down in forward and come back in backward, copies that
+    - offloaded activations (executor `mist`) go down in forward and come back in backward, copies that
       add to the pass (offload_overlapped is off);
-    - with the reduction in the last backward (runtime `mist`): executors/mist.py layerwise_reduce.
+    - with the reduction in the last backward (executor `mist`): executors/mist.py layerwise_reduce.
     """
     costs, hw, train, c, data_parallel = inputs.costs, inputs.hw, inputs.train, inputs.c, inputs.data_parallel
     weight_bytes, params, saved_offloaded = inputs.weight_bytes, inputs.trained, inputs.saved_offloaded

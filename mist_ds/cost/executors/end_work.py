@@ -1,4 +1,4 @@
-"""Reduction and step after the last backward (no overlap feature moves them: runtimes `deepspeed`,
+"""Reduction and step after the last backward (no overlap feature moves them: executors `deepspeed`,
 `megatron`), as DeepSpeed runs ReduceTiedGrads, ReduceGrads and OptimizerStep after the pipeline drains
 (docs/design.md, The stage template)."""
 from __future__ import annotations

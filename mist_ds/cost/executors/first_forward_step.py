@@ -1,4 +1,4 @@
-"""The step inside the next first forward (overlap.optimizer_in_first_forward: runtime `mist-paper`): the
+"""The step inside the next first forward (overlap.optimizer_in_first_forward: executor `mist-paper`): the
 optimizer runs per layer during the first micro-batch's forward, the gradient reduction during the last
 backward, each beside that pass's compute on its own channel; nothing is left for the end of the iteration
 (docs/design.md, The stage template)."""

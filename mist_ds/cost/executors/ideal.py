@@ -1,4 +1,4 @@
-"""The textbook collectives (RuntimeCapabilities.collectives 'ideal': runtimes `mist-paper`, `megatron`): each
+"""The textbook collectives (ExecutorCapabilities.collectives 'ideal': executors `mist-paper`, `megatron`): each
 gradient byte crosses the data-parallel group once, Mist's offload semantics, a fused Adam step
 (docs/design.md, The stage template)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ ADAM_STEP_BYTES_PER_PARAM = 28
 
 
 def moves(inputs: StageInputs) -> StageMoves:
-    """Each gradient byte crosses the group once (RuntimeCapabilities.collectives 'ideal'). ZeRO-3
+    """Each gradient byte crosses the group once (ExecutorCapabilities.collectives 'ideal'). ZeRO-3
     gathers the stage's weights in forward and again in backward, and reduce-scatters gradients in
     backward, every micro-batch; ZeRO-2 reduce-scatters gradients every micro-batch. Offload with Mist's
     semantics: the offloaded fraction of the stage's weights comes in for each pass, its gradients go

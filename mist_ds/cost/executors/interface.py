@@ -13,7 +13,7 @@ from mist_ds.cost.candidates import ModelCosts, StageCandidates
 from mist_ds.cost.layer_time import LayerTimes
 from mist_ds.hardware import HardwareModel
 from mist_ds.hardware.network import RingGroup
-from mist_ds.specs import RuntimeCapabilities, TrainSpec
+from mist_ds.specs import ExecutorCapabilities, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class StageInputs:
 
     costs: ModelCosts
     hw: HardwareModel
-    caps: RuntimeCapabilities
+    caps: ExecutorCapabilities
     train: TrainSpec
     c: StageCandidates
     emb_times: LayerTimes

@@ -1,4 +1,4 @@
-"""Runtime `mist`'s overlap features on DeepSpeed's engines (mist_ds/runtime/overlap.py, gather.py): the
+"""Executor `mist`'s overlap features on DeepSpeed's engines (mist_ds/runtime/overlap.py, gather.py): the
 gradient reduction in the last backward (per layer at ZeRO-0, per block-sized bucket at ZeRO-1) and the
 post-step all-gather in chunks during the next first forward; where neither applies, the end of the iteration
 is stock DeepSpeed's (docs/design.md, The `mist` schedule)."""
@@ -12,11 +12,11 @@ from mist_ds.cost.candidates import ModelCosts, StageCandidates, vocab_shard_ele
 from mist_ds.cost.executors.interface import (EndOfIteration, OptimizerStep, PassPhases, PassWork, StageInputs,
                                               StageMoves)
 from mist_ds.specs import grad_reduce_overlapped, weight_gather_overlapped
-from mist_ds.specs.runtime import reduce_bucket_elements_of
+from mist_ds.specs.executor_rules import reduce_bucket_elements_of
 
 
 def layerwise_reduce(inputs: StageInputs, ran, step_all_gather) -> dict[str, np.ndarray]:
-    """Runtime `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py; where
+    """Executor `mist`'s reduction in the last backward (mist_ds/runtime/overlap.py; where
     grad_reduce_overlapped): at ZeRO-0 one all-reduce per layer, issued once the layer's gradients are
     complete; at ZeRO-1 (S = 1) DeepSpeed's hooks all-reduce a bucket of at most one block's elements
     whenever it fills, so a block leaves in ceil(block / bucket) all-reduces. Backward runs the head, the
@@ -117,7 +117,7 @@ def gather_in_first_forward_s(inputs: StageInputs, message_bytes) -> np.ndarray:
 
 def end_of_iteration(inputs: StageInputs, work: PassWork, phases: PassPhases, moves: StageMoves,
                      step: OptimizerStep) -> EndOfIteration:
-    """Runtime `mist` (overlap.overlap_grad_reduce or gather_weights_in_first_forward): where
+    """Executor `mist` (overlap.overlap_grad_reduce or gather_weights_in_first_forward): where
     grad_reduce_overlapped, the gradient reduction runs in the last backward (layerwise_reduce's split into
     hidden, exposed and the rest at the end); where weight_gather_overlapped, the post-step all-gather leaves
     the end for the next first forward (gather_in_first_forward_s). Elsewhere the reduction and the step are

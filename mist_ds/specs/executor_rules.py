@@ -1,0 +1,167 @@
+"""The rules an executor's capability row implies (docs/design.md, Executors and capabilities): `check_executor`
+refuses a strategy its executor cannot run, with the rule's name, before anything is priced;
+`allowed_stage_options` is its vectorized twin for the tuner's grids; the predicates below say where an overlap
+feature applies to a stage. The rows themselves are data in executors.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
+from mist_ds.specs.errors import ConfigError
+from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, capabilities_of
+from mist_ds.specs.model import ModelSpec
+from mist_ds.specs.strategy import StrategySpec
+
+
+def grad_reduce_overlapped(caps: ExecutorCapabilities, overlap: OverlapFeatures, pp, zero) -> np.ndarray:
+    """True where a stage at ZeRO stage `zero` of a `pp`-stage pipeline reduces its gradients during
+    the last backward (arrays broadcast); `overlap` is the plan's (the emitted "mist" block's)."""
+    pp, zero = np.asarray(pp), np.asarray(zero)
+    in_scope = np.where(pp > 1, np.isin(zero, caps.grad_reduce_overlap_zero_stages_in_pipeline),
+                        np.isin(zero, caps.grad_reduce_overlap_zero_stages))
+    return overlap.overlap_grad_reduce & in_scope
+
+
+def runs_bf16_optimizer(zero, pipeline, bf16: bool) -> np.ndarray:
+    """True where DeepSpeed 0.19.8 steps a stage with BF16_Optimizer: bf16 pipelines at ZeRO-0
+    (runtime/engine.py _do_optimizer_sanity_check: equal model and accumulation dtypes, pipeline)."""
+    return (np.asarray(zero) == 0) & (np.asarray(pipeline) > 0) & bool(bf16)
+
+
+def weight_gather_overlapped(overlap: OverlapFeatures, pp, zero, d, bf16: bool) -> np.ndarray:
+    """True where a stage's post-step all-gather of the updated weights runs in chunks during the next
+    first forward (overlap.gather_weights_in_first_forward, the plan's): built for BF16_Optimizer, whose
+    all-gather DeepSpeed calls through an overridable method (mist_ds/runtime/gather.py), with d > 1 (at
+    d = 1 nothing is gathered); no capability narrows it further. Arrays broadcast."""
+    return overlap.gather_weights_in_first_forward & runs_bf16_optimizer(zero, np.asarray(pp) > 1, bf16) & \
+        (np.asarray(d) > 1)
+
+
+def reduced_by_deepspeed_hooks(caps: ExecutorCapabilities, overlap: OverlapFeatures, pp, zero) -> np.ndarray:
+    """True where DeepSpeed's own bucketed hooks reduce the gradients during the last backward
+    (overlap_comm on: ZeRO >= 1 where grad_reduce_overlapped); ZeRO-0 uses mist_ds's per-layer reducer."""
+    return grad_reduce_overlapped(caps, overlap, pp, zero) & (np.asarray(zero) >= 1)
+
+
+def reduce_bucket_elements_of(caps: ExecutorCapabilities, overlap: OverlapFeatures, pp, zero,
+                              block_elements) -> np.ndarray:
+    """Elements of the ZeRO-1/2 reduce bucket the runtime allocates (and the emitter writes): one block
+    of parameters (at most the planned bucket) where DeepSpeed's own hooks reduce it during the last
+    backward (grad_reduce_overlapped at ZeRO >= 1), so that each block's gradients leave as the block's
+    backward ends; the planned bucket elsewhere. Arrays broadcast."""
+    return np.where(reduced_by_deepspeed_hooks(caps, overlap, pp, zero),
+                    np.minimum(block_elements, PLANNED_REDUCE_BUCKET_ELEMENTS), PLANNED_REDUCE_BUCKET_ELEMENTS)
+
+
+def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
+    return ConfigError(field, value, f"{fix} [rule {rule}]", rule=rule)
+
+
+def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = None,
+                  model: ModelSpec | None = None) -> None:
+    """Raise ConfigError naming the rule when `strategy` (of `model`, for the rules that need it) is
+    something its runtime cannot execute."""
+    caps = capabilities_of(caps or strategy.runtime)
+    name = caps.name
+    # a Hugging Face model is sharded by DeepSpeed AutoTP, whose own rules ModelSpec.check_tensor_parallel applies
+    # (beyond the KV heads it shards unevenly; rank 0, priced, holds the largest share)
+    if model is not None and model.hf is None and not caps.replicates_kv_heads and \
+            model.num_kv_heads % strategy.parallelism.tp:
+        raise _refuse(f"{name}.kv-heads-split", "strategy.tp", strategy.parallelism.tp,
+                      f"runtime {name} splits KV heads over TP ranks and does not replicate them: tp must "
+                      f"divide model.num_kv_heads={model.num_kv_heads}")
+    if strategy.schedule not in caps.schedules:
+        raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,
+                      f"runtime {name} runs {', '.join(caps.schedules)}")
+    stages = strategy.stages
+    zeros = [s.zero_stage for s in stages]
+    if caps.uniform_zero and len(set(zeros)) > 1:
+        raise _refuse(f"{name}.uniform-zero", "strategy.zero_stage", zeros,
+                      f"runtime {name} needs one ZeRO stage for every pipeline stage")
+    # Megatron's --recompute-num-layers N recomputes the first min(N, layers) blocks of every stage:
+    # one count everywhere, or every layer of every stage (full) when stages are uneven.
+    most = max(s.ckpt_layers for s in stages)
+    if caps.uniform_recompute and any(s.ckpt_layers != min(most, s.layers) for s in stages):
+        raise _refuse(f"{name}.uniform-recompute", "strategy.ckpt_layers", [s.ckpt_layers for s in stages],
+                      f"runtime {name} recomputes the same number of layers on every stage (at most a "
+                      "stage's layers: min(N, layers))")
+    for i, s in enumerate(stages):
+        if strategy.parallelism.pp > 1 and s.zero_stage not in caps.zero_stages_with_pipeline:
+            raise _refuse(f"{name}.pipeline-zero", f"strategy.zero_stage[{i}]", s.zero_stage,
+                          f"runtime {name} allows ZeRO {caps.zero_stages_with_pipeline} with pipelines "
+                          "(strategy.pp > 1)")
+        if caps.recompute_whole_stage_only and s.ckpt_layers not in (0, s.layers):
+            raise _refuse(f"{name}.recompute-whole-stage", f"strategy.ckpt_layers[{i}]", s.ckpt_layers,
+                          f"runtime {name} checkpoints all {s.layers} layers of a stage or none")
+        _check_offload(name, caps, i, s)
+
+
+def _check_offload(name: str, caps: ExecutorCapabilities, i: int, s) -> None:
+    wo, go, oo, ao = s.weights_offload, s.grads_offload, s.optimizer_offload, s.activations_offload
+    if wo > 0:
+        if caps.weights_offload == "none":
+            raise _refuse(f"{name}.no-weight-offload", f"strategy.offload.weights[{i}]", wo,
+                          f"runtime {name} cannot offload weights")
+        if caps.weights_offload == "zero3-all" and (wo != 1.0 or s.zero_stage != 3):
+            raise _refuse(f"{name}.offload-param", f"strategy.offload.weights[{i}]", wo,
+                          f"runtime {name} offloads weights only all at once (1.0) and only with ZeRO-3")
+        if caps.grads_offload == "fraction" and go == 0:
+            raise _refuse(f"{name}.weights-need-grads-offload", f"strategy.offload.grads[{i}]", go,
+                          "offloading weights needs a gradient offload ratio > 0")
+    if caps.grads_offload == "none" and go > 0:
+        raise _refuse(f"{name}.no-grad-offload", f"strategy.offload.grads[{i}]", go,
+                      f"runtime {name} cannot offload gradients")
+    if caps.grads_offload == "with-optimizer" and go != oo:
+        raise _refuse(f"{name}.grads-with-optimizer", f"strategy.offload.grads[{i}]", go,
+                      f"runtime {name} moves the gradient partition with the optimizer states: "
+                      f"grads offload must equal optimizer offload ({oo})")
+    if oo > 0:
+        if caps.optimizer_offload == "none":
+            raise _refuse(f"{name}.no-optimizer-offload", f"strategy.offload.optimizer[{i}]", oo,
+                          f"runtime {name} cannot offload optimizer states")
+        if caps.optimizer_offload == "whole":
+            if s.zero_stage == 0:
+                raise _refuse(f"{name}.offload-optimizer-zero", f"strategy.offload.optimizer[{i}]", oo,
+                              "optimizer offload needs ZeRO >= 1")
+            if oo < 1.0:
+                # DeepSpeed's offload_optimizer.ratio runs only with its compiled DeepSpeedCPUAdam and
+                # moves whole optimizer sub-groups (sub_group_size, 1e9 elements by default): a stage
+                # smaller than one sub-group is offloaded entirely whatever the ratio.
+                raise _refuse(f"{name}.offload-ratio", f"strategy.offload.optimizer[{i}]", oo,
+                              f"runtime {name} offloads optimizer states all at once: use 0 or 1 "
+                              "(fractions: tuner.runtime=mist-paper)")
+    if ao > 0 and not caps.activations_offload:
+        raise _refuse(f"{name}.no-activation-offload", f"strategy.offload.activations[{i}]", ao,
+                      f"runtime {name} cannot offload activations")
+
+
+def allowed_stage_options(caps: ExecutorCapabilities, layers: int, pipeline: bool, *, recompute, zero, wo, go, oo,
+                          ao) -> np.ndarray:
+    """Vectorized twin of check_executor's per-stage rules: True where one stage of `layers` blocks with
+    these options (arrays) is something the runtime can execute. The uniform-across-stages rules
+    (uniform_zero, uniform_recompute) are the caller's: they couple stages."""
+    recompute, zero, wo, go, oo, ao = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
+                                                       for x in (recompute, zero, wo, go, oo, ao)))
+    ok = np.ones(recompute.shape, dtype=bool)
+    if pipeline:
+        ok &= np.isin(zero, caps.zero_stages_with_pipeline)
+    if caps.recompute_whole_stage_only:
+        ok &= (recompute == 0) | (recompute == layers)
+    if caps.weights_offload == "none":
+        ok &= wo == 0
+    elif caps.weights_offload == "zero3-all":
+        ok &= (wo == 0) | ((wo == 1) & (zero == 3))
+    if caps.grads_offload == "fraction":
+        ok &= (wo == 0) | (go > 0)
+    elif caps.grads_offload == "none":
+        ok &= go == 0
+    elif caps.grads_offload == "with-optimizer":
+        ok &= go == oo
+    if caps.optimizer_offload == "none":
+        ok &= oo == 0
+    elif caps.optimizer_offload == "whole":
+        ok &= (oo == 0) | ((zero >= 1) & (oo == 1))
+    if not caps.activations_offload:
+        ok &= ao == 0
+    return ok

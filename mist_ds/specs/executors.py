@@ -1,0 +1,193 @@
+"""What each executor can execute and how it executes it: one capability row per executor, read by the cost model,
+the tuner, the emitter and the runtime (docs/design.md, Executors and capabilities).
+
+An executor is what runs a strategy (stock DeepSpeed, executor `mist` on DeepSpeed, Mist's own runtime, Megatron-LM),
+chosen by the config key `strategy.runtime`. The same strategy costs differently depending on its executor. Every
+behaviour that differs by executor is a field here, never a comparison of the executor's name: an ablation passes a
+modified row, and a row cloned under another name prices, tunes and emits exactly alike
+(tests/test_executors.py). This file is the table, data only; the rules read from it are in
+executor_rules.py. Adding an executor: a row here, and its cost module under cost/executors where its data moves
+differ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Literal, Mapping
+
+from mist_ds.specs.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OverlapFeatures:
+    """Overlap-centric schedule features (docs/design.md, The stage template); each can be on or off."""
+
+    prefetch_weights: bool = False
+    """Next layer's H2D swap-in and ZeRO-3 all-gather run while the current layer computes."""
+    overlap_grad_reduce: bool = False
+    """Gradient reduce-scatter / all-reduce per layer during backward, instead of after it."""
+    optimizer_in_first_forward: bool = False
+    """The optimizer step is split per layer and runs during the first micro-batch's forward."""
+    offload_overlapped: bool = False
+    """D2H swap-outs (weights, activations, grads) overlap compute instead of blocking."""
+    gather_weights_in_first_forward: bool = False
+    """The post-step all-gather of the updated weights runs in chunks during the next iteration's first
+    forward, each layer waiting for the chunks that hold its weights (optimizer_in_first_forward
+    implies it)."""
+
+
+ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
+"""Which allocation model cost/memory.py prices model states with (its module docstring)."""
+CollectiveModel = Literal["deepspeed", "ideal"]
+"""Which collectives an executor runs for data parallelism, pipelines and the optimizer step: names the module of
+cost/executors that prices its data moves (cost/executors/__init__.py COLLECTIVE_EXECUTORS; docs/design.md, What
+DeepSpeed does)."""
+
+
+@dataclass(frozen=True)
+class ExecutorCapabilities:
+    name: str
+    """Shown in rule names (`<name>.<rule>`) and reports; never branched on."""
+    built: bool
+    """mist_ds can execute plans on it (False: the cost model can price it, nothing runs it here)."""
+    executes_on_deepspeed: bool
+    """Plans run on DeepSpeed engines: emit writes a ds_config.json for them and the runtime takes it."""
+    model_states: ModelStateAccounting
+    """Model-state allocation model: 'deepspeed' (what DeepSpeed 0.19.8's engines allocate, buffers
+    sized by the largest tensor), 'megatron' (Megatron-LM's DDP buffer and distributed optimizer),
+    'zero-paper' (the ZeRO paper's b + b + 12 bytes per parameter)."""
+    zero3_overlaps_compute: bool
+    """ZeRO-3's all-gathers and reduce-scatters run on the G2G channel concurrently with compute
+    (DeepSpeed's prefetch with overlap_comm; Mist's prefetch); False: they add to the pass."""
+    fp32_grads_with_bf16: bool
+    """In bf16 training, gradients accumulate and are all-reduced in fp32 (Megatron-LM's main_grad
+    with accumulate_allreduce_grads_in_fp32); False: in the model dtype."""
+    replicates_kv_heads: bool
+    """A TP degree above the KV heads replicates them (Megatron-LM, Mist); False: t must divide the KV
+    heads (mist_ds.runtime splits them and keeps no replicas in step)."""
+    zero_stages_with_pipeline: tuple[int, ...]
+    uniform_zero: bool
+    """Every stage must use the same ZeRO stage."""
+    uniform_recompute: bool
+    """Every stage checkpoints the same number of layers (Megatron's uniform recompute)."""
+    recompute_whole_stage_only: bool
+    """Per stage c is 0 or l (DeepSpeed's checkpoint interval covers the whole stage)."""
+    weights_offload: str
+    """'none' | 'zero3-all' (offload_param: all or nothing, ZeRO-3) | 'fraction'."""
+    grads_offload: str
+    """'none' | 'with-optimizer' (go equals oo) | 'fraction'."""
+    optimizer_offload: str
+    """'none' | 'whole' (all or nothing, ZeRO >= 1) | 'fraction'."""
+    activations_offload: bool
+    schedules: tuple[str, ...]
+    overlap: OverlapFeatures
+    p2p_scatter_gather: bool = False
+    """Inter-node pipeline sends carry 1 / t of the activation per TP rank, re-assembled by an
+    intra-node all-gather (Megatron-LM's scatter/gather optimization, Narayanan et al. SC'21 4.1)."""
+    collectives: CollectiveModel = "ideal"
+    """'deepspeed': the collectives and copies DeepSpeed 0.19.8 runs (ZeRO-1/2 all-reduce gradient
+    buckets and all-gather the updated weights after the step, BF16_Optimizer steps the rank's
+    partition and all-gathers it too, pipeline sends split over TP ranks, offloaded gradients move the
+    rank's partition, torch's AdamW on the device); 'ideal': each gradient byte crosses the group
+    once (ring all-reduce, or reduce-scatter and all-gather), Mist's offload semantics, a fused step."""
+    fused_kernels: bool = False
+    """Each run of element-wise / norm / softmax ops executes as one kernel, priced by the traffic
+    that leaves it (symbolic.aggregate.fused_memory_traffic), and keeps for backward only what it
+    cannot recompute (fused_saved_bytes). Mist's runtime: its layers use
+    FlashAttention's modules and jit-fused bias-dropout-add (held-out L4 time MAPE 2.5% fused,
+    27.1% eager). False: the model's eager op stream, one kernel per op, as mist_ds's runtimes run it."""
+
+    grad_reduce_overlap_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages whose data-parallel gradient reduction `overlap.overlap_grad_reduce` moves into the
+    last backward without a pipeline (S = 1). Executor `mist`: ZeRO-0 by its own per-layer reducer,
+    ZeRO-1 by DeepSpeed's bucketed reduction hooks with overlap_comm, one block per bucket
+    (mist_ds/runtime/overlap.py)."""
+    grad_reduce_overlap_zero_stages_in_pipeline: tuple[int, ...] = (0, 1, 2, 3)
+    """... in a pipeline (S > 1). Executor `mist`: ZeRO-0 only (DeepSpeed's pipelines refuse
+    overlap_comm, and ZeRO-1 keeps its reduce_gradients)."""
+    activations_offload_whole_blocks: bool = False
+    """ao is realized as whole blocks: the stage's first round(ao x l) blocks offload all their saved
+    tensors but a leaf input (mist_ds/runtime/activations.py); False: the fraction ao of every block."""
+    checked_on_gpu: bool = True
+    """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
+    concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
+    (tuner.runtime names it)."""
+
+    @property
+    def offloads_fractions(self) -> bool:
+        """Weights, gradients and optimizer states offload in any fraction, and activations at all."""
+        return (self.weights_offload == self.grads_offload == self.optimizer_offload == "fraction"
+                and self.activations_offload)
+
+
+def _deepspeed() -> ExecutorCapabilities:
+    return ExecutorCapabilities(
+        name="deepspeed", built=True, executes_on_deepspeed=True, model_states="deepspeed",
+        zero3_overlaps_compute=True,  # stage3 prefetch with overlap_comm (emit/ds_config.py zero_block)
+        fp32_grads_with_bf16=False, replicates_kv_heads=False, zero_stages_with_pipeline=(0, 1),
+        # A ZeRO-0 stage beside a ZeRO-1 one runs mismatched collectives around the step
+        # (BF16_Optimizer vs DeepSpeedZeroOptimizer; gloo: received 4 bytes where 1 was expected).
+        uniform_zero=True, uniform_recompute=False,
+        # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
+        recompute_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
+        optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
+        overlap=OverlapFeatures(), collectives="deepspeed")
+
+
+def _executors() -> Mapping[str, ExecutorCapabilities]:
+    deepspeed = _deepspeed()
+    # The `mist` schedule (mist_ds/runtime/overlap.py): each overlap feature enters here once it runs and
+    # its numerics equal stock DeepSpeed's (tests/test_mist_runtime.py). Built: the gradient reduction in
+    # the last backward, per layer at ZeRO-0 (any S), per block-sized bucket at ZeRO-1 without a
+    # pipeline; the post-step all-gather in chunks during the next first forward where BF16_Optimizer
+    # steps (bf16 ZeRO-0 pipelines, d > 1; mist_ds/runtime/gather.py). It runs several communicators at
+    # once (the data-parallel reduction beside the pipeline's sends and the tied sum, the gather's own):
+    # checked on gloo only, so tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has
+    # checked it.
+    mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
+                   overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
+                   grad_reduce_overlap_zero_stages=(0, 1),
+                   grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False,
+                   activations_offload=True, activations_offload_whole_blocks=True)
+    mist_paper = ExecutorCapabilities(
+        name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
+        zero3_overlaps_compute=True, fp32_grads_with_bf16=False, replicates_kv_heads=True,
+        zero_stages_with_pipeline=(0, 1, 2, 3),
+        uniform_zero=False,
+        uniform_recompute=False, recompute_whole_stage_only=False, weights_offload="fraction", grads_offload="fraction",
+        optimizer_offload="fraction", activations_offload=True, schedules=("1f1b", "mist"),
+        overlap=OverlapFeatures(prefetch_weights=True, overlap_grad_reduce=True,
+                                optimizer_in_first_forward=True, offload_overlapped=True),
+        fused_kernels=True)
+    megatron = ExecutorCapabilities(
+        name="megatron", built=False, executes_on_deepspeed=False, model_states="megatron",
+        zero3_overlaps_compute=False, fp32_grads_with_bf16=True, replicates_kv_heads=True,
+        zero_stages_with_pipeline=(0, 1),
+        uniform_zero=True, uniform_recompute=True,
+        recompute_whole_stage_only=False, weights_offload="none", grads_offload="none", optimizer_offload="fraction",
+        activations_offload=False, schedules=("1f1b", "interleaved"),
+        # The reference measurements (SC'21, vTrain) ran Megatron-LM without overlapped grad reduce.
+        # Megatron fuses three patterns only (bias-GELU, bias-dropout-add, scale-mask-softmax), fewer
+        # than fused_kernels assumes: refitted each way (hyperbolic GEMM curve), its measured times
+        # (vTrain) fit the eager stream better: held-out MAPE 12.6% vs 13.0%, and fused needed an HBM
+        # efficiency of 0.55.
+        overlap=OverlapFeatures(), fused_kernels=False, p2p_scatter_gather=True)
+    return MappingProxyType({r.name: r for r in (deepspeed, mist, mist_paper, megatron)})
+
+
+EXECUTORS: Mapping[str, ExecutorCapabilities] = _executors()
+DEFAULT_EXECUTOR_PREFERENCE: tuple[str, ...] = ("mist", "deepspeed")
+"""The tuner plans for the first of these that is built and checked on a GPU (tuner.runtime overrides)."""
+
+
+def executor_capabilities(name: str, field: str = "strategy.runtime") -> ExecutorCapabilities:
+    if name not in EXECUTORS:
+        raise ConfigError(field, name, f"use one of {', '.join(EXECUTORS)}")
+    return EXECUTORS[name]
+
+
+def capabilities_of(executor: "str | ExecutorCapabilities", field: str = "strategy.runtime") -> ExecutorCapabilities:
+    """A capability row as given (an ablation's modified copy), or the named executor's."""
+    return executor if isinstance(executor, ExecutorCapabilities) else executor_capabilities(executor, field)
+
+
