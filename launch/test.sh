@@ -6,8 +6,9 @@
 #   launch/test.sh --engine   # the engine lane only
 #   launch/test.sh --slow     # both lanes with their slow tests too; run before resolving an issue
 #   launch/test.sh -k config  # any other arguments go to pytest in each lane (-n 0: one process)
-# The planner lane runs on two pytest-xdist workers, a module per worker at a time. The engine lane's modules
-# (tests/conftest.py LAUNCHING_MODULES, marked `engine`) run in one process: no two launches at once.
+# The planner lane runs on two pytest-xdist workers, test by test (the balance matters more than running a module's
+# fixtures once). The engine lane's modules (tests/conftest.py LAUNCHING_MODULES, marked `engine`) run in one
+# process: no two launches at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/setup.sh
@@ -24,7 +25,13 @@ for arg in "$@"; do
   esac
 done
 for lane in "${lanes[@]}"; do
-  if [ "$lane" = planner ]; then marker="not engine"; workers=(-n 2 --dist loadgroup); else marker="engine"; workers=(-n 0); fi
+  marker="engine"; workers=(-n 0)
+  if [ "$lane" = planner ]; then  # the engine lane's modules are not even imported (DeepSpeed's import is seconds)
+    marker="not engine"; workers=(-n 2 --dist load)
+    for module in $(.venv/bin/python -c 'from tests.conftest import LAUNCHING_MODULES as m; print(*sorted(m))'); do
+      workers+=(--ignore="tests/$module.py")
+    done
+  fi
   [ -n "$speed" ] && marker="$speed and $marker"
   echo "== $lane lane: -m \"$marker\"" >&2
   start=$SECONDS

@@ -13,6 +13,8 @@ the validated StrategySpec its overrides compose to.
 """
 from __future__ import annotations
 
+import functools
+
 import itertools
 import json
 import sys
@@ -109,13 +111,22 @@ def predict_cases() -> list[tuple[str, list[str]]]:
     return cases
 
 
+@functools.lru_cache(maxsize=1)
+def _composer():
+    """One composer for every case: the cases share their Hydra composes (mist_ds/config/many.py gives each list
+    the Specs, or the ConfigError, that `compose` gives it; tests/test_predict_many.py holds it to that)."""
+    from mist_ds.config.many import ManyComposer
+
+    return ManyComposer()
+
+
 def predict_record(overrides: list[str]) -> dict:
     """predict --json of `overrides`, or the refusal (field and rule) when the strategy is refused."""
-    import mist_ds
+    from mist_ds.cost.predict import predict
     from mist_ds.specs import ConfigError
 
     try:
-        return {"prediction": mist_ds.predict(overrides).to_dict()}
+        return {"prediction": predict(_composer().compose(overrides)).to_dict()}
     except ConfigError as error:
         return {"refused": {"field": error.field, "rule": error.rule}}
 

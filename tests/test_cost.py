@@ -374,7 +374,7 @@ def test_memory_drops_with_checkpointing_and_zero(costs_13b):
     assert zero.memory_breakdown[0]["optimizer"] < base.memory_breakdown[0]["optimizer"]
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_megatron_fp16_step_copies_gradients_to_fp32(costs_13b, zero):
     """Megatron hands Adam `main_grad.float()`: a new fp32 copy of fp16 gradients (4 bytes per updated
     parameter, the shard with its distributed optimizer), an alias of bf16's fp32 buffer. The copy

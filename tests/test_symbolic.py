@@ -94,7 +94,8 @@ def test_flops_equal_flop_counter_mode_whole_zoo(name, cache_dir):
     _check_flops_against_counter(model(name), cache_dir)
 
 
-@pytest.mark.parametrize("flash", [True, False])
+# the planner lane keeps the default
+@pytest.mark.parametrize("flash", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_gpt_block_flops_closed_form(flash, cache_dir):
     """Forward 24bsh^2/t + 4bs^2h/t; backward twice the GEMMs, attention per its kernel:
     2x (explicit: two matmuls' gradients) or 2.5x (fused: the scores are recomputed)."""

@@ -138,7 +138,8 @@ def _case(name):
     return overrides, runtime
 
 
-@pytest.mark.parametrize("case", ["mist-paper", "mist-paper, memory binds", "deepspeed", "deepspeed, memory binds",
+@pytest.mark.parametrize("case", [pytest.param("mist-paper", marks=pytest.mark.slow), "mist-paper, memory binds",
+                                  pytest.param("deepspeed", marks=pytest.mark.slow), "deepspeed, memory binds",
                                   "aceso", "mist-paper, host per node",
                                   pytest.param("mist-paper, host per node, small GPU", marks=pytest.mark.slow)])
 def test_tuner_equals_exhaustive_search_at_every_global_point(case):

@@ -101,16 +101,25 @@ def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs:
     return specs
 
 
-def compose_many(override_lists: Sequence[Sequence[str]], with_strategy: bool = True) -> list[Specs]:
-    """[compose(o, with_strategy) for o in override_lists], sharing what the lists share."""
-    memo = _Memo()
-    out = []
-    for i, overrides in enumerate(override_lists):
+class ManyComposer:
+    """compose() for list after list, sharing what the lists share (the memo lives as long as this object): each
+    list gives the same Specs, or raises the same ConfigError, as `compose(overrides, with_strategy)`."""
+
+    def __init__(self) -> None:
+        self._memo = _Memo()
+
+    def compose(self, overrides: Sequence[str], with_strategy: bool = True) -> Specs:
         try:
-            out.append(_fast(memo, overrides, with_strategy))
+            return _fast(self._memo, overrides, with_strategy)
         except Exception:  # noqa: BLE001 - compose gives the error exactly as one-by-one composition does
-            out.append(noting_case(i, compose, overrides, with_strategy))
-    return out
+            return compose(overrides, with_strategy)
 
 
-__all__ = ["compose_many"]
+def compose_many(override_lists: Sequence[Sequence[str]], with_strategy: bool = True) -> list[Specs]:
+    """[compose(o, with_strategy) for o in override_lists], sharing what the lists share; an error names its
+    case (`case <i>`)."""
+    composer = ManyComposer()
+    return [noting_case(i, composer.compose, overrides, with_strategy) for i, overrides in enumerate(override_lists)]
+
+
+__all__ = ["ManyComposer", "compose_many"]
