@@ -2,42 +2,47 @@
 # Run the tests (sets up .venv first if it is missing): the planner lane, then the engine lane.
 #   launch/test.sh            # what CI runs: planner lane (no DeepSpeed launch), then the engine lane (fast tests
 #                             # of the modules that start DeepSpeed ranks); the first failing lane stops it
-#   launch/test.sh --planner  # the planner lane only (a few minutes on 2 cores)
+#   launch/test.sh --planner  # the planner lane only (under 3 minutes on 2 cores)
 #   launch/test.sh --engine   # the engine lane only
 #   launch/test.sh --slow     # both lanes with their slow tests too; run before resolving an issue
-#   launch/test.sh -k config  # any other arguments go to pytest in each lane (-n 0: one process)
+#   launch/test.sh -k config  # any other arguments go to pytest in each lane
 # The planner lane runs on two pytest-xdist workers, test by test (the balance matters more than running a module's
 # fixtures once). The engine lane's modules (tests/conftest.py LAUNCHING_MODULES, marked `engine`) run in one
-# process: no two launches at once.
+# process whatever the arguments say: no two launches at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/setup.sh
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR="$PWD/.torch_extensions"
-lanes=(planner engine)
+lanes=()
 speed="not slow"
 args=()
 for arg in "$@"; do
   case "$arg" in
     --slow) speed="" ;;
-    --planner) lanes=(planner) ;;
-    --engine) lanes=(engine) ;;
+    --planner | --engine) lanes+=("${arg#--}") ;;
     *) args+=("$arg") ;;
   esac
 done
+[ "${#lanes[@]}" -gt 0 ] || lanes=(planner engine)
+engine_modules=$(.venv/bin/python -c 'from tests.conftest import LAUNCHING_MODULES as m; print(*sorted(m))')
+ran=0
 for lane in "${lanes[@]}"; do
-  marker="engine"; workers=(-n 0)
-  if [ "$lane" = planner ]; then  # the engine lane's modules are not even imported (DeepSpeed's import is seconds)
-    marker="not engine"; workers=(-n 2 --dist load)
-    for module in $(.venv/bin/python -c 'from tests.conftest import LAUNCHING_MODULES as m; print(*sorted(m))'); do
-      workers+=(--ignore="tests/$module.py")
+  if [ "$lane" = planner ]; then
+    marker="not engine"; lane_flags=(-n 2 --dist load)
+    for module in $engine_modules; do  # not even imported (DeepSpeed's import takes seconds)
+      lane_flags+=(--ignore="tests/$module.py")
     done
+  else
+    marker="engine"; lane_flags=(-n 0)  # after the user's arguments: a -n there cannot run launches side by side
   fi
   [ -n "$speed" ] && marker="$speed and $marker"
   echo "== $lane lane: -m \"$marker\"" >&2
   start=$SECONDS
   rc=0
-  .venv/bin/python -m pytest "${workers[@]}" -m "$marker" "${args[@]}" || rc=$?
+  .venv/bin/python -m pytest -m "$marker" ${args[@]+"${args[@]}"} "${lane_flags[@]}" || rc=$?
   if [ "$rc" = 5 ]; then echo "== $lane lane: no test selected" >&2; continue; fi  # e.g. -k matching one lane only
   [ "$rc" = 0 ] || exit "$rc"
+  ran=$((ran + 1))
   echo "== $lane lane passed in $((SECONDS - start)) s" >&2
 done
+[ "$ran" -gt 0 ] || { echo "== no lane selected a test" >&2; exit 5; }

@@ -26,13 +26,13 @@ def zoo(group: str) -> list[str]:
 LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep",
                                "test_model_states", "test_measure", "test_profile", "test_hf_models"})
 """Test modules that start DeepSpeed ranks (2-4 processes on loopback, each job's port picked free just before its
-ranks bind it): under pytest-xdist (launch/test.sh) they share one worker, so no two launches run at once."""
+ranks bind it): the engine lane (launch/test.sh runs it in one process, so no two launches run at once)."""
 
 
 def pytest_collection_modifyitems(config, items):
     """The lanes (launch/test.sh): every test of a LAUNCHING_MODULES module is marked `engine`, the rest form the
-    planner lane. pytest-xdist's `--dist loadgroup`: a module's tests stay on one worker (its module fixtures run
-    once), and the LAUNCHING_MODULES go to one worker together."""
+    planner lane. For a plain `pytest -n 2 --dist loadgroup` over both lanes, the xdist groups keep a module's tests
+    on one worker and the LAUNCHING_MODULES on one worker together (launch/test.sh does not need them)."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         launching = module in LAUNCHING_MODULES

@@ -12,7 +12,7 @@ def test_the_summary_line_names_the_offload():
     offloading = compose([*tiny, "strategy.offload.optimizer=[0,1]",
                           "strategy.offload.grads=[0,1]"]).strategy.to_dict()
     assert _layout(plain).endswith("offload none")
-    assert _layout(offloading).endswith("offload go [0, 1]; oo [0, 1]")
+    assert _layout(offloading).endswith("offload go [0, 1], oo [0, 1]")
 
 
 def test_one_layout_text_for_every_report():

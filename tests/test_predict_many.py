@@ -47,6 +47,18 @@ def test_composition_equals_compose_and_refuses_what_it_refuses(cases):
         assert batch.value.__notes__ == ["case 1"]
 
 
+def test_without_the_strategy_a_bad_strategy_override_is_still_refused():
+    """compose(with_strategy=False) applies the strategy group's overrides all the same: so does the composer."""
+    from mist_ds.config.many import ManyComposer
+
+    bad = ["model=tiny", "cluster=cpu", "strategy.no_such_key=1"]
+    with pytest.raises(ConfigError) as one:
+        mist_ds.compose(bad, with_strategy=False)
+    with pytest.raises(ConfigError) as shared:
+        ManyComposer().compose(bad, with_strategy=False)
+    assert (shared.value.field, str(shared.value)) == (one.value.field, str(one.value))
+
+
 def test_the_cli_prices_a_cases_file(tmp_path):
     (tmp_path / "cases.txt").write_text("# tp, then pipeline\nstrategy.tp=2\n\n"
                                         "strategy.pp=2 strategy.micro_batch_size=2\n")

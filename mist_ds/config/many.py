@@ -94,7 +94,10 @@ def _converted(memo: _Memo, base, group: str, lines: tuple[str, ...]):
 def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs:
     base, values = _split(memo, overrides)
     parts = {g: _converted(memo, base, g, values.get(g, ())) for g in GROUP_SPECS}
-    strategy = _group_config(memo, base, "strategy", values.get("strategy", ())) if with_strategy else None
+    # the strategy's overrides are applied even when the strategy is not read: compose refuses a bad one either way
+    strategy = _group_config(memo, base, "strategy", values.get("strategy", ()))
+    if not with_strategy:
+        strategy = None
     specs = specs_of(parts["model"], parts["cluster"], parts["train"], parts["tuner"], strategy)
     if specs.strategy is not None:
         check_executor(specs.strategy, model=specs.model)

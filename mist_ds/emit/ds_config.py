@@ -64,7 +64,7 @@ def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = 
         rule = f"{caps.name}.not-on-deepspeed"
         on_deepspeed = [name for name, c in EXECUTORS.items() if c.executes_on_deepspeed]
         raise ConfigError("strategy.runtime", strategy.runtime,
-                          f"plans for runtime {caps.name} are priced, not run on DeepSpeed; use one of "
+                          f"plans for executor {caps.name} are priced, not run on DeepSpeed; use one of "
                           f"{', '.join(on_deepspeed)} [rule {rule}]", rule=rule)
     check_executor(strategy, caps)
 
@@ -230,7 +230,7 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
     hooked = bool(reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, first.zero_stage))  # one ZeRO stage
     if buckets is None:
         if hooked and model is None:
-            raise ConfigError("model", None, f"runtime {caps.name} sizes the reduce bucket by the model's block at "
+            raise ConfigError("model", None, f"executor {caps.name} sizes the reduce bucket by the model's block at "
                                              f"ZeRO-{first.zero_stage}: give the model")
         block = model.block_params(par.tp) if model is not None else 0
         buckets = bucket_sizes(model, par.tp, int(reduce_bucket_elements_of(caps, caps.overlap, par.pp,

@@ -11,7 +11,7 @@ from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan, model_source_of
 from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
-from mist_ds.specs.strategy import layout_text
+from mist_ds.specs.strategy import layout_text, strategy_from_dict
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import ExecutorCapabilities
 from mist_ds.tuner import TuneResult
@@ -86,10 +86,9 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
                 lines.append(f"| {b['space']} | no plan fits | - | - |")
                 continue
             s = b["strategy"]
+            layout = layout_text(strategy_from_dict(s, f"baselines.{b['space']}.strategy"))
             lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | "
-                         f"tp {s['tp']} pp {s['pp']} dp {s['dp']} b {s['micro_batch_size']} "
-                         f"layers {s['layers_per_stage']} recompute {s['ckpt_layers']} "
-                         f"ZeRO {s['zero_stage']}{_interleaving(s)} |")
+                         f"{layout}{_interleaving(s)} |")
     lines += runner_up_lines(plan.runner_ups)
     lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
     return "\n".join(lines) + "\n"
@@ -121,7 +120,7 @@ def runner_up_lines(runner_ups: list[dict]) -> list[str]:
 
 def _interleaving(strategy: dict) -> str:
     chunks = strategy["virtual_stages"]
-    return f" interleaved x{chunks}" if chunks > 1 else ""
+    return f"; interleaved x{chunks}" if chunks > 1 else ""
 
 
 def plan_files(plan: Plan, specs: Specs, caps: ExecutorCapabilities, plan_json: str = "plan.json") -> dict[str, str]:

@@ -232,7 +232,7 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
     lacking = [name for name, on in dataclasses.asdict(plan.overlap).items() if on and not getattr(caps.overlap, name)]
     if lacking:  # the plan switches features off one by one; it cannot switch on one the runtime lacks
         raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),
-                          f"runtime {caps.name} does not run {', '.join(lacking)} (it runs "
+                          f"executor {caps.name} does not run {', '.join(lacking)} (it runs "
                           f"{dataclasses.asdict(caps.overlap)}): a block priced with a feature it lacks cannot run; "
                           "re-run `mist-ds tune`")
     if par.num_gpus != world_size:

@@ -69,31 +69,31 @@ def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = N
     if model is not None and model.hf is None and not caps.replicates_kv_heads and \
             model.num_kv_heads % strategy.parallelism.tp:
         raise _refuse(f"{name}.kv-heads-split", "strategy.tp", strategy.parallelism.tp,
-                      f"runtime {name} splits KV heads over TP ranks and does not replicate them: tp must "
+                      f"executor {name} splits KV heads over TP ranks and does not replicate them: tp must "
                       f"divide model.num_kv_heads={model.num_kv_heads}")
     if strategy.schedule not in caps.schedules:
         raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,
-                      f"runtime {name} runs {', '.join(caps.schedules)}")
+                      f"executor {name} runs {', '.join(caps.schedules)}")
     stages = strategy.stages
     zeros = [s.zero_stage for s in stages]
     if caps.uniform_zero and len(set(zeros)) > 1:
         raise _refuse(f"{name}.uniform-zero", "strategy.zero_stage", zeros,
-                      f"runtime {name} needs one ZeRO stage for every pipeline stage")
+                      f"executor {name} needs one ZeRO stage for every pipeline stage")
     # Megatron's --recompute-num-layers N recomputes the first min(N, layers) blocks of every stage:
     # one count everywhere, or every layer of every stage (full) when stages are uneven.
     most = max(s.ckpt_layers for s in stages)
     if caps.uniform_recompute and any(s.ckpt_layers != min(most, s.layers) for s in stages):
         raise _refuse(f"{name}.uniform-recompute", "strategy.ckpt_layers", [s.ckpt_layers for s in stages],
-                      f"runtime {name} recomputes the same number of layers on every stage (at most a "
+                      f"executor {name} recomputes the same number of layers on every stage (at most a "
                       "stage's layers: min(N, layers))")
     for i, s in enumerate(stages):
         if strategy.parallelism.pp > 1 and s.zero_stage not in caps.zero_stages_with_pipeline:
             raise _refuse(f"{name}.pipeline-zero", f"strategy.zero_stage[{i}]", s.zero_stage,
-                          f"runtime {name} allows ZeRO {caps.zero_stages_with_pipeline} with pipelines "
+                          f"executor {name} allows ZeRO {caps.zero_stages_with_pipeline} with pipelines "
                           "(strategy.pp > 1)")
         if caps.recompute_whole_stage_only and s.ckpt_layers not in (0, s.layers):
             raise _refuse(f"{name}.recompute-whole-stage", f"strategy.ckpt_layers[{i}]", s.ckpt_layers,
-                          f"runtime {name} checkpoints all {s.layers} layers of a stage or none")
+                          f"executor {name} recomputes all {s.layers} blocks of a stage or none")
         _check_offload(name, caps, i, s)
 
 
@@ -102,24 +102,24 @@ def _check_offload(name: str, caps: ExecutorCapabilities, i: int, s) -> None:
     if wo > 0:
         if caps.weights_offload == "none":
             raise _refuse(f"{name}.no-weight-offload", f"strategy.offload.weights[{i}]", wo,
-                          f"runtime {name} cannot offload weights")
+                          f"executor {name} cannot offload weights")
         if caps.weights_offload == "zero3-all" and (wo != 1.0 or s.zero_stage != 3):
             raise _refuse(f"{name}.offload-param", f"strategy.offload.weights[{i}]", wo,
-                          f"runtime {name} offloads weights only all at once (1.0) and only with ZeRO-3")
+                          f"executor {name} offloads weights only all at once (1.0) and only with ZeRO-3")
         if caps.grads_offload == "fraction" and go == 0:
             raise _refuse(f"{name}.weights-need-grads-offload", f"strategy.offload.grads[{i}]", go,
                           "offloading weights needs a gradient offload ratio > 0")
     if caps.grads_offload == "none" and go > 0:
         raise _refuse(f"{name}.no-grad-offload", f"strategy.offload.grads[{i}]", go,
-                      f"runtime {name} cannot offload gradients")
+                      f"executor {name} cannot offload gradients")
     if caps.grads_offload == "with-optimizer" and go != oo:
         raise _refuse(f"{name}.grads-with-optimizer", f"strategy.offload.grads[{i}]", go,
-                      f"runtime {name} moves the gradient partition with the optimizer states: "
+                      f"executor {name} moves the gradient partition with the optimizer states: "
                       f"grads offload must equal optimizer offload ({oo})")
     if oo > 0:
         if caps.optimizer_offload == "none":
             raise _refuse(f"{name}.no-optimizer-offload", f"strategy.offload.optimizer[{i}]", oo,
-                          f"runtime {name} cannot offload optimizer states")
+                          f"executor {name} cannot offload optimizer states")
         if caps.optimizer_offload == "whole":
             if s.zero_stage == 0:
                 raise _refuse(f"{name}.offload-optimizer-zero", f"strategy.offload.optimizer[{i}]", oo,
@@ -129,11 +129,11 @@ def _check_offload(name: str, caps: ExecutorCapabilities, i: int, s) -> None:
                 # moves whole optimizer sub-groups (sub_group_size, 1e9 elements by default): a stage
                 # smaller than one sub-group is offloaded entirely whatever the ratio.
                 raise _refuse(f"{name}.offload-ratio", f"strategy.offload.optimizer[{i}]", oo,
-                              f"runtime {name} offloads optimizer states all at once: use 0 or 1 "
+                              f"executor {name} offloads optimizer states all at once: use 0 or 1 "
                               "(fractions: tuner.runtime=mist-paper)")
     if ao > 0 and not caps.activations_offload:
         raise _refuse(f"{name}.no-activation-offload", f"strategy.offload.activations[{i}]", ao,
-                      f"runtime {name} cannot offload activations")
+                      f"executor {name} cannot offload activations")
 
 
 def allowed_stage_options(caps: ExecutorCapabilities, layers: int, pipeline: bool, *, recompute, zero, wo, go, oo,

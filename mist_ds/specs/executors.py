@@ -69,9 +69,9 @@ class ExecutorCapabilities:
     uniform_zero: bool
     """Every stage must use the same ZeRO stage."""
     uniform_recompute: bool
-    """Every stage checkpoints the same number of layers (Megatron's uniform recompute)."""
+    """Every stage recomputes the same number of blocks (Megatron's uniform recompute)."""
     recompute_whole_stage_only: bool
-    """Per stage c is 0 or l (DeepSpeed's checkpoint interval covers the whole stage)."""
+    """Per stage c is 0 or l (DeepSpeed's activation-checkpointing interval covers the whole stage)."""
     weights_offload: str
     """'none' | 'zero3-all' (offload_param: all or nothing, ZeRO-3) | 'fraction'."""
     grads_offload: str

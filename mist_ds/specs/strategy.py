@@ -221,7 +221,7 @@ def layout_text(strategy: StrategySpec) -> str:
                 for kind, values in ratios.items() if any(values)]
     return (f"{degrees_text(strategy.parallelism)}; layers [{run_length_text(s.layers for s in stages)}]; "
             f"recompute [{run_length_text(s.ckpt_layers for s in stages)}]; "
-            f"ZeRO [{run_length_text(s.zero_stage for s in stages)}]; offload {'; '.join(offloads) or 'none'}")
+            f"ZeRO [{run_length_text(s.zero_stage for s in stages)}]; offload {', '.join(offloads) or 'none'}")
 
 
 def partition_uniform(num_layers: int, num_stages: int) -> tuple[int, ...]:
