@@ -31,7 +31,7 @@ from benchmarks.common import base_specs, plan_text, results_header
 from mist_ds.specs import Specs
 from mist_ds.specs.model import default_ffn_hidden_size
 from mist_ds.tuner import BASELINE_SPACES, NoPlanFits, TuneResult, tune_specs
-from mist_ds.tuner.space import tuner_runtime
+from mist_ds.tuner.space import tuner_executor
 
 if TYPE_CHECKING:
     from mist_ds.tuner.search import PointResult
@@ -128,7 +128,7 @@ def cases(only: tuple[str, ...] = ()) -> list[Case]:
 @cache
 def default_runtime() -> str:
     """The tuner's default runtime, read from the tuner, not assumed."""
-    return tuner_runtime(base_specs(()).tuner)
+    return tuner_executor(base_specs(()).tuner)
 
 
 def runtimes() -> tuple[str, str]:
@@ -148,7 +148,7 @@ def case_specs(case: Case, runtime: str) -> Specs:
 
 def run(case: Case, runtime: str) -> Outcome:
     specs = case_specs(case, runtime)
-    assert tuner_runtime(specs.tuner) == runtime
+    assert tuner_executor(specs.tuner) == runtime
     start = time.perf_counter()
     try:
         result = tune_specs(specs, progress=False, baselines=True)
@@ -394,7 +394,7 @@ def main() -> None:
           "in a node (8 GPUs), else N / 8 full nodes. Tuner defaults otherwise (micro-batch sizes "
           f"{list(base_specs(()).tuner.micro_batch_sizes)}, layer_slack, offload grids), one worker.\n")
     print(f"Runtimes: `{names[0]}` (Mist's whole space, as the paper compares) and `{names[1]}` (the default, "
-          "`tuner_runtime` of the default tuner: the best runtime mist_ds executes). On each, `tune_specs` "
+          "`tuner_executor` of the default tuner: the best runtime mist_ds executes). On each, `tune_specs` "
           "searches the mist space and the megatron, deepspeed and aceso spaces on that same runtime; times are "
           "`predict` (1F1B simulation) of each space's best plan, speedup = baseline time / mist time. "
           "\"tune s\": wall seconds of the four searches with their predictions (symbolic analysis from the "

@@ -174,7 +174,7 @@ def test_the_exhaustive_cases_exercise_uneven_layers_memory_and_imbalance():
             != (free[1], {k: v.tolist() for k, v in free[2].items()}))
 
 
-def test_vectorized_runtime_rules_agree_with_check_runtime():
+def test_vectorized_executor_rules_agree_with_check_executor():
     """allowed_stage_options (the tuner's mask) and check_executor (predict's refusal) are one rule set."""
     from mist_ds.specs import Parallelism, StageStrategy, StrategySpec
 

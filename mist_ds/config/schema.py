@@ -105,7 +105,7 @@ class OffloadConfig:
 
 @dataclass
 class StrategyConfig:
-    runtime: str = "deepspeed"  # deepspeed | mist | mist-paper | megatron: who executes the strategy
+    runtime: str = "deepspeed"  # deepspeed | mist | mist-paper | megatron: the executor, who runs the strategy
     tp: int = 1  # tensor-parallel degree t
     pp: int = 1  # pipeline stages S
     dp: Optional[int] = None  # data-parallel degree d; null = GPUs / (tp x pp)
@@ -123,7 +123,7 @@ class StrategyConfig:
 @dataclass
 class TunerConfig:
     space: str = "mist"  # mist | megatron | deepspeed | aceso | uniform: which strategy space to search
-    runtime: Optional[str] = None  # runtime the plan must run on; null = the best runtime mist_ds can execute
+    runtime: Optional[str] = None  # executor the plan must run on; null = the best executor mist_ds can run
     micro_batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4])  # candidate b
     max_tp: int = 8  # largest tensor-parallel degree tried
     tp: Optional[List[int]] = None  # allowed tensor-parallel degrees, e.g. [1, 2]; null = any up to max_tp

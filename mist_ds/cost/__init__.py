@@ -1,1 +1,1 @@
-"""Cost model: time and memory of strategies on the runtime that executes them (vectorized)."""
+"""Cost model: time and memory of strategies on the executor that executes them (vectorized)."""

@@ -1,11 +1,11 @@
 """Per-rank accounting of one iteration from the terms the cost model prices: FLOPs executed (recompute
-included) and collective payload bytes by "kind/group", what the runtime's step census counts in the
+included) and collective payload bytes by "kind/group", what the executor's step census counts in the
 engine (mist_ds/observe/counting.py) and `measure` compares. Per stage: every rank of a stage does the
 same. Groups are named as mist_ds/specs/groups.py names them; payload is what a rank contributes (the
 tensor all-reduced, its shard of an all-gather, the whole input of a reduce-scatter, what it sends or
 receives).
 
-Communication is accounted for the runtimes that execute on DeepSpeed (ExecutorCapabilities
+Communication is accounted for the executors that execute on DeepSpeed (ExecutorCapabilities
 .executes_on_deepspeed), as DeepSpeed 0.19.8 moves it (each rule cites its source; docs/design.md,
 What DeepSpeed does):
 - TP: the layers' all-reduces (traced), again for each recomputed block's forward.
@@ -99,7 +99,7 @@ def _pipeline(c: StageCandidates, i: int, activation: float, t: int, G: int) -> 
 def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps: ExecutorCapabilities,
                c: StageCandidates, dtype_bytes: float) -> list[dict[str, float]] | None:
     """Per stage: "kind/group" -> payload bytes one rank moves in an iteration (module docstring);
-    None for runtimes that do not execute on DeepSpeed."""
+    None for executors that do not execute on DeepSpeed."""
     if not caps.executes_on_deepspeed:
         return None
     par, model = strategy.parallelism, costs.model

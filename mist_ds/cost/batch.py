@@ -2,7 +2,7 @@
 what-if).
 
 Shared per setting: the symbolic analysis (ModelCosts) per (model, precision), the hardware model per
-(cluster, precision). Stacked: the strategies sharing a model, a cluster, a runtime and a training
+(cluster, precision). Stacked: the strategies sharing a model, a cluster, an executor and a training
 setup have their stages priced in one `stage_times` / `stage_memory` call, every (strategy, stage)
 one candidate of a flat array; each strategy then reads its own stages back and finishes as
 `predict_strategy` does (`prediction_of`: the event simulation, throughput, fit). Stage pricing is
@@ -50,7 +50,7 @@ def _stack_key(specs: Specs, caps: ExecutorCapabilities) -> tuple:
 def predict_specs_many(many: Sequence[Specs], caps: ExecutorCapabilities | None = None,
                        cache_dir: Path | None = None) -> list[Prediction]:
     """Predictions of every specs' strategy, in order; equal to [predict(s, cache_dir, caps) for s in
-    many] bit for bit. Raises the ConfigError of the first strategy its runtime refuses."""
+    many] bit for bit. Raises the ConfigError of the first strategy its executor refuses."""
     costs, hardware, groups = {}, {}, defaultdict(list)
     checked = []
     for i, specs in enumerate(many):

@@ -6,7 +6,7 @@ Interleaved 1F1B with v chunks per stage fills and drains in chunks of stable_i 
 al., SC'21: the bubble shrinks v-fold): T = sum_i stable_i / v + (G - 1 / v) max_i stable_i + ...
 
 stable_i: one steady micro-batch (forward + backward) on stage i; delta_i: its first forward plus
-last backward minus stable_i; tail: work after the pipeline drains (runtimes that step at the end).
+last backward minus stable_i; tail: work after the pipeline drains (executors that step at the end).
 Arrays: the last axis is the stage; leading axes are candidates. Seconds.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Memory per GPU: model states (what each runtime really allocates), activations, buffers.
+"""Memory per GPU: model states (what each executor really allocates), activations, buffers.
 
 One function serves `show`, `predict` and `tune`; inputs broadcast as numpy arrays, so the same code
 prices one strategy or millions of candidates. Bytes throughout.
@@ -44,7 +44,7 @@ the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 b
 Each field is its own peak over the end of backward and the optimizer step (ZeRO-1's full .grad and
 the bucket peak in the first, the partitions and the fp32 gradients in the second), so `gpu_total`
 is at least the device bytes at either moment (ZeRO-3's per-parameter padding aside).
-Other runtimes use the ZeRO paper's accounting (Rajbhandari et al. 2020): b + b + 12 bytes per
+Other executors use the ZeRO paper's accounting (Rajbhandari et al. 2020): b + b + 12 bytes per
 parameter, each part divided by d where sharded. Megatron-LM: its DDP keeps gradients in one contiguous
 buffer that lives all iteration, in fp32 with bf16 (accumulate_allreduce_grads_in_fp32 is forced on)
 and in the model dtype otherwise. Its mixed-precision optimizer hands Adam `main_grad.float()`, an
@@ -249,7 +249,7 @@ def megatron_model_states(shape: ModelStateShape) -> ModelStateBytes:
 
 
 def model_state_bytes(accounting: ModelStateAccounting, shape: ModelStateShape) -> ModelStateBytes:
-    """Model states per GPU of a stage of `shape` under a runtime's `accounting` (ExecutorCapabilities.model_states;
+    """Model states per GPU of a stage of `shape` under an executor's `accounting` (ExecutorCapabilities.model_states;
     module docstring). The one function show / predict / tune use; only DeepSpeed's accounting reads the reduce
     bucket, L, N, G, overlap_comm and O."""
     if accounting == "deepspeed":

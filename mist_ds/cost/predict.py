@@ -53,17 +53,17 @@ class Prediction:
     (cost/accounting.py)."""
     comm_bytes_per_rank: list[dict[str, float]] | None = None
     """Per stage, "kind/group" -> collective payload bytes one of its ranks moves in an iteration, as
-    DeepSpeed runs it (cost/accounting.py); None for runtimes that do not run on DeepSpeed."""
+    DeepSpeed runs it (cost/accounting.py); None for executors that do not run on DeepSpeed."""
     model_state_bytes: list[dict[str, float]] = field(default_factory=list)
     """Per stage, one GPU's model states by part (cost/memory.py): weights, grads, optimizer, their own
-    buffers (buckets, step gradients, staging) and what is offloaded to the host. What a runtime's
+    buffers (buckets, step gradients, staging) and what is offloaded to the host. What an executor's
     engine census is compared with."""
     warnings: list[str] = field(default_factory=list)
     strategy: dict[str, Any] = field(default_factory=dict)
     """StrategySpec.to_dict() of the priced strategy."""
     host_bytes_per_rank: list[float] = field(default_factory=list)
     """Per stage, the host bytes one of its ranks keeps (offloaded states, offloaded activations in
-    flight): what the plan's "mist" block carries for the runtime's start-up check."""
+    flight): what the plan's "mist" block carries for the executor's start-up check."""
     host_memory_rule: str = "per-gpu"
     """tuner.host_memory the fit was checked under: per-gpu (a GPU's share of its node) or per-node."""
 
@@ -145,7 +145,7 @@ def simulate_iteration(specs: Specs, caps: ExecutorCapabilities | None = None,
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                      caps: ExecutorCapabilities | None = None) -> Prediction:
-    """Price specs.strategy on `caps` (default: the capabilities of the runtime it names)."""
+    """Price specs.strategy on `caps` (default: the capabilities of the executor it names)."""
     caps = checked_caps(specs, caps)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
     times = stage_times(costs, hw, caps, specs.train, c)
@@ -154,7 +154,7 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
 
 
 def checked_caps(specs: Specs, caps: ExecutorCapabilities | None) -> ExecutorCapabilities:
-    """`caps` (default: the strategy's runtime), the strategy checked against it (ConfigError)."""
+    """`caps` (default: the strategy's executor), the strategy checked against it (ConfigError)."""
     caps = capabilities_of(caps or specs.strategy.runtime)
     check_executor(specs.strategy, caps, specs.model)
     return caps

@@ -1,6 +1,6 @@
 """The stage template: per-stage stable time, first/last micro-batch extra (delta), end-of-iteration
-work, for arrays of candidate strategies on a given runtime (docs/design.md, The stage template); the
-runtime's own data moves and end of iteration come from cost/executors, its memory from cost/stage_memory.py.
+work, for arrays of candidate strategies on a given executor (docs/design.md, The stage template); the
+executor's own data moves and end of iteration come from cost/executors, its memory from cost/stage_memory.py.
 
 Symbols: b micro-batch, s sequence, t TP, d data parallel, S stages (pp), G micro-batches, i stage
 index, l layers, c checkpointed layers, z ZeRO stage, wo / go / oo / ao offload fractions.
@@ -36,11 +36,11 @@ class StageTimes:
     bwd_s: np.ndarray
     """The two halves of stable_s (p2p and TP collectives split by pass)."""
     delta_s: np.ndarray
-    """(first forward + last backward) - stable: the runtime's once-per-iteration extras."""
+    """(first forward + last backward) - stable: the executor's once-per-iteration extras."""
     first_fwd_extra_s: np.ndarray
     last_bwd_extra_s: np.ndarray
     end_s: np.ndarray
-    """Work after the stage's last backward before the step completes (runtimes with a tail)."""
+    """Work after the stage's last backward before the step completes (executors with a tail)."""
     compute_s: np.ndarray
     recompute_s: np.ndarray
     tp_s: np.ndarray
@@ -110,8 +110,8 @@ def stage_boundaries_cross_nodes(stage, width, gpus_per_node) -> tuple[np.ndarra
 
 def stage_times(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities, train: TrainSpec,
                 c: StageCandidates) -> StageTimes:
-    """Seconds of one stage of each candidate: its inputs, the runtime's data moves (executors.COLLECTIVE_EXECUTORS
-    by caps.collectives), the passes and how their channels overlap, the optimizer step, and where the runtime
+    """Seconds of one stage of each candidate: its inputs, the executor's data moves (executors.COLLECTIVE_EXECUTORS
+    by caps.collectives), the passes and how their channels overlap, the optimizer step, and where the executor
     places the reduction and the step (executors.end_of_iteration_policy by caps.overlap)."""
     inputs = stage_inputs(costs, hw, caps, train, c)
     executor = COLLECTIVE_EXECUTORS[caps.collectives]
@@ -126,7 +126,7 @@ def stage_times(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities
 def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities, train: TrainSpec,
                  c: StageCandidates) -> StageInputs:
     """What every step of stage_times reads: the layers' times, the stage's parameters and weight bytes, the
-    gradient element's bytes on this runtime, the offloaded activations, the data-parallel group."""
+    gradient element's bytes on this executor, the offloaded activations, the data-parallel group."""
     ev = c.shapes
     emb, block, head = _times(costs, hw, ev, caps.fused_kernels)
     params = stage_params(costs, c, ev)
@@ -155,7 +155,7 @@ def pass_work(inputs: StageInputs, executor: CollectiveExecutor, moves: StageMov
 
 
 def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassPhases:
-    """Each pass's compute joined with its data moves on the runtime's channels."""
+    """Each pass's compute joined with its data moves on the executor's channels."""
     hw, c = inputs.hw, inputs.c
     fwd_compute, bwd_compute, recompute = work.fwd_compute, work.bwd_compute, work.recompute
     fwd_g2g, bwd_g2g = moves.fwd_g2g, moves.bwd_g2g
@@ -212,6 +212,6 @@ def norm_sync_s(hw: HardwareModel, train: TrainSpec, world) -> np.ndarray:
 
 def tail_s(hw: HardwareModel, train: TrainSpec, end_max_s, world) -> np.ndarray:
     """The iteration's tail after the pipeline drains: the slowest stage's end work (reduction and
-    step) and then the gradient-norm sync; 0 on runtimes that leave no end work."""
+    step) and then the gradient-norm sync; 0 on executors that leave no end work."""
     end_max_s = np.asarray(end_max_s, dtype=np.float64)
     return np.where(end_max_s > 0, end_max_s + norm_sync_s(hw, train, world), 0.0)

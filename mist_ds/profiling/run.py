@@ -58,9 +58,9 @@ class OpShapes:
 def tuner_points(specs: Specs) -> list[tuple[int, int]]:
     """Every (b, t) of the tuner's global points on this model, cluster and batch."""
     from mist_ds.specs.executors import capabilities_of
-    from mist_ds.tuner.space import global_points, tuner_runtime
+    from mist_ds.tuner.space import global_points, tuner_executor
 
-    caps = capabilities_of(tuner_runtime(specs.tuner))
+    caps = capabilities_of(tuner_executor(specs.tuner))
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space, caps)
     return sorted({(p.micro_batch_size, p.tp) for p in points})
 

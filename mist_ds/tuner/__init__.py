@@ -22,7 +22,7 @@ from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.tuner.runner_ups import runner_ups
 from mist_ds.tuner.search import PointResult, SearchResult, search
-from mist_ds.tuner.space import tuner_runtime
+from mist_ds.tuner.space import tuner_executor
 
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
 
@@ -117,7 +117,7 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     costs = model_costs(specs, cache_dir)
     hw = hardware_model(specs.cluster, specs.train.precision)
     show = (not specs.tuner.quiet) if progress is None else progress
-    runtime = capabilities_of(caps or tuner_runtime(specs.tuner), "tuner.runtime")
+    runtime = capabilities_of(caps or tuner_executor(specs.tuner), "tuner.runtime")
     result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
     if result.best is None:
         raise NoPlanFits(explain_no_fit(specs, result, costs, hw, runtime))

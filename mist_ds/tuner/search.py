@@ -41,7 +41,7 @@ from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, mo
 from mist_ds.tuner.partition import solve_partition
 from mist_ds.tuner.partition_model import HostSharing, host_of
 from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, OptionGrids, fixed_partitions,
-                                 global_points, layer_counts, stage_option_grid, tuner_runtime)
+                                 global_points, layer_counts, stage_option_grid, tuner_executor)
 
 CHUNK_POINTS = 4
 CHUNKS_PER_ROUND = 4
@@ -445,7 +445,7 @@ def search(specs: Specs, space: str | None = None, runtime: str | ExecutorCapabi
     (default: the tuner's)."""
     start = time.perf_counter()
     space = space or specs.tuner.space
-    caps = capabilities_of(runtime or tuner_runtime(specs.tuner), "tuner.runtime")
+    caps = capabilities_of(runtime or tuner_executor(specs.tuner), "tuner.runtime")
     incumbent, coarse = math.inf, None
     if _refines_default_grid(specs, space, caps):
         # Its best plan with the default grid, a part of this one, bounds the search (docs/design.md, Tuner, Grids).

@@ -134,7 +134,7 @@ def stage_option_grid(caps: ExecutorCapabilities, space: str, grids: OptionGrids
     return {k: v[keep] for k, v in options.items()}
 
 
-def tuner_runtime(tuner: TunerSpec) -> str:
+def tuner_executor(tuner: TunerSpec) -> str:
     """The runtime plans must run on: the tuner's, else the best built one checked on GPUs (mist once
     its overlap schedule has run on a GPU, DeepSpeed's stock engines until then)."""
     from mist_ds.specs import EXECUTORS

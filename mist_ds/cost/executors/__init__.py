@@ -1,12 +1,12 @@
-"""How each priced runtime executes a stage, one module per distinct behaviour, chosen by capability fields
-(never by a runtime's name; docs/design.md, The stage template):
+"""How each executor executes a stage, one module per distinct behaviour, chosen by capability fields
+(never by an executor's name; docs/design.md, The stage template):
 
 - the data moves, by ExecutorCapabilities.collectives: `deepspeed` (DeepSpeed 0.19.8's stock engines) or
   `ideal` (the textbook collectives);
 - the end-of-iteration policy, by ExecutorCapabilities.overlap: `first_forward_step` (optimizer_in_first_forward),
   `mist` (overlap_grad_reduce or gather_weights_in_first_forward), else `end_work`.
 
-A runtime whose data moves differ adds a module with `moves(StageInputs) -> StageMoves`, a CollectiveModel value
+An executor whose data moves differ adds a module with `moves(StageInputs) -> StageMoves`, a CollectiveModel value
 and its row in COLLECTIVE_EXECUTORS; one whose end of iteration differs adds a module with `end_of_iteration` and
 the overlap feature that selects it.
 """
@@ -33,7 +33,7 @@ class CollectiveExecutor:
 COLLECTIVE_EXECUTORS: Mapping[CollectiveModel, CollectiveExecutor] = MappingProxyType({
     "deepspeed": CollectiveExecutor(deepspeed.moves, partitioned_sends=True),
     "ideal": CollectiveExecutor(ideal.moves, partitioned_sends=False)})
-"""ExecutorCapabilities.collectives -> how that runtime moves a stage's data."""
+"""ExecutorCapabilities.collectives -> how that executor moves a stage's data."""
 
 
 EndOfIterationPolicy = Callable[[StageInputs, PassWork, PassPhases, StageMoves, OptimizerStep], EndOfIteration]

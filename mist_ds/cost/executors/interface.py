@@ -1,4 +1,4 @@
-"""What every executor reads and returns: the stage's inputs (StageInputs), the data moves of its runtime per
+"""What every executor reads and returns: the stage's inputs (StageInputs), the data moves of its executor per
 micro-batch and per step (StageMoves), the passes they join (PassWork, PassPhases), the optimizer step
 (OptimizerStep), and the once-per-iteration work an end-of-iteration policy places (EndOfIteration).
 Arrays of seconds, bytes or elements, broadcast with the candidates (cost/candidates.py).
@@ -45,7 +45,7 @@ class StageInputs:
 
 @dataclass(frozen=True)
 class StageMoves:
-    """How a runtime moves one stage's data, per micro-batch (fwd_*, bwd_*: seconds on each channel)
+    """How an executor moves one stage's data, per micro-batch (fwd_*, bwd_*: seconds on each channel)
     and per step; `*_exposed`: the part of the pass's G2G time that no compute can hide."""
 
     fwd_g2g: np.ndarray
@@ -58,7 +58,7 @@ class StageMoves:
     bwd_d2h: np.ndarray
     fwd_tp: np.ndarray
     bwd_tp: np.ndarray
-    """TP-group collectives the runtime adds to the layers' own (re-assembling partitioned sends)."""
+    """TP-group collectives the executor adds to the layers' own (re-assembling partitioned sends)."""
     step_reduce: np.ndarray
     """Data-parallel collectives of the step: the gradient reduction and the updated weights' gather."""
     step_params: np.ndarray
@@ -93,7 +93,7 @@ class PassWork:
     """The checkpointed blocks' forward again, in backward."""
     fwd_tp: np.ndarray
     bwd_tp: np.ndarray
-    """TP-group collectives, the runtime's own (StageMoves.fwd_tp, bwd_tp) included."""
+    """TP-group collectives, the executor's own (StageMoves.fwd_tp, bwd_tp) included."""
     tp: np.ndarray
     p2p: np.ndarray
     """Blocking pipeline sends and receives of both passes."""
@@ -101,7 +101,7 @@ class PassWork:
 
 @dataclass(frozen=True)
 class PassPhases:
-    """Each pass with its data moves joined as the runtime's channels overlap them (seconds)."""
+    """Each pass with its data moves joined as the executor's channels overlap them (seconds)."""
 
     fwd_phase: np.ndarray
     bwd_phase: np.ndarray
@@ -123,7 +123,7 @@ class OptimizerStep:
 
 @dataclass(frozen=True)
 class EndOfIteration:
-    """Where a runtime places the reduction and the step (seconds; docs/design.md, The stage template)."""
+    """Where an executor places the reduction and the step (seconds; docs/design.md, The stage template)."""
 
     first_fwd_extra: np.ndarray
     last_bwd_extra: np.ndarray
