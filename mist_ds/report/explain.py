@@ -33,7 +33,7 @@ from mist_ds.plan import Plan
 from mist_ds.specs import ConfigError, Specs, StrategySpec, check_executor
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
-from mist_ds.specs.strategy import StrategyRequest, resolve_strategy, strategy_from_dict
+from mist_ds.specs.strategy import StrategyRequest, degrees_text, resolve_strategy, strategy_from_dict
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.runner_ups import strategy_differences
 
@@ -248,8 +248,7 @@ def _loss_text(runner_up: dict[str, Any], plan_s: float) -> str:
 
 def render_explain(facts: dict[str, Any]) -> str:
     s, total = facts["strategy"], facts["iteration_time_s"]
-    lines = [f"{s['runtime']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']}, micro-batch {s['micro_batch_size']} x "
-             f"{s['grad_accum']}: iteration {total:.3f} s"]
+    lines = [f"{s['runtime']}: {degrees_text(s)}: iteration {total:.3f} s"]
     recorded = facts["recorded_iteration_time_s"]
     if recorded is not None and recorded != total:
         lines.append(f"note: the plan records {recorded:.3f} s; priced now at {total:.3f} s")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from mist_ds.cost.predict import Prediction
+from mist_ds.specs.strategy import degrees_text
 
 
 def _gib(n: float) -> str:
@@ -11,8 +12,7 @@ def _gib(n: float) -> str:
 def render_prediction(p: Prediction) -> str:
     s = p.strategy
     lines = [
-        f"{s['runtime']}: tp {s['tp']} x pp {s['pp']} x dp {s['dp']}, micro-batch {s['micro_batch_size']} x "
-        f"{s['grad_accum']} accumulation",
+        f"{s['runtime']}: {degrees_text(s)}",
         f"iteration {p.iteration_time_s:.3f} s (closed form {p.iteration_time_closed_form_s:.3f} s), "
         f"{p.throughput_samples_per_s:.2f} samples/s, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%}, HFU {p.hfu:.1%}",
         f"bubble {p.bubble_s:.3f} s, optimizer {p.optimizer_s:.3f} s, tail {p.tail_s:.3f} s",

@@ -6,6 +6,7 @@ from typing import Any
 from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.specs import Specs, executor_capabilities
 from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs.strategy import degrees_text
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -91,7 +92,7 @@ def render_show(facts: dict[str, Any]) -> str:
         f"per step: {facts['flops_per_step'] / 1e15:,.1f} PFLOP",
         f"batch: {par['micro_batch_size']} micro x {par['grad_accum']} accum x {par['dp']} dp = "
         f"{par['global_batch_size']} sequences = {facts['tokens_per_step']:,} tokens per step",
-        f"layout: tp {par['tp']} x pp {par['pp']} x dp {par['dp']} = {facts['gpus']} GPUs "
+        f"layout: {degrees_text(par)} on {facts['gpus']} GPUs "
         f"({facts['cluster']['gpu']['name']}, {_gib(facts['gpu_memory_bytes'])}, "
         f"dense peak {facts['peak_flops_per_gpu'] / 1e12:,.0f} TFLOP/s)",
         f"model states per GPU ({facts['model_state_note']}):",

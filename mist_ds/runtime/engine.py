@@ -38,8 +38,9 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.runtime.versions import check_deepspeed_version
-from mist_ds.specs import (ConfigError, ModelSpec, check_executor, grad_reduce_overlapped, executor_capabilities,
+from mist_ds.specs import (ConfigError, ModelSpec, check_executor, executor_capabilities, grad_reduce_overlapped,
                            weight_gather_overlapped)
+from mist_ds.specs.strategy import degrees_text
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None
                           f"{dataclasses.asdict(caps.overlap)}): a block priced with a feature it lacks cannot run; "
                           "re-run `mist-ds tune`")
     if par.num_gpus != world_size:
-        raise ConfigError("strategy", f"tp {par.tp} x pp {par.pp} x dp {par.dp}",
+        raise ConfigError("strategy", degrees_text(par),
                           f"the plan needs {par.num_gpus} ranks and this job has {world_size}: launch it on "
                           f"{par.num_gpus} processes, or re-tune for {world_size}")
     if sum(strategy.layers_per_stage) != model.num_layers:

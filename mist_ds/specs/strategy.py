@@ -206,9 +206,11 @@ def run_length_text(values: Iterable[Any]) -> str:
 
 
 def degrees_text(par: Any) -> str:
-    """The global layout in words: `tp 2 x pp 4 x dp 8, b 1 x G 16` (a Parallelism, or any value with its five
-    fields, such as the tuner's points)."""
-    return f"tp {par.tp} x pp {par.pp} x dp {par.dp}, b {par.micro_batch_size} x G {par.grad_accum}"
+    """The global layout in words: `tp 2 x pp 4 x dp 8, b 1 x G 16` (a Parallelism, any value with its five fields
+    such as the tuner's points, or a mapping with those keys such as the strategy's serialization)."""
+    get = par.__getitem__ if isinstance(par, Mapping) else par.__getattribute__
+    return (f"tp {get('tp')} x pp {get('pp')} x dp {get('dp')}, b {get('micro_batch_size')} x "
+            f"G {get('grad_accum')}")
 
 
 def layout_text(strategy: StrategySpec) -> str:

@@ -34,7 +34,7 @@ from mist_ds.hardware.interference import monotone_envelope
 from mist_ds.specs import ConfigError, Parallelism, ExecutorCapabilities, Specs, StageStrategy, StrategySpec
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.executor_rules import allowed_stage_options
-from mist_ds.specs.strategy import partition_uniform
+from mist_ds.specs.strategy import degrees_text, partition_uniform
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
 from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
                                  stage_fronts)
@@ -229,8 +229,7 @@ def _solve_variant(ctx: SearchContext, point: GlobalPoint, host_limits: np.ndarr
                                    time_limit_s=specs.tuner.milp_time_limit_s, host=host)
         except TimeoutError as timeout:
             raise ConfigError("tuner.milp_time_limit_s", specs.tuner.milp_time_limit_s,
-                              f"the partition MILP found no split of tp {point.tp}, pp {point.pp}, dp {point.dp}, "
-                              f"micro-batch {point.micro_batch_size} within it: raise it, or use "
+                              f"the partition MILP found no split of {degrees_text(point)} within it: raise it, or use "
                               "tuner.host_memory=per-gpu (solved by the DP)") from timeout
 
     if sharing is not None and specs.tuner.partition_solver == "auto":
