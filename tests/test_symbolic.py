@@ -418,3 +418,29 @@ def test_pytorch_cpu_attention_kernel_is_counted(cache_dir):
         with FlopCounterMode(display=False, custom_mapping=flop_counter_mapping()) as counter:
             real(x)
         assert counter.get_total_flops() == linears_fwd(b, s) + attention
+
+
+def test_an_entry_missed_at_once_by_two_workers_is_computed_once(tmp_path):
+    """symbolic/cache.py `computing`: the second worker waits for the first's entry instead of tracing again."""
+    import threading
+    import time
+
+    from mist_ds.symbolic import cache
+
+    computed = []
+
+    def worker():
+        if cache.load(tmp_path, "k") is None:
+            with cache.computing(tmp_path, "k"):
+                if cache.load(tmp_path, "k") is None:
+                    time.sleep(0.3)  # a trace in progress while the other worker misses the entry
+                    computed.append(1)
+                    cache.store(tmp_path, "k", {"layers": {}})
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert computed == [1]
+    assert cache.load(tmp_path, "k") == {"layers": {}}

@@ -37,8 +37,16 @@ def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = Non
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(layer_fields(model, precision))
     cached = cache.load(directory, key)
-    if cached is not None:
-        return {kind: LayerCost.from_dict(data) for kind, data in cached["layers"].items()}
+    if cached is None:
+        with cache.computing(directory, key):  # another process may be tracing the same model: wait, then read it
+            cached = cache.load(directory, key)
+            if cached is None:
+                return _traced(model, precision, directory, key, module, loss)
+    return {kind: LayerCost.from_dict(data) for kind, data in cached["layers"].items()}
+
+
+def _traced(model: ModelSpec, precision: str, directory: Path, key: str, module, loss) -> dict[str, LayerCost]:
+    """Trace the model's layers and store them under `key`."""
     from mist_ds.symbolic import tracing
 
     if model.hf is not None:

@@ -1,9 +1,11 @@
 """On-disk cache of analyzed layers, keyed by the layer-relevant model fields and library versions."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 from mist_ds.files import write_atomic
 from mist_ds.specs.cache_root import cache_root
@@ -43,6 +45,25 @@ def load(directory: Path, key: str) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None  # a damaged entry is recomputed, never trusted
+
+
+@contextlib.contextmanager
+def computing(directory: Path, key: str) -> Iterator[None]:
+    """Hold the entry's lock while it is computed: processes that miss the same entry at once (test workers, a
+    sweep's jobs) compute it once, the others wait and then read it (`load` again inside). An advisory lock
+    (fcntl.flock), released by the system if its holder dies; where fcntl is missing, no lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: each process computes what it misses, as before
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def store(directory: Path, key: str, data: dict) -> None:
