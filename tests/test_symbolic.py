@@ -421,7 +421,7 @@ def test_pytorch_cpu_attention_kernel_is_counted(cache_dir):
 
 
 def test_an_entry_missed_at_once_by_two_workers_is_computed_once(tmp_path):
-    """symbolic/cache.py `computing`: the second worker waits for the first's entry instead of tracing again."""
+    """symbolic/cache.py `load_or_compute`: the second worker waits for the first's entry instead of tracing again."""
     import threading
     import time
 
@@ -429,15 +429,12 @@ def test_an_entry_missed_at_once_by_two_workers_is_computed_once(tmp_path):
 
     computed = []
 
-    def worker():
-        if cache.load(tmp_path, "k") is None:
-            with cache.computing(tmp_path, "k"):
-                if cache.load(tmp_path, "k") is None:
-                    time.sleep(0.3)  # a trace in progress while the other worker misses the entry
-                    computed.append(1)
-                    cache.store(tmp_path, "k", {"layers": {}})
+    def trace():
+        time.sleep(0.3)  # a trace in progress while the other worker misses the entry
+        computed.append(1)
+        return {"layers": {}}
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads = [threading.Thread(target=cache.load_or_compute, args=(tmp_path, "k", trace)) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -36,17 +36,12 @@ def analyze_model(model: ModelSpec, precision: str, cache_dir: Path | None = Non
     it again)."""
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     key = cache_key(layer_fields(model, precision))
-    cached = cache.load(directory, key)
-    if cached is None:
-        with cache.computing(directory, key):  # another process may be tracing the same model: wait, then read it
-            cached = cache.load(directory, key)
-            if cached is None:
-                return _traced(model, precision, directory, key, module, loss)
-    return {kind: LayerCost.from_dict(data) for kind, data in cached["layers"].items()}
+    entry = cache.load_or_compute(directory, key, lambda: _traced(model, precision, module, loss))
+    return {kind: LayerCost.from_dict(data) for kind, data in entry["layers"].items()}
 
 
-def _traced(model: ModelSpec, precision: str, directory: Path, key: str, module, loss) -> dict[str, LayerCost]:
-    """Trace the model's layers and store them under `key`."""
+def _traced(model: ModelSpec, precision: str, module, loss) -> dict:
+    """The cache entry of the model's layers, traced now."""
     from mist_ds.symbolic import tracing
 
     if model.hf is not None:
@@ -61,6 +56,4 @@ def _traced(model: ModelSpec, precision: str, directory: Path, key: str, module,
                  for kind in LAYER_KINDS}
     else:
         costs = {kind: tracing.layer_cost(kind, tracing.trace_layer(model, kind, precision)) for kind in LAYER_KINDS}
-    cache.store(directory, key, {"fields": layer_fields(model, precision),
-                                 "layers": {kind: c.to_dict() for kind, c in costs.items()}})
-    return costs
+    return {"fields": layer_fields(model, precision), "layers": {kind: c.to_dict() for kind, c in costs.items()}}

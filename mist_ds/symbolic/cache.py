@@ -5,7 +5,7 @@ import contextlib
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from mist_ds.files import write_atomic
 from mist_ds.specs.cache_root import cache_root
@@ -47,14 +47,28 @@ def load(directory: Path, key: str) -> dict | None:
         return None  # a damaged entry is recomputed, never trusted
 
 
+def load_or_compute(directory: Path, key: str, compute: Callable[[], dict]) -> dict:
+    """The entry under `key`, computed by `compute()` and stored when missing. A missed entry is computed under its
+    lock: processes that miss it at once (test workers, a sweep's jobs) compute it once, the others wait and then
+    read it."""
+    cached = load(directory, key)
+    if cached is not None:
+        return cached
+    with _locked(directory, key):
+        cached = load(directory, key)
+        if cached is None:
+            cached = compute()
+            store(directory, key, cached)
+    return cached
+
+
 @contextlib.contextmanager
-def computing(directory: Path, key: str) -> Iterator[None]:
-    """Hold the entry's lock while it is computed: processes that miss the same entry at once (test workers, a
-    sweep's jobs) compute it once, the others wait and then read it (`load` again inside). An advisory lock
-    (fcntl.flock), released by the system if its holder dies; where fcntl is missing, no lock."""
+def _locked(directory: Path, key: str) -> Iterator[None]:
+    """The entry's advisory lock (fcntl.flock on `<key>.lock`), released by the system if its holder dies; where
+    fcntl is missing, no lock (each process computes what it misses)."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: each process computes what it misses, as before
+    except ImportError:  # not POSIX
         yield
         return
     directory.mkdir(parents=True, exist_ok=True)

@@ -102,13 +102,9 @@ def analyze_layers(layers: Sequence[Any], input_shape: tuple, dtype: torch.dtype
     results = []
     for index, layer in enumerate(layers):
         key = cache_key(_layer_key(layer, tuple(input_shape), dtype, input_dtype))
-        cached = cache.load(directory, key)
-        if cached is None:
-            cost = layer_cost(f"layer{index}", _trace_user_layer(layer, tuple(input_shape), dtype, input_dtype))
-            cache.store(directory, key, cost.to_dict())
-        else:
-            cost = LayerCost.from_dict(cached)
-        results.append(cost)
+        entry = cache.load_or_compute(directory, key, lambda: layer_cost(
+            f"layer{index}", _trace_user_layer(layer, tuple(input_shape), dtype, input_dtype)).to_dict())
+        results.append(LayerCost.from_dict(entry))
     return results
 
 
