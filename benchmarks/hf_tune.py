@@ -23,6 +23,8 @@ from pathlib import Path
 
 from benchmarks.common import results_header, run_start
 
+from mist_ds.specs.strategy import layout_text, strategy_from_dict
+
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python -m benchmarks.hf_tune > benchmarks/results/hf_tune.md"
 RUN = ("model.seq_len=8192", "cluster=a100-80g", "cluster.nodes=2")
@@ -48,10 +50,8 @@ def tune(args: list[str], cache: Path, out: Path) -> tuple[float, dict]:
 
 
 def layout(plan: dict) -> str:
-    """t, S, d, b, G and the ZeRO stages of a plan.json's strategy."""
-    s = plan["strategy"]
-    return (f"t {s['tp']}, S {s['pp']}, d {s['dp']}, b {s['micro_batch_size']}, G {s['grad_accum']}, "
-            f"ZeRO {'/'.join(map(str, sorted(set(s['zero_stage']))))}")
+    """A plan.json's strategy as the one layout text."""
+    return layout_text(strategy_from_dict(plan["strategy"], "plan.strategy"))
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from mist_ds.cost.predict import predict
 from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
 from mist_ds.observe.ranks import CPU_ENV, launch
 from mist_ds.report.measure import measure_record
+from mist_ds.specs.strategy import layout_text
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu "
            "> benchmarks/results/measure_cpu.md")
@@ -120,11 +121,8 @@ def _spread(steps: list[float]) -> str:
 
 
 def _layout(specs) -> str:
-    par, stages = specs.strategy.parallelism, specs.strategy.stages
-    model = specs.model
-    return (f"h {model.hidden_size}, L {model.num_layers}, {specs.train.precision}; t {par.tp} S {par.pp} d {par.dp} "
-            f"b {par.micro_batch_size} G {par.grad_accum}; ZeRO {stages[0].zero_stage}; ckpt "
-            f"{[s.ckpt_layers for s in stages]}")
+    return (f"h {specs.model.hidden_size}, L {specs.model.num_layers}, {specs.train.precision}; "
+            f"{layout_text(specs.strategy)}")
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
 from mist_ds.observe.ranks import CPU_ENV, launch
+from mist_ds.specs.strategy import layout_text
 from mist_ds.tuner import tune_specs
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.mist_runtime "
@@ -78,10 +79,7 @@ def best_specs(runtime: str, ranks: int, constants: dict[str, list[str]]):
 
 
 def layout(specs) -> str:
-    par, stages = specs.strategy.parallelism, specs.strategy.stages
-    return (f"{specs.train.precision} h {specs.model.hidden_size}; t {par.tp} S {par.pp} d {par.dp} b "
-            f"{par.micro_batch_size} G {par.grad_accum}; ZeRO {stages[0].zero_stage}; ckpt "
-            f"{[s.ckpt_layers for s in stages]}; ao {[s.activations_offload for s in stages]}")
+    return f"{specs.train.precision} h {specs.model.hidden_size}; {layout_text(specs.strategy)}"
 
 
 def row(name: str, pair: dict) -> str:
