@@ -7,6 +7,7 @@ Python API (the same override strings as the `mist-ds` CLI):
     mist_ds.predict_many([[...], [...]]) -> [Prediction]                 # `mist-ds predict-many`
     mist_ds.tune([...]) -> Plan                                          # `mist-ds tune` (no files)
     mist_ds.predict([...], model=my_module), mist_ds.tune([...], model=my_module)  # your own nn.Module
+    engine, optimizer, dataloader, lr_scheduler = mist_ds.initialize(args=args, model=model, ...)  # your script
 
 Your own nn.Module (docs/design.md, Your own model): `model=` takes a module whose forward maps token ids (b, s) to
 logits (b, s, V), `loss=` its loss(logits, labels) (default: next-token cross entropy); give model.seq_len (and
@@ -75,6 +76,22 @@ def tune(overrides: Sequence[str] = (), model=None, loss=None):
     return plan_from_result(tune_specs(specs, progress=False), overrides)
 
 
+def initialize(*args, **kwargs):
+    """deepspeed.initialize with mist_ds's plan for the model handed over, in your own script started by
+    `mist-deepspeed --autotune-mist {tune,run}` -> (engine, optimizer, dataloader, lr_scheduler), as DeepSpeed's
+    (mist_ds/script/initialize.py; docs/design.md, Your own script)."""
+    from mist_ds.script import initialize as _initialize
+
+    return _initialize(*args, **kwargs)
+
+
+def data_parallel(engine):
+    """(data-parallel rank, data-parallel size) of a DeepSpeed engine, for a loop that draws its own data."""
+    from mist_ds.script import data_parallel as _data_parallel
+
+    return _data_parallel(engine)
+
+
 def __getattr__(name: str):
     if name == "ConfigError":
         from mist_ds.specs import ConfigError
@@ -83,4 +100,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mist_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "compose", "predict", "predict_many", "show", "tune"]
+__all__ = ["ConfigError", "compose", "data_parallel", "initialize", "predict", "predict_many", "show", "tune"]

@@ -20,8 +20,6 @@ def run_case(case: dict) -> dict:
     import deepspeed
     from transformers import AutoModelForCausalLM
 
-    from mist_ds.observe.counting import StepCounter, group_names
-    from mist_ds.observe.moments import MomentRecorder, field_peaks
     from mist_ds.specs.hf import config_from_json, freeze
     from mist_ds.specs.strategy import strategy_from_dict
 
@@ -34,8 +32,6 @@ def run_case(case: dict) -> dict:
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     rank = torch.distributed.get_rank()
     dp_rank = rank // par.tp  # AutoTP's mesh: the tensor-parallel ranks of a group are consecutive
-    recorder = MomentRecorder(engine, gc_check=False)
-    recorder.install()
 
     def step(seed: int) -> float:
         total = 0.0
@@ -46,6 +42,20 @@ def run_case(case: dict) -> dict:
             total += float(loss)
         return total / par.grad_accum
 
+    result = census_of_steps(engine, par, step, case["name"])
+    engine.destroy()
+    return result
+
+
+def census_of_steps(engine, par, step, name: str) -> dict:
+    """What the engine did in the steps `step(seed)` runs (one optimizer step each, as the user's loop steps): the
+    losses of four steps, the model states counted at their peaks in the third and the step census of the fourth."""
+    from mist_ds.observe.counting import StepCounter, group_names
+    from mist_ds.observe.moments import MomentRecorder, field_peaks
+
+    rank = torch.distributed.get_rank()
+    recorder = MomentRecorder(engine, gc_check=False)
+    recorder.install()
     # Two steps before anything is counted: Adam's states exist from the first step on, and ZeRO-3 records its
     # parameter trace in the first step and completes it in the second step's reset_step, which then checks the
     # trace against the other ranks by broadcasts (partitioned_param_coordinator.py) that no later step issues.
@@ -59,15 +69,12 @@ def run_case(case: dict) -> dict:
     sizes = {trains: [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
                       if p.requires_grad == trains] for trains in (True, False)}
     buffer_bytes = sum(b.numel() * b.element_size() for b in engine.module.buffers())
-    result = {"case": case["name"], "losses": losses, "dp_rank": dp_rank, "param_sizes": sizes[True],
-              "frozen_param_sizes": sizes[False],
-              "module_buffer_bytes": buffer_bytes,
-              "census": counter.counts.to_dict(),
-              "what_ran": {"rank": rank, "stage": 0, "engine": type(engine).__name__,
-                           "model_state_bytes": field_peaks(recorder.moments),
-                           "unclassified": sorted(recorder.unclassified)}}
-    engine.destroy()
-    return result
+    return {"case": name, "losses": losses, "dp_rank": rank // par.tp, "param_sizes": sizes[True],
+            "frozen_param_sizes": sizes[False], "module_buffer_bytes": buffer_bytes,
+            "census": counter.counts.to_dict(),
+            "what_ran": {"rank": rank, "stage": 0, "engine": type(engine).__name__,
+                         "model_state_bytes": field_peaks(recorder.moments),
+                         "unclassified": sorted(recorder.unclassified)}}
 
 
 def hf_engine_worker(rank: int, world_size: int, payload: dict) -> list[dict]:

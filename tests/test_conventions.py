@@ -28,6 +28,8 @@ COUNTS = {
     "activations_offload", "weights", "grads", "optimizer", "activations", "offload", "layers_per_stage",
     "micro_batch_sizes",
     "top_n",  # runner-up plans kept (the issue names the field tuner.top_n)
+    "verify_top_n",  # plans run briefly before the plan is chosen (the issue names the field tuner.verify_top_n)
+    "verify_num_steps", "verify_num_warmup_steps",  # counts of the tuner.verify_* group (its prefix comes first)
 }
 POLYMORPHIC_ANY = {("StrategyConfig", "ckpt_layers"), ("StrategyConfig", "zero_stage"),
                    ("OffloadConfig", "weights"), ("OffloadConfig", "grads"), ("OffloadConfig", "optimizer"),

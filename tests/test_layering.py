@@ -16,7 +16,7 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "mist_ds"
 EVERYTHING = {"specs", "files", "config", "models", "symbolic", "hardware", "cost", "tuner", "plan", "emit",
-              "runtime", "observe", "report", "cli", "conf", "testing", "profiling"}
+              "runtime", "observe", "report", "cli", "conf", "testing", "profiling", "script"}
 ALLOWED: dict[str, set[str]] = {
     "specs": set(),
     "files": set(),
@@ -31,9 +31,10 @@ ALLOWED: dict[str, set[str]] = {
     "emit": {"specs", "plan"},
     "runtime": {"specs", "plan", "emit", "models", "files"},  # builds and runs engines: never `observe`
     "observe": {"specs", "emit", "runtime", "models"},  # census, step census, what ran, measure, CPU ranks
-    "report": EVERYTHING - {"cli", "testing"},
-    "testing": EVERYTHING - {"cli", "report"},  # compares observed engines with the cost model
-    "profiling": EVERYTHING - {"cli", "report", "testing"},  # mist-ds profile: this machine at the tuner's shapes
+    "report": EVERYTHING - {"cli", "testing", "script"},
+    "testing": EVERYTHING - {"cli", "report", "script"},  # compares observed engines with the cost model
+    "profiling": EVERYTHING - {"cli", "report", "testing", "script"},  # mist-ds profile: this machine, tuner shapes
+    "script": EVERYTHING - {"cli", "testing", "observe"},  # mist_ds.initialize in a user's script: plans, runs
     "cli": EVERYTHING - {"testing"},
     "__init__": EVERYTHING,  # the lazy facade (mist_ds.compose, predict, tune)
 }

@@ -43,6 +43,8 @@ from mist_ds.files import write_atomic
 from mist_ds.specs import ConfigError
 from mist_ds.specs.strategy import degrees_text
 from mist_ds.report.command import TRAIN_SCRIPT, command_file
+from mist_ds.cli.script_launch import ScriptLaunchError
+from mist_ds.script.settings import ENV_PREFIX
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
@@ -164,6 +166,32 @@ def check_model_named(script: str, overrides: Sequence[str]) -> None:
         "config) or --mist model=llama3-8b (the zoo); mist_ds's own launch/train.py takes model=... itself")
 
 
+def plans_in_script(script: str, mist_overrides: Sequence[str]) -> bool:
+    """Whether the user's script plans its own model (it calls mist_ds.initialize and no --mist model=... names one
+    for the launcher to plan); launch/train.py plans as it always has."""
+    from mist_ds.cli.script_launch import mentions_mist_ds
+
+    if Path(script).resolve() == TRAIN_SCRIPT or any(o.lstrip("+").split("=")[0] == "model" for o in mist_overrides):
+        return False
+    return mentions_mist_ds(script)
+
+
+def checked_script_plan(plan: str, world_size: int) -> Path:
+    """--plan P for a script that calls mist_ds.initialize: a plan.json with its ds_config.json, for `world_size`
+    ranks (the script's ranks check it is for the model they build)."""
+    from mist_ds.plan import load_plan
+
+    plan_json = Path(plan).resolve()
+    if not plan_json.is_file() or not (plan_json.parent / "ds_config.json").is_file():
+        raise LauncherUsageError(f"--plan {plan}: give a plan.json with its ds_config.json beside it (a plan folder "
+                                 "`mist-deepspeed --autotune-mist tune` or `mist-ds tune` wrote)")
+    par = load_plan(plan_json).strategy.parallelism
+    if par.num_gpus != world_size:
+        raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks ({degrees_text(par)}) and the "
+                                 f"launcher's resources give {world_size} ranks")
+    return plan_json
+
+
 def plan_for(overrides: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
     """`mist-ds tune` in its own process with the planner's overrides; its exit code."""
     command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *overrides,
@@ -270,6 +298,9 @@ def _user_script(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     from deepspeed.launcher import runner
 
+    if ENV_PREFIX not in runner.EXPORT_ENVS:  # mist_ds's settings reach the ranks of other nodes too
+        runner.EXPORT_ENVS.append(ENV_PREFIX)
+
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         # Where the user script starts, from DeepSpeed's own parser; only arguments before it are ours.
@@ -289,6 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LauncherUsageError(f"--autotuning={args.autotuning} with --autotune-mist: two autotuners; "
                                      "drop --autotuning (DeepSpeed's) or --autotune-mist (mist_ds's)")
         run_dir, (nodes, gpus) = run_dir_of(user_args).resolve(), resources(args)
+        if plans_in_script(script, mist_overrides):
+            from mist_ds.cli.script_launch import launch_command, run_user_script
+
+            plan_path = checked_script_plan(plan, nodes * gpus) if plan is not None else None
+            return run_user_script(mode, plan_path, launch_command(launcher_args, script, user_args),
+                                   [*mist_overrides, f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"],
+                                   run_dir, os.environ.get(ACCELERATOR_ENV) == "cpu")
         if plan is None:
             planner = [*mist_overrides, *hydra_overrides(user_args)]
             check_model_named(script, planner)
@@ -299,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan_json = run_dir / "plan" / "plan.json"
         else:
             plan_json = checked_plan(plan, user_args, nodes * gpus)
-    except (LauncherUsageError, ConfigError) as error:
+    except (LauncherUsageError, ConfigError, ScriptLaunchError) as error:
         print(f"mist-deepspeed: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     launcher_args, user_args = hand_over(launcher_args, user_args, plan_json, run_dir)

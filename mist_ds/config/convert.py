@@ -4,6 +4,7 @@ from __future__ import annotations
 from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, StrategyConfig, TrainConfig, TunerConfig
 from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
                            TunerSpec, executor_capabilities)
+from mist_ds.specs.tuner import VerifySpec
 from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
 from mist_ds.specs.errors import require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
@@ -145,7 +146,13 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
                      activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
                      partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid,
-                     top_n=cfg.top_n)
+                     top_n=cfg.top_n, verify=verify_spec(cfg))
+
+
+def verify_spec(cfg: TunerConfig) -> VerifySpec:
+    return VerifySpec(top_n=cfg.verify_top_n, num_steps=cfg.verify_num_steps,
+                      num_warmup_steps=cfg.verify_num_warmup_steps, timeout_s=cfg.verify_timeout_s,
+                      write_top_n=cfg.write_top_n)
 
 
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:

@@ -141,6 +141,11 @@ class TunerConfig:
     host_memory: str = "per-gpu"  # per-gpu: a GPU's offloads within its node share | per-node: a node's ranks share it
     grid: str = "default"  # default: the *_offload_ratios lists | mist: Mist's grids (wo, go 6 values; oo, ao 8)
     top_n: int = 3  # runner-up plans in plan.json and summary.md: the best of the next-best layouts; 0 = none
+    verify_top_n: int = 0  # your script: run the best N plans of distinct layouts briefly, keep the measured fastest
+    verify_num_steps: int = 3  # verify: optimizer steps timed per candidate, after the untimed warm-up steps
+    verify_num_warmup_steps: int = 1  # verify: untimed optimizer steps first (allocation, first-step setup)
+    verify_timeout_s: float = 600.0  # verify: a candidate launch running longer is stopped and recorded as a hang
+    write_top_n: bool = False  # your script: also write cmd.txt and ds_config.json of each runner-up (plan/candidates)
 
 
 @dataclass

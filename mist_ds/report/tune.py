@@ -146,14 +146,16 @@ def plan_pictures(plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> dict[
     return figure_files(timeline_figure(sim, title), "timeline") | figure_files(memory, "memory")
 
 
-def write_plan(directory: Path, plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> list[Path]:
+def write_plan(directory: Path, plan: Plan, specs: Specs, caps: ExecutorCapabilities, with_command: bool = True
+               ) -> list[Path]:
     """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs, cmd.txt: the command
-    that trains it."""
+    that trains it with launch/train.py (with_command=False: none; a user's script gets its cmd.txt from
+    mist-deepspeed, which alone knows the script's command line)."""
     directory.mkdir(parents=True, exist_ok=True)
     absolute = directory.resolve()  # summary.md's hint works wherever it is read from
     files: dict[str, str | bytes] = {**plan_files(plan, specs, caps, str(absolute / "plan.json")),
                                      **plan_pictures(plan, specs, caps)}
-    if caps.executes_on_deepspeed:
+    if caps.executes_on_deepspeed and with_command:
         cluster = specs.cluster
         command = train_command(absolute / "plan.json", cluster.nodes, cluster.gpus_per_node, absolute / "train")
         files["cmd.txt"] = command_file(command, cluster.gpu.is_cpu_process, cluster.nodes, cluster.gpus_per_node)

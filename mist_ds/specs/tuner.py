@@ -1,7 +1,7 @@
 """TunerSpec: what the search may explore and how hard it tries."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mist_ds.specs.errors import require, require_positive
 from mist_ds.specs.strategy import OFFLOAD_KINDS
@@ -17,6 +17,31 @@ MIST_OFFLOAD_RATIOS: dict[str, tuple[float, ...]] = {
     "weights": (0.0, 0.25, 0.375, 0.5, 0.75, 1.0), "grads": (0.0, 0.25, 0.375, 0.5, 0.75, 1.0),
     "optimizer": (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0),
     "activations": (0.0, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)}
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """The best plans run briefly in the user's script by mist-deepspeed, the measured fastest kept (docs/design.md,
+    Verifying the best plans). Seconds."""
+
+    top_n: int = 0
+    """Plans of distinct layouts run (the plan and its best runner-ups); 0 = none: the plan as priced."""
+    num_steps: int = 3
+    """Optimizer steps timed per candidate."""
+    num_warmup_steps: int = 1
+    """Untimed optimizer steps before them."""
+    timeout_s: float = 600.0
+    """A candidate's launch still running after this is stopped and recorded as a hang."""
+    write_top_n: bool = False
+    """Write each runner-up's plan files (ds_config.json, cmd.txt) under plan/candidates."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.top_n, int) and self.top_n >= 0, "tuner.verify_top_n", self.top_n,
+                "give a whole number >= 0 of plans to run (0: none)")
+        require_positive("tuner.verify_num_steps", self.num_steps)
+        require(isinstance(self.num_warmup_steps, int) and self.num_warmup_steps >= 0,
+                "tuner.verify_num_warmup_steps", self.num_warmup_steps, "give a whole number >= 0")
+        require_positive("tuner.verify_timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)
@@ -52,6 +77,9 @@ class TunerSpec:
     """default: the *_offload_ratios lists; mist: Mist's grids (MIST_OFFLOAD_RATIOS) in their place."""
     top_n: int = 3
     """Runner-up plans kept beside the plan (the best plans of the next-best global points); 0 = none."""
+    verify: VerifySpec = field(default_factory=lambda: VerifySpec())
+    """Running the best plans briefly in the user's script (mist-deepspeed; docs/design.md, Verifying the best
+    plans)."""
 
     def __post_init__(self) -> None:
         require(self.space in SPACES, "tuner.space", self.space, f"use one of {', '.join(SPACES)}")

@@ -57,6 +57,8 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
     if not model.runs_as_pipeline_stages and tuner.pp is not None and 1 not in tuner.pp:
         raise ConfigError("tuner.pp", list(tuner.pp), f"{model.name} runs in your own script as one module: "
                                                       "tune it at pp 1 (tuner.pp=[1] or leave tuner.pp out)")
+    if tuner.tp is not None and not any(_tp_ok(model, t) for t in tuner.tp):
+        model.check_tensor_parallel(tuner.tp[0], "tuner.tp")  # every degree asked for is refused: say why
     points = []
     for t in divisors(cluster.gpus_per_node):
         if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:

@@ -1,0 +1,55 @@
+"""What a plan changes on the user's own model before DeepSpeed's engine wraps it (pp = 1): recompute of exactly the
+plan's last c blocks. ZeRO, offload and AutoTP are the engine's, from the merged config."""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_KWARGS = {"use_reentrant": False, "early_stop": False}
+"""torch's checkpoint as the plan prices recompute: the whole block forward again in the backward. Non-reentrant
+(keyword inputs, such as HF's masks and rotary tables, need not require grad) without its early stop, which ends the
+replay once the saved tensors are back and so skips the block's last ops (its last GEMM: the FLOPs the step census
+counts would fall short of the price by that much)."""
+
+
+def _checkpointed(forward):
+    """`forward` run under torch's non-reentrant activation checkpoint (RECOMPUTE_KWARGS): only its inputs are saved,
+    the block runs again in the backward (its submodules' hooks fire again: the engine's counters see it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, **RECOMPUTE_KWARGS, **kwargs)
+
+    run.mist_ds_recompute = True
+    return run
+
+
+def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[int]:
+    """Recompute the last `recompute` of `blocks` (an nn.ModuleList of `model`) and no other; the indices recomputed.
+
+    A Hugging Face model: its own switch, read per decoder layer by transformers (`GradientCheckpointingLayer`):
+    enabled on the model, then turned off on the first L - c (whatever the script set before). Any other module:
+    each of the last c blocks' forward runs under torch's checkpoint."""
+    first = len(blocks) - recompute
+    if hf:
+        if recompute:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=RECOMPUTE_KWARGS)
+        elif getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_disable()
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = i >= first
+    else:
+        for i, block in enumerate(blocks):
+            wrapped = getattr(block.__dict__.get("forward"), "mist_ds_recompute", False)
+            if i >= first and not wrapped:
+                block.forward = _checkpointed(block.forward)
+            elif i < first and wrapped:
+                del block.forward  # the class's forward again
+    chosen = list(range(first, len(blocks)))
+    log.info("mist_ds: recompute %d of %d blocks (%s)", recompute, len(blocks),
+             f"blocks {first}..{len(blocks) - 1}" if recompute else "none")
+    return chosen

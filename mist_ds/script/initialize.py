@@ -1,0 +1,189 @@
+"""`mist_ds.initialize`: DeepSpeed's `deepspeed.initialize` with the plan mist_ds made for the model the script hands
+it (docs/design.md, Your own script).
+
+    engine, optimizer, dataloader, lr_scheduler = mist_ds.initialize(args=args, model=model,
+                                                                      model_parameters=model.parameters())
+
+It takes deepspeed.initialize's arguments (and returns its four values) plus `pipeline` (True when the loop steps
+with engine.train_batch, so that pp > 1 may be planned) and `loss` (a plain nn.Module's loss function, priced). The
+script is started by `mist-deepspeed --autotune-mist {tune,run} ... my_train.py ...`, which launches it once per
+phase (mist_ds/script/settings.py): in the plan phase rank 0 plans the model handed here and every rank exits; in
+the verify and run phases the plan's config, merged with the user's (mist_ds/script/user_config.py), goes to
+DeepSpeed's engine with the plan's recompute applied to the model. pp = 1 returns DeepSpeed's own engine: ZeRO and
+offload from the config, tensor parallelism by DeepSpeed's AutoTP (which shards the model), the dataloader split by
+data-parallel rank (DeepSpeed's, over `training_data`).
+
+A mistake in what the script hands over, or a plan for another model, is one line on stderr and exit 2 on every
+rank; a model nothing fits, exit 3.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from mist_ds.script.apply import apply_recompute
+from mist_ds.script.planning import hf_model_overrides, is_hf_causal_lm, pipeline_overrides, plan_model
+from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
+from mist_ds.script.user_config import UserConfig, merged_config, planner_overrides, read_user_config
+from mist_ds.specs.errors import ConfigError
+
+log = logging.getLogger("mist_ds")
+EXIT_BAD_INPUT = 2
+EXIT_NO_PLAN_FITS = 3
+
+
+class ScriptExit(SystemExit):
+    """Every rank leaves the script with one code (after the process group is gone)."""
+
+
+def _leave(code: int, message: str | None = None) -> None:
+    from deepspeed import comm as dist
+
+    if message:
+        print(f"mist_ds.initialize: {message}", file=sys.stderr)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    raise ScriptExit(code)
+
+
+def _agree(outcome: tuple[int, str | None] | None) -> tuple[int, str | None]:
+    """Rank 0's outcome (exit code, message), on every rank."""
+    from deepspeed import comm as dist
+
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig, client_optimizer: Any,
+                pipeline: bool) -> None:
+    """Rank 0 plans and writes the plan files; every rank exits with its outcome."""
+    from deepspeed import comm as dist
+
+    from mist_ds.tuner import NoPlanFits
+
+    outcome: tuple[int, str | None] | None = None
+    if dist.get_rank() == 0:
+        try:
+            hf = is_hf_causal_lm(model)
+            model_part = hf_model_overrides(model, settings.plan_dir / type(model).__name__) if hf else []
+            overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
+            overrides += pipeline_overrides(overrides, pipeline, pipelines_run=False)
+            plan_model(overrides, None if hf else model, loss, settings.plan_dir)
+            outcome = (0, None)
+        except ConfigError as error:
+            outcome = (EXIT_BAD_INPUT, f"error: {error}")
+        except NoPlanFits as reason:
+            outcome = (EXIT_NO_PLAN_FITS, f"no plan fits: {reason}")
+    code, message = _agree(outcome)
+    _leave(code, message if dist.get_rank() == 0 else None)
+
+
+def _handed_model_spec(plan, model: Any, loss: Callable | None, scratch: Path):
+    """The ModelSpec of the model handed over, composed with the plan's own settings (rank 0 writes the config of a
+    transformers model into `scratch`)."""
+    from mist_ds.config import compose
+
+    hf = is_hf_causal_lm(model)
+    overrides = [*plan.user_overrides, *(hf_model_overrides(model, scratch) if hf else [])]
+    return compose(overrides, with_strategy=False, module=None if hf else model, loss=loss).model
+
+
+def check_plan_is_for(plan, plan_json: Path, model: Any, loss: Callable | None, scratch: Path) -> Any:
+    """The handed model's spec, once it is the model the plan was tuned for (ConfigError naming both)."""
+    from mist_ds.plan import model_source_of
+
+    spec = _handed_model_spec(plan, model, loss, scratch)
+    planned, here = plan.model_source, model_source_of(spec)
+    keys = {"hf": ("architecture", "config_sha256", "frozen"), "module": ("class", "module_sha256")}
+    same = planned.get("kind") == here["kind"] and all(planned.get(k) == here.get(k)
+                                                       for k in keys.get(here["kind"], ()))
+    if not same:
+        raise ConfigError("plan", str(plan_json), f"a plan for {planned}, and the script hands over {here}: tune "
+                                                  "for this model (drop --plan)", rule="plan.model-source")
+    return spec
+
+
+def _without_config(args: Any) -> Any:
+    """`args` without deepspeed_config (DeepSpeed refuses it beside config=, and the merged config has it)."""
+    if args is None or getattr(args, "deepspeed_config", None) is None:
+        return args
+    args = copy.copy(args)
+    args.deepspeed_config = None
+    return args
+
+
+def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig,
+                 deepspeed_args: dict[str, Any]):
+    import deepspeed
+    from deepspeed import comm as dist
+
+    from mist_ds.plan import load_plan
+    from mist_ds.script.verify import StepTimer, inject_fault
+
+    plan_json = Path(settings.plan)
+    plan = load_plan(plan_json)
+    plan_config = json.loads((plan_json.parent / "ds_config.json").read_text())
+    spec = check_plan_is_for(plan, plan_json, model, loss, Path(settings.run_dir) / "scratch" / f"rank{dist.get_rank()}")
+    strategy = plan.strategy
+    if strategy.parallelism.pp > 1:
+        raise ConfigError("plan", str(plan_json), "a pipeline plan (pp > 1) for a model in your own script: not "
+                                                  "run yet; tune with --mist tuner.pp=[1]")
+    config, replaced = merged_config(user, plan_config, deepspeed_args["optimizer"] is not None)
+    if replaced:
+        log.info("mist_ds: the plan sets %s (your %s had other values)", ", ".join(replaced), user.source)
+    blocks = spec.read_model.blocks_attr
+    apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_causal_lm(model))
+    log.info("mist_ds: %s; DeepSpeed config: %s", plan_json, "the plan's" if not user.given else
+             f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
+    if settings.phase == "verify":
+        inject_fault(plan_json.parent.name)
+    out = deepspeed.initialize(**{**deepspeed_args, "args": _without_config(deepspeed_args["args"])}, model=model,
+                               config=config)
+    if settings.phase == "verify":
+        StepTimer(out[0], settings.num_warmup_steps, settings.num_steps, settings.report, pipelined=False)
+    return out
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, config_params: Any = None, *, pipeline: bool = False,
+               loss: Callable | None = None):
+    """deepspeed.initialize with mist_ds's plan for `model` (module docstring): (engine, optimizer, dataloader,
+    lr_scheduler), as DeepSpeed returns them. `pipeline`: the loop can step with engine.train_batch(data_iter);
+    `loss`: the loss function of a plain nn.Module (default: next-token cross entropy)."""
+    from mist_ds.runtime import join_process_group
+
+    if model is None:
+        raise ConfigError("model", None, "mist_ds.initialize plans the model it is handed: pass model=")
+    settings = settings_from_environment()
+    if settings is None:
+        raise ConfigError(SETTINGS_ENV, None, "mist_ds.initialize plans inside a launch by mist-deepspeed: start the "
+                                              "script with `mist-deepspeed --autotune-mist run [deepspeed's "
+                                              "arguments] your_script.py ...` (or call deepspeed.initialize)")
+    join_process_group()
+    try:
+        user = read_user_config(args, config if config is not None else config_params)
+        if settings.phase == "plan":
+            _plan_phase(settings, model, loss, user, optimizer, pipeline)
+        deepspeed_args = dict(args=args, optimizer=optimizer, model_parameters=model_parameters,
+                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                              dist_init_required=dist_init_required, collate_fn=collate_fn)
+        return _train_phase(settings, model, loss, user, deepspeed_args)
+    except ConfigError as error:
+        _leave(EXIT_BAD_INPUT, f"error: {error}")
+
+
+def data_parallel(engine: Any) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size) of a DeepSpeed engine, for a loop that draws its own
+    data: every rank of an AutoTP group gets the same samples (DeepSpeed's dataloader already splits this way)."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None:
+        return mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    return engine.global_rank, engine.dp_world_size

@@ -1,0 +1,114 @@
+"""Planning the model a user's script hands `mist_ds.initialize` (rank 0 of the plan phase; docs/design.md, Your
+own script).
+
+A Hugging Face causal LM is planned from its own config (written into the plan folder, `model=hf`), attention
+implementation and frozen parameters, as `mist-ds tune model=hf ...` plans it; any other nn.Module is traced from
+the module itself (`mist_ds.tune(..., model=module)`). The plan files are those `mist-ds tune` writes (but cmd.txt:
+the launcher writes the script's), and, with tuner.verify_top_n or tuner.write_top_n, plan/candidates/<i>/ for the
+best plans of distinct layouts (the plan first), which the launcher's verify phase runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from mist_ds.specs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PIPELINE_HELD = "tuner.pp=[1]"
+
+
+def is_hf_causal_lm(model: Any) -> bool:
+    """Whether `model` is a transformers model (planned from its config) rather than any nn.Module."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_model_overrides(model: Any, config_dir: Path) -> list[str]:
+    """`model=hf ...` for a transformers model the script built: its config written to `config_dir`, the attention
+    it runs, the parameters it froze."""
+    config_dir.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(config_dir / "config.json"))
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    overrides = ["model=hf", f"model.name_or_path={config_dir}", f"model.attn_implementation={attention}"]
+    return overrides + ([f"model.frozen=[{','.join(frozen)}]"] if frozen else [])
+
+
+def _tuner_pp(overrides: Sequence[str]) -> str | None:
+    for override in reversed(overrides):
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "tuner.pp":
+            return value
+    return None
+
+
+def pipeline_overrides(overrides: Sequence[str], pipeline: bool, pipelines_run: bool) -> list[str]:
+    """tuner.pp held to [1] where pipeline stages cannot run: a loop that steps with engine(...) / backward / step
+    (pipeline=False), or a model the runtime cannot cut into stages. The user's own tuner.pp asking for more is
+    refused with the reason; the hold is logged."""
+    asked = _tuner_pp(overrides)
+    if pipeline and pipelines_run:
+        return []
+    why = ("the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
+           "(say so with mist_ds.initialize(..., pipeline=True))" if not pipeline else
+           "this model runs as one module in your script: mist_ds cuts only Hugging Face decoders and the zoo's "
+           "models into pipeline stages")
+    if asked is not None and asked.strip("[] ") not in ("1", ""):
+        raise ConfigError("tuner.pp", asked, f"{why}; drop --mist tuner.pp or give tuner.pp=[1]")
+    log.info("mist_ds: pipeline parallelism held to pp 1: %s", why)
+    return [PIPELINE_HELD]
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    plan_json: Path
+    candidates: tuple[Path, ...]
+
+
+def candidate_count(tuner) -> int:
+    """Plans of distinct layouts written under plan/candidates, the plan first: those verify runs, else with
+    write_top_n the plan and its runner-ups, else none."""
+    if tuner.verify.top_n:
+        return tuner.verify.top_n
+    return 1 + tuner.top_n if tuner.verify.write_top_n else 0
+
+
+def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, plan_dir: Path) -> Planned:
+    """Tune `module` (None: the model `overrides` name) with `overrides`, write the plan files into `plan_dir`, and
+    those of the candidates (candidate_count) into plan_dir/candidates/<i> with the verify settings beside them
+    (ConfigError, NoPlanFits)."""
+    from mist_ds.config import compose
+    from mist_ds.symbolic import analyze_model
+    from mist_ds.files import write_atomic
+    from mist_ds.report.tune import plan_from_result, write_plan
+    from mist_ds.script.settings import CANDIDATES_DIR, VERIFY_FILE
+    from mist_ds.tuner import tune_specs
+
+    specs = compose(overrides, with_strategy=False, module=module, loss=loss)
+    if module is not None:  # traced now (once: cached), so that the cost model reads its analysis
+        analyze_model(specs.model, specs.train.precision, module=module, loss=loss)
+    count = candidate_count(specs.tuner)
+    if count > 1 + specs.tuner.top_n:  # the runner-ups the search keeps are the candidates
+        specs = dataclasses.replace(specs, tuner=dataclasses.replace(specs.tuner, top_n=count - 1))
+    result = tune_specs(specs, progress=False)
+    plan = plan_from_result(result, overrides)
+    write_plan(plan_dir, plan, specs, result.caps, with_command=False)
+    written = []
+    choices = [(result.strategy, result.prediction), *((p.strategy, pred) for p, pred in result.runner_ups)]
+    for i, (strategy, prediction) in enumerate(choices[:count]):
+        candidate = dataclasses.replace(plan, strategy=strategy, prediction=prediction.to_dict(), runner_ups=[])
+        write_plan(plan_dir / CANDIDATES_DIR / str(i), candidate, specs, result.caps, with_command=False)
+        written.append(plan_dir / CANDIDATES_DIR / str(i) / "plan.json")
+    if written:
+        write_atomic(plan_dir / CANDIDATES_DIR / VERIFY_FILE,
+                     json.dumps(dataclasses.asdict(specs.tuner.verify), indent=1) + "\n")
+    log.info("mist_ds: planned %s into %s", " ".join(overrides), plan_dir)
+    return Planned(plan_dir / "plan.json", tuple(written))

@@ -1,0 +1,165 @@
+"""Your own script (docs/design.md, Your own script): a DeepSpeed user's script with `mist_ds.initialize` in place of
+`deepspeed.initialize`, started by `mist-deepspeed --autotune-mist`, trains the plan on 2 CPU ranks of real DeepSpeed:
+what the engine does (FLOPs, bytes per collective and group, model states, recomputed blocks), counted in the engine
+while the user's loop runs, equals the prediction; the example script runs as its docstring says; verify runs the best
+plans and keeps the measured fastest."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+from tests.conftest import REPO
+
+CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+USER_SCRIPT = REPO / "tests" / "user_hf_script.py"
+EXAMPLE = REPO / "examples" / "hf_causal_lm" / "train.py"
+LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+PLANNED = ("model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=4")
+"""What the census plans are priced for (the script's sequence length, the launcher's 2 ranks)."""
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    transformers.LlamaConfig(**LLAMA).save_pretrained(root / "llama")
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0).save_pretrained(root / "gpt2")
+    return {name: root / name for name in ("llama", "gpt2")}
+
+
+def mist_deepspeed(args: list[str], cwd: Path, timeout_s: float = 600, **env: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, **CPU_ENV, **env})
+
+
+def run_dir_of(cwd: Path) -> Path:
+    runs = sorted((cwd / "outputs" / "mist-deepspeed").glob("*/*"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_the_example_plans_and_trains_from_another_directory(configs, tmp_path):
+    """The example, launched as its docstring says from a folder that is not the repository's: the plan phase plans
+    the model the script built (its config written beside the plan), the run phase trains it 3 steps, and cmd.txt
+    is the command that trains it again."""
+    done = mist_deepspeed(["--autotune-mist", "run", "--num_gpus", "2", "--mist", "model.seq_len=32",
+                           "--mist", "cluster=cpu", "--mist", "train.global_batch_size=4",
+                           "--mist", "tuner.compare_baselines=false", str(EXAMPLE), "--model_config",
+                           str(configs["llama"]), "--seq_len", "32", "--steps", "3"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split()[:2] for line in done.stdout.splitlines() if line.startswith("step ")] == [
+        ["step", "1"], ["step", "2"], ["step", "3"]], done.stdout[-2000:]
+    run_dir = run_dir_of(tmp_path)
+    plan = json.loads((run_dir / "plan" / "plan.json").read_text())
+    assert plan["model_source"]["kind"] == "hf" and plan["model_source"]["architecture"] == "LlamaForCausalLM"
+    assert plan["strategy"]["pp"] == 1  # the loop steps with engine(...): no pipeline stages
+    command = (run_dir / "cmd.txt").read_text().strip().splitlines()[-1]
+    assert f"MIST_DS_SETTINGS={run_dir / 'settings.run.json'} mist-deepspeed --num_gpus 2 {EXAMPLE}" in command
+    assert command.startswith("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 ")
+    settings = json.loads((run_dir / "settings.run.json").read_text())
+    assert settings["phase"] == "run" and settings["plan"] == str(run_dir / "plan" / "plan.json")
+
+
+def write_given_plan(folder: Path, out: Path, *strategy: str) -> dict:
+    """plan.json and ds_config.json of one given strategy for the model of `folder` (the plan files `mist-ds tune`
+    writes, of a search of one point), and its prediction."""
+    from mist_ds.config import compose
+    from mist_ds.cost.predict import predict
+    from mist_ds.plan import Plan, model_source_of
+    from mist_ds.report.tune import write_plan
+    from mist_ds.specs import executor_capabilities
+
+    overrides = ["model=hf", f"model.name_or_path={folder}", *PLANNED]
+    specs = compose([*overrides, *strategy])
+    prediction = predict(specs).to_dict()
+    search = {"space": "given", "runtime": specs.strategy.runtime, "seconds": 0.0, "points_priced": 1,
+              "points_pruned": 0, "candidates_evaluated": 1, "objective_s": None, "gap": 0.0, "solver": None,
+              "max_gap": 0.0}
+    plan = Plan(user_overrides=overrides, strategy=specs.strategy, prediction=prediction, search=search,
+                model_source=model_source_of(specs.model))
+    write_plan(out, plan, specs, executor_capabilities(specs.strategy.runtime), with_command=False)
+    return {"specs": specs, "prediction": prediction, "config": json.loads((out / "ds_config.json").read_text())}
+
+
+CENSUS_CASES = {  # name -> strategy: pp 1 plans the user's script runs on DeepSpeed's own engine
+    "zero2-recompute": ("strategy.zero_stage=2", "strategy.ckpt_layers=1", "strategy.micro_batch_size=1"),
+    "autotp2": ("strategy.tp=2", "strategy.zero_stage=1", "strategy.micro_batch_size=2"),
+    "zero3-offload": ("strategy.zero_stage=3", "strategy.offload.weights=1", "strategy.offload.optimizer=1",
+                      "strategy.offload.grads=1", "strategy.micro_batch_size=2"),
+}
+
+
+@pytest.mark.slow  # three launches of 2 ranks (CI's fast lane keeps the example's two)
+@pytest.mark.parametrize("name", list(CENSUS_CASES))
+def test_the_users_script_runs_the_plan_as_priced(configs, tmp_path, name):
+    """A tiny HF Llama trained by the user's script with a given plan (--plan): ZeRO-2 recomputing the last of its 4
+    blocks, AutoTP t = 2 (DeepSpeed's engine shards it), ZeRO-3 with weights and optimizer states on the host. In the
+    engine, while the user's loop runs: the FLOPs and bytes of every collective of a step, the model states at their
+    peaks, and the blocks that ran forward twice per micro-batch equal the plan's."""
+    from mist_ds.testing.model_states import assert_model_states_are_predicted
+    from mist_ds.testing.step_census import step_census_mismatches
+
+    planned = write_given_plan(configs["llama"], tmp_path / "plan", *CENSUS_CASES[name])
+    census = tmp_path / "census.json"
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--census", str(census)],
+                          tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(census.read_text())
+    specs, prediction = planned["specs"], planned["prediction"]
+    stage = specs.strategy.stages[0]
+    for result in results:
+        counted = result["census"]
+        mismatches = step_census_mismatches(counted["flops"], counted["comm_bytes"], prediction["flops_per_rank"][0],
+                                            prediction["comm_bytes_per_rank"][0], stage.zero_stage == 3)
+        assert not mismatches, f"{name} rank {result['what_ran']['rank']}: {mismatches}"
+        micro_batches = specs.strategy.parallelism.grad_accum
+        recomputed = [i for i, n in enumerate(result["block_forwards"]) if n == 2 * micro_batches]
+        assert result["block_forwards"].count(micro_batches) + len(recomputed) == LLAMA["num_hidden_layers"]
+        assert recomputed == list(range(LLAMA["num_hidden_layers"] - stage.ckpt_layers, LLAMA["num_hidden_layers"]))
+    assert_model_states_are_predicted(specs, planned["config"], prediction, results, name)
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_a_plan_autotp_cannot_run_is_refused_in_the_plan_phase(configs, tmp_path):
+    """GPT-2 held to tp 2: every rank exits 2 with AutoTP's reason, and nothing trains."""
+    done = mist_deepspeed(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", "--mist",
+                           "cluster=cpu", "--mist", "tuner.tp=[2]", "--mist", "train.global_batch_size=4",
+                           str(USER_SCRIPT), "--model_config", str(configs["gpt2"])], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "mist_ds.initialize: error:" in done.stderr and "AutoTP" in done.stderr, done.stderr[-3000:]
+    assert not (run_dir_of(tmp_path) / "plan" / "plan.json").exists()
+
+
+@pytest.mark.slow  # four launches of 2 ranks
+def test_verify_runs_the_best_plans_and_keeps_the_measured_fastest(configs, tmp_path):
+    """tuner.verify_top_n=3: three candidates of distinct layouts each train in a fresh launch; the second made to
+    raise as an out-of-memory error would is recorded and skipped; plan.json becomes the measured fastest of the
+    others and says why; verify.md and verify.csv list all three."""
+    from mist_ds.script.verify import FAULT_ENV
+
+    done = mist_deepspeed(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", "--mist",
+                           "cluster=cpu", "--mist", "train.global_batch_size=4", "--mist", "tuner.verify_top_n=3",
+                           "--mist", "tuner.verify_num_steps=2", "--mist", "tuner.compare_baselines=false",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"])], tmp_path, **{FAULT_ENV: "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan_dir = run_dir_of(tmp_path) / "plan"
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    verified = plan["verify"]["candidates"]
+    assert [c["index"] for c in verified] == [0, 1, 2]
+    assert verified[1]["measured_s"] is None and verified[1]["status"].startswith("out of memory")
+    measured = {c["index"]: c["measured_s"] for c in verified if c["measured_s"] is not None}
+    assert set(measured) == {0, 2} and plan["verify"]["chosen"] == min(measured, key=measured.get)
+    chosen = json.loads((plan_dir / "candidates" / str(plan["verify"]["chosen"]) / "plan.json").read_text())
+    assert plan["strategy"] == chosen["strategy"]
+    table = (plan_dir / "verify.md").read_text()
+    assert table.count("| 0") + table.count("| 1") + table.count("| 2") >= 3 and "(chosen)" in table
+    assert len((plan_dir / "verify.csv").read_text().strip().splitlines()) == 4
