@@ -58,9 +58,14 @@ def run_case(case: dict) -> dict:
     did = what_ran(planned)
     # One more step under the step census (never a timed or a model-state-counted step).
     census_batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - dp_rank)
+    offload = planned.activation_offload
+    if offload is not None:  # the bytes the census step's offloaded blocks move to the host and back
+        offload.reset_counts()
     _, census = count_step(planned, census_batches)
     result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": did, "census": census,
               "dp_rank": dp_rank, "param_sizes": param_sizes(planned)}
+    if offload is not None:
+        result["activations_offloaded"] = {"moved_bytes": offload.moved_bytes, "returned_bytes": offload.returned_bytes}
     if module is not None:  # an hf model's rotary tables, priced beside its weights
         result["module_buffer_bytes"] = sum(b.numel() * b.element_size() for b in planned.engine.module.buffers())
     planned.close()

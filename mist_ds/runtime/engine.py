@@ -3,8 +3,9 @@
 `initialize` reads as the order it applies (docs/design.md, The runtime): refuse what the runtime cannot
 run (`check_executable`, host memory, precision); build this stage (`build_stage`: the ranks laid out as
 the cost model does, pipe slowest, then data, then tensor: stage i holds ranks [i t d, (i + 1) t d), TP
-inside a node; the plan's exact layer boundaries, layout-independent weights, the last c_i blocks
-recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
+inside a node; the plan's exact layer boundaries over the layers of a `LayerSource`, the zoo's with
+layout-independent weights or a user's Hugging Face model's own parts (mist_ds/runtime/hf.py), the last c_i
+blocks recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
 own config (ZeRO stage, offload); then one `apply_<feature>` per overlap feature of executor `mist`, each
 installing its feature on the built engine, logging what it applied and returning what it installed:
 `apply_grad_reduce_in_last_backward`, `apply_weight_gather_in_first_forward`, `apply_activation_offload`.
