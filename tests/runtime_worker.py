@@ -12,11 +12,24 @@ DATA_SEED = 1234
 
 
 def synthetic_batches(model: ModelSpec, micro_batch: int, count: int, seed: int):
-    """`count` micro-batches of (tokens, labels), the same on every rank of a data-parallel group."""
+    """`count` micro-batches of (tokens, labels), the same on every rank of a data-parallel group: labels as the
+    model's loss takes them (the zoo's: the next token at each position; an hf model's: the tokens, which its own
+    loss shifts)."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(count):
         tokens = torch.randint(0, model.vocab_size, (micro_batch, model.seq_len), generator=generator)
-        yield tokens, torch.roll(tokens, -1, dims=1)
+        yield tokens, (tokens if model.hf is not None else torch.roll(tokens, -1, dims=1))
+
+
+def hf_model(model: ModelSpec, seed: int):
+    """The user's causal LM of an hf spec, as a script builds it from its config (weights from `seed`)."""
+    from transformers import AutoModelForCausalLM
+
+    from mist_ds.specs.hf import config_from_json
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config_from_json(model.hf.config_json),
+                                            attn_implementation=model.hf.attn_implementation).train()
 
 
 def param_sizes(planned) -> list[int]:
@@ -28,7 +41,8 @@ def run_case(case: dict) -> dict:
     from mist_ds.runtime import initialize
 
     model = ModelSpec(**case["model"])
-    planned = initialize(case["config"], model, seed=case.get("seed", 0))
+    module = hf_model(model, case.get("seed", 0)) if model.hf is not None else None
+    planned = initialize(case["config"], model, seed=case.get("seed", 0), module=module)
     if case.get("watch_model_states", True):
         watch_model_states(planned)
     par = planned.plan.strategy.parallelism
@@ -44,9 +58,16 @@ def run_case(case: dict) -> dict:
     did = what_ran(planned)
     # One more step under the step census (never a timed or a model-state-counted step).
     census_batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - dp_rank)
+    offload = planned.activation_offload
+    if offload is not None:  # the bytes the census step's offloaded blocks move to the host and back
+        offload.reset_counts()
     _, census = count_step(planned, census_batches)
     result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": did, "census": census,
               "dp_rank": dp_rank, "param_sizes": param_sizes(planned)}
+    if offload is not None:
+        result["activations_offloaded"] = {"moved_bytes": offload.moved_bytes, "returned_bytes": offload.returned_bytes}
+    if module is not None:  # an hf model's rotary tables, priced beside its weights
+        result["module_buffer_bytes"] = sum(b.numel() * b.element_size() for b in planned.engine.module.buffers())
     planned.close()
     return result
 

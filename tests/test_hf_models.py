@@ -41,6 +41,11 @@ def configs(tmp_path_factory):
         "mixtral": transformers.MixtralConfig(**TINY),
         "t5": transformers.T5Config(d_model=128, num_layers=2, num_heads=4, vocab_size=512),
     }
+    return saved_configs(root, made)
+
+
+def saved_configs(root, made: dict) -> dict:
+    """name -> the folder under `root` holding `made[name]`'s config.json, written there."""
     for name, config in made.items():
         config.save_pretrained(root / name)
     return {name: root / name for name in made}

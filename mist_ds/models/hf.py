@@ -56,13 +56,24 @@ def _masks_as_in_a_real_run():
         masking.is_tracing, masking.find_packed_sequence_indices = saved
 
 
-def run_to_first_block(model: nn.Module, source: HfSource, tokens_BS: torch.Tensor) -> tuple[tuple, dict]:
-    """(args, kwargs) the base model's forward hands its first block for `tokens_BS`: the hidden states
-    (B, S, D) and the side inputs every block receives."""
+def run_to_first_block(model: nn.Module, source: HfSource, tokens_BS: torch.Tensor | None = None,
+                       inputs_embeds_BSD: torch.Tensor | None = None) -> tuple[tuple, dict]:
+    """(args, kwargs) the base model's forward hands its first block for `tokens_BS` (or, instead, token embeddings
+    `inputs_embeds_BSD`, as the model's `inputs_embeds` takes them): the hidden states (B, S, D) and the side inputs
+    every block receives."""
     base, _ = _parent_and_name(model, source.blocks_attr)
+    inputs = {"input_ids": tokens_BS} if inputs_embeds_BSD is None else {"inputs_embeds": inputs_embeds_BSD}
     with _masks_as_in_a_real_run():
-        return run_to_block(model.get_submodule(source.blocks_attr)[0],
-                            lambda: base(input_ids=tokens_BS, use_cache=False))
+        return run_to_block(model.get_submodule(source.blocks_attr)[0], lambda: base(**inputs, use_cache=False))
+
+
+class WholeModel:
+    """The whole causal LM and its source, held by one of its parts as a plain attribute: not a submodule, so that
+    the part registers (and so moves, and hands an optimizer) only its own tensors, and nothing that walks the part's
+    modules reaches the other parts' tensors through it."""
+
+    def __init__(self, model: nn.Module, source: HfSource) -> None:
+        self.model, self.source = model, source
 
 
 class HfEmbedding(nn.Module):
@@ -70,12 +81,11 @@ class HfEmbedding(nn.Module):
 
     def __init__(self, model: nn.Module, source: HfSource) -> None:
         super().__init__()
-        object.__setattr__(self, "model", model)  # not a submodule: this part owns only its own parameters
-        object.__setattr__(self, "source", source)
+        self.whole = WholeModel(model, source)
         self.own = nn.ParameterList([p for _, p in split_parameters(model, source.blocks_attr)["embedding"]])
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        args, kwargs = run_to_first_block(self.model, self.source, tokens_BS)
+        args, kwargs = run_to_first_block(self.whole.model, self.whole.source, tokens_BS)
         return hidden_input(args, kwargs)[1]
 
 

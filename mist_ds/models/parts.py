@@ -83,8 +83,12 @@ class BlockCall(nn.Module):
         """The first block's call as captured (run_to_first_block); its hidden states are replaced when called."""
         self.call = (args, kwargs)
 
+    def call_for(self, x_BSD: Tensor) -> tuple[tuple, dict]:
+        """The call whose hidden states `x_BSD` replaces: the captured one (a subclass may find it per input)."""
+        return self.call
+
     def forward(self, x_BSD: Tensor) -> Tensor:
-        args, kwargs = with_hidden(*self.call, x_BSD)
+        args, kwargs = with_hidden(*self.call_for(x_BSD), x_BSD)
         return output_hidden(self.block(*args, **kwargs))
 
 

@@ -3,8 +3,9 @@
 `initialize` reads as the order it applies (docs/design.md, The runtime): refuse what the runtime cannot
 run (`check_executable`, host memory, precision); build this stage (`build_stage`: the ranks laid out as
 the cost model does, pipe slowest, then data, then tensor: stage i holds ranks [i t d, (i + 1) t d), TP
-inside a node; the plan's exact layer boundaries, layout-independent weights, the last c_i blocks
-recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
+inside a node; the plan's exact layer boundaries over the layers of a `LayerSource`, the zoo's with
+layout-independent weights or a user's Hugging Face model's own parts (mist_ds/runtime/hf.py), the last c_i
+blocks recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
 own config (ZeRO stage, offload); then one `apply_<feature>` per overlap feature of executor `mist`, each
 installing its feature on the built engine, logging what it applied and returning what it installed:
 `apply_grad_reduce_in_last_backward`, `apply_weight_gather_in_first_forward`, `apply_activation_offload`.
@@ -36,7 +37,7 @@ import torch.nn as nn
 from mist_ds.emit import MistBlock, read_mist_block, stage_ds_config
 from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
-from mist_ds.runtime.layers import BLOCK, PlannedLayer, language_model_loss, layer_recipes
+from mist_ds.runtime.layers import BLOCK, LayerSource, PlannedLayer, ZooLayers
 from mist_ds.runtime.versions import check_deepspeed_version
 from mist_ds.specs import (ConfigError, ModelSpec, check_executor, executor_capabilities, grad_reduce_overlapped,
                            weight_gather_overlapped)
@@ -213,15 +214,22 @@ def load_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         raise ConfigError("ds_config", str(path), f"not valid JSON ({error})") from error
 
 
-def check_executable(plan: MistBlock, model: ModelSpec, world_size: int) -> None:
-    """Refuse, naming the rule, what this runtime cannot run, before DeepSpeed sees it."""
+def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module: nn.Module | None = None) -> None:
+    """Refuse, naming the rule, what this runtime cannot run, before DeepSpeed sees it (`module`: the user's
+    own model instance, for a plan of family hf)."""
     strategy, par = plan.strategy, plan.strategy.parallelism
     caps = executor_capabilities(strategy.runtime)
-    if model.hf is not None:
-        raise ConfigError("model", f"hf {model.hf.name_or_path}", "mist_ds.runtime builds the zoo's models; a "
-                          "Hugging Face model trains in your own DeepSpeed script with the plan's ds_config.json "
-                          "(pp = 1 plans; mist_ds.initialize for the whole plan is not built yet)",
+    if model.hf is not None and module is None:
+        raise ConfigError("module", None, f"a plan of the Hugging Face model {model.hf.name_or_path} runs the model "
+                          "your script built: mist_ds.runtime.initialize(config, model_spec, module=model)",
                           rule="runtime.hf-model")
+    if model.hf is None and module is not None:
+        raise ConfigError("module", type(module).__name__, f"the plan is of the zoo's {model.name}, which "
+                          "mist_ds.runtime builds itself: leave module out", rule="runtime.zoo-module")
+    if model.hf is not None:
+        from mist_ds.runtime.hf import check_hf_plan
+
+        check_hf_plan(plan, model, module)
     if model.module is not None:
         raise ConfigError("model", f"module {model.module.class_name}", "mist_ds.runtime builds the zoo's models; your "
                           "own nn.Module trains in your own DeepSpeed script with the plan's ds_config.json (pp = 1 "
@@ -289,9 +297,13 @@ def _topology(plan: MistBlock):
     return PipeModelDataParallelTopology(num_pp=par.pp, num_mp=par.tp, num_dp=par.dp)
 
 
-def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed: int = 0) -> PlannedEngine:
+def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed: int = 0,
+               module: nn.Module | None = None) -> PlannedEngine:
     """This rank's engine for the plan in `config` (a ds_config dict or file from `mist-ds tune`, with its
-    "mist" block) and the zoo `model` it was tuned for. Joins the process group if none exists."""
+    "mist" block) and the `model` it was tuned for: a zoo model, built here (weights from `seed`), or, of family hf,
+    the causal LM `module` the user's script built or loaded, cut into the plan's pipeline stages with its own
+    weights (mist_ds/runtime/hf.py; every rank passes its copy of the same model). Joins the process group if none
+    exists."""
     import deepspeed
     from deepspeed import comm as dist
 
@@ -300,11 +312,11 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     plan = read_mist_block(config)
     if not dist.is_initialized():
         join_process_group()
-    check_executable(plan, model, dist.get_world_size())
+    check_executable(plan, model, dist.get_world_size(), module)
     check_host_memory(plan, dist.get_rank(), ranks_on_this_node(dist.get_world_size()), physical_memory_bytes())
     dtype = model_dtype(config)
     check_precision(dtype)
-    stage = build_stage(plan, model, dtype, seed, dist.get_rank())
+    stage = build_stage(plan, layer_source(plan, model, module, dtype), dtype, seed, dist.get_rank())
     stage_config = stage_ds_config(config, stage.coord.pipe)
     engine, _, _, _ = deepspeed.initialize(model=stage.module, config=stage_config, mpu=stage.mpu,
                                            model_parameters=[p for p in stage.module.parameters() if p.requires_grad])
@@ -316,6 +328,15 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     return PlannedEngine(engine=engine, plan=plan, stage=stage.coord.pipe, tp_rank=stage.coord.model,
                          dp_rank=stage.coord.data, grid=stage.grid, tied_ranks=tied, layers=stage.layers,
                          loss_fn=stage.loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather)
+
+
+def layer_source(plan: MistBlock, model: ModelSpec, module: nn.Module | None, dtype: torch.dtype) -> LayerSource:
+    """Where the stages' layers come from: the user's `module` cut into parts (family hf), else the zoo's."""
+    if module is None:
+        return ZooLayers(model)
+    from mist_ds.runtime.hf import HfLayers
+
+    return HfLayers(module, model, plan.strategy.parallelism.micro_batch_size, dtype)
 
 
 @dataclass
@@ -337,9 +358,9 @@ class StageModule:
     """What `deepspeed.initialize` gets as its mpu (None: the pipeline module brings its own grid)."""
 
 
-def build_stage(plan: MistBlock, model: ModelSpec, dtype: torch.dtype, seed: int, rank: int) -> StageModule:
-    """Lay the ranks out as the cost model does and build this rank's stage: the plan's exact layer
-    boundaries, layout-independent weights, the last c_i blocks of each stage recomputed."""
+def build_stage(plan: MistBlock, source: LayerSource, dtype: torch.dtype, seed: int, rank: int) -> StageModule:
+    """Lay the ranks out as the cost model does and build this rank's stage from `source` (the zoo's layers,
+    or a user's model's parts): the plan's exact layer boundaries, the last c_i blocks of each stage recomputed."""
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
     strategy, par = plan.strategy, plan.strategy.parallelism
@@ -347,23 +368,24 @@ def build_stage(plan: MistBlock, model: ModelSpec, dtype: torch.dtype, seed: int
     coord = topology.get_coord(rank)
     grid = PipelineParallelGrid(topology=topology)  # as DeepSpeed's mpu; its slice group runs the TP collectives
     tp = TensorParallel(grid.get_slice_parallel_group().group_name, coord.model) if par.tp > 1 else TensorParallel()
-    recipes = [layer_recipes(model, plan.stage_layer_ranges[i], strategy.stages[i].ckpt_layers, i == 0,
-                             i == par.pp - 1, par.tp, tp, dtype, seed) for i in range(par.pp)]
-    loss_fn = language_model_loss(tp)
+    recipes = [source.stage_recipes(plan.stage_layer_ranges[i], strategy.stages[i].ckpt_layers, i == 0,
+                                    i == par.pp - 1, par.tp, tp, dtype, seed) for i in range(par.pp)]
+    loss_fn = source.loss(tp)
     torch.manual_seed(seed)
     if par.pp > 1:
         from deepspeed.pipe import LayerSpec
 
         from mist_ds.runtime.pipeline import PlannedPipelineModule
 
+        # LayerSpecs: DeepSpeed builds only this stage's layers (the zoo's are allocated there, nowhere else)
         module = PlannedPipelineModule([LayerSpec(PlannedLayer, r) for stage in recipes for r in stage],
-                                       strategy.layers_per_stage, tie_embeddings=model.tie_embeddings,
+                                       strategy.layers_per_stage, tie_embeddings=source.tie_embeddings,
                                        topology=topology, loss_fn=loss_fn, activation_checkpoint_interval=0)
         return StageModule(module, module.local_layers(), loss_fn, topology, grid, coord, mpu=None)
     layers = [PlannedLayer(r) for r in recipes[0]]
     # Always an mpu at pp = 1: DeepSpeed keeps the last engine's in a global (deepspeed/utils/groups.py `mpu`,
     # set at runtime/engine.py:2122 and never cleared by destroy()), which would else be read here.
-    return StageModule(PlannedModel(layers, model.tie_embeddings), layers, loss_fn, topology, grid, coord, mpu=grid)
+    return StageModule(PlannedModel(layers, source.tie_embeddings), layers, loss_fn, topology, grid, coord, mpu=grid)
 
 
 def apply_grad_reduce_in_last_backward(engine, plan: MistBlock, stage: StageModule):

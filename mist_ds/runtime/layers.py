@@ -11,10 +11,15 @@ its output rows per part of a fused projection (`segments`), a row-parallel weig
 (its bias is replicated), a vocabulary-parallel embedding its rows; everything else is replicated.
 Sharded parameters carry `tensor_model_parallel = True`, which DeepSpeed's gradient norm reads to
 count them on every TP rank and replicated ones once (deepspeed/runtime/utils.py:134).
+
+Where the layers come from is a `LayerSource`: the zoo's (`ZooLayers`: recipes built on the stage that holds
+them, as above) or a user's Hugging Face model cut into its parts (mist_ds/runtime/hf.py). Either way each layer
+runs inside a PlannedLayer, which recomputes, counts and offloads it alike.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -47,6 +52,14 @@ class LayerRecipe:
     """Run under activation checkpointing: keep only the input, recompute in backward (blocks only)."""
     tied: bool = False
     """A head whose LM-head weight starts as the embedding's token weight (model.tie_embeddings)."""
+
+    def build(self) -> nn.Module:
+        """This rank's layer: its TP shard of the full-size layer initialized under its own seed."""
+        layer = _layer(self.model, self.kind, self.t, self.tp, self.dtype)
+        copy_shards(_full_size_initialized(self), layer, self.tp.rank, self.t)
+        if self.tied:
+            init_head_from_embedding(layer, self)
+        return layer
 
 
 def _layer(model: ModelSpec, kind: str, t: int, tp: TensorParallel, dtype: torch.dtype) -> nn.Module:
@@ -104,17 +117,27 @@ def copy_shards(full: nn.Module, local: nn.Module, rank: int, t: int) -> None:
             param.tensor_model_parallel = split
 
 
+class Recipe(Protocol):
+    """What a PlannedLayer is made from: a LayerRecipe (the zoo) or a part of a user's model (runtime/hf.py)."""
+
+    kind: str
+    """embedding | block | head"""
+    index: int
+    """Position in the model: embedding 0, block k at k + 1, head num_layers + 1."""
+    recompute: bool
+
+    def build(self) -> nn.Module:
+        """The layer's module, with its weights."""
+
+
 class PlannedLayer(nn.Module):
     """One layer of the plan on this rank. Counts the forward passes its layer runs (recompute included),
     which the runtime reports as what really ran."""
 
-    def __init__(self, recipe: LayerRecipe) -> None:
+    def __init__(self, recipe: Recipe) -> None:
         super().__init__()
         self.kind, self.index, self.recompute = recipe.kind, recipe.index, recipe.recompute
-        self.layer = _layer(recipe.model, recipe.kind, recipe.t, recipe.tp, recipe.dtype)
-        copy_shards(_full_size_initialized(recipe), self.layer, recipe.tp.rank, recipe.t)
-        if recipe.tied:
-            init_head_from_embedding(self, recipe)
+        self.layer = recipe.build()
         self.forward_passes = 0
         self.activation_offload = None
         """An ActivationOffload (mist_ds/runtime/activations.py) when this block's activations go to the host."""
@@ -142,17 +165,21 @@ class PlannedLayer(nn.Module):
 
 
 def tied_weight(layer: PlannedLayer) -> nn.Parameter:
-    """The token-embedding weight (embedding) or the LM-head weight (head) a tied model shares."""
+    """The token-embedding weight (embedding) or the LM-head weight (head) a tied model shares: the layer's own
+    `tied_weight` where it names it (a user's model's part), else the zoo's attribute (TIED_WEIGHTS)."""
+    own = getattr(layer.layer, "tied_weight", None)
+    if own is not None:
+        return own
     module_name, attr = TIED_WEIGHTS[0] if layer.kind == EMBEDDING else TIED_WEIGHTS[1]
     return getattr(getattr(layer.layer, module_name), attr)
 
 
-def init_head_from_embedding(head: PlannedLayer, recipe: LayerRecipe) -> None:
+def init_head_from_embedding(head: nn.Module, recipe: LayerRecipe) -> None:
     """A tied head starts from the embedding's token weight (its shard on this rank): the two copies a
     pipeline keeps on its first and last stage are equal, and stay equal (their gradients are summed)."""
     tokens = _full_size_initialized(replace(recipe, kind=EMBEDDING, index=0)).tokens.weight.detach()
     with torch.no_grad():  # the head's rows are split as its own weight is (one part: the vocabulary)
-        tied_weight(head).copy_(_split_rows(tokens, head.layer.lm_head.segments, recipe.tp.rank))
+        head.lm_head.weight.copy_(_split_rows(tokens, head.lm_head.segments, recipe.tp.rank))
 
 
 def language_model_loss(tp: TensorParallel):
@@ -176,3 +203,36 @@ def layer_recipes(model: ModelSpec, layer_range: tuple[int, int], recompute_bloc
     if last:
         recipes.append(LayerRecipe(kind=HEAD, index=model.num_layers + 1, tied=model.tie_embeddings, **common))
     return recipes
+
+
+class LayerSource(Protocol):
+    """Where a plan's layers come from (`ZooLayers`, or runtime/hf.py's `HfLayers`): each stage's recipes in order
+    and the loss the last stage computes."""
+
+    tie_embeddings: bool
+    """The head's LM-head weight is the embedding's token weight: a pipeline sums their gradients."""
+
+    def stage_recipes(self, layer_range: tuple[int, int], recompute_blocks: int, first: bool, last: bool, t: int,
+                      tp: TensorParallel, dtype: torch.dtype, seed: int) -> list[Recipe]:
+        """One stage's layers in order: the embedding on the first stage, blocks [start, stop) of which the
+        last `recompute_blocks` recompute, the head on the last stage."""
+
+    def loss(self, tp: TensorParallel) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """loss(head's output, labels): the mean loss of one micro-batch."""
+
+
+@dataclass(frozen=True)
+class ZooLayers:
+    """The zoo model's layers: LayerRecipes, built on the stage that holds them (module docstring)."""
+
+    model: ModelSpec
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.model.tie_embeddings
+
+    def stage_recipes(self, layer_range, recompute_blocks, first, last, t, tp, dtype, seed) -> list[LayerRecipe]:
+        return layer_recipes(self.model, layer_range, recompute_blocks, first, last, t, tp, dtype, seed)
+
+    def loss(self, tp: TensorParallel):
+        return language_model_loss(tp)

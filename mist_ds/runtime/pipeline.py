@@ -6,7 +6,9 @@ plan's boundaries as given, through the private `_set_bounds` (module.py:545). B
 against the DeepSpeed versions of mist_ds/runtime/versions.py at start-up.
 
 Tied embeddings: the first stage's token weight and the last stage's LM-head weight are two
-parameters, initialized equal, whose gradients are summed over a group of the two stages before the
+parameters, initialized equal (and made equal at build by a broadcast from the first stage, as DeepSpeed's
+`_synchronize_tied_weights` does for TiedLayerSpec, pipe/module.py:472: a user's model may come to each rank
+otherwise), whose gradients are summed over a group of the two stages before the
 step, as DeepSpeed's ReduceTiedGrads does for TiedLayerSpec (it calls the public
 `get_tied_weights_and_groups`, pipe/engine.py:281). The last stage's copy is marked
 `ds_pipe_replicated`, so the gradient norm counts it once (deepspeed/runtime/utils.py:517).
@@ -71,6 +73,7 @@ class PlannedPipelineModule(PipelineModule):
                     weight = tied_weight(layer)
                     if self.stage_id == last:
                         weight.ds_pipe_replicated = True
+                    dist.broadcast(weight.data, src=ranks[0], group=group)
                     ties.append((weight, group))
         return ties
 
