@@ -29,13 +29,17 @@ PLANNED = ("model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2", "train.
 def configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("configs")
     transformers.LlamaConfig(**LLAMA).save_pretrained(root / "llama")
-    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0).save_pretrained(root / "gpt2")
+    gpt2 = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    gpt2.save_pretrained(root / "gpt2")
     return {name: root / name for name in ("llama", "gpt2")}
 
 
 def mist_deepspeed(args: list[str], cwd: Path, timeout_s: float = 600, **env: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher", *args]
+    """mist-deepspeed with `args`, on a port free now (DeepSpeed's default 29500 may be another test's)."""
+    from mist_ds.runtime import free_port
+
+    command = [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher", "--master_port", str(free_port()), *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, **CPU_ENV, **env})
 
@@ -163,3 +167,44 @@ def test_verify_runs_the_best_plans_and_keeps_the_measured_fastest(configs, tmp_
     table = (plan_dir / "verify.md").read_text()
     assert table.count("| 0") + table.count("| 1") + table.count("| 2") >= 3 and "(chosen)" in table
     assert len((plan_dir / "verify.csv").read_text().strip().splitlines()) == 4
+
+
+def single_process_losses(folder: Path, config: dict, b: int, accum: int, seq_len: int, steps: int) -> list[float]:
+    """The script's model, data and loop in one process, plain torch: its own loss / G backward per micro-batch, the
+    config's AdamW (no clipping)."""
+    import torch
+
+    from tests.user_hf_script import micro_batches
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    settings = config["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]),
+                                  eps=settings["eps"], weight_decay=settings["weight_decay"])
+    losses = []
+    for step in range(steps):
+        total = None
+        for tokens in micro_batches(model.config.vocab_size, b, seq_len, accum, step):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            (loss / accum).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(total / accum))
+    return losses
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_a_pipeline_plan_trains_the_users_model_bitwise(configs, tmp_path):
+    """The user's loop stepping with engine.train_batch (mist_ds.initialize(..., pipeline=True)) on a pp 2 plan with
+    uneven stages (3 blocks, the last recomputed; 1 block): fp32 losses bitwise equal to the same model, data and
+    AdamW in one process."""
+    planned = write_given_plan(configs["llama"], tmp_path / "plan", "strategy.pp=2", "strategy.layers_per_stage=[3,1]",
+                               "strategy.ckpt_layers=[1,0]", "strategy.micro_batch_size=2", "train.precision=fp32",
+                               "train.grad_clip=0")
+    assert planned["specs"].strategy.parallelism.grad_accum == 2
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--pipeline"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("loss ")]
+    assert losses == single_process_losses(configs["llama"], planned["config"], 2, 2, 32, 3)

@@ -33,11 +33,18 @@ def count_block_forwards(model) -> list[int]:
     return counts
 
 
+def micro_batches(vocab: int, b: int, seq_len: int, count: int, seed: int) -> list[torch.Tensor]:
+    """`count` micro-batches of token ids (b, seq_len), the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (b, seq_len), generator=generator) for _ in range(count)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model_config", required=True)
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--census", default=None)
+    parser.add_argument("--pipeline", action="store_true", help="step with engine.train_batch (pp > 1 may be planned)")
     parser.add_argument("--local_rank", type=int, default=-1)
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -45,24 +52,28 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config))
     forwards = count_block_forwards(model)
-    engine, _, _, _ = mist_ds.initialize(args=args, model=model, model_parameters=model.parameters())
+    engine, _, _, _ = mist_ds.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                         pipeline=args.pipeline)
     dp_rank, _ = mist_ds.data_parallel(engine)
     b, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     def step(seed: int) -> float:
-        generator = torch.Generator().manual_seed(seed + dp_rank)
+        batches = micro_batches(model.config.vocab_size, b, args.seq_len, accum, seed + dp_rank)
+        if args.pipeline:
+            return float(engine.train_batch(iter([(tokens, tokens) for tokens in batches])))
         total = 0.0
-        for _ in range(accum):
-            tokens = torch.randint(0, model.config.vocab_size, (b, args.seq_len), generator=generator)
+        for tokens in batches:
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()
-            total += float(loss)
+            total += loss.item()
         return total / accum
 
     if args.census is None:
         for seed in range(3):
-            print(f"loss {step(seed):.4f}", flush=True)
+            loss = step(seed)
+            if torch.distributed.get_rank() == 0:
+                print(f"loss {loss!r}", flush=True)
         return
     from mist_ds.script.settings import settings_from_environment
     from mist_ds.plan import load_plan

@@ -59,8 +59,9 @@ def launch_command(launcher_args: Sequence[str], script: str, user_args: Sequenc
 
 def launch_phase(command: Sequence[str], settings_path: Path, timeout_s: float | None = None,
                  log_path: Path | None = None) -> tuple[int, str]:
-    """(exit code, the output's last line) of one launch with the settings; with `timeout_s`, past it the whole
-    process group is killed and the code is -9. With `log_path` the output goes there, else to this terminal."""
+    """(exit code, what its output says of a failure) of one launch with the settings; with `timeout_s`, past it the
+    whole process group is killed and the code is -9. With `log_path` the output goes there, else to this
+    terminal."""
     env = {**os.environ, SETTINGS_ENV: str(settings_path)}
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([*LAUNCHER, *command], env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -82,11 +83,15 @@ def launch_phase(command: Sequence[str], settings_path: Path, timeout_s: float |
             proc.wait()
         if out:
             out.close()
-    last = ""
-    if log_path and log_path.exists():
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-        last = lines[-1] if lines else ""
-    return code, last
+    return code, failure_line(log_path.read_text(errors="replace")) if log_path and log_path.exists() else ""
+
+
+def failure_line(log: str) -> str:
+    """The line of a launch's output that says why it failed: the last exception a rank printed (`...Error: ...`),
+    else the last line (DeepSpeed's launcher ends with its kill handler's line, which names no cause)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if ("Error: " in line or "Error(" in line) and not line.startswith("File ")]
+    return errors[-1] if errors else (lines[-1] if lines else "")
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,13 @@ class Candidate:
     """ok, or why it produced no time (exit code and last line, out of memory, hang)."""
 
 
-def _status(code: int, last: str, timeout_s: float) -> str:
+def _status(code: int, reason: str, timeout_s: float) -> str:
+    """A failed candidate's status: a hang, out of memory (torch's and Python's errors say so), or failed; the
+    line that says why."""
     if code == -signal.SIGKILL:
         return f"hang: stopped after {timeout_s:g} s"
-    kind = "out of memory" if "out of memory" in last.lower() or "MemoryError" in last else "failed"
-    return f"{kind} (exit {code}): {last[-200:]}"
+    kind = "out of memory" if "out of memory" in reason.lower() or "MemoryError" in reason else "failed"
+    return f"{kind} (exit {code}): {reason[-200:]}"
 
 
 def verify(command: Sequence[str], base: ScriptSettings) -> list[Candidate]:
@@ -127,17 +134,18 @@ def verify(command: Sequence[str], base: ScriptSettings) -> list[Candidate]:
         report = verify_dir / f"{index}.json"
         report.unlink(missing_ok=True)
         settings = ScriptSettings("verify", base.run_dir, base.overrides, plan=str(plan_json),
-                                  num_warmup_steps=knobs["num_warmup_steps"], num_steps=knobs["num_steps"], report=str(report))
+                                  num_warmup_steps=knobs["num_warmup_steps"], num_steps=knobs["num_steps"],
+                                  report=str(report))
         print(f"mist-deepspeed: verifying candidate {index}: {layout}", file=sys.stderr)
-        code, last = launch_phase(command, settings_file(settings, f"verify{index}"), knobs["timeout_s"],
-                                  verify_dir / f"{index}.log")
+        code, reason = launch_phase(command, settings_file(settings, f"verify{index}"), knobs["timeout_s"],
+                                    verify_dir / f"{index}.log")
         measured = json.loads(report.read_text()) if code == 0 and report.is_file() else None
         found.append(Candidate(index, layout, plan["prediction"]["iteration_time_s"],
                                max(plan["prediction"]["peak_memory_bytes"]),
                                measured["seconds_per_step"] if measured else None,
                                measured["peak_bytes"] if measured else None,
                                measured["peak_measured_as"] if measured else "",
-                               "ok" if measured else _status(code, last, knobs["timeout_s"])))
+                               "ok" if measured else _status(code, reason, knobs["timeout_s"])))
     return found
 
 

@@ -146,7 +146,7 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
                      activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
                      partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid,
-                     top_n=cfg.top_n, verify=verify_spec(cfg))
+                     top_n=cfg.top_n, verify=verify_spec(cfg), pipeline_script=cfg.pipeline_script)
 
 
 def verify_spec(cfg: TunerConfig) -> VerifySpec:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mist_ds.script.apply import apply_recompute
-from mist_ds.script.planning import hf_model_overrides, is_hf_causal_lm, pipeline_overrides, plan_model
+from mist_ds.script.planning import (hf_model_overrides, is_hf_causal_lm, pipeline_overrides, pipelines_held_because,
+                                     plan_model)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.user_config import UserConfig, merged_config, planner_overrides, read_user_config
 from mist_ds.specs.errors import ConfigError
@@ -60,8 +61,8 @@ def _agree(outcome: tuple[int, str | None] | None) -> tuple[int, str | None]:
     return box[0]
 
 
-def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig, client_optimizer: Any,
-                pipeline: bool) -> None:
+def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig,
+                deepspeed_args: dict[str, Any], pipeline: bool) -> None:
     """Rank 0 plans and writes the plan files; every rank exits with its outcome."""
     from deepspeed import comm as dist
 
@@ -72,9 +73,11 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
         try:
             hf = is_hf_causal_lm(model)
             model_part = hf_model_overrides(model, settings.plan_dir / type(model).__name__) if hf else []
+            client_optimizer, client_scheduler = deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"]
             overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
-            overrides += pipeline_overrides(overrides, pipeline, pipelines_run=False)
-            plan_model(overrides, None if hf else model, loss, settings.plan_dir)
+            overrides += pipeline_overrides(overrides, pipeline,
+                                            pipelines_held_because(hf, client_optimizer, client_scheduler))
+            plan_model(overrides, None if hf else model, loss, settings.plan_dir, user)
             outcome = (0, None)
         except ConfigError as error:
             outcome = (EXIT_BAD_INPUT, f"error: {error}")
@@ -129,25 +132,44 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     plan_json = Path(settings.plan)
     plan = load_plan(plan_json)
     plan_config = json.loads((plan_json.parent / "ds_config.json").read_text())
-    spec = check_plan_is_for(plan, plan_json, model, loss, Path(settings.run_dir) / "scratch" / f"rank{dist.get_rank()}")
+    scratch = Path(settings.run_dir) / "scratch" / f"rank{dist.get_rank()}"
+    spec = check_plan_is_for(plan, plan_json, model, loss, scratch)
     strategy = plan.strategy
-    if strategy.parallelism.pp > 1:
-        raise ConfigError("plan", str(plan_json), "a pipeline plan (pp > 1) for a model in your own script: not "
-                                                  "run yet; tune with --mist tuner.pp=[1]")
     config, replaced = merged_config(user, plan_config, deepspeed_args["optimizer"] is not None)
     if replaced:
         log.info("mist_ds: the plan sets %s (your %s had other values)", ", ".join(replaced), user.source)
+    if settings.phase == "verify":
+        inject_fault(plan_json.parent.name)
+    if strategy.parallelism.pp > 1:
+        return _pipeline(settings, plan_json, model, spec, config, deepspeed_args)
     blocks = spec.read_model.blocks_attr
     apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_causal_lm(model))
     log.info("mist_ds: %s; DeepSpeed config: %s", plan_json, "the plan's" if not user.given else
              f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
-    if settings.phase == "verify":
-        inject_fault(plan_json.parent.name)
     out = deepspeed.initialize(**{**deepspeed_args, "args": _without_config(deepspeed_args["args"])}, model=model,
                                config=config)
     if settings.phase == "verify":
         StepTimer(out[0], settings.num_warmup_steps, settings.num_steps, settings.report, pipelined=False)
     return out
+
+
+def _pipeline(settings: ScriptSettings, plan_json: Path, model: Any, spec: Any, config: dict[str, Any],
+              deepspeed_args: dict[str, Any]):
+    """pp > 1: the user's HF model cut into the plan's stages on DeepSpeed's PipelineEngine (mist_ds.runtime), which
+    the loop steps with engine.train_batch(data_iter) over (input_ids, labels) micro-batches; its optimizer and
+    scheduler from the config, the dataloader DeepSpeed's over `training_data`."""
+    from mist_ds.runtime import initialize as run_plan
+    from mist_ds.script.verify import StepTimer
+
+    held = pipelines_held_because(is_hf_causal_lm(model), deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"])
+    if held is not None:
+        raise ConfigError("plan", str(plan_json), f"a pipeline plan (pp > 1), and {held}")
+    engine = run_plan(config, spec, module=model).engine
+    data = deepspeed_args["training_data"]
+    loader = engine.deepspeed_io(data, collate_fn=deepspeed_args["collate_fn"]) if data is not None else None
+    if settings.phase == "verify":
+        StepTimer(engine, settings.num_warmup_steps, settings.num_steps, settings.report, pipelined=True)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
@@ -170,11 +192,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     join_process_group()
     try:
         user = read_user_config(args, config if config is not None else config_params)
-        if settings.phase == "plan":
-            _plan_phase(settings, model, loss, user, optimizer, pipeline)
         deepspeed_args = dict(args=args, optimizer=optimizer, model_parameters=model_parameters,
                               training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                               dist_init_required=dist_init_required, collate_fn=collate_fn)
+        if settings.phase == "plan":
+            _plan_phase(settings, model, loss, user, deepspeed_args, pipeline)
         return _train_phase(settings, model, loss, user, deepspeed_args)
     except ConfigError as error:
         _leave(EXIT_BAD_INPUT, f"error: {error}")

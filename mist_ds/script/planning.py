@@ -15,11 +15,13 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mist_ds.script.user_config import UserConfig, config_note
 from mist_ds.specs.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 PIPELINE_HELD = "tuner.pp=[1]"
+PIPELINES_PLANNED = "tuner.pipeline_script=true"
 
 
 def is_hf_causal_lm(model: Any) -> bool:
@@ -50,21 +52,31 @@ def _tuner_pp(overrides: Sequence[str]) -> str | None:
     return None
 
 
-def pipeline_overrides(overrides: Sequence[str], pipeline: bool, pipelines_run: bool) -> list[str]:
-    """tuner.pp held to [1] where pipeline stages cannot run: a loop that steps with engine(...) / backward / step
-    (pipeline=False), or a model the runtime cannot cut into stages. The user's own tuner.pp asking for more is
-    refused with the reason; the hold is logged."""
+def pipeline_overrides(overrides: Sequence[str], pipeline: bool, held_because: str | None) -> list[str]:
+    """What the planner is told of pipeline stages: with `pipeline` (the loop steps with engine.train_batch) and
+    nothing holding it (`held_because` None), that the script runs them; else tuner.pp held to [1], logged with the
+    reason, and the user's own tuner.pp asking for more refused with it."""
+    if pipeline and held_because is None:
+        return [PIPELINES_PLANNED]
+    why = held_because if pipeline else (
+        "the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
+        "(say so with mist_ds.initialize(..., pipeline=True))")
     asked = _tuner_pp(overrides)
-    if pipeline and pipelines_run:
-        return []
-    why = ("the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
-           "(say so with mist_ds.initialize(..., pipeline=True))" if not pipeline else
-           "this model runs as one module in your script: mist_ds cuts only Hugging Face decoders and the zoo's "
-           "models into pipeline stages")
     if asked is not None and asked.strip("[] ") not in ("1", ""):
         raise ConfigError("tuner.pp", asked, f"{why}; drop --mist tuner.pp or give tuner.pp=[1]")
     log.info("mist_ds: pipeline parallelism held to pp 1: %s", why)
     return [PIPELINE_HELD]
+
+
+def pipelines_held_because(hf: bool, client_optimizer: Any, client_scheduler: Any) -> str | None:
+    """Why this script's model cannot run as pipeline stages, or None when it can."""
+    if not hf:
+        return ("this model runs as one module in your script: mist_ds cuts Hugging Face decoders and the zoo's "
+                "models into pipeline stages")
+    if client_optimizer is not None or client_scheduler is not None:
+        return ("a pipeline's stages build their optimizer and scheduler from the DeepSpeed config: give them there "
+                "rather than as objects to mist_ds.initialize")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +93,11 @@ def candidate_count(tuner) -> int:
     return 1 + tuner.top_n if tuner.verify.write_top_n else 0
 
 
-def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, plan_dir: Path) -> Planned:
+def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, plan_dir: Path,
+               user: UserConfig | None = None) -> Planned:
     """Tune `module` (None: the model `overrides` name) with `overrides`, write the plan files into `plan_dir`, and
     those of the candidates (candidate_count) into plan_dir/candidates/<i> with the verify settings beside them
-    (ConfigError, NoPlanFits)."""
+    (ConfigError, NoPlanFits). `user`: the script's DeepSpeed config, which summary.md names."""
     from mist_ds.config import compose
     from mist_ds.symbolic import analyze_model
     from mist_ds.files import write_atomic
@@ -107,6 +120,9 @@ def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, pla
         candidate = dataclasses.replace(plan, strategy=strategy, prediction=prediction.to_dict(), runner_ups=[])
         write_plan(plan_dir / CANDIDATES_DIR / str(i), candidate, specs, result.caps, with_command=False)
         written.append(plan_dir / CANDIDATES_DIR / str(i) / "plan.json")
+    for folder in (plan_dir, *(path.parent for path in written)) if user is not None else ():
+        summary = folder / "summary.md"  # the candidate chosen by verify replaces the plan's files: each says it
+        write_atomic(summary, summary.read_text() + f"\n{config_note(user, specs.train.precision)}\n")
     if written:
         write_atomic(plan_dir / CANDIDATES_DIR / VERIFY_FILE,
                      json.dumps(dataclasses.asdict(specs.tuner.verify), indent=1) + "\n")

@@ -103,6 +103,15 @@ def planner_overrides(user: UserConfig, client_optimizer: Any = None) -> list[st
     return [f"train.precision={user_precision(user)}", f"train.grad_clip={float(clip)}"]
 
 
+def config_note(user: UserConfig, precision: str) -> str:
+    """summary.md's line on the DeepSpeed config the plan was priced with."""
+    if user.given:
+        return (f"DeepSpeed config: yours ({user.source}), its precision ({precision}) and clipping priced; the plan "
+                "sets batch, ZeRO, offload and tensor-parallel settings in it.")
+    return (f"DeepSpeed config: none given, so the plan's own: AdamW (torch, the ds_config.json's optimizer) in "
+            f"{precision} (train.precision); give yours with --deepspeed_config or config=.")
+
+
 def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: bool
                   ) -> tuple[dict[str, Any], list[str]]:
     """(the config the engine gets, the user's keys the plan replaced). The user's config with the plan's

@@ -112,12 +112,13 @@ class ModelSpec:
                 f"must divide model.vocab_size={self.vocab_size}; pad the vocabulary to a multiple of "
                 f"128*tp as Megatron-LM does (model.vocab_size=...)")
 
-    @property
-    def runs_as_pipeline_stages(self) -> bool:
+    def runs_as_pipeline_stages(self, pipeline_script: bool = False) -> bool:
         """Whether a plan may split the model into pipeline stages that run: the zoo's models run as DeepSpeed
-        PipelineModules (mist_ds.runtime); a Hugging Face model or a user's module runs in the user's own script as
-        one module, so the tuner plans it at pp = 1 (an explicit strategy.pp > 1 is priced, not tuned)."""
-        return self.read_model is None
+        PipelineModules (mist_ds.runtime); a Hugging Face model too where the user's script steps with
+        engine.train_batch (`pipeline_script`: mist_ds.initialize cuts it into the plan's stages); otherwise a model
+        read from a config or a module runs in the user's script as one module, so the tuner plans it at pp = 1 (an
+        explicit strategy.pp > 1 is priced, not tuned)."""
+        return self.read_model is None or (pipeline_script and self.hf is not None)
 
     def kv_heads_per_rank(self, t: int) -> int:
         """KV heads one TP rank holds: split when t divides them, one replicated head otherwise."""

@@ -77,6 +77,10 @@ class TunerSpec:
     """default: the *_offload_ratios lists; mist: Mist's grids (MIST_OFFLOAD_RATIOS) in their place."""
     top_n: int = 3
     """Runner-up plans kept beside the plan (the best plans of the next-best global points); 0 = none."""
+    pipeline_script: bool = False
+    """The plan runs in a user's script whose loop steps with engine.train_batch (mist_ds.initialize(...,
+    pipeline=True)): a Hugging Face model may be cut into pipeline stages (mist_ds.runtime runs them); otherwise a
+    model read from a user's config or module is planned at pp = 1."""
     verify: VerifySpec = field(default_factory=lambda: VerifySpec())
     """Running the best plans briefly in the user's script (mist-deepspeed; docs/design.md, Verifying the best
     plans)."""

@@ -54,7 +54,8 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
     """Every (t, S, d, b, G) the space, the runtime and the tuner's degree limits allow, in a fixed
     order. TP stays inside a node."""
     gpus = cluster.num_gpus
-    if not model.runs_as_pipeline_stages and tuner.pp is not None and 1 not in tuner.pp:
+    stages_run = model.runs_as_pipeline_stages(tuner.pipeline_script)
+    if not stages_run and tuner.pp is not None and 1 not in tuner.pp:
         raise ConfigError("tuner.pp", list(tuner.pp), f"{model.name} runs in your own script as one module: "
                                                       "tune it at pp 1 (tuner.pp=[1] or leave tuner.pp out)")
     if tuner.tp is not None and not any(_tp_ok(model, t) for t in tuner.tp):
@@ -68,7 +69,7 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
             continue
         for S in divisors(gpus // t):
             if S > model.num_layers or (tuner.pp is not None and S not in tuner.pp) or \
-                    (S > 1 and not model.runs_as_pipeline_stages):
+                    (S > 1 and not stages_run):
                 continue
             if space == "deepspeed" and (t > 1 or S > 1):
                 continue

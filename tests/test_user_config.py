@@ -1,0 +1,133 @@
+"""Your own script without a launch (docs/design.md, Your own script): the user's DeepSpeed config read, priced and
+merged with the plan's; the settings mist-deepspeed hands the ranks; pipeline stages held where they cannot run; the
+mistakes refused with the field, the value and the fix before any rank starts."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mist_ds.script.planning import PIPELINE_HELD, PIPELINES_PLANNED, pipeline_overrides, pipelines_held_because
+from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
+from mist_ds.script.user_config import (PLAN_KEYS, UserConfig, config_note, merged_config, planner_overrides,
+                                        read_user_config)
+from mist_ds.specs import ConfigError
+from tests.conftest import REPO
+
+PLAN_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+               "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "mist": {"strategy": {}}}
+
+
+def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_batch_and_zero(tmp_path):
+    user_file = tmp_path / "ds.json"
+    user_file.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 3}, "fp16": {"enabled": True},
+                                     "gradient_clipping": 0.5, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}},
+                                     "scheduler": {"type": "WarmupLR"}}))
+    user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
+    assert user.source == f"--deepspeed_config {user_file}"
+    assert planner_overrides(user) == ["train.precision=fp16", "train.grad_clip=0.5"]
+    merged, replaced = merged_config(user, PLAN_CONFIG, client_optimizer=False)
+    assert replaced == ["train_batch_size", "zero_optimization"]
+    assert {k: merged[k] for k in ("train_batch_size", "zero_optimization", "mist")} == {
+        k: PLAN_CONFIG[k] for k in ("train_batch_size", "zero_optimization", "mist")}
+    assert merged["optimizer"]["params"]["lr"] == 3e-4 and merged["scheduler"] == {"type": "WarmupLR"}
+    assert "bf16" not in merged and merged["fp16"] == {"enabled": True}  # priced as the user's fp16
+    assert set(PLAN_KEYS) >= {"train_batch_size", "zero_optimization", "tensor_parallel"}
+
+
+def test_without_a_users_config_the_plans_own_is_used_and_said():
+    user = read_user_config(argparse.Namespace(deepspeed_config=None), None)
+    assert not user.given and planner_overrides(user) == []
+    merged, replaced = merged_config(user, PLAN_CONFIG, client_optimizer=False)
+    assert merged == PLAN_CONFIG and replaced == []
+    merged, _ = merged_config(user, PLAN_CONFIG, client_optimizer=True)  # the user's optimizer object, not the plan's
+    assert "optimizer" not in merged
+    assert "none given" in config_note(user, "bf16") and "AdamW" in config_note(user, "bf16")
+    mine = read_user_config(None, {"optimizer": {"type": "AdamW"}})
+    assert mine.source == "config=" and planner_overrides(mine) == ["train.precision=fp32", "train.grad_clip=0.0"]
+    merged, _ = merged_config(mine, PLAN_CONFIG, client_optimizer=False)
+    assert merged["optimizer"] == {"type": "AdamW"}
+
+
+@pytest.mark.parametrize("args, config, optimizer, field, says", [
+    (argparse.Namespace(deepspeed_config="a.json"), {"x": 1}, None, "config", "give one"),
+    (None, {"optimizer": {"type": "SGD"}}, None, "optimizer.type", "Adam or AdamW"),
+    (None, None, "sgd", "optimizer", "torch.optim.AdamW"),
+    (None, {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, None, "bf16/fp16", "enable one"),
+    (None, {"gradient_clipping": -1}, None, "gradient_clipping", ">= 0"),
+])
+def test_what_cannot_be_priced_is_refused_naming_the_field(args, config, optimizer, field, says):
+    import torch
+
+    client = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1) if optimizer == "sgd" else None
+    with pytest.raises(ConfigError) as error:
+        planner_overrides(read_user_config(args, config), client)
+    assert error.value.field == field and says in str(error.value)
+
+
+def test_a_config_file_that_is_not_json_names_the_file(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text("{train_batch_size: 8")
+    with pytest.raises(ConfigError, match="not JSON") as error:
+        read_user_config(argparse.Namespace(deepspeed_config=str(bad)), None)
+    assert error.value.value == str(bad)
+
+
+def test_settings_travel_as_a_file_named_in_the_environment(tmp_path):
+    settings = ScriptSettings("verify", str(tmp_path), ("cluster=cpu",), plan=str(tmp_path / "plan.json"),
+                              num_warmup_steps=1, num_steps=2, report=str(tmp_path / "v.json"))
+    path = tmp_path / "settings.json"
+    path.write_text(settings.to_json())
+    assert settings_from_environment({SETTINGS_ENV: str(path)}) == settings
+    assert settings_from_environment({}) is None
+    with pytest.raises(ConfigError, match="phase run trains a plan"):
+        ScriptSettings("run", str(tmp_path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a settings file"):
+        settings_from_environment({SETTINGS_ENV: str(path)})
+
+
+def test_pipeline_stages_are_held_where_they_cannot_run():
+    assert pipeline_overrides([], pipeline=True, held_because=None) == [PIPELINES_PLANNED]
+    assert pipeline_overrides([], pipeline=False, held_because=None) == [PIPELINE_HELD]
+    why = pipelines_held_because(hf=False, client_optimizer=None, client_scheduler=None)
+    assert pipeline_overrides(["tuner.pp=[1]"], pipeline=True, held_because=why) == [PIPELINE_HELD]
+    with pytest.raises(ConfigError, match="engine.train_batch") as error:
+        pipeline_overrides(["tuner.pp=[2]"], pipeline=False, held_because=None)
+    assert error.value.field == "tuner.pp"
+    assert "DeepSpeed config" in pipelines_held_because(hf=True, client_optimizer=object(), client_scheduler=None)
+    assert pipelines_held_because(hf=True, client_optimizer=None, client_scheduler=None) is None
+
+
+def test_initialize_outside_a_launch_says_how_to_start_it(monkeypatch):
+    import torch
+
+    import mist_ds
+
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    with pytest.raises(ConfigError, match="mist-deepspeed --autotune-mist run") as error:
+        mist_ds.initialize(model=torch.nn.Linear(2, 2))
+    assert error.value.field == SETTINGS_ENV
+
+
+def test_a_script_that_never_names_mist_ds_must_name_its_model(tmp_path, capsys, monkeypatch):
+    """It would train to its end in the plan phase: refused before any rank starts, exit 2."""
+    from mist_ds.cli.deepspeed_launcher import main
+
+    script = tmp_path / "plain.py"
+    script.write_text("import deepspeed\n")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--autotune-mist", "tune", "--num_gpus", "2", str(script)]) == 2
+    assert "--mist model=" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_example_is_what_its_docstring_says():
+    """The example's docstring gives its launch commands, and it calls mist_ds.initialize where a DeepSpeed script
+    calls deepspeed.initialize."""
+    example = (REPO / "examples" / "hf_causal_lm" / "train.py").read_text()
+    assert "mist-deepspeed --autotune-mist run" in example and "mist_ds.initialize(args=args" in example
+    assert "deepspeed.initialize(" not in example and len(example.splitlines()) <= 80
