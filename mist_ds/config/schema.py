@@ -141,6 +141,9 @@ class TunerConfig:
     host_memory: str = "per-gpu"  # per-gpu: a GPU's offloads within its node share | per-node: a node's ranks share it
     grid: str = "default"  # default: the *_offload_ratios lists | mist: Mist's grids (wo, go 6 values; oo, ao 8)
     top_n: int = 3  # runner-up plans in plan.json and summary.md: the best of the next-best layouts; 0 = none
+    target: str = "deepspeed"  # what trains the plan: deepspeed (ds_config.json: mist_ds's launcher or your
+    #                            DeepSpeed script) | hf-trainer (Hugging Face Trainer: pp 1, recompute of every n-th
+    #                            block, trainer_args.json beside ds_config.json)
 
 
 @dataclass
