@@ -22,8 +22,9 @@ PLAN_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "grad
 
 def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_batch_and_zero(tmp_path):
     user_file = tmp_path / "ds.json"
-    user_file.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 3}, "fp16": {"enabled": True},
-                                     "gradient_clipping": 0.5, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}},
+    user_file.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 3},
+                                     "fp16": {"enabled": True}, "gradient_clipping": 0.5,
+                                     "optimizer": {"type": "Adam", "params": {"lr": 3e-4}},
                                      "scheduler": {"type": "WarmupLR"}}))
     user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
     assert user.source == f"--deepspeed_config {user_file}"

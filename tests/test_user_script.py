@@ -153,9 +153,10 @@ def test_verify_runs_the_best_plans_and_keeps_the_measured_fastest(configs, tmp_
     done = mist_deepspeed(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", "--mist",
                            "cluster=cpu", "--mist", "train.global_batch_size=4", "--mist", "tuner.verify_top_n=3",
                            "--mist", "tuner.verify_num_steps=2", "--mist", "tuner.compare_baselines=false",
-                           str(USER_SCRIPT), "--model_config", str(configs["llama"])], tmp_path, **{FAULT_ENV: "1"})
+                           "--mist", "hydra.run.dir=run", str(USER_SCRIPT), "--model_config", str(configs["llama"])],
+                          tmp_path, **{FAULT_ENV: "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    plan_dir = run_dir_of(tmp_path) / "plan"
+    plan_dir = tmp_path / "run" / "plan"  # --mist hydra.run.dir=run: where the plan files go
     plan = json.loads((plan_dir / "plan.json").read_text())
     verified = plan["verify"]["candidates"]
     assert [c["index"] for c in verified] == [0, 1, 2]

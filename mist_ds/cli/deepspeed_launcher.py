@@ -323,9 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if plans_in_script(script, mist_overrides):
             from mist_ds.cli.script_launch import launch_command, run_user_script
 
+            # where the plan files go: --mist hydra.run.dir=D (the script's own arguments are the user's)
+            run_dir = run_dir_of(mist_overrides).resolve()
+            planner = [o for o in mist_overrides if not o.startswith(RUN_DIR_KEY)]
             plan_path = checked_script_plan(plan, nodes * gpus) if plan is not None else None
             return run_user_script(mode, plan_path, launch_command(launcher_args, script, user_args),
-                                   [*mist_overrides, f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"],
+                                   [*planner, f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"],
                                    run_dir, os.environ.get(ACCELERATOR_ENV) == "cpu")
         if plan is None:
             planner = [*mist_overrides, *hydra_overrides(user_args)]

@@ -9,6 +9,7 @@ from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
 from mist_ds.specs.errors import require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
 from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
+from mist_ds.specs.target_rules import check_target
 
 
 
@@ -146,7 +147,8 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
                      activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
                      partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid,
-                     top_n=cfg.top_n, verify=verify_spec(cfg), pipeline_script=cfg.pipeline_script)
+                     top_n=cfg.top_n, verify=verify_spec(cfg), pipeline_script=cfg.pipeline_script,
+                     target=cfg.target)
 
 
 def verify_spec(cfg: TunerConfig) -> VerifySpec:
@@ -175,7 +177,10 @@ def to_specs(cfg: MistDsConfig, with_strategy: bool = True, module=None, loss=No
 
 def specs_of(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
              strategy: StrategyConfig | None) -> Specs:
-    """Specs of converted groups; the strategy (None: none) resolved against them."""
+    """Specs of converted groups; the strategy (None: none) resolved against them and refused where the tuner's
+    target (what consumes the plan) cannot run it."""
     cluster.gpu.peak(train.precision)
     resolved = strategy_spec(strategy, model, cluster, train) if strategy is not None else None
+    if resolved is not None:
+        check_target(resolved, executor_capabilities(resolved.runtime), tuner.target_row, model)
     return Specs(model=model, cluster=cluster, train=train, strategy=resolved, tuner=tuner)

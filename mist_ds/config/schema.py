@@ -147,6 +147,9 @@ class TunerConfig:
     verify_timeout_s: float = 600.0  # verify: a candidate launch running longer is stopped and recorded as a hang
     pipeline_script: bool = False  # your script steps with engine.train_batch: an hf model may be planned at pp > 1
     write_top_n: bool = False  # your script: also write cmd.txt and ds_config.json of each runner-up (plan/candidates)
+    target: str = "deepspeed"  # what trains the plan: deepspeed (ds_config.json: mist_ds's launcher or your
+    #                            DeepSpeed script) | hf-trainer (Hugging Face Trainer: pp 1, recompute of every n-th
+    #                            block, trainer_args.json beside ds_config.json)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mist_ds.emit import ds_config
+from mist_ds.emit.hf_trainer import TRAINER_ARGS, USAGE, trainer_args, trainer_ds_config
 from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan, model_source_of
 from mist_ds.report.command import command_file, train_command
@@ -68,6 +69,7 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
         f"- search: {search['points_priced']} global points priced, {search['points_pruned']} pruned by their "
         f"lower bound, {search['candidates_evaluated']:,} stage candidates, {search['seconds']:.2f} s, "
         f"largest optimality gap {search['max_gap']:.2%}",
+        *_target_lines(specs),
         "",
         "| stage | layers | recomputed | ZeRO | offload w / g / o / a | stable s | delta s | peak GiB | margin GiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -92,6 +94,16 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
     lines += runner_up_lines(plan.runner_ups)
     lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
     return "\n".join(lines) + "\n"
+
+
+def _target_lines(specs: Specs) -> list[str]:
+    """How the tuner's target takes the plan, where it is not mist_ds's launcher (cmd.txt says that one)."""
+    target = specs.tuner.target_row
+    if not target.trainer_args:
+        return []
+    return [f"- target `{target.name}`: `{USAGE}` in your Trainer script, ds_config.json and {TRAINER_ARGS} from "
+            f"this folder, launched on {specs.cluster.num_gpus} ranks (`deepspeed`, `torchrun` or `accelerate "
+            "launch`); Trainer refuses arguments that differ from the plan's"]
 
 
 def value_text(value) -> str:
@@ -125,11 +137,20 @@ def _interleaving(strategy: dict) -> str:
 
 def plan_files(plan: Plan, specs: Specs, caps: ExecutorCapabilities, plan_json: str = "plan.json") -> dict[str, str]:
     """plan.json, summary.md (its hint naming the plan as `plan_json`), and ds_config.json where the plan runs on
-    DeepSpeed (`caps`: its runtime)."""
+    DeepSpeed (`caps`: its runtime), with trainer_args.json beside it where TrainingArguments configure the run
+    (the tuner's target)."""
     files = {"plan.json": json_text(plan.to_dict()), "summary.md": render_summary(plan, specs, plan_json)}
-    if caps.executes_on_deepspeed:
+    if not caps.executes_on_deepspeed:
+        return files
+    target, host = specs.tuner.target_row, plan.prediction.get("host_bytes_per_rank")
+    if target.trainer_args:
+        files["ds_config.json"] = json_text(trainer_ds_config(plan.strategy, specs.train, specs.model, target, caps,
+                                                              host))
+        files[TRAINER_ARGS] = json_text(trainer_args(plan.strategy, specs.train, specs.model, target,
+                                                     specs.cluster.gpu.is_cpu_process, caps))
+    else:
         files["ds_config.json"] = json_text(ds_config(plan.strategy, specs.train, specs.model, caps=caps,
-                                                      host_bytes_per_rank=plan.prediction.get("host_bytes_per_rank")))
+                                                      host_bytes_per_rank=host))
     return files
 
 
@@ -148,14 +169,14 @@ def plan_pictures(plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> dict[
 
 def write_plan(directory: Path, plan: Plan, specs: Specs, caps: ExecutorCapabilities, with_command: bool = True
                ) -> list[Path]:
-    """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs, cmd.txt: the command
-    that trains it with launch/train.py (with_command=False: none; a user's script gets its cmd.txt from
-    mist-deepspeed, which alone knows the script's command line)."""
+    """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs with mist_ds's launcher (the tuner's
+    target), cmd.txt: the command that trains it with launch/train.py (with_command=False: none; a user's script
+    gets its cmd.txt from mist-deepspeed, which alone knows the script's command line)."""
     directory.mkdir(parents=True, exist_ok=True)
     absolute = directory.resolve()  # summary.md's hint works wherever it is read from
     files: dict[str, str | bytes] = {**plan_files(plan, specs, caps, str(absolute / "plan.json")),
                                      **plan_pictures(plan, specs, caps)}
-    if caps.executes_on_deepspeed and with_command:
+    if caps.executes_on_deepspeed and with_command and specs.tuner.target_row.writes_train_command:
         cluster = specs.cluster
         command = train_command(absolute / "plan.json", cluster.nodes, cluster.gpus_per_node, absolute / "train")
         files["cmd.txt"] = command_file(command, cluster.gpu.is_cpu_process, cluster.nodes, cluster.gpus_per_node)

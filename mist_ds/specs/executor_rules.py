@@ -12,6 +12,8 @@ from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, capabilities_of
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.strategy import StrategySpec
+from mist_ds.specs.target_rules import recompute_allowed
+from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities, target_capabilities
 
 
 def grad_reduce_overlapped(caps: ExecutorCapabilities, overlap: OverlapFeatures, pp, zero) -> np.ndarray:
@@ -137,13 +139,13 @@ def _check_offload(name: str, caps: ExecutorCapabilities, i: int, s) -> None:
 
 
 def allowed_stage_options(caps: ExecutorCapabilities, layers: int, pipeline: bool, *, recompute, zero, wo, go, oo,
-                          ao) -> np.ndarray:
-    """Vectorized twin of check_executor's per-stage rules: True where one stage of `layers` blocks with
-    these options (arrays) is something the runtime can execute. The uniform-across-stages rules
-    (uniform_zero, uniform_recompute) are the caller's: they couple stages."""
+                          ao, target: TargetCapabilities | str = DEFAULT_TARGET) -> np.ndarray:
+    """Vectorized twin of check_executor's per-stage rules and check_target's: True where one stage of `layers`
+    blocks with these options (arrays) is something the runtime can execute and `target` (what consumes the plan)
+    runs. The uniform-across-stages rules (uniform_zero, uniform_recompute) are the caller's: they couple stages."""
     recompute, zero, wo, go, oo, ao = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
                                                        for x in (recompute, zero, wo, go, oo, ao)))
-    ok = np.ones(recompute.shape, dtype=bool)
+    ok = recompute_allowed(target_capabilities(target), layers, recompute)
     if pipeline:
         ok &= np.isin(zero, caps.zero_stages_with_pipeline)
     if caps.recompute_whole_stage_only:

@@ -108,6 +108,10 @@ class ExecutorCapabilities:
     activations_offload_whole_blocks: bool = False
     """ao is realized as whole blocks: the stage's first round(ao x l) blocks offload all their saved
     tensors but a leaf input (mist_ds/runtime/activations.py); False: the fraction ao of every block."""
+    runs_on_stock_engine: bool = False
+    """Its pp = 1 plans run as priced on the engine stock `deepspeed.initialize` builds from ds_config.json alone, as
+    a consumer that builds its own engine calls it (HF Trainer; TargetCapabilities.stock_engine); False: they need
+    mist_ds.runtime's schedule."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
@@ -131,7 +135,7 @@ def _deepspeed() -> ExecutorCapabilities:
         # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
         recompute_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
-        overlap=OverlapFeatures(), collectives="deepspeed")
+        overlap=OverlapFeatures(), collectives="deepspeed", runs_on_stock_engine=True)
 
 
 def _executors() -> Mapping[str, ExecutorCapabilities]:
@@ -147,7 +151,7 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),
-                   grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False,
+                   grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False, runs_on_stock_engine=False,
                    activations_offload=True, activations_offload_whole_blocks=True)
     mist_paper = ExecutorCapabilities(
         name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from mist_ds.specs.errors import require, require_positive
 from mist_ds.specs.strategy import OFFLOAD_KINDS
+from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities, target_capabilities
 
 SPACES: tuple[str, ...] = ("mist", "megatron", "deepspeed", "aceso", "uniform")
 PARTITION_SOLVERS: tuple[str, ...] = ("auto", "dp", "milp")
@@ -84,6 +85,9 @@ class TunerSpec:
     verify: VerifySpec = field(default_factory=lambda: VerifySpec())
     """Running the best plans briefly in the user's script (mist-deepspeed; docs/design.md, Verifying the best
     plans)."""
+    target: str | TargetCapabilities = DEFAULT_TARGET
+    """What consumes the plan (specs/targets.py), by name or as a row (an ablation's): the search keeps to the
+    strategies it runs."""
 
     def __post_init__(self) -> None:
         require(self.space in SPACES, "tuner.space", self.space, f"use one of {', '.join(SPACES)}")
@@ -107,6 +111,7 @@ class TunerSpec:
                 "tuner.partition_solver=auto or milp with tuner.host_memory=per-node, or tuner.host_memory=per-gpu")
         require(isinstance(self.top_n, int) and self.top_n >= 0, "tuner.top_n", self.top_n,
                 "give a whole number >= 0 of runner-up plans (0: none)")
+        target_capabilities(self.target)
         require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
         for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"
@@ -121,3 +126,8 @@ class TunerSpec:
         """The fractions of `kind` (weights, grads, optimizer, activations) the search tries: Mist's grid
         with grid=mist, else the `<kind>_offload_ratios` list."""
         return MIST_OFFLOAD_RATIOS[kind] if self.grid == "mist" else tuple(getattr(self, f"{kind}_offload_ratios"))
+
+    @property
+    def target_row(self) -> TargetCapabilities:
+        """The capability row of `target`."""
+        return target_capabilities(self.target)

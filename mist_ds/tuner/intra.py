@@ -18,6 +18,7 @@ from mist_ds.cost.stage import stage_boundaries_cross_nodes, stage_times
 from mist_ds.cost.stage_memory import in_flight_micro_batches, stage_memory
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import ExecutorCapabilities, TrainSpec
+from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities
 from mist_ds.tuner.partition_model import StageOptions, front_of_sorted, pareto_columns, pareto_front
 from mist_ds.tuner.space import OPTION_KEYS, GlobalPoint, OptionGrids, stage_option_grid
 
@@ -89,11 +90,13 @@ class PointPricer:
     point: GlobalPoint
     usable_bytes: float = np.inf
     host_limits_bytes: np.ndarray | None = None
+    target: TargetCapabilities | str = DEFAULT_TARGET
+    """What consumes the plans (tuner.target): options it cannot run are not among the point's options."""
 
     def options(self, space: str, grids: OptionGrids, layer_counts: list[int]) -> PricedOptions:
         """Every option of the space for these layer counts, nothing priced yet (inf)."""
         point = self.point
-        grids_by_l = [stage_option_grid(self.caps, space, grids, l, pipeline=point.pp > 1) for l in layer_counts]
+        grids_by_l = [stage_option_grid(self.caps, space, grids, l, point.pp > 1, self.target) for l in layer_counts]
         layers = np.concatenate([np.full(g["recompute"].size, l, dtype=np.float64)
                                  for g, l in zip(grids_by_l, layer_counts)])
         position_class, representatives = position_classes(point, self.hw.cluster.gpus_per_node)

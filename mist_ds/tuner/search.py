@@ -35,6 +35,7 @@ from mist_ds.specs import ConfigError, Parallelism, ExecutorCapabilities, Specs,
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.executor_rules import allowed_stage_options
 from mist_ds.specs.strategy import degrees_text, partition_uniform
+from mist_ds.specs.targets import TargetCapabilities
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
 from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
                                  stage_fronts)
@@ -68,6 +69,11 @@ class SearchContext:
     @property
     def runtime(self) -> str:
         return self.caps.name
+
+    @property
+    def target(self) -> TargetCapabilities:
+        """What consumes the plans (tuner.target): the stage options it cannot run are never priced."""
+        return self.specs.tuner.target_row
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,8 @@ def _refines_default_grid(specs: Specs, space: str, caps: ExecutorCapabilities) 
         return False
     if not all(set(DEFAULT_OFFLOAD_RATIOS) <= set(g) for g in dataclasses.astuple(grids)):
         return False
-    return any(not coarse_options(stage_option_grid(caps, space, grids, 1, pipeline), DEFAULT_OFFLOAD_RATIOS).all()
-               for pipeline in (False, True))
+    return any(not coarse_options(stage_option_grid(caps, space, grids, 1, pipeline, specs.tuner.target_row),
+                                  DEFAULT_OFFLOAD_RATIOS).all() for pipeline in (False, True))
 
 
 def _default_grid(specs: Specs) -> Specs:
@@ -292,7 +298,8 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
     L = specs.model.num_layers
     counts = layer_counts(L, point.pp, specs.tuner.layer_slack)
     host_limits, sharing = _host_limits(specs, point)
-    pricer = PointPricer(costs, hw, caps, specs.train, point, specs.cluster.gpu.usable_memory_bytes, host_limits)
+    pricer = PointPricer(costs, hw, caps, specs.train, point, specs.cluster.gpu.usable_memory_bytes, host_limits,
+                         ctx.target)
     priced = pricer.options(ctx.space, option_grids(specs), counts)
     variants = _variants(caps, priced.options["zero"], point, min(counts))
     solve = partial(_solve_variant, ctx, point, host_limits, sharing)
@@ -338,9 +345,9 @@ def recompute_choices(layers: tuple[int, ...], space: str) -> np.ndarray:
 
 
 def _fixed_candidates(caps: ExecutorCapabilities, space: str, grids: OptionGrids, layers: tuple[int, ...],
-                      pipeline: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                      pipeline: bool, target: TargetCapabilities) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(recompute [n, S], other options [n] each) every stage of the partition can run."""
-    others = stage_option_grid(caps, space, grids, 1, pipeline)
+    others = stage_option_grid(caps, space, grids, 1, pipeline, target)
     keys = [k for k in OPTION_KEYS if k != "recompute"]
     rows = np.unique(np.stack([others[k] for k in keys], axis=1), axis=0)
     recompute = recompute_choices(layers, space)
@@ -349,7 +356,7 @@ def _fixed_candidates(caps: ExecutorCapabilities, space: str, grids: OptionGrids
     recompute, options = recompute[pick_recompute], {k: rows[pick_row, j] for j, k in enumerate(keys)}
     ok = np.ones(len(recompute), dtype=bool)
     for i, l in enumerate(layers):
-        ok &= allowed_stage_options(caps, l, pipeline, recompute=recompute[:, i], **options)
+        ok &= allowed_stage_options(caps, l, pipeline, recompute=recompute[:, i], **options, target=target)
     return recompute[ok], {k: v[ok] for k, v in options.items()}
 
 
@@ -362,7 +369,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
     world = point.tp * S * point.dp
     best, closest, count = None, None, 0
     for layers, chunks in _partitions_and_chunks(ctx, caps, point):
-        recompute, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1)
+        recompute, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1, ctx.target)
         if not len(recompute):
             continue
         column = {k: v[:, None] for k, v in opts.items()}

@@ -19,6 +19,8 @@ import numpy as np
 from mist_ds.specs import ClusterSpec, ConfigError, ModelSpec, ExecutorCapabilities, TrainSpec, TunerSpec
 from mist_ds.specs.executor_rules import allowed_stage_options
 from mist_ds.specs.strategy import partition_uniform
+from mist_ds.specs.target_rules import check_target_tuning, executor_allowed
+from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities
 
 OPTION_KEYS = ("recompute", "zero", "wo", "go", "oo", "ao")
 # Spaces whose stages are free (per-stage Pareto sets + the partition solver); the others fix the
@@ -51,9 +53,11 @@ def _tp_ok(model: ModelSpec, t: int) -> bool:
 
 def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
                   space: str, caps: ExecutorCapabilities) -> list[GlobalPoint]:
-    """Every (t, S, d, b, G) the space, the runtime and the tuner's degree limits allow, in a fixed
+    """Every (t, S, d, b, G) the space, the runtime, the tuner's degree limits and its target allow, in a fixed
     order. TP stays inside a node."""
     gpus = cluster.num_gpus
+    target = tuner.target_row
+    check_target_tuning(target, tuner, caps, model)
     stages_run = model.runs_as_pipeline_stages(tuner.pipeline_script)
     if not stages_run and tuner.pp is not None and 1 not in tuner.pp:
         raise ConfigError("tuner.pp", list(tuner.pp), f"{model.name} runs in your own script as one module: "
@@ -69,7 +73,7 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
             continue
         for S in divisors(gpus // t):
             if S > model.num_layers or (tuner.pp is not None and S not in tuner.pp) or \
-                    (S > 1 and not stages_run):
+                    (S > 1 and not (stages_run and target.pipeline)):
                 continue
             if space == "deepspeed" and (t > 1 or S > 1):
                 continue
@@ -117,9 +121,10 @@ class OptionGrids:
 
 
 def stage_option_grid(caps: ExecutorCapabilities, space: str, grids: OptionGrids, layers: int,
-                      pipeline: bool) -> dict[str, np.ndarray]:
+                      pipeline: bool, target: TargetCapabilities | str = DEFAULT_TARGET) -> dict[str, np.ndarray]:
     """All per-stage options for a stage of `layers` blocks: 1-D arrays keyed by OPTION_KEYS, filtered
-    by the runtime's rules (the same rules `check_executor` applies) and the space's."""
+    by the runtime's rules (the same rules `check_executor` applies), the target's (`check_target`'s) and the
+    space's."""
     recompute = np.arange(layers + 1)
     zero = np.arange(4)
     wo, go, oo, ao = (np.asarray(g, dtype=np.float64) for g in
@@ -133,17 +138,18 @@ def stage_option_grid(caps: ExecutorCapabilities, space: str, grids: OptionGrids
         recompute, wo, go, oo, ao = np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1)
     mesh = np.meshgrid(recompute, zero, wo, go, oo, ao, indexing="ij")
     options = {k: m.ravel().astype(np.float64) for k, m in zip(OPTION_KEYS, mesh)}
-    keep = allowed_stage_options(caps, layers, pipeline, **options)
+    keep = allowed_stage_options(caps, layers, pipeline, **options, target=target)
     return {k: v[keep] for k, v in options.items()}
 
 
 def tuner_executor(tuner: TunerSpec) -> str:
-    """The runtime plans must run on: the tuner's, else the best built one checked on GPUs (mist once
-    its overlap schedule has run on a GPU, DeepSpeed's stock engines until then)."""
+    """The runtime plans must run on: the tuner's, else the best built one checked on GPUs that the tuner's target
+    runs (mist once its overlap schedule has run on a GPU, DeepSpeed's stock engines until then; a target building
+    its own engine, DeepSpeed's)."""
     from mist_ds.specs import EXECUTORS
     from mist_ds.specs.executors import DEFAULT_EXECUTOR_PREFERENCE
 
     if tuner.runtime is not None:
         return tuner.runtime
-    return next(name for name in DEFAULT_EXECUTOR_PREFERENCE
-                if EXECUTORS[name].built and EXECUTORS[name].checked_on_gpu)
+    return next(name for name in DEFAULT_EXECUTOR_PREFERENCE if EXECUTORS[name].built and
+                EXECUTORS[name].checked_on_gpu and executor_allowed(tuner.target_row, EXECUTORS[name]))
