@@ -14,7 +14,7 @@ import platform
 import subprocess
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from scipy.stats import spearmanr
@@ -229,3 +229,29 @@ def results_header(title: str, command: str, data: str, *, machine: str | None =
                       f"Machine: {machine or machine_description()}  ",
                       f"Load: {load or 'load average ' + load_average() + ' (1, 5, 15 minutes) as the run started'}  ",
                       f"Data: {data}", ""])
+
+
+def soak_footer(failed: dict[str, list[str]], cases: dict[str, Sequence[str]]) -> str:
+    """A soak's end: each case's distinct failure lines (crashes, mismatches), if any, then the cases' overrides."""
+    lines = [f"- {name}: {line}" for name, found in failed.items() for line in dict.fromkeys(found)]
+    failures = "\nWhat failed (distinct lines):\n\n" + "\n".join(lines) + "\n" if lines else ""
+    listed = "; ".join(f"{name}: {' '.join(overrides)}" for name, overrides in cases.items())
+    return failures + f"\nCases: {listed}."
+
+
+@dataclasses.dataclass
+class SoakTally:
+    """One soak case's launches: what failed how (seconds per launch)."""
+
+    launches: int = 0
+    crashes: list[str] = dataclasses.field(default_factory=list)
+    hangs: int = 0
+    mismatches: list[str] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+
+
+def table_text(header: list[str], rows: list[list]) -> str:
+    """A markdown table: the header, its rule, one line per row (cells as str() gives them)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+

@@ -25,13 +25,12 @@ reduction's buckets in the last backward) are reported per case.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import statistics
 import sys
 import time
 
-from benchmarks.common import results_header, run_start
+from benchmarks.common import results_header, run_start, SoakTally, soak_footer, table_text
 from benchmarks.cpu_constants import machine_text
 
 from mist_ds.config import compose
@@ -103,12 +102,7 @@ def features_ran(results: list[dict]) -> str:
 
 
 @dataclasses.dataclass
-class Tally:
-    launches: int = 0
-    crashes: list[str] = dataclasses.field(default_factory=list)
-    hangs: int = 0
-    mismatches: list[str] = dataclasses.field(default_factory=list)
-    seconds: list[float] = dataclasses.field(default_factory=list)
+class Tally(SoakTally):
     ran: str = ""
 
 
@@ -164,17 +158,13 @@ def main() -> None:
           f"steps, the peak-memory step, the step census and the model-state census, as `mist-ds measure` runs them.\n")
     print(f"**{total('launches')} launches: {total('crashes')} crashes, {total('hangs')} hangs, "
           f"{total('mismatches')} census mismatches.**\n")
-    print("| case | ranks | launches | crashes | hangs | census mismatches | median s | what ran (from the engines) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, t in tallies.items():
-        print(f"| {name} | {CASES[name][0]} | {t.launches} | {len(t.crashes)} | {t.hangs} | {len(t.mismatches)} | "
-              f"{statistics.median(t.seconds):.0f} | {t.ran or 'no launch finished'} |")
-    problems = [(name, line) for name, t in tallies.items() for line in collections.Counter(t.crashes + t.mismatches)]
-    if problems:
-        print("\nWhat failed (distinct lines):\n")
-        for name, line in problems:
-            print(f"- {name}: {line}")
-    print("\nCases: " + "; ".join(f"{name}: {' '.join(CASES[name][1])}" for name in tallies) + ".")
+    print(table_text(["case", "ranks", "launches", "crashes", "hangs", "census mismatches", "median s",
+                      "what ran (from the engines)"],
+                     [[name, CASES[name][0], t.launches, len(t.crashes), t.hangs, len(t.mismatches),
+                       f"{statistics.median(t.seconds):.0f}", t.ran or "no launch finished"]
+                      for name, t in tallies.items()]))
+    print(soak_footer({name: t.crashes + t.mismatches for name, t in tallies.items()},
+                      {name: CASES[name][1] for name in tallies}))
 
 
 if __name__ == "__main__":

@@ -51,10 +51,22 @@ def settings_file(settings: ScriptSettings, name: str) -> Path:
     return path
 
 
+PATH_FLAGS = ("--hostfile",)
+"""DeepSpeed launcher flags whose value is a file: made absolute, as the script is (cmd.txt runs from anywhere)."""
+
+
 def launch_command(launcher_args: Sequence[str], script: str, user_args: Sequence[str]) -> list[str]:
-    """The launcher command line, the script by its absolute path (cmd.txt runs from any directory)."""
+    """The launcher command line, the script and the hostfile by their absolute paths (cmd.txt runs from any
+    directory)."""
+    launcher = list(launcher_args)
+    for i, arg in enumerate(launcher):
+        name, equals, value = arg.partition("=")
+        if name in PATH_FLAGS and equals and Path(value).is_file():
+            launcher[i] = f"{name}={Path(value).resolve()}"
+        elif arg in PATH_FLAGS and i + 1 < len(launcher) and Path(launcher[i + 1]).is_file():
+            launcher[i + 1] = str(Path(launcher[i + 1]).resolve())
     path = Path(script)
-    return [*launcher_args, str(path.resolve()) if path.is_file() else script, *user_args]
+    return [*launcher, str(path.resolve()) if path.is_file() else script, *user_args]
 
 
 def launch_phase(command: Sequence[str], settings_path: Path, timeout_s: float | None = None,
@@ -249,6 +261,12 @@ def run_user_script(mode: str, plan: Path | None, command: Sequence[str], overri
                 return 1
             print(f"mist-deepspeed: verified: candidate {chosen.index} measured fastest ({chosen.measured_s:.4g} s "
                   f"per step): {plan_dir / 'verify.md'}", file=sys.stderr)
+    for candidate in sorted((plan_dir / CANDIDATES_DIR).glob("*/plan.json")):  # tuner.write_top_n, verify
+        index = candidate.parent.name
+        own = settings_file(ScriptSettings("run", str(run_dir), tuple(overrides), plan=str(candidate)),
+                            f"run.candidate{index}")
+        write_atomic(candidate.parent / "cmd.txt", command_file([f"{SETTINGS_ENV}={own}", "mist-deepspeed", *command],
+                                                                cpu_ranks))
     run_settings = settings_file(ScriptSettings("run", str(run_dir), tuple(overrides), plan=str(plan)), "run")
     line = write_command(command, run_settings, run_dir, cpu_ranks)
     print(f"mist-deepspeed: {line}", file=sys.stderr)

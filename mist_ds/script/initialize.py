@@ -18,6 +18,7 @@ rank; a model nothing fits, exit 3.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import logging
@@ -29,6 +30,7 @@ from mist_ds.script.apply import apply_recompute
 from mist_ds.script.planning import (hf_model_overrides, is_hf_causal_lm, pipeline_overrides, pipelines_held_because,
                                      plan_model)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
+from mist_ds.script.teardown import Teardown
 from mist_ds.script.user_config import UserConfig, merged_config, planner_overrides, read_user_config
 from mist_ds.specs.errors import ConfigError
 
@@ -61,6 +63,19 @@ def _agree(outcome: tuple[int, str | None] | None) -> tuple[int, str | None]:
     return box[0]
 
 
+def check_runs_in_script(strategy, field: str, source: str) -> None:
+    """A pp = 1 plan runs on the engine deepspeed.initialize builds from the config alone: its executor must run as
+    priced there (ExecutorCapabilities.runs_on_stock_engine); pipeline plans run on mist_ds's runtime, which builds
+    every executor's features."""
+    from mist_ds.specs.executors import capabilities_of
+
+    caps = capabilities_of(strategy.runtime)
+    if strategy.parallelism.pp == 1 and not caps.runs_on_stock_engine:
+        raise ConfigError(field, strategy.runtime, f"{source}: executor {caps.name}'s pp = 1 features need mist_ds's "
+                                                   "own engine, and your script gets DeepSpeed's: tune with "
+                                                   "tuner.runtime=deepspeed (or leave it out)")
+
+
 def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig,
                 deepspeed_args: dict[str, Any], pipeline: bool) -> None:
     """Rank 0 plans and writes the plan files; every rank exits with its outcome."""
@@ -77,9 +92,14 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
             overrides += pipeline_overrides(overrides, pipeline,
                                             pipelines_held_because(hf, client_optimizer, client_scheduler))
-            plan_model(overrides, None if hf else model, loss, settings.plan_dir, user)
+            planned = plan_model(overrides, None if hf else model, loss, settings.plan_dir, user)
+            from mist_ds.plan import load_plan
+
+            for path in (planned.plan_json, *planned.candidates):
+                check_runs_in_script(load_plan(path).strategy, "tuner.runtime", str(path))
             outcome = (0, None)
         except ConfigError as error:
+            (settings.plan_dir / "plan.json").unlink(missing_ok=True)  # no plan the launcher would train
             outcome = (EXIT_BAD_INPUT, f"error: {error}")
         except NoPlanFits as reason:
             outcome = (EXIT_NO_PLAN_FITS, f"no plan fits: {reason}")
@@ -93,7 +113,11 @@ def _handed_model_spec(plan, model: Any, loss: Callable | None, scratch: Path):
     from mist_ds.config import compose
 
     hf = is_hf_causal_lm(model)
-    overrides = [*plan.user_overrides, *(hf_model_overrides(model, scratch) if hf else [])]
+    if hf:
+        overrides = [*plan.user_overrides, *hf_model_overrides(model, scratch)]
+    else:  # the module handed over is the model: not what a plan tuned from a `model._target_` would build
+        overrides = [o for o in plan.user_overrides if o.lstrip("+").split("=")[0].split(".")[:2] not in
+                     (["model", "_target_"], ["model", "kwargs"])]
     return compose(overrides, with_strategy=False, module=None if hf else model, loss=loss).model
 
 
@@ -135,6 +159,7 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     scratch = Path(settings.run_dir) / "scratch" / f"rank{dist.get_rank()}"
     spec = check_plan_is_for(plan, plan_json, model, loss, scratch)
     strategy = plan.strategy
+    check_runs_in_script(strategy, "plan", str(plan_json))
     config, replaced = merged_config(user, plan_config, deepspeed_args["optimizer"] is not None)
     if replaced:
         log.info("mist_ds: the plan sets %s (your %s had other values)", ", ".join(replaced), user.source)
@@ -148,8 +173,10 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
              f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
     out = deepspeed.initialize(**{**deepspeed_args, "args": _without_config(deepspeed_args["args"])}, model=model,
                                config=config)
+    teardown = Teardown(out[0].destroy)
+    atexit.register(teardown)
     if settings.phase == "verify":
-        StepTimer(out[0], settings.num_warmup_steps, settings.num_steps, settings.report, pipelined=False)
+        StepTimer(out[0], settings.num_warmup_steps, settings.num_steps, settings.report, teardown, pipelined=False)
     return out
 
 
@@ -164,11 +191,14 @@ def _pipeline(settings: ScriptSettings, plan_json: Path, model: Any, spec: Any, 
     held = pipelines_held_because(is_hf_causal_lm(model), deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"])
     if held is not None:
         raise ConfigError("plan", str(plan_json), f"a pipeline plan (pp > 1), and {held}")
-    engine = run_plan(config, spec, module=model).engine
+    planned = run_plan(config, spec, module=model)
+    engine = planned.engine
     data = deepspeed_args["training_data"]
     loader = engine.deepspeed_io(data, collate_fn=deepspeed_args["collate_fn"]) if data is not None else None
+    teardown = Teardown(planned.close)
+    atexit.register(teardown)
     if settings.phase == "verify":
-        StepTimer(engine, settings.num_warmup_steps, settings.num_steps, settings.report, pipelined=True)
+        StepTimer(engine, settings.num_warmup_steps, settings.num_steps, settings.report, teardown, pipelined=True)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
 from mist_ds.files import write_atomic
 
@@ -42,8 +42,10 @@ class StepTimer:
     """Wraps the engine's step (or train_batch, for a pipeline) to time optimizer steps; ends the process after
     the last timed one."""
 
-    def __init__(self, engine: Any, num_warmup_steps: int, steps: int, report: str, pipelined: bool) -> None:
+    def __init__(self, engine: Any, num_warmup_steps: int, steps: int, report: str, teardown: Callable[[], None],
+                 pipelined: bool) -> None:
         self.engine, self.warmup, self.steps, self.report = engine, num_warmup_steps, steps, report
+        self.teardown = teardown
         self.done = 0
         self.started = 0.0
         name = "train_batch" if pipelined else "step"
@@ -82,6 +84,5 @@ class StepTimer:
             write_atomic(self.report, json.dumps({
                 "seconds_per_step": seconds, "steps": self.steps, "num_warmup_steps": self.warmup,
                 "peak_bytes": max(p[0] for p in peaks), "peak_measured_as": peaks[0][1]}, indent=1) + "\n")
-        dist.barrier()
-        dist.destroy_process_group()
+        self.teardown()  # every rank together, the engine before its process group
         raise SystemExit(0)

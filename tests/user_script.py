@@ -1,0 +1,119 @@
+"""A user's DeepSpeed script for tests/test_user_script.py: a model handed to `mist_ds.initialize` as a DeepSpeed user
+hands it to `deepspeed.initialize`, trained with the usual loop (engine(...), engine.backward, engine.step; or
+engine.train_batch with --pipeline). The model: an HF causal LM built from a config (--model_config, random
+weights, its own loss), or a plain nn.Module from a function (--module pkg.mod:make, logits out, the loop's own
+next-token cross entropy). With --census OUT it also counts, in the engine, what four steps did
+(mist_ds/observe/steps.py) and how often each block ran forward in the counted step (recompute runs a block's
+forward again in the backward), and rank 0 writes every rank's counts to OUT; otherwise rank 0 prints each step's
+loss.
+
+    mist-deepspeed --autotune-mist run --num_gpus 2 --mist model.seq_len=32 --mist cluster=cpu \
+        tests/user_script.py --model_config DIR [--census OUT.json] [--deepspeed --deepspeed_config CFG]
+"""
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import mist_ds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # --module tests.test_user_module:make_gpt
+
+
+def build_model(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if args.module:
+        module, _, function = args.module.partition(":")
+        return getattr(importlib.import_module(module), function)()
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config))
+
+
+def micro_batches(vocab: int, b: int, seq_len: int, count: int, seed: int) -> list[torch.Tensor]:
+    """`count` micro-batches of token ids (b, seq_len), the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (b, seq_len), generator=generator) for _ in range(count)]
+
+
+def count_block_forwards(model) -> list[int]:
+    """Per block (the model's longest ModuleList), the forward calls of its first submodule (recompute included: a
+    checkpointed block's own hooks fire once, its submodules' again on the replay)."""
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    counts = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        first = next(block.children())
+        first.register_forward_pre_hook(lambda module, args, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model_config", default=None)
+    parser.add_argument("--module", default=None, help="pkg.mod:function building a plain nn.Module")
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--census", default=None)
+    parser.add_argument("--pipeline", action="store_true", help="step with engine.train_batch (pp > 1 may be planned)")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    model = build_model(args)
+    vocab = model.config.vocab_size if args.model_config else model.lm_head.out_features
+    forwards = count_block_forwards(model)
+    engine, _, _, _ = mist_ds.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                         pipeline=args.pipeline)
+    dp_rank, _ = mist_ds.data_parallel(engine)
+    b, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+
+    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+        if args.model_config:
+            return engine(input_ids=tokens, labels=tokens).loss
+        logits = engine(tokens)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+    def step(seed: int) -> float:
+        batches = micro_batches(vocab, b, args.seq_len, accum, seed + dp_rank)
+        if args.pipeline:
+            return float(engine.train_batch(iter([(tokens, tokens) for tokens in batches])))
+        total = 0.0
+        for tokens in batches:
+            loss = loss_of(tokens)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        return total / accum
+
+    if args.census is None:
+        for seed in range(3):
+            loss = step(seed)
+            if torch.distributed.get_rank() == 0:
+                print(f"loss {loss!r}", flush=True)
+        return
+    from mist_ds.observe.steps import census_of_steps
+    from mist_ds.plan import load_plan
+    from mist_ds.script.settings import settings_from_environment
+
+    par = load_plan(settings_from_environment().plan).strategy.parallelism
+    counted_step = []
+
+    def observed(seed: int) -> float:
+        forwards[:] = [0] * len(forwards)
+        loss = step(seed)
+        counted_step[:] = list(forwards)
+        return loss
+
+    result = census_of_steps(engine, par, observed, args.model_config or args.module)
+    result["block_forwards"] = counted_step
+    results = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(results, result)
+    if torch.distributed.get_rank() == 0:
+        Path(args.census).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
