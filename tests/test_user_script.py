@@ -80,11 +80,13 @@ def given_plan(folder: Path, out: Path, *strategy: str) -> dict:
     return write_given_plan(["model=hf", f"model.name_or_path={folder}", *PLANNED, *strategy], out)
 
 
-CENSUS_CASES = {  # name -> strategy: pp 1 plans the user's script runs on DeepSpeed's own engine
-    "zero2-recompute": ("strategy.zero_stage=2", "strategy.ckpt_layers=1", "strategy.micro_batch_size=1"),
-    "autotp2": ("strategy.tp=2", "strategy.zero_stage=1", "strategy.micro_batch_size=2"),
-    "zero3-offload": ("strategy.zero_stage=3", "strategy.offload.weights=1", "strategy.offload.optimizer=1",
-                      "strategy.offload.grads=1", "strategy.micro_batch_size=2"),
+CENSUS_CASES = {  # name -> (model, strategy): pp 1 plans the user's script runs on DeepSpeed's own engine
+    "zero2-recompute": ("llama", ("strategy.zero_stage=2", "strategy.ckpt_layers=1", "strategy.micro_batch_size=1")),
+    "autotp2": ("llama", ("strategy.tp=2", "strategy.zero_stage=1", "strategy.micro_batch_size=2")),
+    "zero3-offload": ("llama", ("strategy.zero_stage=3", "strategy.offload.weights=1", "strategy.offload.optimizer=1",
+                                "strategy.offload.grads=1", "strategy.micro_batch_size=2")),
+    "gpt2-zero1-recompute": ("gpt2", ("strategy.zero_stage=1", "strategy.ckpt_layers=1",
+                                      "strategy.micro_batch_size=1")),
 }
 
 
@@ -92,15 +94,17 @@ CENSUS_CASES = {  # name -> strategy: pp 1 plans the user's script runs on DeepS
 @pytest.mark.parametrize("name", list(CENSUS_CASES))
 def test_the_users_script_runs_the_plan_as_priced(configs, tmp_path, name):
     """A tiny HF Llama trained by the user's script with a given plan (--plan): ZeRO-2 recomputing the last of its 4
-    blocks, AutoTP t = 2 (DeepSpeed's engine shards it), ZeRO-3 with weights and optimizer states on the host. In the
+    blocks, AutoTP t = 2 (DeepSpeed's engine shards it), ZeRO-3 with weights and optimizer states on the host; a tiny
+    GPT-2 (tied embeddings) at ZeRO-1 recomputing the last of its 2 blocks. In the
     engine, while the user's loop runs: the FLOPs and bytes of every collective of a step, the model states at their
     peaks, and the blocks that ran forward twice per micro-batch equal the plan's."""
     from mist_ds.testing.given_plan import script_census_mismatches
 
-    planned = given_plan(configs["llama"], tmp_path / "plan", *CENSUS_CASES[name])
+    model, strategy = CENSUS_CASES[name]
+    planned = given_plan(configs[model], tmp_path / "plan", *strategy)
     census = tmp_path / "census.json"
     done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
-                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--census", str(census)],
+                           str(USER_SCRIPT), "--model_config", str(configs[model]), "--census", str(census)],
                           tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     mismatches = script_census_mismatches(planned, json.loads(census.read_text()), name)

@@ -243,8 +243,9 @@ def run_user_script(mode: str, plan: Path | None, command: Sequence[str], overri
     base = ScriptSettings("plan", str(run_dir), tuple(overrides))
     plan_dir = run_dir / PLAN_DIR
     if plan is None:
-        for stale in ("plan.json", "verify.md", "verify.csv"):
+        for stale in ("plan.json", "verify.md", "verify.csv"):  # a run dir used before: nothing of that run's
             (plan_dir / stale).unlink(missing_ok=True)
+        shutil.rmtree(plan_dir / CANDIDATES_DIR, ignore_errors=True)
         code, _ = launch_phase(command, settings_file(base, "plan"))
         if code != 0:
             return code
