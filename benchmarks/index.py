@@ -67,6 +67,9 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                      ("within 3%", r"^Summary, SC'21 features: .*within 3% (\d+)")),
     "soak.md": (("launches", r"^\*\*(\d+) launches"), ("crashes", r"(\d+) crashes"), ("hangs", r"(\d+) hangs"),
                 ("census mismatches", r"(\d+) census mismatches\.\*\*")),
+    "soak_script.md": (("launches", r"^\*\*(\d+) launches"), ("crashes", r"(\d+) crashes"),
+                       ("census mismatches", r"(\d+) census mismatches"),
+                       ("changed losses", r"(\d+) launches with changed losses")),
     "sweep_pictures.md": (("sweep", r"^## Sweep: (\d+ jobs, status \d+)"),),
     "symbolic_trace.md": (("worst cold s", r"Worst cold ([\d.]+) s"), ("worst cached s", r"worst cached ([\d.]+) s")),
     "tune_speed.md": (("1t search s, deepspeed", r"^\| 1t \| deepspeed \| [\d.]+ \| ([\d.]+)"),
@@ -82,7 +85,7 @@ README_BEGIN = "<!-- results table: written by `python -m benchmarks.index --rea
 README_END = "<!-- end of the results table -->"
 README_FILES = ("vtrain.md", "megatron_sc21.md", "nccl_rails.md", "mist_l4.md", "model_states.md", "measure_cpu.md",
                 "interference_fit.md", "mist_runtime.md", "cost_speed.md", "tune_speed.md", "plan_quality.md",
-                "sc21_tune.md", "hf_tune.md", "soak.md")
+                "sc21_tune.md", "hf_tune.md", "soak.md", "soak_script.md")
 """The README's rows: the accuracy files and the speeds a user asks about first; the index lists every file."""
 
 
