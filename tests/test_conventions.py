@@ -28,6 +28,7 @@ COUNTS = {
     "activations_offload", "weights", "grads", "optimizer", "activations", "offload", "layers_per_stage",
     "micro_batch_sizes",
     "top_n",  # runner-up plans kept (the issue names the field tuner.top_n)
+    "rerank_top_n",  # points re-ranked by the event simulation (like top_n, a count of plans)
     "verify_top_n",  # plans run briefly before the plan is chosen (the issue names the field tuner.verify_top_n)
     "verify_num_steps", "verify_num_warmup_steps",  # counts of the tuner.verify_* group (its prefix comes first)
 }

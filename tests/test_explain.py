@@ -90,3 +90,21 @@ def test_cli_explains_a_plan_file_and_refuses_bad_ones(tmp_path):
     for name, field in (("bad.json", "plan.runner_ups[0]"), ("broken.json", "plan="), ("missing.json", "plan=")):
         refused = run_cli("explain", f"plan={name}", cwd=tmp_path)
         assert refused.returncode == 2 and field in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_explain_agrees_with_a_plan_re_ranked_by_simulation():
+    """The closed form and the simulation order this case's best points differently (tests/test_tuner.py,
+    DISAGREE): the re-tuned plan is the plan, no runner-up of the re-ranked ones is faster, and a runner-up the
+    closed form placed that simulates faster is said to lie outside the re-ranked points."""
+    from mist_ds.report.explain import _loss_text
+    from tests.test_tuner import DISAGREE
+
+    plan = mist_ds.tune(DISAGREE)
+    assert plan.search["ranked_by"] == "simulation" and plan.search["closed_form_rank"] > 1
+    facts = explain_facts(mist_ds.compose(plan.overrides()), plan)
+    assert facts["iteration_time_s"] == plan.iteration_time_s == facts["retuned_iteration_time_s"]
+    assert all(r["iteration_time_s"] >= plan.iteration_time_s and r["ranked_by"] == "simulation"
+               for r in facts["runner_ups"])
+    assert "note:" not in render_explain(facts)
+    faster = {"iteration_time_s": 1.0, "ranked_by": "closed_form", "more_s": {}, "lost_on": "compute_s"}
+    assert "outside the points tuner.rerank_top_n re-ranks" in _loss_text(faster, 2.0)

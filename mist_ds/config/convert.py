@@ -147,8 +147,8 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      optimizer_offload_ratios=tuple(cfg.optimizer_offload_ratios),
                      activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
                      partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid,
-                     top_n=cfg.top_n, verify=verify_spec(cfg), pipeline_script=cfg.pipeline_script,
-                     target=cfg.target)
+                     top_n=cfg.top_n, rerank_top_n=cfg.rerank_top_n, verify=verify_spec(cfg),
+                     pipeline_script=cfg.pipeline_script, target=cfg.target)
 
 
 def verify_spec(cfg: TunerConfig) -> VerifySpec:

@@ -141,6 +141,8 @@ class TunerConfig:
     host_memory: str = "per-gpu"  # per-gpu: a GPU's offloads within its node share | per-node: a node's ranks share it
     grid: str = "default"  # default: the *_offload_ratios lists | mist: Mist's grids (wo, go 6 values; oo, ao 8)
     top_n: int = 3  # runner-up plans in plan.json and summary.md: the best of the next-best layouts; 0 = none
+    rerank_top_n: int = 4  # the best N points by the closed form, re-ranked by the event simulation (what predict
+    #                        prints): the plan is the fastest of them; 1 = the closed form's best, no re-ranking
     verify_top_n: int = 0  # your script: run the best N plans of distinct layouts briefly, keep the measured fastest
     verify_num_steps: int = 3  # verify: optimizer steps timed per candidate, after the untimed warm-up steps
     verify_num_warmup_steps: int = 1  # verify: untimed optimizer steps first (allocation, first-step setup)

@@ -35,6 +35,7 @@ from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.strategy import StrategyRequest, degrees_text, resolve_strategy, strategy_from_dict
 from mist_ds.tuner import NoPlanFits, tune_specs
+from mist_ds.tuner.rerank import CLOSED_FORM
 from mist_ds.tuner.runner_ups import strategy_differences
 
 TIME_PARTS = ("compute_s", "recompute_s", "exposed_comm_s", "exposed_host_s", "bubble_s", "imbalance_s", "optimizer_s")
@@ -200,6 +201,7 @@ def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], 
     mean = mean_breakdown(time_breakdown(runner_specs, prediction))
     more = {k: mean[k] - plan_mean[k] for k in TIME_PARTS}
     return {"rank": entry.get("rank"), "iteration_time_s": prediction.iteration_time_s,
+            "ranked_by": entry.get("ranked_by", CLOSED_FORM),
             "differs": strategy_differences(plan_strategy.to_dict(), strategy.to_dict()),
             "more_s": more, "lost_on": max(TIME_PARTS, key=lambda k: more[k])}
 
@@ -237,10 +239,15 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
 def _loss_text(runner_up: dict[str, Any], plan_s: float) -> str:
     """Where a runner-up spends more than the plan, parts shown to the millisecond."""
     time_s = runner_up["iteration_time_s"]
-    if time_s < plan_s:  # the tuner ranks by the closed form, predict by the event simulation
-        return "faster by the event simulation; ranked after the plan by the tuner's closed-form objective"
+    if time_s < plan_s:
+        # The tuner re-ranks only its best points by the simulation (tuner.rerank_top_n); a plan file's runner-up
+        # outside them, or one from before re-ranking, was placed by the closed form; any other was priced otherwise.
+        if runner_up["ranked_by"] == CLOSED_FORM:
+            return ("faster by the event simulation; placed after the plan by the tuner's closed-form objective, "
+                    "outside the points tuner.rerank_top_n re-ranks by simulation")
+        return "faster by the event simulation now than when the plan was tuned (re-priced: re-tune the plan)"
     if time_s == plan_s:
-        return "ties with the plan (ranked after it in the search's order)"
+        return "ties with the plan (placed after it by the closed-form objective, then the search's order)"
     shown = sorted(((v, k) for k, v in runner_up["more_s"].items() if abs(v) >= 5e-4), reverse=True)
     parts = ", ".join(f"{PART_WORDS[k]} {v:+.3f}" for v, k in shown)
     return f"lost on {PART_WORDS[runner_up['lost_on']]} ({parts})"

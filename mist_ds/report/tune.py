@@ -15,15 +15,17 @@ from mist_ds.specs import Specs
 from mist_ds.specs.strategy import layout_text, strategy_from_dict
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import ExecutorCapabilities
-from mist_ds.tuner import TuneResult
+from mist_ds.tuner import Reranking, TuneResult
+from mist_ds.tuner.rerank import CLOSED_FORM, SIMULATION
 from mist_ds.tuner.runner_ups import runner_up_record
 from mist_ds.tuner.search import SearchResult
 
 
-def search_summary(result: SearchResult) -> dict[str, Any]:
-    """plan.json's `search`: what the search priced and how close to optimal it proved the plan."""
+def search_summary(result: SearchResult, ranking: Reranking | None = None) -> dict[str, Any]:
+    """plan.json's `search`: what the search priced, how close to optimal it proved the plan, and which number
+    chose it among the best points (`ranking`; docs/design.md, Tuner, Re-ranking by simulation). Seconds."""
     best = result.best
-    return {
+    summary = {
         "space": result.space, "runtime": result.runtime, "seconds": result.seconds,
         "points_priced": len(result.points), "points_pruned": len(result.pruned),
         "candidates_evaluated": result.candidates,
@@ -31,18 +33,28 @@ def search_summary(result: SearchResult) -> dict[str, Any]:
         "gap": best.gap if best else None, "solver": best.solver if best else None,
         "max_gap": max((p.gap for p in result.points if p.objective_s is not None), default=0.0),
     }
+    if ranking is not None:
+        summary |= {"ranked_by": ranking.ranked_by, "points_simulated": ranking.simulated,
+                    "closed_form_rank": ranking.plan.closed_form_rank}
+    return summary
 
 
 def plan_from_result(result: TuneResult, user_overrides: Sequence[str]) -> Plan:
     baselines = [{"space": b.space, "iteration_time_s": b.prediction.iteration_time_s if b.prediction else None,
                   "speedup": b.speedup, "strategy": b.prediction.strategy if b.prediction else None,
-                  "search": search_summary(b.search)} for b in result.baselines]
+                  "search": search_summary(b.search, b.ranking)} for b in result.baselines]
     plan_time = result.prediction.iteration_time_s
-    runner_ups = [runner_up_record(rank, result.strategy, plan_time, point.strategy, prediction.iteration_time_s,
-                                   point.objective_s)
-                  for rank, (point, prediction) in enumerate(result.runner_ups, start=1)]
+    # Each runner-up says which number placed it: the simulation among the re-ranked points, else the closed form.
+    placed = {(r.result.point, r.result.variant): r for r in (result.ranking.runner_ups if result.ranking else ())}
+    runner_ups = []
+    for rank, (point, prediction) in enumerate(result.runner_ups, start=1):
+        how = placed.get((point.point, point.variant))
+        ranked_by, closed_form_rank = (how.ranked_by, how.closed_form_rank) if how else (CLOSED_FORM, None)
+        runner_ups.append(runner_up_record(rank, result.strategy, plan_time, point.strategy,
+                                           prediction.iteration_time_s, point.objective_s, ranked_by, closed_form_rank))
     return Plan(user_overrides=list(user_overrides), strategy=result.strategy,
-                prediction=result.prediction.to_dict(), search=search_summary(result.search), baselines=baselines,
+                prediction=result.prediction.to_dict(), search=search_summary(result.search, result.ranking),
+                baselines=baselines,
                 runner_ups=runner_ups, model_source=model_source_of(result.specs.model))
 
 
@@ -69,6 +81,7 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
         f"- search: {search['points_priced']} global points priced, {search['points_pruned']} pruned by their "
         f"lower bound, {search['candidates_evaluated']:,} stage candidates, {search['seconds']:.2f} s, "
         f"largest optimality gap {search['max_gap']:.2%}",
+        *_ranking_lines(search),
         *_target_lines(specs),
         "",
         "| stage | layers | recomputed | ZeRO | offload w / g / o / a | stable s | delta s | peak GiB | margin GiB |",
@@ -94,6 +107,18 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
     lines += runner_up_lines(plan.runner_ups)
     lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
     return "\n".join(lines) + "\n"
+
+
+def _ranking_lines(search: dict) -> list[str]:
+    """Which number chose the plan (plan.json's search record; none in a plan written before re-ranking)."""
+    if search.get("ranked_by") is None:
+        return []
+    if search["ranked_by"] == CLOSED_FORM:
+        return [f"- ranked by the closed form (objective {search['objective_s']:.3f} s; tuner.rerank_top_n=1)"]
+    rank = search["closed_form_rank"]
+    where = "its best too" if rank == 1 else f"its #{rank}"
+    return [f"- ranked by the simulated iteration (the number above) among the {search['points_simulated']} best "
+            f"points by the closed form ({where}; objective {search['objective_s']:.3f} s)"]
 
 
 def _target_lines(specs: Specs) -> list[str]:
@@ -123,11 +148,20 @@ def runner_up_lines(runner_ups: list[dict]) -> list[str]:
     """summary.md's runner-up table (empty when there is none)."""
     if not runner_ups:
         return []
-    lines = ["", "| runner-up | iteration s | slower by | how it differs from the plan |", "|---|---|---|---|"]
+    lines = ["", "| runner-up | iteration s | slower by | how it differs from the plan | ranked by |",
+             "|---|---|---|---|---|"]
     for r in runner_ups:
         lines.append(f"| {r['rank']} | {r['iteration_time_s']:.3f} | {r['slower_by']:.1%} | "
-                     f"{differences_text(r['differs']) or 'the same strategy'} |")
+                     f"{differences_text(r['differs']) or 'the same strategy'} | {_ranked_text(r)} |")
     return lines
+
+
+def _ranked_text(runner_up: dict) -> str:
+    """Which number placed a runner-up; a plan written before re-ranking was ranked by the closed form."""
+    if runner_up.get("ranked_by") == SIMULATION:
+        return "simulation"
+    rank = runner_up.get("closed_form_rank")
+    return "closed form" + (f" (#{rank})" if rank else "")
 
 
 def _interleaving(strategy: dict) -> str:

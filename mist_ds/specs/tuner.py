@@ -78,6 +78,10 @@ class TunerSpec:
     """default: the *_offload_ratios lists; mist: Mist's grids (MIST_OFFLOAD_RATIOS) in their place."""
     top_n: int = 3
     """Runner-up plans kept beside the plan (the best plans of the next-best global points); 0 = none."""
+    rerank_top_n: int = 4
+    """The best points by the closed-form objective that the event simulation (what `predict` reports) re-ranks:
+    the plan is the fastest of them by simulation (docs/design.md, Tuner, Re-ranking by simulation); 1 = the closed
+    form's best, no re-ranking."""
     pipeline_script: bool = False
     """The plan runs in a user's script whose loop steps with engine.train_batch (mist_ds.initialize(...,
     pipeline=True)): a Hugging Face model may be cut into pipeline stages (mist_ds.runtime runs them); otherwise a
@@ -111,6 +115,10 @@ class TunerSpec:
                 "tuner.partition_solver=auto or milp with tuner.host_memory=per-node, or tuner.host_memory=per-gpu")
         require(isinstance(self.top_n, int) and self.top_n >= 0, "tuner.top_n", self.top_n,
                 "give a whole number >= 0 of runner-up plans (0: none)")
+        require(isinstance(self.rerank_top_n, int) and not isinstance(self.rerank_top_n, bool)
+                and self.rerank_top_n >= 1, "tuner.rerank_top_n", self.rerank_top_n,
+                "give a whole number >= 1 of the best points by the closed form to re-rank by the event simulation "
+                "(1: the closed form's best, no re-ranking)")
         target_capabilities(self.target)
         require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
         for kind in OFFLOAD_KINDS:

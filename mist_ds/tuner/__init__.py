@@ -5,7 +5,8 @@
 Hierarchical (docs/design.md, Tuner): global points (space.py) in lower-bound order (search.py), per point the
 intra-stage Pareto fronts (intra.py) and the exact inter-stage partition (partition.py: the choice of solver;
 partition_dp.py: the DP; milp.py: the MILP, which also couples the host memory of stages sharing a node, loaded
-only when asked for; partition_model.py: what they share).
+only when asked for; partition_model.py: what they share); then the best points re-ranked by the event simulation
+(rerank.py), so the plan is the best by the number `predict` prints.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from mist_ds.specs import ExecutorCapabilities, Specs
 from mist_ds.specs.strategy import degrees_text
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
-from mist_ds.tuner.runner_ups import runner_ups
+from mist_ds.tuner.rerank import Reranking, rank_by_simulation
 from mist_ds.tuner.search import PointResult, SearchResult, search
 from mist_ds.tuner.space import tuner_executor
 
@@ -38,6 +39,8 @@ class Baseline:
     search: SearchResult
     speedup: float | None
     """Baseline iteration time / the plan's (> 1: the plan is faster); None when nothing of it fits."""
+    ranking: Reranking | None = None
+    """How the space's best was chosen (re-ranked by simulation like the plan); None when nothing of it fits."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class TuneResult:
     """The runtime the plan was tuned for (the one its files and predictions are for)."""
     runner_ups: tuple[tuple[PointResult, Prediction], ...] = ()
     """The best plans of the next-best global points (tuner.top_n), fastest first, each with its prediction."""
+    ranking: Reranking | None = None
+    """How the plan and the runner-ups were ranked (rerank.py): the search's best points re-ranked by the event
+    simulation (tuner.rerank_top_n). `search.best` is the plan's point."""
 
     @property
     def strategy(self):
@@ -109,6 +115,15 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: Executor
             f"{parts['activations'] / GIB:.2f} GiB). What would fit: " + "; ".join(fixes) + ".")
 
 
+def best_by_simulation(specs: Specs, result: SearchResult, costs, hw, caps: ExecutorCapabilities, top_n: int,
+                       cache_dir: Path | None = None) -> tuple[SearchResult, Reranking]:
+    """(`result` with its best replaced by the fastest by simulation of its tuner.rerank_top_n best points, how they
+    ranked); `top_n` runner-ups ranked too. The search's statistics stay the search's."""
+    ranking = rank_by_simulation(specs, result, caps, lambda strategy: _predict(specs, strategy, costs, hw, caps),
+                                 specs.tuner.rerank_top_n, top_n, cache_dir)
+    return dataclasses.replace(result, best=ranking.plan.result), ranking
+
+
 def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | None = None,
                baselines: bool | None = None, caps: ExecutorCapabilities | None = None) -> TuneResult:
     """The best plan of specs.tuner.space on `caps` (default: the tuner's runtime); the megatron,
@@ -121,20 +136,24 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
     if result.best is None:
         raise NoPlanFits(explain_no_fit(specs, result, costs, hw, runtime))
-    prediction = _predict(specs, result.best.strategy, costs, hw, runtime)
-    others = tuple((r.result, _predict(specs, r.strategy, costs, hw, runtime))
-                   for r in runner_ups(specs, result, runtime, specs.tuner.top_n, cache_dir))
+    result, ranking = best_by_simulation(specs, result, costs, hw, runtime, specs.tuner.top_n, cache_dir)
+    prediction = ranking.plan.prediction
+    others = tuple((r.result, r.prediction) for r in ranking.runner_ups)
     compare = specs.tuner.compare_baselines if baselines is None else baselines
     found = []
     for space in (BASELINE_SPACES if compare else ()):
         if space == result.space:
             continue
         other = search(specs, space=space, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
-        other_prediction = _predict(specs, other.best.strategy, costs, hw, runtime) if other.best else None
+        other_ranking = None
+        if other.best is not None:  # the space's best by the same number as the plan's, for a fair speedup
+            other, other_ranking = best_by_simulation(specs, other, costs, hw, runtime, 0, cache_dir)
+        other_prediction = other_ranking.plan.prediction if other_ranking else None
         speedup = other_prediction.iteration_time_s / prediction.iteration_time_s if other_prediction else None
-        found.append(Baseline(space, other_prediction, other, speedup))
+        found.append(Baseline(space, other_prediction, other, speedup, other_ranking))
     return TuneResult(specs=specs, prediction=prediction, search=result, baselines=tuple(found), caps=runtime,
-                      runner_ups=others)
+                      runner_ups=others, ranking=ranking)
 
 
-__all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "TuneResult", "explain_no_fit", "tune_specs"]
+__all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "Reranking", "TuneResult", "best_by_simulation",
+           "explain_no_fit", "tune_specs"]

@@ -36,7 +36,8 @@ def _rank_key(r: PointResult):
 
 def runner_ups(specs: Specs, result: SearchResult, caps: ExecutorCapabilities, count: int,
                cache_dir: Path | None = None) -> tuple[RunnerUp, ...]:
-    """The `count` best plans of other global points than the plan's, fastest first (by objective)."""
+    """The `count` best plans of other global points than the plan's, fastest first by the closed-form objective
+    (rerank.py then orders the best of them by simulation)."""
     if count <= 0 or result.best is None:
         return ()
     best = (result.best.point, result.best.variant)
@@ -70,12 +71,16 @@ def strategy_differences(plan: dict[str, Any], other: dict[str, Any]) -> dict[st
 
 
 def runner_up_record(rank: int, plan_strategy: StrategySpec, plan_time_s: float, runner_up: StrategySpec,
-                     iteration_time_s: float, objective_s: float) -> dict[str, Any]:
-    """plan.json's entry of one runner-up (seconds)."""
+                     iteration_time_s: float, objective_s: float, ranked_by: str = "closed_form",
+                     closed_form_rank: int | None = None) -> dict[str, Any]:
+    """plan.json's entry of one runner-up (seconds): iteration_time_s is the event simulation's, objective_s the
+    closed form's; ranked_by names the one that placed it ("simulation": among the tuner.rerank_top_n points
+    re-ranked by it, "closed_form": after them), closed_form_rank its place by the closed form (1: the search's
+    best)."""
     mine, theirs = plan_strategy.to_dict(), runner_up.to_dict()
     return {"rank": rank, "iteration_time_s": float(iteration_time_s), "objective_s": float(objective_s),
-            "slower_by": iteration_time_s / plan_time_s - 1.0,
-            "differs": strategy_differences(mine, theirs), "strategy": theirs}
+            "slower_by": iteration_time_s / plan_time_s - 1.0, "ranked_by": ranked_by,
+            "closed_form_rank": closed_form_rank, "differs": strategy_differences(mine, theirs), "strategy": theirs}
 
 
 __all__ = ["RunnerUp", "runner_up_record", "runner_ups", "strategy_differences"]
