@@ -115,7 +115,7 @@ class StrategyConfig:
     ckpt_layers: Any = "none"  # recomputed blocks per stage (the last ones): full | none | count | list
     zero_stage: Any = 0  # ZeRO stage 0-3: one value or one per stage
     offload: OffloadConfig = field(default_factory=OffloadConfig)
-    schedule: str = "1f1b"  # 1f1b | mist (overlap-centric) | interleaved (Megatron's, with virtual_stages)
+    schedule: str = "1f1b"  # 1f1b | mist (1F1B's order) | interleaved (Megatron's) | zb-h1
     virtual_stages: int = 1  # model chunks per stage for the interleaved schedule (1 otherwise)
     allow_cross_node_tp: bool = False  # permit tp > gpus_per_node (TP traffic over the network)
 

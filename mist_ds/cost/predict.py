@@ -1,7 +1,7 @@
 """Predict one strategy: iteration time, throughput, MFU, per-stage time and memory, fit."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,8 @@ from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.layer_time import profile_sources
+from mist_ds.cost.executors.zero_bubble import (SplitSpan, deferred_weight_bytes, pipeline_bubble_s, simulate_split,
+                                                stage_weight_gradient_s)
 from mist_ds.cost.simulate import Span, simulate, simulate_interleaved
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
 from mist_ds.cost.stage import StageTimes, stage_times, tail_s
@@ -19,6 +21,7 @@ from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import ExecutorCapabilities, Specs, StrategySpec, check_executor
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.cluster import GIB
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.placement import node_host_bytes
 from mist_ds.symbolic import analyze_model
 
@@ -91,7 +94,7 @@ class SimulatedIteration:
     """One iteration as the event simulator runs it (seconds from its start): what the timeline picture
     draws (report/pictures.py) and where predict's iteration time comes from."""
 
-    spans: list[Span]
+    spans: list[Span] | list[SplitSpan]
     """Every forward and backward instruction per stage; a stage's last backward includes its extra
     (the span ends when the stage is free), a stage's first forward starts after its extra."""
     first_fwd_extra_s: list[float]
@@ -111,12 +114,18 @@ class SimulatedIteration:
     """The iteration's tail after the last backward (cost/stage.py tail_s): the latest end work plus the sync."""
 
 
-def _simulated_iteration(specs: Specs, hw: HardwareModel, times: StageTimes) -> SimulatedIteration:
-    """Run the event simulator on specs.strategy's stage times, its tail from cost/stage.py's tail_s."""
+def _simulated_iteration(specs: Specs, hw: HardwareModel, times: StageTimes,
+                         weight_grad_s: np.ndarray | None = None) -> SimulatedIteration:
+    """Run the event simulator on specs.strategy's stage times, its tail from cost/stage.py's tail_s;
+    `weight_grad_s`: per stage, the W of a schedule that splits the backward (seconds per micro-batch)."""
     par = specs.strategy.parallelism
     micro_batches, chunks = par.grad_accum, specs.strategy.virtual_stages
     tail = float(tail_s(hw, specs.train, np.max(times.end_s), par.num_gpus))
-    if chunks > 1:
+    if specs.strategy.schedule in SPLIT_SCHEDULES:
+        simulated, spans = simulate_split(times.fwd_s, times.bwd_s - weight_grad_s, weight_grad_s,
+                                          times.first_fwd_extra_s, times.last_bwd_extra_s, micro_batches,
+                                          end_s=list(times.end_s))
+    elif chunks > 1:
         # Interleaving runs on Megatron-LM only, which has no first / last micro-batch extras.
         assert not np.any(times.delta_s), "interleaved schedule with micro-batch extras"
         simulated, spans = simulate_interleaved(times.fwd_s, times.bwd_s, micro_batches, chunks,
@@ -140,7 +149,13 @@ def simulate_iteration(specs: Specs, caps: ExecutorCapabilities | None = None,
     costs, hw = model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision)
     caps = checked_caps(specs, caps)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
-    return _simulated_iteration(specs, hw, stage_times(costs, hw, caps, specs.train, c))
+    return _simulated_iteration(specs, hw, stage_times(costs, hw, caps, specs.train, c),
+                                _weight_grad_s(specs, costs, hw, c))
+
+
+def _weight_grad_s(specs: Specs, costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarray | None:
+    """Per stage, W's seconds per micro-batch where the schedule splits the backward (else None)."""
+    return stage_weight_gradient_s(costs, hw, c) if specs.strategy.schedule in SPLIT_SCHEDULES else None
 
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
@@ -182,7 +197,10 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
     par = strategy.parallelism
     world = par.num_gpus
     chunks = strategy.virtual_stages
-    simulation = _simulated_iteration(specs, hw, times)
+    if strategy.schedule in SPLIT_SCHEDULES:  # deferred W's keep their operands (cost/executors/zero_bubble.py)
+        held = deferred_weight_bytes(costs, hw, c, strategy.schedule)
+        memory = replace(memory, activations=memory.activations + held, peak_bytes=memory.peak_bytes + held)
+    simulation = _simulated_iteration(specs, hw, times, _weight_grad_s(specs, costs, hw, c))
     simulated, tail = simulation.iteration_time_s, simulation.tail_s
     closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))
     tokens = par.global_batch_size * specs.model.seq_len
@@ -206,7 +224,9 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         throughput_samples_per_s=par.global_batch_size / simulated, tokens_per_s=tokens / simulated,
         mfu=model_flops / (simulated * world * peak), hfu=(model_flops + recompute_flops) / (simulated * world * peak),
         stage_stable_s=[float(x) for x in times.stable_s], stage_delta_s=[float(x) for x in times.delta_s],
-        bubble_s=float(bubble_s(times.stable_s, chunks)), optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
+        bubble_s=(pipeline_bubble_s(simulation.spans, times.stable_s, par.grad_accum)
+                  if strategy.schedule in SPLIT_SCHEDULES else float(bubble_s(times.stable_s, chunks))),
+        optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
         fits=not warnings,
         host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.tp * par.dp,

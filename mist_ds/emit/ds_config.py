@@ -26,7 +26,8 @@ from mist_ds.specs import (EXECUTORS, ConfigError, ExecutorCapabilities, ModelSp
                            TrainSpec)
 from mist_ds.specs.buckets import BucketSizes, bucket_sizes
 from mist_ds.specs.executors import OverlapFeatures, capabilities_of
-from mist_ds.specs.executor_rules import check_executor, reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs.executor_rules import (check_executor, check_schedule_built, reduce_bucket_elements_of,
+                                         reduced_by_deepspeed_hooks)
 from mist_ds.specs.strategy import strategy_from_dict
 
 MIST_BLOCK_VERSION = 2
@@ -67,6 +68,7 @@ def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = 
                           f"plans for executor {caps.name} are priced, not run on DeepSpeed; use one of "
                           f"{', '.join(on_deepspeed)} [rule {rule}]", rule=rule)
     check_executor(strategy, caps)
+    check_schedule_built(strategy, caps)
 
 
 def precision_block(precision: str) -> dict[str, Any]:

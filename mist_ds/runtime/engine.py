@@ -39,7 +39,8 @@ from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
 from mist_ds.runtime.layers import BLOCK, LayerSource, PlannedLayer, ZooLayers
 from mist_ds.runtime.versions import check_deepspeed_version
-from mist_ds.specs import (ConfigError, ModelSpec, check_executor, executor_capabilities, grad_reduce_overlapped,
+from mist_ds.specs import (ConfigError, ModelSpec, check_executor, check_schedule_built, executor_capabilities,
+                           grad_reduce_overlapped,
                            weight_gather_overlapped)
 from mist_ds.specs.strategy import degrees_text
 
@@ -238,6 +239,7 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module:
         raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
     check_executor(strategy, caps, model)
+    check_schedule_built(strategy, caps)
     lacking = [name for name, on in dataclasses.asdict(plan.overlap).items() if on and not getattr(caps.overlap, name)]
     if lacking:  # the plan switches features off one by one; it cannot switch on one the runtime lacks
         raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),

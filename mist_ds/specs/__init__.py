@@ -11,7 +11,8 @@ from mist_ds.specs.cluster import ClusterSpec, GpuSpec, InterferenceSpec
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.executors import EXECUTORS, ExecutorCapabilities, OverlapFeatures, executor_capabilities
-from mist_ds.specs.executor_rules import check_executor, grad_reduce_overlapped, weight_gather_overlapped
+from mist_ds.specs.executor_rules import (check_executor, check_schedule_built, grad_reduce_overlapped,
+                                         weight_gather_overlapped)
 from mist_ds.specs.strategy import Parallelism, StageStrategy, StrategySpec
 from mist_ds.specs.train import TrainSpec
 from mist_ds.specs.tuner import TunerSpec
@@ -33,5 +34,6 @@ class Specs:
 __all__ = [
     "ClusterSpec", "ConfigError", "GpuSpec", "InterferenceSpec", "ModelSpec", "OverlapFeatures", "Parallelism",
     "EXECUTORS", "ExecutorCapabilities", "Specs", "StageStrategy", "StrategySpec", "TrainSpec", "TunerSpec",
-    "check_executor", "grad_reduce_overlapped", "executor_capabilities", "weight_gather_overlapped",
+    "check_executor", "check_schedule_built", "grad_reduce_overlapped", "executor_capabilities",
+    "weight_gather_overlapped",
 ]

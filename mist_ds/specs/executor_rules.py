@@ -60,6 +60,14 @@ def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
     return ConfigError(field, value, f"{fix} [rule {rule}]", rule=rule)
 
 
+def check_schedule_built(strategy: StrategySpec, caps: ExecutorCapabilities) -> None:
+    """Refuse, before anything is emitted or run, a schedule the executor is priced with but does not run."""
+    if strategy.schedule in caps.schedules and strategy.schedule not in caps.built_schedules:
+        raise _refuse(f"{caps.name}.schedule-not-built", "strategy.schedule", strategy.schedule,
+                      f"executor {caps.name} prices {strategy.schedule} but runs only "
+                      f"{', '.join(caps.built_schedules)}: use strategy.schedule=1f1b to train the plan")
+
+
 def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = None,
                   model: ModelSpec | None = None) -> None:
     """Raise ConfigError naming the rule when `strategy` (of `model`, for the rules that need it) is

@@ -80,6 +80,7 @@ class ExecutorCapabilities:
     """'none' | 'whole' (all or nothing, ZeRO >= 1) | 'fraction'."""
     activations_offload: bool
     schedules: tuple[str, ...]
+    """Schedules it is priced with (docs/design.md, Glossary: the order of a pipeline's work)."""
     overlap: OverlapFeatures
     p2p_scatter_gather: bool = False
     """Inter-node pipeline sends carry 1 / t of the activation per TP rank, re-assembled by an
@@ -112,6 +113,10 @@ class ExecutorCapabilities:
     """Its pp = 1 plans run as priced on the engine stock `deepspeed.initialize` builds from ds_config.json alone, as
     a consumer that builds its own engine calls it (HF Trainer; TargetCapabilities.stock_engine); False: they need
     mist_ds.runtime's schedule."""
+    built_schedules: tuple[str, ...] = ("1f1b", "mist", "interleaved")
+    """Of `schedules`, those its engines run (where `built`): a plan with another is priced, and refused by the
+    emitter and the runtime (`<name>.schedule-not-built`). Executor `mist`: ZB-H1 is priced, its runtime not yet
+    built (issue 31)."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
@@ -148,7 +153,9 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     # once (the data-parallel reduction beside the pipeline's sends and the tied sum, the gather's own):
     # checked on gloo only, so tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has
     # checked it.
-    mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist"),
+    # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it; its split backward is not run yet.
+    mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist", "zb-h1"),
+                   built_schedules=("1f1b", "mist"),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),
                    grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False, runs_on_stock_engine=False,

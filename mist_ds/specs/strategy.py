@@ -19,7 +19,9 @@ from mist_ds.specs.errors import ConfigError, require, require_positive
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.train import TrainSpec
 
-SCHEDULES: tuple[str, ...] = ("1f1b", "mist", "interleaved")
+SCHEDULES: tuple[str, ...] = ("1f1b", "mist", "interleaved", "zb-h1")
+"""The order of a pipeline's work (docs/design.md, Glossary): `mist` is 1F1B's order, the spelling kept from
+when executor `mist`'s overlap features were called a schedule (they are capabilities of the executor)."""
 OFFLOAD_KINDS: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
 
 

@@ -1,0 +1,80 @@
+"""ZB-H1 priced (mist_ds/specs/pipeline_order.py, mist_ds/cost/executors/zero_bubble.py; docs/design.md, The
+`zb-h1` schedule): its order, its simulation against the paper's bubble, the split of the backward, the memory of
+deferred W's, a pp 8 plan's bubble against 1F1B's, and the refusal to emit or run what is priced only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mist_ds.config import compose
+from mist_ds.cost.executors.zero_bubble import simulate_split, weight_gradient_s
+from mist_ds.cost.predict import model_costs, predict
+from mist_ds.cost.simulate import simulate
+from mist_ds.emit import ds_config
+from mist_ds.hardware import hardware_model
+from mist_ds.specs import ConfigError
+from mist_ds.specs.pipeline_order import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, deferred_weight_passes,
+                                          zb_h1_order)
+
+TINY_PP8 = ["cluster=cpu", "cluster.gpus_per_node=8", "model=tiny", "strategy.pp=8", "strategy.runtime=mist",
+            "strategy.zero_stage=0", "train.global_batch_size=32", "strategy.micro_batch_size=1"]
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (8, 16), (8, 32), (4, 4)])
+def test_equal_passes_leave_the_papers_bubble(stages, micro_batches):
+    """F = B = W = 1 (1F1B's backward is B + W = 2): ZB-H1 takes 3G + (S - 1) (bubble (S - 1)(F + B - W)), 1F1B
+    3G + 3(S - 1), for G >= S."""
+    ones = [1.0] * stages
+    zb, _ = simulate_split(ones, ones, ones, [0.0] * stages, [0.0] * stages, micro_batches, [0.0] * stages)
+    one_f_one_b, _ = simulate(ones, [2.0] * stages, [0.0] * stages, [0.0] * stages, micro_batches)
+    assert zb == 3 * micro_batches + stages - 1
+    assert one_f_one_b == 3 * (micro_batches + stages - 1)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(1, 3), (2, 1), (3, 2), (4, 8), (8, 3)])
+def test_every_stage_runs_each_pass_once_in_micro_batch_order(stages, micro_batches):
+    """W's run in micro-batch order (their gradients accumulate as 1F1B's do), each after its B; stage i defers at
+    most i + 1 W's (i + 1 micro-batches' weight-gradient operands, the one just run included)."""
+    for i in range(stages):
+        order = zb_h1_order(i, stages, micro_batches)
+        for kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+            assert [m for k, m in order if k == kind] == list(range(micro_batches))
+        for m in range(micro_batches):
+            assert order.index((BACKWARD_INPUT, m)) < order.index((BACKWARD_WEIGHT, m))
+        assert deferred_weight_passes("zb-h1", i, stages, micro_batches) <= min(i + 1, micro_batches)
+    assert deferred_weight_passes("1f1b", 0, stages, micro_batches) == 0
+
+
+def test_w_is_the_weight_gradient_gemms_of_the_backward():
+    """A block's W is its linears' weight-gradient GEMMs: a third of a linear's work, so between a quarter and
+    a half of the block's backward compute (attention and element-wise ops stay in B); the embedding has none."""
+    specs = compose(TINY_PP8)
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    from mist_ds.cost.layer_time import layer_times
+
+    w = float(weight_gradient_s(costs.block, hw, 1, specs.model.seq_len, 1))
+    backward = float(layer_times(costs.block, hw, 1, specs.model.seq_len, 1).bwd_compute_s)
+    assert 0.2 * backward < w < 0.5 * backward
+    assert float(weight_gradient_s(costs.embedding, hw, 1, specs.model.seq_len, 1)) == 0.0
+
+
+def test_a_pp8_plan_s_zb_h1_bubble_is_at_most_half_its_1f1b_bubble():
+    one_f_one_b = predict(compose([*TINY_PP8, "strategy.schedule=1f1b"]))
+    zb = predict(compose([*TINY_PP8, "strategy.schedule=zb-h1"]))
+    assert zb.bubble_s <= 0.5 * one_f_one_b.bubble_s
+    assert zb.iteration_time_s < one_f_one_b.iteration_time_s
+    # the same work; deferred W's hold their operands: never less memory, stage 0 (no W deferred) the same
+    assert zb.peak_memory_bytes[0] == one_f_one_b.peak_memory_bytes[0]
+    assert all(z >= o for z, o in zip(zb.peak_memory_bytes, one_f_one_b.peak_memory_bytes))
+    assert zb.peak_memory_bytes[-1] > one_f_one_b.peak_memory_bytes[-1]
+    assert np.isclose(sum(zb.flops_per_rank), sum(one_f_one_b.flops_per_rank))
+
+
+def test_zb_h1_is_priced_but_neither_emitted_nor_run():
+    specs = compose([*TINY_PP8, "strategy.schedule=zb-h1"])
+    with pytest.raises(ConfigError, match=r"strategy.schedule.*zb-h1.*strategy.schedule=1f1b") as refused:
+        ds_config(specs.strategy, specs.train, specs.model)
+    assert refused.value.rule == "mist.schedule-not-built"
+    with pytest.raises(ConfigError) as other:
+        predict(compose([*TINY_PP8, "strategy.runtime=deepspeed", "strategy.schedule=zb-h1"]))
+    assert other.value.rule == "deepspeed.schedule"
