@@ -30,12 +30,12 @@ def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_
     assert user.source == f"--deepspeed_config {user_file}"
     assert planner_overrides(user) == ["train.precision=fp16", "train.grad_clip=0.5"]
     merged, replaced = merged_config(user, PLAN_CONFIG, client_optimizer=False)
-    assert replaced == ["train_batch_size", "zero_optimization"]
+    assert replaced == ["train_batch_size", "zero_optimization.stage"]
     assert {k: merged[k] for k in ("train_batch_size", "zero_optimization", "mist")} == {
         k: PLAN_CONFIG[k] for k in ("train_batch_size", "zero_optimization", "mist")}
     assert merged["optimizer"]["params"]["lr"] == 3e-4 and merged["scheduler"] == {"type": "WarmupLR"}
     assert "bf16" not in merged and merged["fp16"] == {"enabled": True}  # priced as the user's fp16
-    assert set(PLAN_KEYS) >= {"train_batch_size", "zero_optimization", "tensor_parallel"}
+    assert set(PLAN_KEYS) >= {"train_batch_size", "tensor_parallel"}
 
 
 def test_without_a_users_config_the_plans_own_is_used_and_said():
@@ -55,7 +55,7 @@ def test_without_a_users_config_the_plans_own_is_used_and_said():
 @pytest.mark.parametrize("args, config, optimizer, field, says", [
     (argparse.Namespace(deepspeed_config="a.json"), {"x": 1}, None, "config", "give one"),
     (None, {"optimizer": {"type": "SGD"}}, None, "optimizer.type", "Adam or AdamW"),
-    (None, None, "sgd", "optimizer", "torch.optim.AdamW"),
+    (None, None, "sgd", "optimizer", "AdamW optimizer object"),
     (None, {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, None, "bf16/fp16", "enable one"),
     (None, {"gradient_clipping": -1}, None, "gradient_clipping", ">= 0"),
 ])
@@ -68,12 +68,64 @@ def test_what_cannot_be_priced_is_refused_naming_the_field(args, config, optimiz
     assert error.value.field == field and says in str(error.value)
 
 
-def test_a_config_file_that_is_not_json_names_the_file(tmp_path):
-    bad = tmp_path / "ds.json"
-    bad.write_text("{train_batch_size: 8")
-    with pytest.raises(ConfigError, match="not JSON") as error:
+def test_a_config_is_read_as_deepspeed_reads_it_and_named_when_it_cannot_be(tmp_path):
+    commented = tmp_path / "ds.json"
+    commented.write_text('{\n  // hjson, as DeepSpeed reads it\n  "gradient_clipping": 0.5\n}')
+    assert read_user_config(argparse.Namespace(deepspeed_config=str(commented)), None).values == {
+        "gradient_clipping": 0.5}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a": 1, "a": 2}')  # DeepSpeed refuses duplicate keys
+    with pytest.raises(ConfigError, match="DeepSpeed cannot read it") as error:
         read_user_config(argparse.Namespace(deepspeed_config=str(bad)), None)
     assert error.value.value == str(bad)
+
+
+def test_the_users_zero_settings_the_plan_does_not_decide_stay():
+    """stage3_gather_16bit_weights_on_model_save (without it a ZeRO-3 fine-tune saves no model) and an offload
+    section's pin_memory stay; the plan's stage, offload devices and buckets win, and an offload the plan lacks goes."""
+    user = read_user_config(None, {"zero_optimization": {
+        "stage": 2, "stage3_gather_16bit_weights_on_model_save": True,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True}, "offload_param": {"device": "cpu"}}})
+    plan = {**PLAN_CONFIG, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
+                                                 "offload_optimizer": {"device": "cpu"}}}
+    merged, replaced = merged_config(user, plan, client_optimizer=False)
+    assert merged["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000,
+                                           "stage3_gather_16bit_weights_on_model_save": True,
+                                           "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert "zero_optimization.stage" in replaced and "zero_optimization.offload_param" in replaced
+    assert any(item.startswith("optimizer (yours gives none") for item in replaced)
+
+
+def test_the_plan_runs_only_with_the_config_it_was_priced_with(tmp_path):
+    """--plan P (or a config edited since): another precision or clipping is refused, naming both; "auto" (HF
+    Trainer's placeholder) is refused before pricing."""
+    from mist_ds.script.user_config import check_priced_as_given
+
+    check_priced_as_given(read_user_config(None, {"bf16": {"enabled": True}, "gradient_clipping": 1.0}), PLAN_CONFIG,
+                          None, "plan.json")
+    with pytest.raises(ConfigError, match="priced with bf16") as error:
+        check_priced_as_given(read_user_config(None, {"gradient_clipping": 1.0}), PLAN_CONFIG, None, "plan.json")
+    assert error.value.field == "bf16/fp16" and error.value.value == "fp32"
+    with pytest.raises(ConfigError, match="priced with 1.0"):
+        check_priced_as_given(read_user_config(None, {"bf16": {"enabled": True}}), PLAN_CONFIG, None, "plan.json")
+    with pytest.raises(ConfigError, match="placeholder") as error:
+        planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": "auto"}))
+    assert error.value.field == "train_micro_batch_size_per_gpu"
+
+
+def test_only_a_causal_lm_is_planned_as_one(tmp_path):
+    """A classifier or a bare base model built from a Llama config is not priced as LlamaForCausalLM."""
+    import transformers
+
+    from mist_ds.script.planning import hf_model_overrides
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ConfigError, match="causal language models") as error:
+        hf_model_overrides(transformers.LlamaModel(config), tmp_path / "base")
+    assert error.value.value == "LlamaModel"
+    overrides = hf_model_overrides(transformers.LlamaForCausalLM(config), tmp_path / "lm")
+    assert overrides[-1] == "model.frozen=[]"  # said even when empty: no plan's list stands in for it
 
 
 def test_settings_travel_as_a_file_named_in_the_environment(tmp_path):

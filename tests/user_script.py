@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--module", default=None, help="pkg.mod:function building a plain nn.Module")
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--census", default=None)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (without --census)")
+    parser.add_argument("--fail_on_rank", type=int, default=None, help="this rank raises in its second step")
     parser.add_argument("--pipeline", action="store_true", help="step with engine.train_batch (pp > 1 may be planned)")
     parser.add_argument("--local_rank", type=int, default=-1)
     deepspeed.add_config_arguments(parser)
@@ -89,7 +91,9 @@ def main() -> None:
         return total / accum
 
     if args.census is None:
-        for seed in range(3):
+        for seed in range(args.steps):
+            if seed == 1 and torch.distributed.get_rank() == args.fail_on_rank:
+                raise RuntimeError(f"rank {args.fail_on_rank} fails in its second step, as the test asked")
             loss = step(seed)
             if torch.distributed.get_rank() == 0:
                 print(f"loss {loss!r}", flush=True)

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -31,6 +32,11 @@ from mist_ds.script.settings import (CANDIDATES_DIR, PLAN_DIR, SETTINGS_ENV, VER
 from mist_ds.specs.strategy import layout_text, strategy_from_dict
 
 LAUNCHER = [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher"]
+HUNG = -signal.SIGKILL
+"""launch_phase's exit code for a launch stopped at its timeout."""
+STOP_GRACE_S = 10.0
+OOM_KILLED = (137, 247)
+"""Exit codes of a rank the system's out-of-memory killer ended (128 + SIGKILL; DeepSpeed's launcher's 247)."""
 """DeepSpeed's launcher as mist-deepspeed runs it (exporting MIST_DS_* to other nodes)."""
 GIB = 1024 ** 3
 
@@ -78,24 +84,34 @@ def launch_phase(command: Sequence[str], settings_path: Path, timeout_s: float |
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen([*LAUNCHER, *command], env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
+    code = None
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        code = -signal.SIGKILL
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
+        code = HUNG
+    finally:  # a hang, an interrupt, or ranks the launcher left behind: the whole session goes
+        stop_session(proc.pid)
         proc.wait()
-        raise
-    finally:
-        if proc.poll() is None or code == -signal.SIGKILL:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # ranks the launcher left behind, too
-            except ProcessLookupError:
-                pass
-            proc.wait()
         if out:
             out.close()
     return code, failure_line(log_path.read_text(errors="replace")) if log_path and log_path.exists() else ""
+
+
+def stop_session(pgid: int) -> None:
+    """End a launch's process group: SIGTERM first (DeepSpeed's launcher then stops its remote ranks too, its
+    handler running pdsh's kill command), SIGKILL for what is left after STOP_GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def failure_line(log: str) -> str:
@@ -121,13 +137,16 @@ class Candidate:
     """ok, or why it produced no time (exit code and last line, out of memory, hang)."""
 
 
-def _status(code: int, reason: str, timeout_s: float) -> str:
-    """A failed candidate's status: a hang, out of memory (torch's and Python's errors say so), or failed; the
-    line that says why."""
-    if code == -signal.SIGKILL:
+def _status(code: int, reason: str, timeout_s: float, needed_steps: int) -> str:
+    """A candidate's status without a measurement: a hang, out of memory (torch's and Python's errors say so, or
+    the system killed a rank), a script whose loop ended first, or failed; the line that says why."""
+    if code == HUNG:
         return f"hang: stopped after {timeout_s:g} s"
-    kind = "out of memory" if "out of memory" in reason.lower() or "MemoryError" in reason else "failed"
-    return f"{kind} (exit {code}): {reason[-200:]}"
+    if code == 0:
+        return (f"no measurement: the script ended before {needed_steps} optimizer steps (warm-up and timed); "
+                "give its loop more steps or lower tuner.verify_num_steps")
+    oom = "out of memory" in reason.lower() or "MemoryError" in reason or code in OOM_KILLED
+    return f"{'out of memory' if oom else 'failed'} (exit {code}): {reason[:200]}"
 
 
 def verify(command: Sequence[str], base: ScriptSettings) -> list[Candidate]:
@@ -151,21 +170,24 @@ def verify(command: Sequence[str], base: ScriptSettings) -> list[Candidate]:
         print(f"mist-deepspeed: verifying candidate {index}: {layout}", file=sys.stderr)
         code, reason = launch_phase(command, settings_file(settings, f"verify{index}"), knobs["timeout_s"],
                                     verify_dir / f"{index}.log")
-        measured = json.loads(report.read_text()) if code == 0 and report.is_file() else None
+        # a report is a finished measurement, whatever the script did after it (its own teardown may fail)
+        measured = json.loads(report.read_text()) if report.is_file() else None
+        needed = knobs["num_warmup_steps"] + knobs["num_steps"]
         found.append(Candidate(index, layout, plan["prediction"]["iteration_time_s"],
                                max(plan["prediction"]["peak_memory_bytes"]),
                                measured["seconds_per_step"] if measured else None,
                                measured["peak_bytes"] if measured else None,
                                measured["peak_measured_as"] if measured else "",
-                               "ok" if measured else _status(code, reason, knobs["timeout_s"])))
+                               ("ok" if code == 0 else f"ok (then exit {code})") if measured else
+                               _status(code, reason, knobs["timeout_s"], needed)))
     return found
 
 
 def verify_table(candidates: Sequence[Candidate], chosen: int | None) -> tuple[str, str]:
     """(verify.csv, verify.md) of the candidates."""
-    rows = [{"candidate": c.index, "layout": c.layout, "predicted_s": c.predicted_s,
-             "measured_s": c.measured_s, "measured_over_predicted": c.measured_s / c.predicted_s if c.measured_s
-             else None, "predicted_peak_gib": c.predicted_peak_bytes / GIB,
+    rows = [{"candidate": c.index, "layout": c.layout, "predicted_s": c.predicted_s, "measured_s": c.measured_s,
+             "measured_over_predicted": None if c.measured_s is None else c.measured_s / c.predicted_s,
+             "predicted_peak_gib": c.predicted_peak_bytes / GIB,
              "measured_peak_gib": c.measured_peak_bytes / GIB if c.measured_peak_bytes else None,
              "peak_measured_as": c.peak_measured_as, "status": c.status, "chosen": c.index == chosen}
             for c in candidates]
@@ -180,12 +202,12 @@ def verify_table(candidates: Sequence[Candidate], chosen: int | None) -> tuple[s
           "measured peak GiB | status |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = " (chosen)" if r["chosen"] else ""
-        ratio = f"{r['measured_over_predicted']:.3g}" if r["measured_over_predicted"] else "-"
-        measured = f"{r['measured_s']:.4g}" if r["measured_s"] else "-"
+        ratio = f"{r['measured_over_predicted']:.3g}" if r["measured_over_predicted"] is not None else "-"
+        measured = f"{r['measured_s']:.4g}" if r["measured_s"] is not None else "-"
         peak = f"{r['measured_peak_gib']:.3f}" if r["measured_peak_gib"] else "-"
         md.append(f"| {r['candidate']}{mark} | {r['layout']} | {r['predicted_s']:.4g} | {measured} | {ratio} | "
                   f"{r['predicted_peak_gib']:.3f} | {peak} | {r['status']} |")
-    ok = [c for c in candidates if c.measured_s]
+    ok = [c for c in candidates if c.measured_s is not None]
     if ok:
         ratio = sum(c.measured_s / c.predicted_s for c in ok) / len(ok)
         md += ["", f"Measured / predicted, mean over {len(ok)} candidates: {ratio:.3g}. A cluster config's compute "
@@ -211,7 +233,7 @@ def choose(candidates: Sequence[Candidate], plan_dir: Path) -> Candidate | None:
             shutil.copyfile(path, plan_dir / (path.name + ".tmp"))
             os.replace(plan_dir / (path.name + ".tmp"), plan_dir / path.name)
     plan = json.loads((plan_dir / "plan.json").read_text())
-    others = ", ".join(f"candidate {c.index} {c.measured_s:.4g} s" if c.measured_s else
+    others = ", ".join(f"candidate {c.index} {c.measured_s:.4g} s" if c.measured_s is not None else
                        f"candidate {c.index} {c.status.split(':')[0]}" for c in candidates if c is not chosen)
     plan["verify"] = {"chosen": chosen.index, "measured_s": chosen.measured_s,
                       "why": f"measured fastest: {chosen.measured_s:.4g} s per step ({others or 'no other'}); "

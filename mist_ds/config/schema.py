@@ -145,7 +145,7 @@ class TunerConfig:
     #                        prints): the plan is the fastest of them; 1 = the closed form's best, no re-ranking
     verify_top_n: int = 0  # your script: run the best N plans of distinct layouts briefly, keep the measured fastest
     verify_num_steps: int = 3  # verify: optimizer steps timed per candidate, after the untimed warm-up steps
-    verify_num_warmup_steps: int = 1  # verify: untimed optimizer steps first (allocation, first-step setup)
+    verify_num_warmup_steps: int = 2  # verify: untimed optimizer steps first (allocation; ZeRO-3 traces 2 steps)
     verify_timeout_s: float = 600.0  # verify: a candidate launch running longer is stopped and recorded as a hang
     pipeline_script: bool = False  # your script steps with engine.train_batch: an hf model may be planned at pp > 1
     write_top_n: bool = False  # your script: also write cmd.txt and ds_config.json of each runner-up (plan/candidates)

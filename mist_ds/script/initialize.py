@@ -19,22 +19,39 @@ rank; a model nothing fits, exit 3.
 from __future__ import annotations
 
 import atexit
-import copy
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from mist_ds.script.apply import apply_recompute
-from mist_ds.script.planning import (hf_model_overrides, is_hf_causal_lm, pipeline_overrides, pipelines_held_because,
+from mist_ds.script.planning import (hf_model_overrides, is_hf_model, pipeline_overrides, pipelines_held_because,
                                      plan_model)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
-from mist_ds.script.user_config import UserConfig, merged_config, planner_overrides, read_user_config
+from mist_ds.script.user_config import (UserConfig, check_priced_as_given, merged_config, planner_overrides,
+                                        read_user_config)
 from mist_ds.specs.errors import ConfigError
 
-log = logging.getLogger("mist_ds")
+log = logging.getLogger(__name__)
+DEFAULT_PORT = 29500
+"""deepspeed.initialize's distributed_port default (TORCH_DISTRIBUTED_DEFAULT_PORT)."""
+
+
+def show_messages() -> None:
+    """What mist_ds.initialize says (the plan's changes to the script's config, pipelines held, recompute) on rank
+    0's stderr: a script configures no logging for mist_ds, and these must not go unseen."""
+    from deepspeed import comm as dist
+
+    logger = logging.getLogger("mist_ds.script")
+    if dist.get_rank() == 0 and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("mist_ds: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_PLAN_FITS = 3
 
@@ -43,12 +60,15 @@ class ScriptExit(SystemExit):
     """Every rank leaves the script with one code (after the process group is gone)."""
 
 
-def _leave(code: int, message: str | None = None) -> None:
+def _leave(code: int, message: str | None = None, together: bool = True) -> None:
+    """Print `message`, end this rank with `code`. `together` (an outcome every rank agreed on): after a barrier and
+    with the process group destroyed; otherwise at once, as a failing rank must (the others may be inside a
+    collective it will never join; DeepSpeed's launcher ends them when this rank exits non-zero)."""
     from deepspeed import comm as dist
 
     if message:
-        print(f"mist_ds.initialize: {message}", file=sys.stderr)
-    if dist.is_initialized():
+        print(f"mist_ds.initialize: {message}", file=sys.stderr, flush=True)
+    if together and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     raise ScriptExit(code)
@@ -86,7 +106,7 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
     outcome: tuple[int, str | None] | None = None
     if dist.get_rank() == 0:
         try:
-            hf = is_hf_causal_lm(model)
+            hf = is_hf_model(model)
             model_part = hf_model_overrides(model, settings.plan_dir / type(model).__name__) if hf else []
             client_optimizer, client_scheduler = deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"]
             overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
@@ -103,6 +123,9 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             outcome = (EXIT_BAD_INPUT, f"error: {error}")
         except NoPlanFits as reason:
             outcome = (EXIT_NO_PLAN_FITS, f"no plan fits: {reason}")
+        except Exception as error:  # noqa: BLE001 (the other ranks wait for an outcome: never leave them waiting)
+            traceback.print_exc()
+            outcome = (EXIT_INTERNAL, f"planning failed ({type(error).__name__}: {error}); the traceback is above")
     code, message = _agree(outcome)
     _leave(code, message if dist.get_rank() == 0 else None)
 
@@ -112,7 +135,7 @@ def _handed_model_spec(plan, model: Any, loss: Callable | None, scratch: Path):
     transformers model into `scratch`)."""
     from mist_ds.config import compose
 
-    hf = is_hf_causal_lm(model)
+    hf = is_hf_model(model)
     if hf:
         overrides = [*plan.user_overrides, *hf_model_overrides(model, scratch)]
     else:  # the module handed over is the model: not what a plan tuned from a `model._target_` would build
@@ -136,18 +159,25 @@ def check_plan_is_for(plan, plan_json: Path, model: Any, loss: Callable | None, 
     return spec
 
 
-def _without_config(args: Any) -> Any:
-    """`args` without deepspeed_config (DeepSpeed refuses it beside config=, and the merged config has it)."""
-    if args is None or getattr(args, "deepspeed_config", None) is None:
-        return args
-    args = copy.copy(args)
-    args.deepspeed_config = None
-    return args
+def _initialize_deepspeed(deepspeed_args: dict[str, Any], model: Any, config: dict[str, Any]):
+    """deepspeed.initialize with the merged config. The script's args keep its own deepspeed_config afterwards, but not
+    during the call: DeepSpeed refuses it beside config= (and writes args.local_rank, which the script's object
+    must get, so args is not copied)."""
+    import deepspeed
+
+    args = deepspeed_args["args"]
+    saved = getattr(args, "deepspeed_config", None) if args is not None else None
+    if saved is not None:
+        args.deepspeed_config = None
+    try:
+        return deepspeed.initialize(**deepspeed_args, model=model, config=config)
+    finally:
+        if saved is not None:
+            args.deepspeed_config = saved
 
 
 def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig,
-                 deepspeed_args: dict[str, Any]):
-    import deepspeed
+                 deepspeed_args: dict[str, Any], pipeline: bool):
     from deepspeed import comm as dist
 
     from mist_ds.plan import load_plan
@@ -160,19 +190,25 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     spec = check_plan_is_for(plan, plan_json, model, loss, scratch)
     strategy = plan.strategy
     check_runs_in_script(strategy, "plan", str(plan_json))
+    check_priced_as_given(user, plan_config, deepspeed_args["optimizer"], str(plan_json))
+    if strategy.parallelism.pp > 1 and not pipeline:
+        raise ConfigError("plan", str(plan_json), f"a pipeline plan (pp {strategy.parallelism.pp}) for a loop that "
+                                                  "steps with engine(...), backward and step: pass pipeline=True to "
+                                                  "mist_ds.initialize and step with engine.train_batch, or re-plan "
+                                                  "without --plan")
     config, replaced = merged_config(user, plan_config, deepspeed_args["optimizer"] is not None)
-    if replaced:
-        log.info("mist_ds: the plan sets %s (your %s had other values)", ", ".join(replaced), user.source)
+    if replaced and dist.get_rank() == 0:
+        log.warning("the plan sets %s in your DeepSpeed config (%s)", "; ".join(replaced), user.source)
     if settings.phase == "verify":
         inject_fault(plan_json.parent.name)
     if strategy.parallelism.pp > 1:
         return _pipeline(settings, plan_json, model, spec, config, deepspeed_args)
     blocks = spec.read_model.blocks_attr
-    apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_causal_lm(model))
-    log.info("mist_ds: %s; DeepSpeed config: %s", plan_json, "the plan's" if not user.given else
-             f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
-    out = deepspeed.initialize(**{**deepspeed_args, "args": _without_config(deepspeed_args["args"])}, model=model,
-                               config=config)
+    apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_model(model))
+    if dist.get_rank() == 0:
+        log.info("%s; DeepSpeed config: %s", plan_json, "the plan's (AdamW, its precision)" if not user.given else
+                 f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
+    out = _initialize_deepspeed(deepspeed_args, model, config)
     teardown = Teardown(out[0].destroy)
     atexit.register(teardown)
     if settings.phase == "verify":
@@ -188,7 +224,7 @@ def _pipeline(settings: ScriptSettings, plan_json: Path, model: Any, spec: Any, 
     from mist_ds.runtime import initialize as run_plan
     from mist_ds.script.verify import StepTimer
 
-    held = pipelines_held_because(is_hf_causal_lm(model), deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"])
+    held = pipelines_held_because(is_hf_model(model), deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"])
     if held is not None:
         raise ConfigError("plan", str(plan_json), f"a pipeline plan (pp > 1), and {held}")
     planned = run_plan(config, spec, module=model)
@@ -203,9 +239,9 @@ def _pipeline(settings: ScriptSettings, plan_json: Path, model: Any, spec: Any, 
 
 
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
-               training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None,
-               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: Any = None, config_params: Any = None, *, pipeline: bool = False,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = DEFAULT_PORT,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None, *, pipeline: bool = False,
                loss: Callable | None = None):
     """deepspeed.initialize with mist_ds's plan for `model` (module docstring): (engine, optimizer, dataloader,
     lr_scheduler), as DeepSpeed returns them. `pipeline`: the loop can step with engine.train_batch(data_iter);
@@ -214,22 +250,30 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     if model is None:
         raise ConfigError("model", None, "mist_ds.initialize plans the model it is handed: pass model=")
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise ConfigError(name, type(value).__name__, "mist_ds lays out the ranks as its plan says (AutoTP, its "
+                                                          f"pipeline grid): drop {name}")
     settings = settings_from_environment()
     if settings is None:
         raise ConfigError(SETTINGS_ENV, None, "mist_ds.initialize plans inside a launch by mist-deepspeed: start the "
                                               "script with `mist-deepspeed --autotune-mist run [deepspeed's "
                                               "arguments] your_script.py ...` (or call deepspeed.initialize)")
     join_process_group()
+    show_messages()
+    deepspeed_args = dict(args=args, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                          dist_init_required=dist_init_required, collate_fn=collate_fn)
     try:
         user = read_user_config(args, config if config is not None else config_params)
-        deepspeed_args = dict(args=args, optimizer=optimizer, model_parameters=model_parameters,
-                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                              dist_init_required=dist_init_required, collate_fn=collate_fn)
-        if settings.phase == "plan":
-            _plan_phase(settings, model, loss, user, deepspeed_args, pipeline)
-        return _train_phase(settings, model, loss, user, deepspeed_args)
-    except ConfigError as error:
+    except ConfigError as error:  # the same on every rank: they leave together
         _leave(EXIT_BAD_INPUT, f"error: {error}")
+    if settings.phase == "plan":
+        _plan_phase(settings, model, loss, user, deepspeed_args, pipeline)
+    try:
+        return _train_phase(settings, model, loss, user, deepspeed_args, pipeline)
+    except ConfigError as error:  # may be this rank's alone (its node's memory, its model): it leaves at once
+        _leave(EXIT_BAD_INPUT, f"error: {error}", together=False)
 
 
 def data_parallel(engine: Any) -> tuple[int, int]:

@@ -24,8 +24,9 @@ PIPELINE_HELD = "tuner.pp=[1]"
 PIPELINES_PLANNED = "tuner.pipeline_script=true"
 
 
-def is_hf_causal_lm(model: Any) -> bool:
-    """Whether `model` is a transformers model (planned from its config) rather than any nn.Module."""
+def is_hf_model(model: Any) -> bool:
+    """Whether `model` is a transformers model (planned from its config, hf_model_overrides) rather than any
+    nn.Module (traced)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -35,13 +36,21 @@ def is_hf_causal_lm(model: Any) -> bool:
 
 def hf_model_overrides(model: Any, config_dir: Path) -> list[str]:
     """`model=hf ...` for a transformers model the script built: its config written to `config_dir`, the attention
-    it runs, the parameters it froze."""
+    it runs, the parameters it froze (none: said too, so that no plan's frozen list stands in for it). Only a causal
+    LM's class: its config alone would price a classifier or a bare base model as the causal LM of that config."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    if name not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise ConfigError("model", name, "mist_ds plans causal language models (AutoModelForCausalLM's classes, e.g. "
+                                         "LlamaForCausalLM); hand over the causal LM, or a plain nn.Module whose "
+                                         "forward maps token ids to logits")
     config_dir.mkdir(parents=True, exist_ok=True)
     model.config.to_json_file(str(config_dir / "config.json"))
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    overrides = ["model=hf", f"model.name_or_path={config_dir}", f"model.attn_implementation={attention}"]
-    return overrides + ([f"model.frozen=[{','.join(frozen)}]"] if frozen else [])
+    return ["model=hf", f"model.name_or_path={config_dir}", f"model.attn_implementation={attention}",
+            f"model.frozen=[{','.join(frozen)}]"]
 
 
 def _tuner_pp(overrides: Sequence[str]) -> str | None:

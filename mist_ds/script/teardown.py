@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -15,16 +16,26 @@ log = logging.getLogger(__name__)
 
 class Teardown:
     """Called once (a second call does nothing): barrier, `close` (the engine's own teardown), gc, then the process
-    group destroyed; nothing where the script already destroyed the group itself."""
+    group destroyed; nothing where the script already destroyed the group itself, and nothing when the script is
+    dying of an exception: its peers may be inside a collective it will never join, a barrier would hold it until
+    the process group's timeout, and DeepSpeed's launcher ends them all once this rank exits non-zero."""
 
     def __init__(self, close: Callable[[], None]) -> None:
         self.close = close
         self.done = False
+        self.failed = False
+        previous = sys.excepthook
+
+        def note_failure(*info) -> None:
+            self.failed = True
+            previous(*info)
+
+        sys.excepthook = note_failure
 
     def __call__(self) -> None:
         from deepspeed import comm as dist
 
-        if self.done or not dist.is_initialized():
+        if self.done or self.failed or not dist.is_initialized():
             self.done = True
             return
         self.done = True

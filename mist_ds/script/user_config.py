@@ -16,10 +16,16 @@ from typing import Any, Mapping
 from mist_ds.specs.errors import ConfigError
 
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "zero_optimization", "tensor_parallel", "zero_force_ds_cpu_optimizer", "pipeline", "mist")
-"""Keys of a DeepSpeed config the plan decides: the user's values of them are replaced (and logged)."""
+             "tensor_parallel", "zero_force_ds_cpu_optimizer", "pipeline", "mist")
+"""Keys of a DeepSpeed config the plan decides: the user's values of them are replaced (and said)."""
+ZERO_KEY = "zero_optimization"
+OFFLOAD_KEYS = ("offload_param", "offload_optimizer")
+"""zero_optimization's offload sections: the plan says whether and where (`device`); the user's other settings of a
+section the plan keeps (pin_memory, ...) stay."""
 PRICED_OPTIMIZERS = ("adam", "adamw")
 """DeepSpeed optimizer types priced as the planner's AdamW (two fp32 states per weight)."""
+PRICED_OPTIMIZER_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
+"""Client optimizers priced as AdamW: torch's, and DeepSpeed's fused and CPU Adam (what its offload asks for)."""
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"), ("bfloat16", "bf16"))
 """(DeepSpeed config section, train.precision) pairs; neither enabled is fp32."""
 
@@ -49,17 +55,23 @@ def read_user_config(args: Any, config: Mapping[str, Any] | str | Path | None) -
         return UserConfig({}, "none")
     if isinstance(given, Mapping):
         return UserConfig(json.loads(json.dumps(dict(given))), "config=")
-    path = Path(given)
-    source = f"--deepspeed_config {path}" if from_args is not None else f"config={path}"
-    try:
-        values = json.loads(path.read_text())
-    except OSError as error:
-        raise ConfigError("deepspeed_config", str(path), f"cannot read it ({error.strerror})") from None
-    except ValueError as error:
-        raise ConfigError("deepspeed_config", str(path), f"not JSON: {error}") from None
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    source = f"--deepspeed_config {given}" if from_args is not None else f"config={given}"
+    try:  # as DeepSpeed reads it: a file (hjson, duplicate keys refused) or a base64 string
+        values = load_ds_config(str(given))
+    except (OSError, ValueError) as error:
+        raise ConfigError("deepspeed_config", str(given), f"DeepSpeed cannot read it: {error}") from None
     if not isinstance(values, dict):
-        raise ConfigError("deepspeed_config", str(path), "must hold a JSON object (DeepSpeed's config)")
-    return UserConfig(values, source)
+        raise ConfigError("deepspeed_config", str(given), "must hold a JSON object (DeepSpeed's config)")
+    return UserConfig(json.loads(json.dumps(values)), source)
+
+
+def _auto_values(values: Any, path: str = "") -> list[str]:
+    """The keys whose value is "auto" (HF Trainer's placeholder, which only Trainer fills in)."""
+    if isinstance(values, Mapping):
+        return [found for key, value in values.items() for found in _auto_values(value, f"{path}{key}.")]
+    return [path.rstrip(".")] if values == "auto" else []
 
 
 def _enabled(section: Any) -> bool:
@@ -77,10 +89,12 @@ def user_precision(user: UserConfig) -> str:
 def _check_optimizer(user: UserConfig, client_optimizer: Any) -> None:
     """The optimizer the engine will step must be the one priced: Adam / AdamW (two fp32 states per weight)."""
     if client_optimizer is not None:
-        name = type(client_optimizer).__name__
-        if name.lower() not in PRICED_OPTIMIZERS:
-            raise ConfigError("optimizer", name, "mist_ds prices Adam / AdamW (two fp32 states per weight); pass "
-                                                 "torch.optim.AdamW or leave the optimizer to the config")
+        classes = [cls.__name__ for cls in type(client_optimizer).__mro__]
+        if not any(name in PRICED_OPTIMIZER_CLASSES for name in classes):
+            what = "a callable" if callable(client_optimizer) else classes[0]
+            raise ConfigError("optimizer", what, "mist_ds prices Adam / AdamW (two fp32 states per weight): pass an "
+                                                 "Adam or AdamW optimizer object (torch's, FusedAdam or "
+                                                 "DeepSpeedCPUAdam), or give it in the DeepSpeed config")
         return
     section = user.values.get("optimizer")
     if section is None:
@@ -97,10 +111,30 @@ def planner_overrides(user: UserConfig, client_optimizer: Any = None) -> list[st
     _check_optimizer(user, client_optimizer)
     if not user.given:
         return []
+    auto = _auto_values(user.values)
+    if auto:
+        raise ConfigError(auto[0], "auto", f"in {user.source}: \"auto\" is HF Trainer's placeholder; give the "
+                                           "value (the plan sets batch, ZeRO and offload itself: drop those keys)")
     clip = user.values.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError("gradient_clipping", clip, f"in {user.source}: a number >= 0")
     return [f"train.precision={user_precision(user)}", f"train.grad_clip={float(clip)}"]
+
+
+def check_priced_as_given(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: Any,
+                          plan: str) -> None:
+    """The user's config at training time prices as the plan did (a plan given with --plan, or a config edited since):
+    the same precision and gradient clipping, an optimizer mist_ds prices (ConfigError naming the field)."""
+    _check_optimizer(user, client_optimizer)
+    if not user.given:
+        return
+    planned = UserConfig(dict(plan_config), f"the plan's ds_config.json ({plan})")
+    for field, mine, theirs in (("bf16/fp16", user_precision(user), user_precision(planned)),
+                                ("gradient_clipping", float(user.values.get("gradient_clipping", 0.0)),
+                                 float(plan_config.get("gradient_clipping", 0.0)))):
+        if mine != theirs:
+            raise ConfigError(field, mine, f"in {user.source}, and {plan} was priced with {theirs}: give {theirs}, "
+                                           "or re-plan for this config (drop --plan)")
 
 
 def config_note(user: UserConfig, precision: str) -> str:
@@ -110,6 +144,24 @@ def config_note(user: UserConfig, precision: str) -> str:
                 "sets batch, ZeRO, offload and tensor-parallel settings in it.")
     return (f"DeepSpeed config: none given, so the plan's own: AdamW (torch, the ds_config.json's optimizer) in "
             f"{precision} (train.precision); give yours with --deepspeed_config or config=.")
+
+
+def merged_zero(user_zero: Mapping[str, Any], plan_zero: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(zero_optimization as the engine gets it, the user's keys the plan replaced): the plan's keys (stage, buckets,
+    overlap, offload) over the user's others (stage3_gather_16bit_weights_on_model_save, ...); an offload section
+    the plan has keeps the user's other settings of it (pin_memory, ...), one the plan lacks is dropped."""
+    merged = {key: value for key, value in user_zero.items() if key not in OFFLOAD_KEYS}
+    replaced = [key for key, value in plan_zero.items() if key in user_zero and user_zero[key] != value
+                and key not in OFFLOAD_KEYS]
+    for key, value in plan_zero.items():
+        merged[key] = value
+    for key in OFFLOAD_KEYS:
+        mine, theirs = user_zero.get(key), plan_zero.get(key)
+        if theirs is not None:
+            merged[key] = {**(mine or {}), **theirs}
+        if mine is not None and (theirs is None or mine.get("device") != theirs.get("device")):
+            replaced.append(key)
+    return merged, replaced
 
 
 def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: bool
@@ -128,6 +180,11 @@ def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optim
         merged.pop(key, None)
         if key in plan_config:
             merged[key] = plan_config[key]
+    zero, zero_replaced = merged_zero(user.values.get(ZERO_KEY, {}), plan_config.get(ZERO_KEY, {}))
+    merged[ZERO_KEY] = zero
+    replaced += [f"{ZERO_KEY}.{key}" for key in zero_replaced]
     if "optimizer" not in merged and not client_optimizer:
         merged["optimizer"] = plan_config["optimizer"]
+        replaced.append(f"optimizer (yours gives none: {merged['optimizer']['type']}, lr "
+                        f"{merged['optimizer']['params']['lr']:g}, as priced)")
     return merged, replaced

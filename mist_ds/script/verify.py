@@ -21,15 +21,25 @@ def _synchronize() -> None:
     get_accelerator().synchronize()
 
 
+def reset_peak() -> None:
+    """Start the timed steps' peak afresh (the accelerator's; a process's maximum RSS cannot be reset)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.reset_peak_memory_stats()
+
+
 def peak_bytes() -> tuple[int, str]:
-    """(peak bytes of this rank, what was measured): the accelerator's max allocated, or on CPU ranks the process's
-    maximum resident set (Linux reports KiB)."""
+    """(peak bytes of this rank, what was measured): the accelerator's max allocated during the timed steps, or on CPU
+    ranks the process's maximum resident set since it started (Linux reports KiB), model loading included."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS of the rank's process"
-    return int(accelerator.max_memory_allocated()), "max allocated on the accelerator"
+        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "max RSS of the rank's process since it started")
+    return int(accelerator.max_memory_allocated()), "max allocated on the accelerator in the timed steps"
 
 
 def inject_fault(candidate: str) -> None:
@@ -59,7 +69,8 @@ class StepTimer:
             return out
 
         setattr(engine, name, timed)
-        if num_warmup_steps == 0:
+        if num_warmup_steps == 0:  # from the first step on: here, after initialize, before the loop's setup
+            reset_peak()
             self.started = self._now()
 
     def _now(self) -> float:
@@ -74,6 +85,7 @@ class StepTimer:
 
         self.done += 1
         if self.done == self.warmup:
+            reset_peak()
             self.started = self._now()
         if self.done < self.warmup + self.steps:
             return

@@ -29,7 +29,7 @@ class VerifySpec:
     """Plans of distinct layouts run (the plan and its best runner-ups); 0 = none: the plan as priced."""
     num_steps: int = 3
     """Optimizer steps timed per candidate."""
-    num_warmup_steps: int = 1
+    num_warmup_steps: int = 2
     """Untimed optimizer steps before them."""
     timeout_s: float = 600.0
     """A candidate's launch still running after this is stopped and recorded as a hang."""
