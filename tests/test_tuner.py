@@ -145,9 +145,11 @@ def _case(name):
     return overrides, runtime
 
 
+# host memory per node: the fast lane compares the tuner (its MILP) with exhaustive search at the pipelined point,
+# where the node's sharing binds (test_shared_host_memory_admits_faster_plans_and_binds[0.5]); every point: slow lane
 @pytest.mark.parametrize("case", [pytest.param("mist-paper", marks=pytest.mark.slow), "mist-paper, memory binds",
                                   pytest.param("deepspeed", marks=pytest.mark.slow), "deepspeed, memory binds",
-                                  "aceso", "mist-paper, host per node",
+                                  "aceso", pytest.param("mist-paper, host per node", marks=pytest.mark.slow),
                                   pytest.param("mist-paper, host per node, small GPU", marks=pytest.mark.slow)])
 def test_tuner_equals_exhaustive_search_at_every_global_point(case):
     overrides, runtime = _case(case)
