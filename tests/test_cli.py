@@ -269,7 +269,7 @@ def test_predict_json_interface(tmp_path):
 def test_analyze_json_is_public_interface(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    result = mist_ds("analyze", "model=tiny", "--json", cwd=cwd, env={"MIST_DS_CACHE_DIR": str(tmp_path / "cache")})
+    result = mist_ds("analyze", "model=tiny", "--json", cwd=cwd)  # the run's cache: tiny is traced once per run
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["symbols"] == ["b", "s", "t"]
