@@ -24,8 +24,8 @@ def zoo(group: str) -> list[str]:
 
 
 LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep",
-                               "test_model_states", "test_measure", "test_profile", "test_hf_models",
-                               "test_user_script", "test_hf_pipeline", "test_hf_trainer_run"})
+                               "test_model_states", "test_measure", "test_profile", "test_user_script",
+                               "test_hf_pipeline", "test_hf_trainer_run"})
 """Test modules that start DeepSpeed ranks (2-4 processes on loopback, each job's port picked free just before its
 ranks bind it): the engine lane (launch/test.sh runs it in one process, so no two launches run at once)."""
 
@@ -50,6 +50,18 @@ def _isolated_hydra():
     GlobalHydra.instance().clear()
     yield
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def shared_cache_dir(tmp_path_factory) -> Path:
+    """A MIST_DS_CACHE_DIR for the modules that keep their traces apart from the user's cache: one folder for the
+    whole run, shared by its pytest-xdist workers (whose base temp folders share a parent), so a model or module is
+    traced once per run, not once per test or per worker. Entries are keyed by what was traced and written atomically
+    under a lock (mist_ds/symbolic/cache.py, mist_ds/specs/cache_root.py): workers may fill it at once."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "mist-cache"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)

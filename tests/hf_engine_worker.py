@@ -1,4 +1,4 @@
-"""Rank side of tests/test_hf_models.py's engine test: a Hugging Face model built from its config (random weights, no
+"""Rank side of tests/test_model_states.py's HF test: a Hugging Face model built from its config (random weights, no
 download) handed to `deepspeed.initialize` with a plan's ds_config.json, as a user's script does, trained a few
 steps; the rank counts, in the engine, the FLOPs and collective bytes of one step (the step census) and the model
 states it holds (the census at the moments model states peak)."""

@@ -26,11 +26,8 @@ BASE = ["model=gpt3-1.3b", "cluster=a100-40g", "train.global_batch_size=64"]
 
 
 @pytest.fixture(scope="module")
-def costs_13b(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("MIST_DS_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    return model_costs(compose(BASE))
+def costs_13b():
+    return model_costs(compose(BASE))  # the run's cache, as the other modules: gpt3-1.3b traced once per run
 
 
 def specs_of(*overrides):

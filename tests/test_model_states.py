@@ -300,3 +300,71 @@ def test_host_memory_is_seen_on_the_device_and_on_cpu_ranks_is_what_deepspeed_al
     assert gpu.observed and gpu.on_host("cpu", False) and not gpu.on_host("cuda", True)
     cpu = Placement(compute="cpu", optimizer_on_host=True, params_on_host=False)
     assert not cpu.observed and cpu.on_host("cpu", True) and not cpu.on_host("cpu", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# A user's Hugging Face model handed to deepspeed.initialize (priced in tests/test_hf_models.py, which launches
+# nothing and so runs in the planner lane; the launch is here, in the engine lane).
+# ---------------------------------------------------------------------------------------------
+
+HF_FROZEN_BEHIND = "model.frozen=[model.layers.*.self_attn.*,lm_head.weight]"
+"""Attention and the LM head frozen, the embedding trains: every block's backward runs alike, as priced (with the
+embedding frozen too, the first block would skip the input gradient of its frozen attention: docs/design.md)."""
+HF_ENGINE_CASES = {  # name -> (config, strategy overrides): a pp 1 plan a user's own DeepSpeed script runs
+    "llama-zero0": ("llama", ("strategy.zero_stage=0",)),
+    "llama-zero1": ("llama", ("strategy.zero_stage=1",)),
+    "llama-zero2": ("llama", ("strategy.zero_stage=2",)),
+    "llama-zero3": ("llama", ("strategy.zero_stage=3",)),
+    "gpt2-zero0": ("gpt2", ("strategy.zero_stage=0",)),
+    "gpt2-zero3": ("gpt2", ("strategy.zero_stage=3",)),
+    "llama-frozen-zero0": ("llama", ("strategy.zero_stage=0", HF_FROZEN_BEHIND)),
+    "llama-frozen-zero1": ("llama", ("strategy.zero_stage=1", HF_FROZEN_BEHIND)),
+    "llama-frozen-zero2": ("llama", ("strategy.zero_stage=2", HF_FROZEN_BEHIND)),
+    "llama-frozen-zero3": ("llama", ("strategy.zero_stage=3", HF_FROZEN_BEHIND)),
+    # last: an AutoTP engine leaves DeepSpeed's process-wide tensor-parallel state set, and an engine built after it in
+    # the same process finds an mpu-less model-parallel group (engine.py _configure_distributed_model)
+    "llama-autotp2-zero1": ("llama", ("strategy.tp=2", "strategy.zero_stage=1")),
+}
+
+
+@pytest.mark.slow  # one launch of 2 ranks, eleven engines
+def test_hf_models_on_deepspeed_count_what_was_priced(tmp_path_factory, shared_cache_dir, monkeypatch):
+    """A tiny HF Llama and GPT-2 handed to deepspeed.initialize with the plan's ds_config.json on 2 CPU ranks (ZeRO 0-3;
+    the Llama also at AutoTP t = 2, where DeepSpeed's engine shards it, and fine-tuned with its embedding and attention
+    frozen as model.frozen says, at ZeRO 0-3): the FLOPs and the bytes of every collective
+    of a step, counted at the dispatcher, and the model states the engine holds, equal the prediction."""
+    import transformers
+
+    from mist_ds.cost.predict import predict
+    from mist_ds.emit import ds_config
+    from mist_ds.testing.model_states import assert_model_states_are_predicted
+    from mist_ds.testing.step_census import step_census_mismatches
+    from tests.test_hf_models import TINY, hf
+
+    monkeypatch.setenv("MIST_DS_CACHE_DIR", str(shared_cache_dir))  # apart from the user's, as test_hf_models.py's
+    folders = {"llama": tmp_path_factory.mktemp("llama") / "llama", "gpt2": tmp_path_factory.mktemp("gpt2") / "gpt2"}
+    transformers.LlamaConfig(**TINY).save_pretrained(folders["llama"])  # test_hf_models.py's tiny Llama
+    transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                            eos_token_id=0).save_pretrained(folders["gpt2"])
+    cases, planned = [], {}
+    for name, (config, strategy) in HF_ENGINE_CASES.items():
+        specs = hf(folders[config], "model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2",
+                   "train.precision=bf16", "train.global_batch_size=4", "strategy.micro_batch_size=2", *strategy)
+        plan = ds_config(specs.strategy, specs.train, specs.model)
+        planned[name] = (specs, plan, predict(specs).to_dict())
+        cases.append({"name": name, "config": plan, "strategy": specs.strategy.to_dict(),
+                      "hf_config": specs.model.hf.config_json, "attn_implementation": "sdpa",
+                      "frozen": list(specs.model.hf.frozen),
+                      "vocab": specs.model.vocab_size, "seq_len": specs.model.seq_len})
+    by_rank = launch("tests.hf_engine_worker:hf_engine_worker", 2, {"cases": cases}, timeout_s=600)
+    for index, name in enumerate(HF_ENGINE_CASES):
+        specs, plan, prediction = planned[name]
+        results = [rank_results[index] for rank_results in by_rank]
+        for result in results:
+            census = result["census"]
+            mismatches = step_census_mismatches(census["flops"], census["comm_bytes"], prediction["flops_per_rank"][0],
+                                                prediction["comm_bytes_per_rank"][0],
+                                                specs.strategy.stages[0].zero_stage == 3)
+            assert not mismatches, f"{name} rank {result['what_ran']['rank']}: {mismatches}"
+        assert_model_states_are_predicted(specs, plan, prediction, results, name)

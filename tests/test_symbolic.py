@@ -29,8 +29,13 @@ SCALE_SCALAR_BYTES = 8
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("symbolic-cache")
+def cache_dir():
+    """The run's cache (MIST_DS_CACHE_DIR, else the user's), as the cost model reads it in the other modules: a zoo
+    model traced here is not traced again there, nor by the other test worker (entries are keyed by what was traced
+    and the tracing code, and written under a lock)."""
+    from mist_ds.symbolic.cache import default_cache_dir
+
+    return default_cache_dir()
 
 
 def model(name: str, **changes):

@@ -4,6 +4,7 @@ tests/test_cli.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -68,6 +69,13 @@ def exhaustive(specs, runtime, point):
     return best
 
 
+@functools.lru_cache(maxsize=None)
+def _exhaustive_of(overrides: tuple[str, ...], runtime: str, point):
+    """exhaustive() of the composed `overrides` at `point`, computed once per test process: several tests derive their
+    memory limits from the same optimum (_tight_memory, _shared_host) or compare the tuner with it again."""
+    return exhaustive(compose(list(overrides), with_strategy=False), runtime, point)
+
+
 def _host_fits(specs, host_bytes, point):
     """Host memory by its definition (docs/design.md, Tuner, Host memory), not through cost/host.py: per GPU,
     each rank within cpu_memory / gpus_per_node; per node, the ranks each node holds (stage i on ranks
@@ -89,7 +97,7 @@ def _per_point(overrides, runtime):
     for point in global_points(specs.model, specs.cluster, specs.train, specs.tuner, specs.tuner.space, ctx.caps):
         tuned = [r for r in price_points(ctx, [(point, 0.0)]) if r.objective_s is not None]
         yield (specs, point, min(tuned, key=lambda r: r.objective_s) if tuned else None,
-               exhaustive(specs, runtime, point))
+               _exhaustive_of(tuple(overrides), runtime, point))
 
 
 GIB = 2**30
@@ -105,7 +113,7 @@ def _point(**kw):
 def _tight_memory(overrides, runtime, fraction: float = 0.95) -> list[str]:
     """A GPU `fraction` of the peak of the unconstrained optimum at the pipelined point: it binds."""
     specs = compose(overrides, with_strategy=False)
-    peaks = exhaustive(specs, runtime, _point(**PIPELINE))[4]
+    peaks = _exhaustive_of(tuple(overrides), runtime, _point(**PIPELINE))[4]
     reserve = specs.cluster.gpu.reserve_bytes
     return [f"cluster.gpu.memory_gib={(reserve + fraction * float(np.max(peaks))) / GIB!r}"]
 
@@ -123,8 +131,7 @@ def _shared_host(overrides, runtime, gpu_fraction: float = 0.7) -> list[str]:
     one rank keeps in the optimum with unbounded host memory: each of its stages would fit alone, not all
     together."""
     gpu = _tight_memory(overrides, runtime, fraction=gpu_fraction)
-    unbounded = exhaustive(compose(overrides + gpu + ["cluster.cpu_memory_gib=1000"], with_strategy=False), runtime,
-                           _point(**PIPELINE))
+    unbounded = _exhaustive_of(tuple(overrides + gpu + ["cluster.cpu_memory_gib=1000"]), runtime, _point(**PIPELINE))
     return gpu + [f"cluster.cpu_memory_gib={float(np.max(unbounded[5])) / GIB!r}", "tuner.host_memory=per-node"]
 
 
@@ -138,9 +145,11 @@ def _case(name):
     return overrides, runtime
 
 
+# host memory per node: the fast lane compares the tuner (its MILP) with exhaustive search at the pipelined point,
+# where the node's sharing binds (test_shared_host_memory_admits_faster_plans_and_binds[0.5]); every point: slow lane
 @pytest.mark.parametrize("case", [pytest.param("mist-paper", marks=pytest.mark.slow), "mist-paper, memory binds",
                                   pytest.param("deepspeed", marks=pytest.mark.slow), "deepspeed, memory binds",
-                                  "aceso", "mist-paper, host per node",
+                                  "aceso", pytest.param("mist-paper, host per node", marks=pytest.mark.slow),
                                   pytest.param("mist-paper, host per node, small GPU", marks=pytest.mark.slow)])
 def test_tuner_equals_exhaustive_search_at_every_global_point(case):
     overrides, runtime = _case(case)
@@ -164,11 +173,11 @@ def test_the_exhaustive_cases_exercise_uneven_layers_memory_and_imbalance():
     from mist_ds.specs.strategy import partition_uniform
 
     overrides, runtime = CASES["mist-paper"]
-    free = exhaustive(compose(overrides, with_strategy=False), runtime, _point(**PIPELINE))
+    free = _exhaustive_of(tuple(overrides), runtime, _point(**PIPELINE))
     assert len(set(free[1])) > 1 and free[1] != partition_uniform(7, 3)
     assert free[3] > 0  # imbalance term
     tight_overrides = overrides + _tight_memory(overrides, runtime)
-    tight = exhaustive(compose(tight_overrides, with_strategy=False), runtime, _point(**PIPELINE))
+    tight = _exhaustive_of(tuple(tight_overrides), runtime, _point(**PIPELINE))
     assert tight[0] < math.inf
     assert ((tight[1], {k: v.tolist() for k, v in tight[2].items()})
             != (free[1], {k: v.tolist() for k, v in free[2].items()}))

@@ -139,11 +139,6 @@ def make_needs_mask() -> nn.Module:
     return NeedsMask()
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MIST_DS_CACHE_DIR", str(tmp_path / "cache"))
-
-
 def traced(overrides, module: nn.Module, loss=None):
     """(specs, costs) of `module`: traced into the cache as mist_ds.predict does, then read as the cost model reads."""
     specs = mist_ds.compose(list(overrides), model=module, loss=loss)
