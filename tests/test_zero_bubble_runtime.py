@@ -32,20 +32,22 @@ def tiny(pp: int, *extra: str, ranks: int | None = None, precision: str = "fp32"
             "strategy.runtime=mist", f"train.precision={precision}", *extra]
 
 
-def run(pp: int, features: dict[str, tuple[str, ...]]) -> dict[tuple[str, str], tuple[object, list[dict]]]:
-    """Each feature set at 1f1b and zb-h1 in one launch: (specs, results by rank) by (feature, schedule)."""
+def run(pp: int, features: dict[str, tuple[str, ...]], ranks: int | None = None
+        ) -> dict[tuple[str, str], tuple[object, list[dict]]]:
+    """Each feature set at 1f1b and zb-h1 in one launch on `ranks` (default pp): (specs, results by rank) by
+    (feature, schedule)."""
     from mist_ds.observe.ranks import launch
 
     keys, cases, specs_of = [], [], {}
     for feature, extra in features.items():
         for schedule in ("1f1b", "zb-h1"):
-            specs = compose(tiny(pp, *extra, f"strategy.schedule={schedule}"))
+            specs = compose(tiny(pp, *extra, f"strategy.schedule={schedule}", ranks=ranks))
             keys.append((feature, schedule))
             specs_of[keys[-1]] = specs
             config = ds_config(specs.strategy, specs.train, specs.model)
             cases.append({"name": f"{feature}-{schedule}", "config": config,
                           "model": dataclasses.asdict(specs.model), "steps": STEPS})
-    by_rank = launch(WORKER, pp, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
+    by_rank = launch(WORKER, ranks or pp, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
     return {key: (specs_of[key], [rank_results[i] for rank_results in by_rank]) for i, key in enumerate(keys)}
 
 
@@ -92,6 +94,15 @@ def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_with_w_where_the_order_places_it(
 def test_zb_h1_trains_bitwise_like_1f1b_at_pp4():
     results = run(4, FEATURES)
     for feature in FEATURES:
+        check_zb_h1(results, feature)
+
+
+@pytest.mark.slow
+def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_dp2_where_the_reduction_sums_over_ranks():
+    """d = 2: the per-layer reducer's buckets (ZeRO-0) and DeepSpeed's reduce_gradients (ZeRO-1) sum over two ranks,
+    so a gradient reduced before its last W would change the losses."""
+    results = run(2, {"zero0": FEATURES["zero0"], "zero1": FEATURES["zero1"]}, ranks=4)
+    for feature in ("zero0", "zero1"):
         check_zb_h1(results, feature)
 
 
