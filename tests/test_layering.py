@@ -230,12 +230,14 @@ INSTALL_MECHANISMS = {
     "update_lp_params": "replacing the optimizer's update_lp_params",
     "enable_backward_allreduce": "turning DeepSpeed's own boundary all-reduce off",
     "activation_offload": "handing a block its activation offload",
+    "split_backward": "handing a layer the store that splits its backward into B and W",
 }
 """How the runtime installs an overlap feature on a built engine: each may occur only inside an apply_* function."""
 OVERLAP_FEATURES = {
     "apply_grad_reduce_in_last_backward": {"hook", "__class__", "enable_backward_allreduce"},
     "apply_weight_gather_in_first_forward": {"hook", "update_lp_params"},
     "apply_activation_offload": {"activation_offload"},
+    "apply_split_backward": {"__class__", "split_backward"},
 }
 """Each overlap feature of executor `mist` (docs/design.md, The `mist` schedule) -> its apply_* function in
 runtime/engine.py and the install mechanisms it uses."""
@@ -244,8 +246,8 @@ runtime/engine.py and the install mechanisms it uses."""
 def install_sites(source: str) -> list[tuple[str, str]]:
     """(mechanism, the innermost enclosing function's name, or "<module>") for each install mechanism in
     `source`: register_*hook* calls, and assignments to `__class__`, `update_lp_params`,
-    `enable_backward_allreduce` or another object's `activation_offload` (a layer setting its own to None
-    in __init__ installs nothing)."""
+    `enable_backward_allreduce` or another object's `activation_offload` or `split_backward` (a layer setting its
+    own to None in __init__ installs nothing)."""
     found = []
 
     def visit(node, function: str) -> None:
@@ -259,7 +261,7 @@ def install_sites(source: str) -> list[tuple[str, str]]:
         for target in targets:
             for element in target.elts if isinstance(target, ast.Tuple) else [target]:
                 if isinstance(element, ast.Attribute) and element.attr in INSTALL_MECHANISMS and not (
-                        element.attr == "activation_offload" and isinstance(element.value, ast.Name)
+                        element.attr in ("activation_offload", "split_backward") and isinstance(element.value, ast.Name)
                         and element.value.id == "self"):
                     found.append((element.attr, function))
         for child in ast.iter_child_nodes(node):

@@ -1,6 +1,6 @@
 """ZB-H1 priced (mist_ds/specs/pipeline_order.py, mist_ds/cost/executors/zero_bubble.py; docs/design.md, The
 `zb-h1` schedule): its order, its simulation against the paper's bubble, the split of the backward, the memory of
-deferred W's, a pp 8 plan's bubble against 1F1B's, and the refusal to emit or run what is priced only."""
+deferred W's, a pp 8 plan's bubble against 1F1B's, and where it is emitted."""
 from __future__ import annotations
 
 import numpy as np
@@ -70,11 +70,11 @@ def test_a_pp8_plan_s_zb_h1_bubble_is_at_most_half_its_1f1b_bubble():
     assert np.isclose(sum(zb.flops_per_rank), sum(one_f_one_b.flops_per_rank))
 
 
-def test_zb_h1_is_priced_but_neither_emitted_nor_run():
-    specs = compose([*TINY_PP8, "strategy.schedule=zb-h1"])
-    with pytest.raises(ConfigError, match=r"strategy.schedule.*zb-h1.*strategy.schedule=1f1b") as refused:
-        ds_config(specs.strategy, specs.train, specs.model)
-    assert refused.value.rule == "mist.schedule-not-built"
+def test_zb_h1_is_emitted_on_mist_and_refused_where_it_is_not_priced():
+    """Executor mist runs zb-h1 in fp32 (tests/test_zero_bubble_runtime.py); an executor that does not price it
+    refuses it."""
+    specs = compose([*TINY_PP8, "strategy.schedule=zb-h1", "train.precision=fp32"])
+    assert ds_config(specs.strategy, specs.train, specs.model)["mist"]["strategy"]["schedule"] == "zb-h1"
     with pytest.raises(ConfigError) as other:
         predict(compose([*TINY_PP8, "strategy.runtime=deepspeed", "strategy.schedule=zb-h1"]))
     assert other.value.rule == "deepspeed.schedule"

@@ -58,8 +58,10 @@ STEPS_PER_PRINT = 1_000_000_000
 """Never within a run: mist_ds measures and logs its own step times (DeepSpeed's print syncs the host)."""
 
 
-def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = None) -> None:
-    """Refuse, with the rule's name, a strategy DeepSpeed engines cannot execute as planned."""
+def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = None, precision: str | None = None,
+                    model: ModelSpec | None = None) -> None:
+    """Refuse, with the rule's name, a strategy DeepSpeed engines cannot execute as planned (in train.precision
+    `precision`, of `model`, where given)."""
     caps = capabilities_of(caps or strategy.runtime)  # an unknown name is refused as such first
     if not caps.executes_on_deepspeed:
         rule = f"{caps.name}.not-on-deepspeed"
@@ -68,7 +70,7 @@ def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = 
                           f"plans for executor {caps.name} are priced, not run on DeepSpeed; use one of "
                           f"{', '.join(on_deepspeed)} [rule {rule}]", rule=rule)
     check_executor(strategy, caps)
-    check_schedule_built(strategy, caps)
+    check_schedule_built(strategy, caps, precision, model)
 
 
 def precision_block(precision: str) -> dict[str, Any]:
@@ -226,7 +228,7 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
     mpu) and train_batch_size = b x G x d x t, the t ranks of a group seeing the same samples.
     """
     caps = capabilities_of(caps or strategy.runtime)
-    check_emittable(strategy, caps)
+    check_emittable(strategy, caps, train.precision, model)
     par = strategy.parallelism
     first = strategy.stages[0]
     hooked = bool(reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, first.zero_stage))  # one ZeRO stage

@@ -8,13 +8,15 @@ layout-independent weights or a user's Hugging Face model's own parts (mist_ds/r
 blocks recomputed; the embeddings tied across the first and last stage); hand `deepspeed.initialize` this stage's
 own config (ZeRO stage, offload); then one `apply_<feature>` per overlap feature of executor `mist`, each
 installing its feature on the built engine, logging what it applied and returning what it installed:
-`apply_grad_reduce_in_last_backward`, `apply_weight_gather_in_first_forward`, `apply_activation_offload`.
+`apply_grad_reduce_in_last_backward`, `apply_weight_gather_in_first_forward`, `apply_activation_offload`, and
+`apply_split_backward` where the schedule is zb-h1 (mist_ds/runtime/zero_bubble.py).
 Every install (a hook, the engine's class, the optimizer's update_lp_params) happens inside its apply_*
 (tests/test_layering.py checks it).
 
 pp = 1 plans run on DeepSpeed's engine (ZeRO 0-3, parameter and optimizer offload); pp > 1 plans on
 its PipelineEngine with stock 1F1B (TrainSchedule), ZeRO <= 1, or, where the plan's overlap features
-apply (executor `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py).
+apply (executor `mist`), on MistPipelineEngine (mist_ds/runtime/overlap.py), or at strategy.schedule=zb-h1 on
+ZeroBubblePipelineEngine (mist_ds/runtime/zero_bubble.py).
 
 The runtime runs engines only: what observes them (the census, the step census, what ran, measure) is
 mist_ds/observe, which the runtime never imports; an observer plugs in as `PlannedEngine.observer`.
@@ -37,7 +39,7 @@ import torch.nn as nn
 from mist_ds.emit import MistBlock, read_mist_block, stage_ds_config
 from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
-from mist_ds.runtime.layers import BLOCK, LayerSource, PlannedLayer, ZooLayers
+from mist_ds.runtime.layers import BLOCK, EMBEDDING, LayerSource, PlannedLayer, ZooLayers
 from mist_ds.runtime.versions import check_deepspeed_version
 from mist_ds.specs import (ConfigError, ModelSpec, check_executor, check_schedule_built, executor_capabilities,
                            grad_reduce_overlapped,
@@ -47,6 +49,11 @@ from mist_ds.specs.strategy import degrees_text
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """train.precision's spelling of `dtype`."""
+    return next((key for key, value in DTYPES.items() if value == dtype), "fp32")
 
 
 def model_dtype(config: Mapping[str, Any]) -> torch.dtype:
@@ -198,6 +205,8 @@ class PlannedEngine:
                 self.weight_gather.remove()
             if self.grad_reducer is not None:
                 self.grad_reducer.close()
+            if hasattr(self.engine, "close_sends"):  # ZB-H1's sends a step that raised left in flight
+                self.engine.close_sends()
         finally:
             self.engine.destroy()
 
@@ -215,9 +224,10 @@ def load_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         raise ConfigError("ds_config", str(path), f"not valid JSON ({error})") from error
 
 
-def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module: nn.Module | None = None) -> None:
+def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module: nn.Module | None = None,
+                     dtype: torch.dtype | None = None) -> None:
     """Refuse, naming the rule, what this runtime cannot run, before DeepSpeed sees it (`module`: the user's
-    own model instance, for a plan of family hf)."""
+    own model instance, for a plan of family hf; `dtype`: what the ranks compute in, where known)."""
     strategy, par = plan.strategy, plan.strategy.parallelism
     caps = executor_capabilities(strategy.runtime)
     if model.hf is not None and module is None:
@@ -239,7 +249,7 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module:
         raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
     check_executor(strategy, caps, model)
-    check_schedule_built(strategy, caps)
+    check_schedule_built(strategy, caps, None if dtype is None else precision_name(dtype), model)
     lacking = [name for name, on in dataclasses.asdict(plan.overlap).items() if on and not getattr(caps.overlap, name)]
     if lacking:  # the plan switches features off one by one; it cannot switch on one the runtime lacks
         raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),
@@ -314,9 +324,9 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     plan = read_mist_block(config)
     if not dist.is_initialized():
         join_process_group()
-    check_executable(plan, model, dist.get_world_size(), module)
-    check_host_memory(plan, dist.get_rank(), ranks_on_this_node(dist.get_world_size()), physical_memory_bytes())
     dtype = model_dtype(config)
+    check_executable(plan, model, dist.get_world_size(), module, dtype)
+    check_host_memory(plan, dist.get_rank(), ranks_on_this_node(dist.get_world_size()), physical_memory_bytes())
     check_precision(dtype)
     stage = build_stage(plan, layer_source(plan, model, module, dtype), dtype, seed, dist.get_rank())
     stage_config = stage_ds_config(config, stage.coord.pipe)
@@ -325,6 +335,7 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     engine, reducer = apply_grad_reduce_in_last_backward(engine, plan, stage)
     gather = apply_weight_gather_in_first_forward(engine, plan, stage, dtype)
     offload = apply_activation_offload(stage.layers, plan.strategy.stages[stage.coord.pipe].activations_offload)
+    engine = apply_split_backward(engine, plan, stage)
     ties = stage.module.planned_ties if plan.strategy.parallelism.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
     return PlannedEngine(engine=engine, plan=plan, stage=stage.coord.pipe, tp_rank=stage.coord.model,
@@ -448,6 +459,28 @@ def apply_weight_gather_in_first_forward(engine, plan: MistBlock, stage: StageMo
     log.info("weight gather in the first forward: %d chunks over %d layers", sum(map(len, gather.chunks)),
              len(gather.layers))
     return gather
+
+
+def apply_split_backward(engine, plan: MistBlock, stage: StageModule):
+    """Executor `mist` at strategy.schedule=zb-h1 (mist_ds/runtime/zero_bubble.py): the pipeline's engine
+    re-classed as ZeroBubblePipelineEngine (ZB-H1's stream, asynchronous sends; the per-layer reducer, if
+    apply_grad_reduce_in_last_backward installed one, armed in the last B and the last W) and every block and the
+    head given the stage's WeightGradients, which splits their linears' backward into B and W. The engine."""
+    from mist_ds.runtime.zero_bubble import WeightGradients, ZeroBubblePipelineEngine
+    from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
+
+    if plan.strategy.schedule not in SPLIT_SCHEDULES:
+        return engine
+    reducer = getattr(engine, "grad_reducer", None)
+    engine.__class__ = ZeroBubblePipelineEngine
+    engine.grad_reducer, engine.weight_gradients, engine.pending_sends, engine.executed = \
+        reducer, WeightGradients(), [], []
+    split = [layer for layer in stage.layers if layer.kind != EMBEDDING]  # the embedding's input needs no gradient
+    for layer in split:
+        layer.split_backward = engine.weight_gradients
+    log.info("%s: %s with B and W, %d layers' linears split, reduction %s", plan.strategy.schedule,
+             type(engine).__name__, len(split), "per layer in the last B and W" if reducer else "after the last W")
+    return engine
 
 
 def own_communicator(rank_lists: list[list[int]], rank: int):

@@ -143,6 +143,8 @@ class PlannedLayer(nn.Module):
         """An ActivationOffload (mist_ds/runtime/activations.py) when this block's activations go to the host."""
         self.first_offloaded = False
         """The stage's first offloaded block: its forward starts a new prefetch chain."""
+        self.split_backward = None
+        """A WeightGradients (mist_ds/runtime/zero_bubble.py) when the schedule splits this layer's backward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_offload is not None and torch.is_grad_enabled():
@@ -161,6 +163,9 @@ class PlannedLayer(nn.Module):
 
     def _counted_forward(self, x: torch.Tensor) -> torch.Tensor:
         self.forward_passes += 1  # here, not in a hook: the checkpoint's replay in backward passes here too
+        if self.split_backward is not None and torch.is_grad_enabled():  # the replay splits as the forward did
+            with self.split_backward.splitting():
+                return self.layer(x)
         return self.layer(x)
 
 

@@ -11,6 +11,7 @@ from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs.errors import ConfigError
 from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, capabilities_of
 from mist_ds.specs.model import ModelSpec
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.strategy import StrategySpec
 from mist_ds.specs.target_rules import recompute_allowed
 from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities, target_capabilities
@@ -60,12 +61,39 @@ def _refuse(rule: str, field: str, value, fix: str) -> ConfigError:
     return ConfigError(field, value, f"{fix} [rule {rule}]", rule=rule)
 
 
-def check_schedule_built(strategy: StrategySpec, caps: ExecutorCapabilities) -> None:
-    """Refuse, before anything is emitted or run, a schedule the executor is priced with but does not run."""
-    if strategy.schedule in caps.schedules and strategy.schedule not in caps.built_schedules:
-        raise _refuse(f"{caps.name}.schedule-not-built", "strategy.schedule", strategy.schedule,
-                      f"executor {caps.name} prices {strategy.schedule} but runs only "
+def check_schedule_built(strategy: StrategySpec, caps: ExecutorCapabilities, precision: str | None = None,
+                         model: ModelSpec | None = None) -> None:
+    """Refuse, before anything is emitted or run, a schedule the executor is priced with but does not run, and a
+    schedule that splits the backward where the executor's split does not compose (`caps.split_backward`; the
+    `precision`, train.precision, and `model` rules apply where they are given)."""
+    name, schedule = caps.name, strategy.schedule
+    if schedule in caps.schedules and schedule not in caps.built_schedules:
+        raise _refuse(f"{name}.schedule-not-built", "strategy.schedule", schedule,
+                      f"executor {name} prices {schedule} but runs only "
                       f"{', '.join(caps.built_schedules)}: use strategy.schedule=1f1b to train the plan")
+    if schedule not in SPLIT_SCHEDULES:
+        return
+    split, par, fix = caps.split_backward, strategy.parallelism, "or train the plan with strategy.schedule=1f1b"
+    if par.pp == 1:
+        raise _refuse(f"{name}.split-pipeline", "strategy.pp", par.pp,
+                      f"{schedule} orders a pipeline's stages and a stage of its own has no bubble to fill: "
+                      f"use strategy.schedule=1f1b at pp = 1")
+    if par.tp > 1 and not split.tensor_parallel:
+        raise _refuse(f"{name}.split-tp", "strategy.tp", par.tp,
+                      f"executor {name} runs {schedule} without tensor parallelism only: strategy.tp=1, {fix}")
+    offloading = [s.activations_offload for s in strategy.stages]
+    if any(offloading) and not split.activations_offload:
+        raise _refuse(f"{name}.split-activation-offload", "strategy.offload.activations", offloading,
+                      f"executor {name} runs {schedule} without activation offload: "
+                      f"strategy.offload.activations=0, {fix}")
+    if precision is not None and precision not in split.precisions:
+        raise _refuse(f"{name}.split-precision", "train.precision", precision,
+                      f"executor {name} runs {schedule} in {', '.join(split.precisions) or 'no precision'} only: "
+                      f"train.precision={split.precisions[0] if split.precisions else 'fp32'}, {fix}")
+    if model is not None and (model.hf is not None or model.module is not None) and not split.own_models:
+        raise _refuse(f"{name}.split-own-model", "strategy.schedule", schedule,
+                      f"executor {name} splits the backward of the zoo's models only (of an own model the GEMMs "
+                      "it would defer are not all the ones priced as W): use strategy.schedule=1f1b")
 
 
 def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = None,

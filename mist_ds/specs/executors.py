@@ -36,6 +36,26 @@ class OverlapFeatures:
     implies it)."""
 
 
+@dataclass(frozen=True)
+class SplitBackward:
+    """What a schedule that splits the backward into B and W (`zb-h1`, specs/pipeline_order.py SPLIT_SCHEDULES)
+    composes with on an executor's engines; the emitter and the runtime refuse the rest (`<name>.split-*`,
+    executor_rules.check_schedule_built). The ZeRO stages are `zero_stages_with_pipeline`'s."""
+
+    tensor_parallel: bool = False
+    """t > 1: the TP collectives would stay in B, but no run has checked it."""
+    activations_offload: bool = False
+    """ao > 0: the offload's pack hooks would also save the deferred W's operands, which its one-block-ahead
+    prefetch in backward does not know about."""
+    precisions: tuple[str, ...] = ()
+    """train.precision values it runs in. BF16_Optimizer moves low-precision gradients into its fp32 ones after
+    each backward and clears them before the next, which a W run later would miss; so fp32 only (which also leaves
+    out the bf16-only weight gather in the first forward)."""
+    own_models: bool = False
+    """A Hugging Face or user's model (family hf / module): their GEMM modules (GPT-2's Conv1D calls addmm) are not
+    all `F.linear`, which is what the runtime splits, so W would not be what the cost model prices."""
+
+
 ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
 """Which allocation model cost/memory.py prices model states with (its module docstring)."""
 CollectiveModel = Literal["deepspeed", "ideal"]
@@ -115,8 +135,9 @@ class ExecutorCapabilities:
     mist_ds.runtime's schedule."""
     built_schedules: tuple[str, ...] = ("1f1b", "mist", "interleaved")
     """Of `schedules`, those its engines run (where `built`): a plan with another is priced, and refused by the
-    emitter and the runtime (`<name>.schedule-not-built`). Executor `mist`: ZB-H1 is priced, its runtime not yet
-    built (issue 31)."""
+    emitter and the runtime (`<name>.schedule-not-built`)."""
+    split_backward: SplitBackward = SplitBackward()
+    """Where a built schedule splits the backward (zb-h1): what it composes with."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
@@ -153,9 +174,10 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     # once (the data-parallel reduction beside the pipeline's sends and the tied sum, the gather's own):
     # checked on gloo only, so tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has
     # checked it.
-    # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it; its split backward is not run yet.
+    # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it and runs (mist_ds/runtime/zero_bubble.py) in
+    # fp32 on the zoo's models without TP or activation offload (SplitBackward says why not there).
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist", "zb-h1"),
-                   built_schedules=("1f1b", "mist"),
+                   built_schedules=("1f1b", "mist", "zb-h1"), split_backward=SplitBackward(precisions=("fp32",)),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),
                    grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False, runs_on_stock_engine=False,

@@ -1,6 +1,6 @@
 """The order of a pipeline stage's work under a schedule that splits the backward, instruction by instruction
 (docs/design.md, The `zb-h1` schedule). Data only: the event simulator replays it
-(mist_ds/cost/executors/zero_bubble.py); the runtime that will run it is issue 31's next part.
+(mist_ds/cost/executors/zero_bubble.py) and the runtime runs it (mist_ds/runtime/zero_bubble.py).
 
 An instruction is (kind, micro-batch): RECV_ACT / SEND_ACT (the activation from the previous stage / to the next),
 RECV_GRAD / SEND_GRAD (the gradient from the next stage / to the previous), FORWARD, BACKWARD_INPUT (B: the backward

@@ -1,0 +1,147 @@
+"""ZB-H1 run on executor `mist` (mist_ds/runtime/zero_bubble.py; docs/design.md, The `zb-h1` schedule): on CPU ranks
+with real DeepSpeed, fp32 losses bitwise equal to the same plan at 1F1B over 5 steps (ZeRO-0 with the per-layer
+reducer, with recompute, ZeRO-1); the instruction stream each rank ran is specs/pipeline_order.py's; observed
+independently (a post-accumulate-grad hook per parameter), the linears' weight gradients accumulate only inside W
+instructions and the rest only inside B; the step census equals the prediction. Without a launch: the schedule's
+instructions, and what the emitter and the runtime refuse, each with its rule."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mist_ds.config import compose
+from mist_ds.cost.predict import predict
+from mist_ds.emit import ds_config, read_mist_block
+from mist_ds.specs import ConfigError
+from mist_ds.specs.pipeline_order import BACKWARD_INPUT, BACKWARD_WEIGHT, zb_h1_order
+
+WORKER = "tests.zero_bubble_worker:zero_bubble_worker"
+STEPS = 5
+LAUNCH_TIMEOUT_S = 420.0
+FEATURES = {"zero0": (), "recompute": ("strategy.ckpt_layers=1",), "zero1": ("strategy.zero_stage=1",)}
+"""ZeRO-0 (the per-layer reducer of executor `mist` runs), the last block of each stage recomputed, ZeRO-1."""
+
+
+def tiny(pp: int, *extra: str, ranks: int | None = None, precision: str = "fp32") -> list[str]:
+    """The tiny model on `ranks` (default pp) CPU ranks, micro-batches of 1, G = 2 pp at d = 1 (so G > S), executor
+    mist."""
+    return ["cluster=cpu", f"cluster.gpus_per_node={ranks or pp}", "model=tiny", f"model.num_layers={pp * 2}",
+            f"train.global_batch_size={2 * (ranks or pp)}", "strategy.micro_batch_size=1", f"strategy.pp={pp}",
+            "strategy.runtime=mist", f"train.precision={precision}", *extra]
+
+
+def run(pp: int, features: dict[str, tuple[str, ...]], ranks: int | None = None
+        ) -> dict[tuple[str, str], tuple[object, list[dict]]]:
+    """Each feature set at 1f1b and zb-h1 in one launch on `ranks` (default pp): (specs, results by rank) by
+    (feature, schedule)."""
+    from mist_ds.observe.ranks import launch
+
+    keys, cases, specs_of = [], [], {}
+    for feature, extra in features.items():
+        for schedule in ("1f1b", "zb-h1"):
+            specs = compose(tiny(pp, *extra, f"strategy.schedule={schedule}", ranks=ranks))
+            keys.append((feature, schedule))
+            specs_of[keys[-1]] = specs
+            config = ds_config(specs.strategy, specs.train, specs.model)
+            cases.append({"name": f"{feature}-{schedule}", "config": config,
+                          "model": dataclasses.asdict(specs.model), "steps": STEPS})
+    by_rank = launch(WORKER, ranks or pp, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
+    return {key: (specs_of[key], [rank_results[i] for rank_results in by_rank]) for i, key in enumerate(keys)}
+
+
+def check_zb_h1(results, feature: str) -> None:
+    (_, stock), (specs, zb) = results[(feature, "1f1b")], results[(feature, "zb-h1")]
+    par = specs.strategy.parallelism
+    prediction = predict(specs).to_dict()
+    from mist_ds.testing.step_census import step_census_mismatches
+
+    for ran_1f1b, ran in zip(stock, zb):
+        stage = ran["stage"]
+        assert ran["engine"] == "ZeroBubblePipelineEngine" and ran_1f1b["engine"] != ran["engine"]
+        assert ran["losses"] == ran_1f1b["losses"], feature  # bitwise
+        assert [tuple(i) for i in ran["executed"]] == zb_h1_order(stage, par.pp, par.grad_accum)
+        assert ran["split_linears"] > 0
+        # observed by the worker's own hooks: weights of linears accumulate in W only, everything else in B only,
+        # each W(m) where the order places it
+        for running, linear_weight in ran["accumulated"]:
+            assert running[0] == (BACKWARD_WEIGHT if linear_weight else BACKWARD_INPUT), (feature, stage, running)
+        w_seen = [m for (kind, m), linear in ran["accumulated"] if linear]
+        assert sorted(set(w_seen)) == list(range(par.grad_accum)) and w_seen == sorted(w_seen)
+        census = ran["census"]
+        assert not step_census_mismatches(census["flops"], census["comm_bytes"], prediction["flops_per_rank"][stage],
+                                          prediction["comm_bytes_per_rank"][stage], False), (feature, stage)
+        same = ("flops", "comm_bytes", "comm_calls")  # the same work and traffic as 1F1B, in another order
+        assert {k: census[k] for k in same} == {k: ran_1f1b["census"][k] for k in same}
+        # The per-layer reducer (ZeRO-0) issues a layer once its last gradient lands: the embedding's in the last B,
+        # a block's at its last weight in the last W. Each W is a graph task of its own (one linear), ending right
+        # after that hook, so the observer (observe/counting.py: more of *that* backward's compute after it) counts
+        # fewer calls in a backward than under 1F1B, but at least the one issued in the last B.
+        if feature != "zero1":
+            stock_calls = sum(ran_1f1b["census"]["calls_in_backward"].values())
+            assert 1 <= sum(census["calls_in_backward"].values()) <= stock_calls
+
+
+@pytest.mark.slow
+def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_with_w_where_the_order_places_it():
+    results = run(2, FEATURES)
+    for feature in FEATURES:
+        check_zb_h1(results, feature)
+
+
+@pytest.mark.slow
+def test_zb_h1_trains_bitwise_like_1f1b_at_pp4():
+    results = run(4, FEATURES)
+    for feature in FEATURES:
+        check_zb_h1(results, feature)
+
+
+@pytest.mark.slow
+def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_dp2_where_the_reduction_sums_over_ranks():
+    """d = 2: the per-layer reducer's buckets (ZeRO-0) and DeepSpeed's reduce_gradients (ZeRO-1) sum over two ranks,
+    so a gradient reduced before its last W would change the losses."""
+    results = run(2, {"zero0": FEATURES["zero0"], "zero1": FEATURES["zero1"]}, ranks=4)
+    for feature in ("zero0", "zero1"):
+        check_zb_h1(results, feature)
+
+
+def test_the_schedule_is_the_order_with_the_reductions_after_the_last_w():
+    from deepspeed.runtime.pipe import schedule
+
+    from mist_ds.runtime.overlap import WaitReducedGrads
+    from mist_ds.runtime.zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleSchedule
+
+    for reduced in (False, True):
+        steps = list(ZeroBubbleSchedule(micro_batches=4, stages=2, stage_id=1, reduced_in_backward=reduced).steps())
+        kinds = [type(cmd) for step in steps for cmd in step]
+        assert [c.kwargs["micro_batch"] for step in steps for c in step if type(c) is BackwardWeight] == [0, 1, 2, 3]
+        assert [c.kwargs["last"] for step in steps for c in step if type(c) is BackwardInput] == [0, 0, 0, 1]
+        ends = [WaitReducedGrads] if reduced else [schedule.ReduceTiedGrads, schedule.ReduceGrads]
+        assert kinds[-len(ends) - 2:] == [kinds[-len(ends) - 2], *ends, schedule.OptimizerStep]
+        assert kinds.index(schedule.OptimizerStep) > max(i for i, k in enumerate(kinds) if k is BackwardWeight)
+
+
+@pytest.mark.parametrize("pp,extra,precision,rule,field", [
+    (1, (), "fp32", "mist.split-pipeline", "strategy.pp"),
+    (2, ("strategy.tp=2",), "fp32", "mist.split-tp", "strategy.tp"),
+    (2, ("strategy.offload.activations=0.5",), "fp32", "mist.split-activation-offload", "strategy.offload.activations"),
+    (2, (), "bf16", "mist.split-precision", "train.precision"),
+])
+def test_what_zb_h1_does_not_compose_with_is_refused_with_its_rule(pp, extra, precision, rule, field):
+    """Each refusal names the field, its value and the fix (strategy.schedule=1f1b among them)."""
+    specs = compose(tiny(pp, "strategy.schedule=zb-h1", *extra, ranks=4, precision=precision))
+    with pytest.raises(ConfigError) as refused:
+        ds_config(specs.strategy, specs.train, specs.model)
+    assert refused.value.rule == rule and field in str(refused.value) and "1f1b" in str(refused.value)
+
+
+def test_zb_h1_is_emitted_and_accepted_by_the_runtime_where_it_composes():
+    from mist_ds.runtime.engine import check_executable
+
+    specs = compose(tiny(2, "strategy.schedule=zb-h1", "strategy.zero_stage=1"))
+    plan = read_mist_block(ds_config(specs.strategy, specs.train, specs.model))
+    check_executable(plan, specs.model, 2, dtype=torch.float32)
+    with pytest.raises(ConfigError) as refused:
+        check_executable(plan, specs.model, 2, dtype=torch.bfloat16)
+    assert refused.value.rule == "mist.split-precision"

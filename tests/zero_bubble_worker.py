@@ -1,0 +1,58 @@
+"""Rank side of tests/test_zero_bubble_runtime.py: train a plan for a few steps; record the instruction stream the
+engine ran in its last step and, independently of mist_ds/runtime/zero_bubble.py, during which instruction each
+parameter's gradient accumulated (a post-accumulate-grad hook per parameter, installed after the runtime's own);
+then one step under the step census."""
+from __future__ import annotations
+
+import torch
+
+from mist_ds.models.tp import ColumnParallelLinear, RowParallelLinear
+from mist_ds.observe import count_step
+from mist_ds.observe.ranks import run_cases_on_cpu_ranks
+from mist_ds.specs import ModelSpec
+from tests.runtime_worker import DATA_SEED, synthetic_batches
+
+
+def linear_weights(planned) -> set[int]:
+    """ids of the stage's linears' weights: what a split backward defers to W."""
+    return {id(module.weight) for layer in planned.layers for module in layer.modules()
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def run_case(case: dict) -> dict:
+    from mist_ds.runtime import initialize
+
+    model = ModelSpec(**case["model"])
+    planned = initialize(case["config"], model, seed=0)
+    par = planned.plan.strategy.parallelism
+    engine = planned.engine
+    losses = []
+    for step in range(case["steps"]):
+        batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum,
+                                    DATA_SEED + step * 1000 + planned.dp_rank)
+        losses.append(planned.train_batch(batches, observed=False))
+    executed = [list(i) for i in getattr(engine, "executed", [])]
+    weights = linear_weights(planned)
+    accumulated: list[list] = []  # [instruction running (kind, micro-batch) or None, whether a linear's weight]
+
+    def note(param) -> None:
+        running = list(engine.executed[-1]) if getattr(engine, "executed", None) else None
+        accumulated.append([running, id(param) in weights])
+
+    hooks = [p.register_post_accumulate_grad_hook(note) for p in engine.module.parameters() if p.requires_grad]
+    planned.train_batch(synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED - 1 - planned.dp_rank),
+                        observed=False)
+    for hook in hooks:
+        hook.remove()
+    _, census = count_step(planned, synthetic_batches(model, par.micro_batch_size, par.grad_accum,
+                                                     DATA_SEED - 2 - planned.dp_rank))
+    result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(engine).__name__,
+              "executed": executed, "accumulated": accumulated, "census": census,
+              "split_linears": getattr(getattr(engine, "weight_gradients", None), "split_linears", 0)}
+    planned.close()
+    return result
+
+
+def zero_bubble_worker(rank: int, world_size: int, payload: dict) -> list[dict]:
+    torch.manual_seed(0)
+    return run_cases_on_cpu_ranks(run_case, payload["cases"])
