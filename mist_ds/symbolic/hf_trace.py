@@ -6,22 +6,21 @@ t = 1 is the model as transformers builds it, traced here. At t > 1 the model is
 AutoTP as its training engine shards it (mist_ds/specs/autotp.py: rank 0's view, the largest share), so the trace
 sees rank 0's GEMM shapes and the collectives AutoTP's layers issue (all-reduces of row-parallel outputs and of
 column-parallel input gradients, the all-gather of a gathered LM head); that set-up is global to a process, so each
-degree is traced in a process of its own (specs/autotp.py `at_each_degree`: `python -m mist_ds.symbolic.hf_trace`
-imports once and forks a child per degree). The pieces are joined per degree: an expression is its t = 1 value at
-t = 1, its degree's value at each priced degree, and not a number elsewhere (ModelSpec.check_tensor_parallel
-refuses other degrees before anything is priced).
+degree is traced in a process of its own (specs/autotp.py `at_each_degree`: a child per degree, forked from a server
+that imported this module once per planning process; `prepare` and `answer_at` are the server's side). The pieces
+are joined per degree: an expression is its t = 1 value at t = 1, its degree's value at each priced degree, and not
+a number elsewhere (ModelSpec.check_tensor_parallel refuses other degrees before anything is priced).
 
 Imports torch, sympy and transformers; `mist_ds.symbolic.analyze` loads it only on a cache miss."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import sympy
 
 from mist_ds.models.hf import meta_model, parts, run_to_first_block
 from mist_ds.specs import ModelSpec
-from mist_ds.specs.autotp import AUTOTP_DEGREES, at_each_degree, serve_each_degree, shard_with_autotp
+from mist_ds.specs.autotp import AUTOTP_DEGREES, at_each_degree, shard_with_autotp
 from mist_ds.symbolic import symbols as sym
 from mist_ds.symbolic.aggregate import Gemm
 from mist_ds.symbolic.cut_trace import trace_cut_layer
@@ -95,15 +94,13 @@ def trace_hf_layers(model: ModelSpec, precision: str) -> dict[str, TracedLayer]:
     return joined
 
 
-def _prepare(request: dict) -> None:
+def prepare(request: dict) -> None:
+    """The AutoTP server's side of `_trace_degrees`, before its children fork: the model's class imported once."""
     spec = ModelSpec(**request["model"])
-    meta_model(spec.hf, DTYPES[request["precision"]])  # imports the model's class once, before the children
+    meta_model(spec.hf, DTYPES[request["precision"]])
 
 
-def _trace_at(request: dict, degree: int) -> dict:
+def answer_at(request: dict, degree: int) -> dict:
+    """The child's side of `_trace_degrees`: each layer kind traced at `degree`, as text."""
     spec = ModelSpec(**request["model"])
     return {kind: _as_text(trace_hf_part(spec, kind, request["precision"], degree)) for kind in LAYER_KINDS}
-
-
-if __name__ == "__main__":
-    serve_each_degree(sys.argv, _prepare, _trace_at)
