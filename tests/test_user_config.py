@@ -184,3 +184,30 @@ def test_the_example_is_what_its_docstring_says():
     example = (REPO / "examples" / "hf_causal_lm" / "train.py").read_text()
     assert "mist-deepspeed --autotune-mist run" in example and "mist_ds.initialize(args=args" in example
     assert "deepspeed.initialize(" not in example and len(example.splitlines()) <= 80
+
+
+def test_a_plan_is_refused_for_another_model_naming_what_differs_not_how_it_was_loaded(tmp_path):
+    """The training launch's identity check: loading in bf16 or switching the cache off (what a fine-tuning script
+    does) changes nothing priced, and passes; another FFN width is refused naming config.intermediate_size."""
+    import types
+
+    import torch
+    import transformers
+
+    from mist_ds.config import compose
+    from mist_ds.plan import model_source_of
+    from mist_ds.script.initialize import check_plan_is_for
+
+    shapes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+    transformers.LlamaConfig(**shapes).save_pretrained(tmp_path / "planned")
+    overrides = ["model=hf", f"model.name_or_path={tmp_path / 'planned'}", "model.seq_len=32", "cluster=cpu"]
+    plan = types.SimpleNamespace(user_overrides=overrides,
+                                 model_source=model_source_of(compose(overrides, with_strategy=False).model))
+    loaded = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes, use_cache=False)).to(torch.bfloat16)
+    loaded.config.dtype = torch.bfloat16
+    assert check_plan_is_for(plan, tmp_path / "plan.json", loaded, None, tmp_path / "a").hf is not None
+    wider = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**shapes, "intermediate_size": 96}))
+    with pytest.raises(ConfigError, match="differs in config.intermediate_size") as error:
+        check_plan_is_for(plan, tmp_path / "plan.json", wider, None, tmp_path / "b")
+    assert error.value.rule == "plan.model-source"

@@ -144,18 +144,41 @@ def _handed_model_spec(plan, model: Any, loss: Callable | None, scratch: Path):
     return compose(overrides, with_strategy=False, module=None if hf else model, loss=loss).model
 
 
+RUNTIME_ONLY_FIELDS = frozenset({"dtype", "torch_dtype", "use_cache", "architectures", "_name_or_path",
+                                 "transformers_version", "output_attentions", "output_hidden_states", "return_dict"})
+"""Fields of an HF config that change nothing the plan prices (the dtype a script loads in: the plan's precision is
+train.precision; the cache, unused in training; bookkeeping save_pretrained writes)."""
+
+
+def _config_fields_that_differ(plan, spec) -> list[str]:
+    """The priced fields of the planned HF config that the handed model's config changes (RUNTIME_ONLY_FIELDS aside);
+    the planned config read where the plan says it was (its own folder for a plan made in the script)."""
+    from mist_ds.config import compose
+
+    planned = json.loads(compose(plan.user_overrides, with_strategy=False).model.hf.config_json)
+    here = json.loads(spec.hf.config_json)
+    return sorted(key for key in set(planned) | set(here)
+                  if key not in RUNTIME_ONLY_FIELDS and planned.get(key) != here.get(key))
+
+
 def check_plan_is_for(plan, plan_json: Path, model: Any, loss: Callable | None, scratch: Path) -> Any:
-    """The handed model's spec, once it is the model the plan was tuned for (ConfigError naming both)."""
+    """The handed model's spec, once it is the model the plan was tuned for (ConfigError naming what differs): the
+    same class (and for an HF model the same config fields that are priced, and frozen parameters; a module the same
+    structure hash)."""
     from mist_ds.plan import model_source_of
 
     spec = _handed_model_spec(plan, model, loss, scratch)
     planned, here = plan.model_source, model_source_of(spec)
-    keys = {"hf": ("architecture", "config_sha256", "frozen"), "module": ("class", "module_sha256")}
-    same = planned.get("kind") == here["kind"] and all(planned.get(k) == here.get(k)
-                                                       for k in keys.get(here["kind"], ()))
-    if not same:
-        raise ConfigError("plan", str(plan_json), f"a plan for {planned}, and the script hands over {here}: tune "
-                                                  "for this model (drop --plan)", rule="plan.model-source")
+    keys = {"hf": ("architecture", "frozen"), "module": ("class", "module_sha256")}
+    differ = [k for k in keys.get(here["kind"], ()) if planned.get(k) != here.get(k)]
+    if planned.get("kind") != here["kind"]:
+        differ = ["kind"]
+    elif here["kind"] == "hf" and planned.get("config_sha256") != here["config_sha256"]:
+        differ += [f"config.{key}" for key in _config_fields_that_differ(plan, spec)]
+    if differ:
+        raise ConfigError("plan", str(plan_json), f"a plan for {planned}, and the model the script hands over differs "
+                                                  f"in {', '.join(differ)}: tune for this model (drop --plan)",
+                          rule="plan.model-source")
     return spec
 
 
