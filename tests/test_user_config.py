@@ -211,3 +211,21 @@ def test_a_plan_is_refused_for_another_model_naming_what_differs_not_how_it_was_
     with pytest.raises(ConfigError, match="differs in config.intermediate_size") as error:
         check_plan_is_for(plan, tmp_path / "plan.json", wider, None, tmp_path / "b")
     assert error.value.rule == "plan.model-source"
+
+
+def test_the_first_batch_is_checked_against_the_priced_shape():
+    """A dataloader built with the script's own batch size, or longer sequences than priced, is named on the first
+    forward; the priced shape, or shorter sequences, pass, and the check runs once."""
+    import torch
+
+    from mist_ds.script.apply import apply_batch_check, batch_shape_mistake
+
+    assert batch_shape_mistake((2, 32), 2, 32) is None and batch_shape_mistake((2, 16), 2, 32) is None
+    assert "micro-batch is 2" in batch_shape_mistake((8, 32), 2, 32)
+    assert "model.seq_len=64" in batch_shape_mistake((2, 64), 2, 32)
+    said = []
+    model = torch.nn.Embedding(10, 4)
+    apply_batch_check(model, 2, 32, said.append)
+    model(torch.zeros(8, 32, dtype=torch.long))
+    model(torch.zeros(8, 32, dtype=torch.long))
+    assert len(said) == 1 and "a batch of 8 sequences" in said[0]

@@ -244,3 +244,15 @@ def test_one_rank_failing_ends_the_job_at_once(configs, tmp_path):
                           tmp_path, timeout_s=240)
     assert done.returncode != 0 and "fails in its second step" in done.stdout + done.stderr
     assert time.monotonic() - started < 200
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_a_loop_feeding_another_batch_size_than_the_plan_is_stopped_naming_it(configs, tmp_path):
+    """The script's own batch size (8) against the plan's micro-batch (1): the first forward ends the run, exit 2,
+    with one line saying what to do; nothing trains on a shape the plan did not price."""
+    given_plan(configs["llama"], tmp_path / "plan", "strategy.zero_stage=1", "strategy.micro_batch_size=1")
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--batch", "8"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "the first batch: a batch of 8 sequences, and the plan's micro-batch is 1" in done.stderr
+    assert "loss " not in done.stdout

@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--census", default=None)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (without --census)")
     parser.add_argument("--fail_on_rank", type=int, default=None, help="this rank raises in its second step")
+    parser.add_argument("--batch", type=int, default=None, help="the loop's own batch size (default: the engine's)")
     parser.add_argument("--pipeline", action="store_true", help="step with engine.train_batch (pp > 1 may be planned)")
     parser.add_argument("--local_rank", type=int, default=-1)
     deepspeed.add_config_arguments(parser)
@@ -70,7 +71,7 @@ def main() -> None:
     engine, _, _, _ = mist_ds.initialize(args=args, model=model, model_parameters=model.parameters(),
                                          pipeline=args.pipeline)
     dp_rank, _ = mist_ds.data_parallel(engine)
-    b, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    b, accum = args.batch or engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     def loss_of(tokens: torch.Tensor) -> torch.Tensor:
         if args.model_config:

@@ -1,5 +1,6 @@
 """What a plan changes on the user's own model before DeepSpeed's engine wraps it (pp = 1): recompute of exactly the
-plan's last c blocks. ZeRO, offload and AutoTP are the engine's, from the merged config."""
+plan's last c blocks, and a check of the first batch the loop feeds it against the priced shape. ZeRO, offload and
+AutoTP are the engine's, from the merged config."""
 from __future__ import annotations
 
 import functools
@@ -53,3 +54,36 @@ def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[i
     log.info("mist_ds: recompute %d of %d blocks (%s)", recompute, len(blocks),
              f"blocks {first}..{len(blocks) - 1}" if recompute else "none")
     return chosen
+
+
+def batch_shape_mistake(shape: tuple[int, ...], micro_batch: int, seq_len: int) -> str | None:
+    """What is wrong with a batch of token ids of `shape` for a plan priced at (micro_batch, seq_len), or None: the
+    batch must be the plan's micro-batch (the engine's gradient accumulation and the priced memory assume it), its
+    sequence at most the priced length (a longer one needs more memory than the plan has)."""
+    if len(shape) != 2:
+        return f"token ids of shape {list(shape)}: the plan feeds (micro-batch, sequence) = ({micro_batch}, {seq_len})"
+    if shape[0] != micro_batch:
+        return (f"a batch of {shape[0]} sequences, and the plan's micro-batch is {micro_batch}: build the dataloader "
+                "after mist_ds.initialize with engine.train_micro_batch_size_per_gpu(), or use the one it returns")
+    if shape[1] > seq_len:
+        return (f"sequences of {shape[1]} tokens, and the plan was priced at model.seq_len={seq_len}: plan with "
+                f"--mist model.seq_len={shape[1]}")
+    return None
+
+
+def apply_batch_check(model: Any, micro_batch: int, seq_len: int, on_mistake) -> None:
+    """Check the first batch the loop feeds `model` (its token ids: `input_ids`, else the first tensor argument);
+    `on_mistake(message)` ends the run when it does not fit the plan. Removed after that first call."""
+    import torch
+
+    def check(module, args, kwargs):
+        handle.remove()
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        mistake = batch_shape_mistake(tuple(tokens.shape), micro_batch, seq_len) if tokens is not None else None
+        if mistake:
+            on_mistake(mistake)
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+

@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from mist_ds.script.apply import apply_recompute
+from mist_ds.script.apply import apply_batch_check, apply_recompute
 from mist_ds.script.planning import (hf_model_overrides, is_hf_model, pipeline_overrides, pipelines_held_because,
                                      plan_model)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
@@ -228,6 +228,8 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
         return _pipeline(settings, plan_json, model, spec, config, deepspeed_args)
     blocks = spec.read_model.blocks_attr
     apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_model(model))
+    apply_batch_check(model, strategy.parallelism.micro_batch_size, spec.seq_len,
+                      lambda mistake: _leave(EXIT_BAD_INPUT, f"error: the first batch: {mistake}", together=False))
     if dist.get_rank() == 0:
         log.info("%s; DeepSpeed config: %s", plan_json, "the plan's (AdamW, its precision)" if not user.given else
                  f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
