@@ -229,3 +229,17 @@ def test_the_first_batch_is_checked_against_the_priced_shape():
     model(torch.zeros(8, 32, dtype=torch.long))
     model(torch.zeros(8, 32, dtype=torch.long))
     assert len(said) == 1 and "a batch of 8 sequences" in said[0]
+
+
+def test_planning_a_script_needs_the_gpu_kind(tmp_path, capsys, monkeypatch):
+    """The launcher knows how many GPUs, not which: without --mist cluster=... the zoo's default (L4) would be planned
+    for silently. Refused before any rank starts, exit 2."""
+    from mist_ds.cli.deepspeed_launcher import main
+
+    script = tmp_path / "train.py"
+    script.write_text("import mist_ds\n")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", str(script)]) == 2
+    assert "--mist cluster=h100-80g" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists()

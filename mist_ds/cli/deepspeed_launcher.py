@@ -176,6 +176,15 @@ def plans_in_script(script: str, mist_overrides: Sequence[str]) -> bool:
     return mentions_mist_ds(script)
 
 
+def check_cluster_named(overrides: Sequence[str]) -> None:
+    """Planning a user's script needs the GPU it runs on: the launcher knows how many, not which. Without `--mist
+    cluster=...` the planner's default (the zoo's L4) would be planned for silently."""
+    if not any(o.lstrip("+").split("=")[0] == "cluster" for o in overrides):
+        raise LauncherUsageError("--autotune-mist plans your script for the launcher's GPUs and needs their kind: "
+                                 "--mist cluster=h100-80g (the zoo's: a100-40g, a100-80g, h100-80g, h200-141g, l4-24g, "
+                                 "cpu; or your own cluster YAML with --mist hydra.searchpath=[file://DIR])")
+
+
 def checked_script_plan(plan: str, world_size: int) -> Path:
     """--plan P for a script that calls mist_ds.initialize: a plan.json with its ds_config.json, for `world_size`
     ranks (the script's ranks check it is for the model they build)."""
@@ -327,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_dir = run_dir_of(mist_overrides).resolve()
             planner = [o for o in mist_overrides if not o.startswith(RUN_DIR_KEY)]
             plan_path = checked_script_plan(plan, nodes * gpus) if plan is not None else None
+            if plan_path is None:
+                check_cluster_named(planner)
             return run_user_script(mode, plan_path, launch_command(launcher_args, script, user_args),
                                    [*planner, f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"],
                                    run_dir, os.environ.get(ACCELERATOR_ENV) == "cpu")

@@ -274,20 +274,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def join_process_group() -> None:
+def join_process_group(timeout_s: float | None = None) -> None:
     """deepspeed.init_distributed, on a CPU accelerator with gloo and without DeepSpeed's shared-memory
-    all-reduce op (it would be JIT-built, 25-130 s of C++; it must be off before the backend exists)."""
+    all-reduce op (it would be JIT-built, 25-130 s of C++; it must be off before the backend exists). `timeout_s`:
+    how long a collective may wait (seconds; default DeepSpeed's, DEEPSPEED_TIMEOUT minutes)."""
+    import datetime
+
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     if get_accelerator().device_name() == "cpu":
         import deepspeed.ops as dsops
 
         dsops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, **timeout)
     else:
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one device per local rank
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(**timeout)
 
 
 def check_precision(dtype: torch.dtype) -> None:

@@ -36,6 +36,8 @@ from mist_ds.script.user_config import (UserConfig, check_priced_as_given, merge
 from mist_ds.specs.errors import ConfigError
 
 log = logging.getLogger(__name__)
+PLAN_PHASE_TIMEOUT_S = 6 * 3600.0
+"""How long the plan phase's other ranks wait for rank 0's outcome (seconds)."""
 DEFAULT_PORT = 29500
 """deepspeed.initialize's distributed_port default (TORCH_DISTRIBUTED_DEFAULT_PORT)."""
 
@@ -284,7 +286,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise ConfigError(SETTINGS_ENV, None, "mist_ds.initialize plans inside a launch by mist-deepspeed: start the "
                                               "script with `mist-deepspeed --autotune-mist run [deepspeed's "
                                               "arguments] your_script.py ...` (or call deepspeed.initialize)")
-    join_process_group()
+    # in the plan phase the other ranks wait for rank 0's plan in one collective: a long trace or search must not
+    # outlast DeepSpeed's default timeout (10 minutes)
+    join_process_group(PLAN_PHASE_TIMEOUT_S if settings.phase == "plan" else None)
     show_messages()
     deepspeed_args = dict(args=args, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
