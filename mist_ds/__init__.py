@@ -85,6 +85,16 @@ def initialize(*args, **kwargs):
     return _initialize(*args, **kwargs)
 
 
+def phase():
+    """The phase mist-deepspeed started this process for ("plan", "verify" or "run"), or None outside its launch: a
+    script may skip work the plan phase does not need (loading pretrained weights, tokenizing a dataset): that phase
+    ends inside mist_ds.initialize, which reads only the model's structure."""
+    from mist_ds.script.settings import settings_from_environment
+
+    settings = settings_from_environment()
+    return settings.phase if settings is not None else None
+
+
 def data_parallel(engine):
     """(data-parallel rank, data-parallel size) of a DeepSpeed engine, for a loop that draws its own data."""
     from mist_ds.script import data_parallel as _data_parallel
@@ -100,4 +110,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mist_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "compose", "data_parallel", "initialize", "predict", "predict_many", "show", "tune"]
+__all__ = ["ConfigError", "compose", "data_parallel", "initialize", "phase", "predict", "predict_many", "show", "tune"]

@@ -243,3 +243,14 @@ def test_planning_a_script_needs_the_gpu_kind(tmp_path, capsys, monkeypatch):
     assert main(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", str(script)]) == 2
     assert "--mist cluster=h100-80g" in capsys.readouterr().err
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_script_can_ask_which_phase_it_runs_in(tmp_path, monkeypatch):
+    import mist_ds
+
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    assert mist_ds.phase() is None
+    path = tmp_path / "settings.json"
+    path.write_text(ScriptSettings("plan", str(tmp_path)).to_json())
+    monkeypatch.setenv(SETTINGS_ENV, str(path))
+    assert mist_ds.phase() == "plan"
