@@ -154,11 +154,16 @@ def hydra_overrides(user_args: Sequence[str]) -> list[str]:
             and a.split("=")[0].lstrip("+~").split(".")[0] not in ("mist", "run", "hydra")]
 
 
+def names_group(overrides: Sequence[str], group: str) -> bool:
+    """Whether `overrides` choose `group`'s option (`model=...`, `+cluster=...`)."""
+    return any(o.lstrip("+").split("=")[0] == group for o in overrides)
+
+
 def check_model_named(script: str, overrides: Sequence[str]) -> None:
     """A script other than mist_ds's own launch/train.py trains a model of its own: planning it as the embedded
     default model would hand it a plan for another model, silently. Refused unless the planner is told the model
     (`--mist model=...`)."""
-    if Path(script).resolve() == TRAIN_SCRIPT or any(o.lstrip("+").split("=")[0] == "model" for o in overrides):
+    if Path(script).resolve() == TRAIN_SCRIPT or names_group(overrides, "model"):
         return
     raise LauncherUsageError(
         f"--autotune-mist plans the model {script} trains, and none is named: give it to the planner before the "
@@ -171,7 +176,7 @@ def plans_in_script(script: str, mist_overrides: Sequence[str]) -> bool:
     for the launcher to plan); launch/train.py plans as it always has."""
     from mist_ds.cli.script_launch import mentions_mist_ds
 
-    if Path(script).resolve() == TRAIN_SCRIPT or any(o.lstrip("+").split("=")[0] == "model" for o in mist_overrides):
+    if Path(script).resolve() == TRAIN_SCRIPT or names_group(mist_overrides, "model"):
         return False
     return mentions_mist_ds(script)
 
@@ -179,7 +184,7 @@ def plans_in_script(script: str, mist_overrides: Sequence[str]) -> bool:
 def check_cluster_named(overrides: Sequence[str]) -> None:
     """Planning a user's script needs the GPU it runs on: the launcher knows how many, not which. Without `--mist
     cluster=...` the planner's default (the zoo's L4) would be planned for silently."""
-    if not any(o.lstrip("+").split("=")[0] == "cluster" for o in overrides):
+    if not names_group(overrides, "cluster"):
         raise LauncherUsageError("--autotune-mist plans your script for the launcher's GPUs and needs their kind: "
                                  "--mist cluster=h100-80g (the zoo's: a100-40g, a100-80g, h100-80g, h200-141g, l4-24g, "
                                  "cpu; or your own cluster YAML with --mist hydra.searchpath=[file://DIR])")
@@ -188,17 +193,28 @@ def check_cluster_named(overrides: Sequence[str]) -> None:
 def checked_script_plan(plan: str, world_size: int) -> Path:
     """--plan P for a script that calls mist_ds.initialize: a plan.json with its ds_config.json, for `world_size`
     ranks (the script's ranks check it is for the model they build)."""
+    return plan_folder(plan, world_size)[0]
+
+
+def plan_folder(plan: str, world_size: int):
+    """(plan.json by its absolute path, the Plan) of --plan P: a plan.json with its ds_config.json beside it, for
+    `world_size` ranks (LauncherUsageError naming what is wrong and the fix)."""
     from mist_ds.plan import load_plan
 
     plan_json = Path(plan).resolve()
-    if not plan_json.is_file() or not (plan_json.parent / "ds_config.json").is_file():
-        raise LauncherUsageError(f"--plan {plan}: give a plan.json with its ds_config.json beside it (a plan folder "
-                                 "`mist-deepspeed --autotune-mist tune` or `mist-ds tune` wrote)")
-    par = load_plan(plan_json).strategy.parallelism
+    if not plan_json.is_file():
+        raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
+    if not (plan_json.parent / "ds_config.json").is_file():
+        raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
+                                 "`mist-ds tune` wrote for a DeepSpeed runtime")
+    loaded = load_plan(plan_json)
+    par = loaded.strategy.parallelism
     if par.num_gpus != world_size:
         raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks ({degrees_text(par)}) and the "
-                                 f"launcher's resources give {world_size} ranks")
-    return plan_json
+                                 f"launcher's resources give {world_size} ranks; ask for "
+                                 f"{par.num_gpus} (--num_nodes, --num_gpus, a hostfile) or drop --plan to plan for "
+                                 f"{world_size}")
+    return plan_json, loaded
 
 
 def plan_for(overrides: Sequence[str], nodes: int, gpus_per_node: int, plan_dir: Path) -> int:
@@ -239,21 +255,10 @@ def checked_plan(plan: str, user_args: Sequence[str], world_size: int) -> Path:
     composed with the script's overrides (another model= is refused naming the plan's), and the script's
     token file (LauncherUsageError, ConfigError)."""
     from mist_ds.config import compose
-    from mist_ds.plan import check_model_source, load_plan, model_overrides, naming_the_plans_model
+    from mist_ds.plan import check_model_source, model_overrides, naming_the_plans_model
 
-    plan_json = Path(plan).resolve()
-    if not plan_json.is_file():
-        raise LauncherUsageError(f"--plan {plan}: no such file; give a plan.json from `mist-ds tune`")
-    if not (plan_json.parent / "ds_config.json").is_file():
-        raise LauncherUsageError(f"--plan {plan}: no ds_config.json beside it; give a plan folder "
-                                 "`mist-ds tune` wrote for a DeepSpeed runtime")
-    loaded, overrides = load_plan(plan_json), hydra_overrides(user_args)
-    par = loaded.strategy.parallelism
-    if par.num_gpus != world_size:
-        raise LauncherUsageError(f"--plan {plan}: a plan for {par.num_gpus} ranks ({degrees_text(par)}) and the "
-                                 f"launcher's resources give {world_size} ranks; ask for "
-                                 f"{par.num_gpus} (--num_nodes, --num_gpus, a hostfile) or drop --plan to plan for "
-                                 f"{world_size}")
+    plan_json, loaded = plan_folder(plan, world_size)
+    overrides = hydra_overrides(user_args)
     with naming_the_plans_model(loaded, plan, overrides):
         specs = compose(loaded.overrides(overrides))
     if not model_overrides(overrides):

@@ -29,6 +29,7 @@ from typing import Sequence
 from mist_ds.files import write_atomic
 from mist_ds.report.command import command_file
 from mist_ds.script.settings import (CANDIDATES_DIR, PLAN_DIR, SETTINGS_ENV, VERIFY_FILE, ScriptSettings)
+from mist_ds.specs.cluster import GIB
 from mist_ds.specs.strategy import layout_text, strategy_from_dict
 
 LAUNCHER = [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher"]
@@ -38,7 +39,6 @@ STOP_GRACE_S = 10.0
 OOM_KILLED = (137, 247)
 """Exit codes of a rank the system's out-of-memory killer ended (128 + SIGKILL; DeepSpeed's launcher's 247)."""
 """DeepSpeed's launcher as mist-deepspeed runs it (exporting MIST_DS_* to other nodes)."""
-GIB = 1024 ** 3
 
 
 def mentions_mist_ds(script: str) -> bool:
