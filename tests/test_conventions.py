@@ -19,7 +19,7 @@ UNIT_SUFFIXES = ("_bytes", "_s", "_flops", "_flops_per_s", "_bytes_per_s", "_par
                  "_gib", "_gbps", "_tflops", "_gparams_per_s", "_per_gpu_hour", "_efficiency", "_us", "_gflop")
 # Dimensionless numbers: counts of things, degrees, ratios, probabilities, factors.
 COUNTS = {
-    "hidden_size", "ffn_hidden_size", "vocab_size", "seq_len", "tp", "pp", "dp", "micro_batch_size", "grad_accum",
+    "hidden_size", "ffn_hidden_size", "vocab_size", "seq_len", "tp", "pp", "dp", "sp", "micro_batch_size", "grad_accum",
     "global_batch_size", "nodes", "gpus_per_node", "layers", "ckpt_layers", "zero_stage", "workers", "max_tp",
     "layer_slack", "weights_offload_ratios", "grads_offload_ratios", "optimizer_offload_ratios",
     "activations_offload_ratios",

@@ -160,7 +160,7 @@ def verify_spec(cfg: TunerConfig) -> VerifySpec:
 def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec) -> StrategySpec:
     executor_capabilities(cfg.runtime)
     return resolve_strategy(model, cluster, train, StrategyRequest(
-        runtime=cfg.runtime, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, micro_batch_size=cfg.micro_batch_size,
+        runtime=cfg.runtime, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, sp=cfg.sp, micro_batch_size=cfg.micro_batch_size,
         grad_accum=cfg.grad_accum, layers_per_stage=cfg.layers_per_stage, ckpt_layers=cfg.ckpt_layers,
         zero_stage=cfg.zero_stage,
         offload={"weights": cfg.offload.weights, "grads": cfg.offload.grads,

@@ -108,7 +108,8 @@ class StrategyConfig:
     runtime: str = "deepspeed"  # deepspeed | mist | mist-paper | megatron: the executor, who runs the strategy
     tp: int = 1  # tensor-parallel degree t
     pp: int = 1  # pipeline stages S
-    dp: Optional[int] = None  # data-parallel degree d; null = GPUs / (tp x pp)
+    dp: Optional[int] = None  # data-parallel degree d; null = GPUs / (tp x pp x sp)
+    sp: int = 1  # sequence-parallel degree q (DeepSpeed Ulysses): each sequence split over q ranks; 1 = none
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank, b
     grad_accum: Optional[int] = None  # micro-batches per step G; null = global_batch / (b x dp)
     layers_per_stage: Optional[List[int]] = None  # blocks per stage; null = as even as possible

@@ -109,7 +109,7 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
     tied_across = model.tie_embeddings and par.pp > 1
     out = []
     for i, stage in enumerate(strategy.stages):
-        roles = group_roles(par, i * par.dp * par.tp, tied_across)
+        roles = group_roles(par, i * par.stage_width, tied_across)
         terms: dict[tuple[str, str], float] = defaultdict(float)
         if par.tp > 1:
             terms[("all_reduce", "tensor")] += float(tp[i])

@@ -214,7 +214,7 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
     breakdown = [{part: float(getattr(memory, part)[i]) for part in MEMORY_PARTS} | {
         "reserve": float(specs.cluster.gpu.reserve_bytes)} for i in range(par.pp)]
     rule = specs.tuner.host_memory
-    host = host_use(specs.cluster, rule, memory.host_bytes, par.tp * par.dp)
+    host = host_use(specs.cluster, rule, memory.host_bytes, par.stage_width)
     warnings = [f"stage {i} peaks at {peak_i / GIB:.2f} GiB, above the {usable / GIB:.2f} GiB usable per GPU"
                 for i, peak_i in enumerate(memory.peak_bytes) if peak_i > usable]
     if not host.fits:
@@ -229,7 +229,7 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
         fits=not warnings,
-        host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.tp * par.dp,
+        host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.stage_width,
                                                        specs.cluster.gpus_per_node))),
         sources={**profile_sources((costs.embedding, costs.block, costs.head), hw, c.b, c.s, c.t),
                  "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta", "host": "pcie+cpu-adam"},

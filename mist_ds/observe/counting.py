@@ -78,7 +78,7 @@ class GroupNames:
 def group_names(par: Parallelism, rank: int, tied: bool) -> GroupNames:
     """The names mist_ds/specs/groups.py gives the groups of `rank` under the plan's layout."""
     roles = group_roles(par, rank, tied)
-    width = par.dp * par.tp
+    width = par.stage_width
     peers = {rank + width: "next"} if rank + width < par.num_gpus else {}
     if rank - width >= 0:
         peers[rank - width] = "prev"

@@ -59,7 +59,7 @@ def check_host_memory(plan: MistBlock, rank: int, ranks_per_node: int, memory_by
     if plan.host_bytes_per_rank is None:
         return
     par = plan.strategy.parallelism
-    width, node = par.tp * par.dp, rank // ranks_per_node
+    width, node = par.stage_width, rank // ranks_per_node
     need = float(node_host_bytes(plan.host_bytes_per_rank, width, ranks_per_node)[node])
     if need <= memory_bytes:
         return

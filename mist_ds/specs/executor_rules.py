@@ -9,10 +9,10 @@ import numpy as np
 
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs.errors import ConfigError
-from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, capabilities_of
+from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, SequenceParallel, capabilities_of
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
-from mist_ds.specs.strategy import StrategySpec
+from mist_ds.specs.strategy import Parallelism, StrategySpec
 from mist_ds.specs.target_rules import recompute_allowed
 from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities, target_capabilities
 
@@ -109,6 +109,7 @@ def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = N
         raise _refuse(f"{name}.kv-heads-split", "strategy.tp", strategy.parallelism.tp,
                       f"executor {name} splits KV heads over TP ranks and does not replicate them: tp must "
                       f"divide model.num_kv_heads={model.num_kv_heads}")
+    _check_sequence_parallel(name, caps.sequence_parallel, strategy.parallelism)
     if strategy.schedule not in caps.schedules:
         raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,
                       f"executor {name} runs {', '.join(caps.schedules)}")
@@ -133,6 +134,22 @@ def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = N
             raise _refuse(f"{name}.recompute-whole-stage", f"strategy.ckpt_layers[{i}]", s.ckpt_layers,
                           f"executor {name} recomputes all {s.layers} blocks of a stage or none")
         _check_offload(name, caps, i, s)
+
+
+def _check_sequence_parallel(name: str, rules: SequenceParallel, par: Parallelism) -> None:
+    if par.sp == 1:
+        return
+    if not rules.priced:
+        raise _refuse(f"{name}.sp", "strategy.sp", par.sp,
+                      f"executor {name} is not priced with sequence parallelism: use strategy.sp=1")
+    if par.pp > 1 and not rules.with_pipeline:
+        raise _refuse(f"{name}.sp-pipeline", "strategy.sp", par.sp,
+                      f"executor {name} runs sequence parallelism at strategy.pp=1 only (DeepSpeed Ulysses' groups "
+                      f"span the whole world): use strategy.sp=1 or strategy.pp=1 (pp is {par.pp})")
+    if par.tp > 1 and not rules.with_tensor_parallel:
+        raise _refuse(f"{name}.sp-tp", "strategy.sp", par.sp,
+                      f"executor {name} does not run sequence parallelism with tensor parallelism (Ulysses' groups "
+                      f"and AutoTP's clash): use strategy.sp=1 or strategy.tp=1 (tp is {par.tp})")
 
 
 def _check_offload(name: str, caps: ExecutorCapabilities, i: int, s) -> None:

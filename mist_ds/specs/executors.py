@@ -56,6 +56,22 @@ class SplitBackward:
     all `F.linear`, which is what the runtime splits, so W would not be what the cost model prices."""
 
 
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Where sequence parallelism (strategy.sp > 1, DeepSpeed Ulysses; docs/design.md, Glossary) composes with an
+    executor's plans; executor_rules.check_executor refuses the rest (`<name>.sp-*`)."""
+
+    priced: bool = False
+    """The cost model prices sp > 1 on it: attention's all-to-alls over the sequence group, the s / sp slice of every
+    other op and activation, gradients reduced over d x sp. False: any sp > 1 is refused (`<name>.sp`)."""
+    with_pipeline: bool = False
+    """pp > 1 with sp > 1. DeepSpeed 0.19.8's Ulysses for Hugging Face models (ALST, UlyssesSPAttentionHF) builds its
+    groups over the whole world and runs with DeepSpeed's own engine at pp = 1 only."""
+    with_tensor_parallel: bool = False
+    """tp > 1 with sp > 1. Ulysses' sequence groups are consecutive ranks over the data group and AutoTP installs
+    groups of its own (tried: "Data inconsistency within the TP group")."""
+
+
 ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
 """Which allocation model cost/memory.py prices model states with (its module docstring)."""
 CollectiveModel = Literal["deepspeed", "ideal"]
@@ -138,6 +154,8 @@ class ExecutorCapabilities:
     emitter and the runtime (`<name>.schedule-not-built`)."""
     split_backward: SplitBackward = SplitBackward()
     """Where a built schedule splits the backward (zb-h1): what it composes with."""
+    sequence_parallel: SequenceParallel = SequenceParallel()
+    """Where sequence parallelism (sp > 1) composes with its plans."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default

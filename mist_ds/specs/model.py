@@ -112,6 +112,26 @@ class ModelSpec:
                 f"must divide model.vocab_size={self.vocab_size}; pad the vocabulary to a multiple of "
                 f"128*tp as Megatron-LM does (model.vocab_size=...)")
 
+    def check_sequence_parallel(self, q: int, field: str = "strategy.sp") -> None:
+        """DeepSpeed Ulysses' rules for q > 1 (docs/design.md, Glossary, sequence parallel): the all-to-alls scatter
+        query heads over the q ranks (heads divisible by q), key-value heads split or replicated (kv divisible by q or
+        q by kv), each rank holds s / q tokens (s divisible by q); a user's own nn.Module has no attention DeepSpeed
+        can wrap."""
+        if q == 1:
+            return
+        if self.module is not None:
+            raise ConfigError(field, q, "sequence parallelism of your own nn.Module is not priced (DeepSpeed Ulysses "
+                                        "wraps a known attention): plan it with strategy.sp=1 (tune: tuner.sp=[1])",
+                              rule="module.sp")
+        require(self.num_heads % q == 0, field, q, f"must divide model.num_heads={self.num_heads} (DeepSpeed "
+                                                   "Ulysses scatters the query heads over the sequence group)")
+        kv = self.num_kv_heads
+        require(kv % q == 0 or q % kv == 0, field, q,
+                f"must divide model.num_kv_heads={kv} (split) or be a multiple of it (replicated), as DeepSpeed "
+                "Ulysses requires")
+        require(self.seq_len % q == 0, field, q, f"must divide model.seq_len={self.seq_len} (each rank of the "
+                                                 "sequence group holds seq_len / sp tokens)")
+
     def runs_as_pipeline_stages(self, pipeline_script: bool = False) -> bool:
         """Whether a plan may split the model into pipeline stages that run: the zoo's models run as DeepSpeed
         PipelineModules (mist_ds.runtime); a Hugging Face model too where the user's script steps with

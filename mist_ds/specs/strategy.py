@@ -1,8 +1,8 @@
 """The training strategy: global parallelism plus per-stage memory optimizations (docs/design.md,
 Symbols and units).
 
-t = tp, S = pp, d = dp, b = micro_batch_size, G = grad_accum; per stage l = layers, c = ckpt_layers
-(the last c blocks of the stage recompute), z = zero_stage, offload ratios in [0, 1].
+t = tp, S = pp, d = dp, q = sp (sequence parallel), b = micro_batch_size, G = grad_accum; per stage l = layers,
+c = ckpt_layers (the last c blocks of the stage recompute), z = zero_stage, offload ratios in [0, 1].
 
 One serialization (docs/design.md, The strategy space): `StrategySpec.to_dict()` has exactly the
 `strategy` config group's keys, per-stage values as lists; `strategy_from_dict` reads it back
@@ -27,21 +27,35 @@ OFFLOAD_KINDS: tuple[str, ...] = ("weights", "grads", "optimizer", "activations"
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Global layout: every GPU is one (tp, pp, dp) coordinate; global batch = b x G x d."""
+    """Global layout: every GPU is one (tp, pp, dp, sp) coordinate; global batch = b x G x d (the sp ranks of a
+    sequence group share each sequence, a slice of s / sp tokens each: docs/design.md, Glossary, sequence
+    parallel)."""
 
     tp: int
     pp: int
     dp: int
     micro_batch_size: int
     grad_accum: int
+    sp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch_size", "grad_accum"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "grad_accum", "sp"):
             require_positive(f"strategy.{name}", getattr(self, name))
 
     @property
     def num_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.sp
+
+    @property
+    def stage_width(self) -> int:
+        """Ranks per pipeline stage: t x d x q."""
+        return self.tp * self.dp * self.sp
+
+    @property
+    def data_group_size(self) -> int:
+        """Ranks that reduce each gradient and shard ZeRO's states: d x q (DeepSpeed's sequence-data-parallel group;
+        d without sequence parallelism)."""
+        return self.dp * self.sp
 
     @property
     def global_batch_size(self) -> int:
@@ -113,7 +127,7 @@ class StrategySpec:
         """The strategy group's fields (module docstring); JSON-ready, floats exact by repr."""
         par, stages = self.parallelism, self.stages
         return {"runtime": self.runtime, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch_size": par.micro_batch_size,
+                "tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp, "micro_batch_size": par.micro_batch_size,
                 "grad_accum": par.grad_accum, "layers_per_stage": [s.layers for s in stages],
                 "ckpt_layers": [s.ckpt_layers for s in stages], "zero_stage": [s.zero_stage for s in stages],
                 "offload": {kind: [getattr(s, f"{kind}_offload") for s in stages] for kind in OFFLOAD_KINDS}}
@@ -127,8 +141,9 @@ class StrategySpec:
         return tuple(ranges)
 
 
-STRATEGY_KEYS: tuple[str, ...] = ("runtime", "schedule", "virtual_stages", "tp", "pp", "dp", "micro_batch_size",
-                                  "grad_accum", "layers_per_stage", "ckpt_layers", "zero_stage", "offload")
+STRATEGY_KEYS: tuple[str, ...] = ("runtime", "schedule", "virtual_stages", "tp", "pp", "dp", "sp",
+                                  "micro_batch_size", "grad_accum", "layers_per_stage", "ckpt_layers", "zero_stage",
+                                  "offload")
 
 
 def _read_int(data: Mapping[str, Any], key: str, field: str) -> int:
@@ -159,7 +174,8 @@ def strategy_from_dict(data: Any, field: str = "strategy") -> StrategySpec:
         require(isinstance(data[key], str), f"{field}.{key}", data[key], "must be a string")
     pp = _read_int(data, "pp", field)
     require(pp >= 1, f"{field}.pp", pp, "must be >= 1")
-    parallelism = Parallelism(**{k: _read_int(data, k, field) for k in ("tp", "dp", "micro_batch_size", "grad_accum")},
+    parallelism = Parallelism(**{k: _read_int(data, k, field) for k in ("tp", "dp", "sp", "micro_batch_size",
+                                                                              "grad_accum")},
                               pp=pp)
     layers, recompute, zero = (_read_list(data, k, field, pp, int)
                           for k in ("layers_per_stage", "ckpt_layers", "zero_stage"))
@@ -208,11 +224,13 @@ def run_length_text(values: Iterable[Any]) -> str:
 
 
 def degrees_text(par: Any) -> str:
-    """The global layout in words: `tp 2 x pp 4 x dp 8, b 1 x G 16` (a Parallelism, any value with its five fields
-    such as the tuner's points, or a mapping with those keys such as the strategy's serialization)."""
-    get = par.__getitem__ if isinstance(par, Mapping) else par.__getattribute__
-    return (f"tp {get('tp')} x pp {get('pp')} x dp {get('dp')}, b {get('micro_batch_size')} x "
-            f"G {get('grad_accum')}")
+    """The global layout in words: `tp 2 x pp 4 x dp 8, b 1 x G 16`, `... x dp 4 x sp 2, ...` where sequence parallel
+    (a Parallelism, any value with its fields such as the tuner's points, or a mapping with those keys such as the
+    strategy's serialization; sp absent means 1)."""
+    get = par.get if isinstance(par, Mapping) else lambda key, default=None: getattr(par, key, default)
+    sp = get("sp", 1)
+    return (f"tp {get('tp')} x pp {get('pp')} x dp {get('dp')}{f' x sp {sp}' if sp != 1 else ''}, "
+            f"b {get('micro_batch_size')} x G {get('grad_accum')}")
 
 
 def layout_text(strategy: StrategySpec) -> str:
@@ -292,6 +310,7 @@ class StrategyRequest:
     layers_per_stage: Sequence[int] | None = None
     allow_cross_node_tp: bool = False
     virtual_stages: int = 1
+    sp: int = 1
 
 
 def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
@@ -302,16 +321,21 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     require_positive("strategy.tp", tp)
     require_positive("strategy.pp", pp)
     require_positive("strategy.micro_batch_size", micro_batch_size)
+    sp = request.sp
+    require(isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1, "strategy.sp", sp,
+            "the sequence-parallel degree is a whole number >= 1 (1: no sequence parallelism)")
     gpus = cluster.num_gpus
-    require(gpus % (tp * pp) == 0, "strategy.tp", tp,
-            f"tp x pp = {tp} x {pp} must divide the cluster's {gpus} GPUs "
+    blamed = ("strategy.sp", sp) if sp > 1 and gpus % (tp * pp) == 0 else ("strategy.tp", tp)
+    require(gpus % (tp * pp * sp) == 0, *blamed,
+            f"tp x pp x sp = {tp} x {pp} x {sp} must divide the cluster's {gpus} GPUs "
             f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node})")
-    derived_dp = gpus // (tp * pp)
+    derived_dp = gpus // (tp * pp * sp)
     if dp is None:
         dp = derived_dp
     require(dp == derived_dp, "strategy.dp", dp,
-            f"tp x pp x dp must equal the cluster's {gpus} GPUs: dp = {derived_dp}, or leave it out")
+            f"tp x pp x dp x sp must equal the cluster's {gpus} GPUs: dp = {derived_dp}, or leave it out")
     model.check_tensor_parallel(tp)
+    model.check_sequence_parallel(sp)
     require(request.allow_cross_node_tp or tp <= cluster.gpus_per_node, "strategy.tp", tp,
             f"TP spans nodes (cluster.gpus_per_node={cluster.gpus_per_node}); lower it, or set "
             "strategy.allow_cross_node_tp=true if you mean it")
@@ -326,7 +350,7 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     require(grad_accum == derived_accum, "strategy.grad_accum", grad_accum,
             f"global batch {train.global_batch_size} = micro_batch_size x grad_accum x dp needs "
             f"grad_accum = {derived_accum}; or leave it out")
-    parallelism = Parallelism(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+    parallelism = Parallelism(tp=tp, pp=pp, dp=dp, micro_batch_size=micro_batch_size, grad_accum=grad_accum, sp=sp)
 
     asked_layers = request.layers_per_stage
     layers = list(asked_layers) if asked_layers is not None else list(partition_uniform(model.num_layers, pp))
