@@ -103,3 +103,33 @@ def test_a_deterministic_benchmark_reruns_to_its_committed_tables(script):
     committed = (BENCHMARKS / "results" / results_file).read_text()
     assert table_rows(run.stdout) == table_rows(committed), (
         f"benchmarks/results/{results_file} is stale: rerun `python -m benchmarks.{script}` and commit it")
+
+
+@pytest.mark.parametrize("name, memory_mib, cluster", [
+    ("NVIDIA H100 80GB HBM3", 81559, "h100-80g"), ("NVIDIA H200", 143771, "h200-141g"),
+    ("NVIDIA A100-SXM4-80GB", 81920, "a100-80g"), ("NVIDIA A100-SXM4-40GB", 40960, "a100-40g"),
+    ("NVIDIA L4", 23034, "l4-24g")])
+def test_the_gpu_check_starts_from_the_zoo_cluster_of_the_gpu(name, memory_mib, cluster):
+    from benchmarks.gpu_check import cluster_for_gpu
+
+    assert cluster_for_gpu(name, memory_mib) == cluster
+
+
+def test_the_gpu_check_names_an_unknown_gpu_and_the_fix():
+    from benchmarks.gpu_check import cluster_for_gpu
+
+    with pytest.raises(SystemExit, match="Tesla V100.*--cluster"):
+        cluster_for_gpu("Tesla V100-SXM2-32GB", 32768)
+
+
+def test_the_gpu_check_steps_are_commands_mist_ds_accepts(tmp_path):
+    """Each step's arguments compose as mist-ds composes them (the profiled cluster's -cd aside): a typo in a key
+    would otherwise surface only on a lent GPU machine."""
+    from benchmarks.gpu_check import Settings, executor_steps, profile_step
+    from mist_ds.config import compose_config
+
+    s = Settings("h100-80g", "gpt3-1.3b", 8, 3, 20, True, tmp_path)
+    tune, measure = executor_steps(s, (), "h100-80g", "mist")
+    for step in (profile_step(s), tune):
+        compose_config([a for a in step.argv[1:] if not a.startswith("hydra.")])
+    assert measure.argv[:2] == ("measure", f"plan={tmp_path / 'tune-mist' / 'plan.json'}")

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from mist_ds.observe.ranks import CPU_ENV, run_in_session
 from tests.conftest import REPO
 
@@ -90,3 +92,21 @@ def test_a_cpu_step_peak_is_the_live_tensors_plus_the_allocator_rise():
     assert before >= held.numel()
     peak = step_peak_bytes(_Planned(), step)
     assert before + step_bytes <= peak < before + 2 * step_bytes
+
+
+@pytest.mark.slow
+def test_the_gpu_check_flow_runs_on_cpu_ranks(tmp_path):
+    """benchmarks/gpu_check.py's whole flow but the GPU: tune for one rank on each executor, measure each plan, one
+    results file with predicted beside measured (FLOPs counted in the engine equal the prediction's)."""
+    env = {**os.environ, **CPU_ENV}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    code, out = run_in_session([sys.executable, "-m", "benchmarks.gpu_check", "--cluster", "cpu", "--model", "tiny",
+                                "--no-profile", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)], REPO, env,
+                               600, "benchmarks.gpu_check")
+    assert code == 0, out[-6000:]
+    rows = [line for line in (tmp_path / "gpu_check.md").read_text().splitlines() if line.startswith("| ")]
+    measured = {row.split(" | ")[0].strip("| "): row.split(" | ") for row in rows}
+    assert {"deepspeed", "mist"} <= set(measured)
+    for executor in ("deepspeed", "mist"):
+        predicted_flops, measured_flops = measured[executor][7].split(" / ")
+        assert predicted_flops == measured_flops

@@ -1,0 +1,232 @@
+"""One GPU in five minutes: profile this machine quickly, tune a 1.3B model for its one GPU, train each plan 20 steps
+under `mist-ds measure` on executor `deepspeed` and on executor `mist`, and write predicted beside measured (step
+time, peak memory, model states, FLOPs, collective bytes counted in the engine) into one results file
+(docs/design.md, The GPU check).
+
+On a lent GPU machine (the device tool runs it in the repository's root; benchmarks/gpu/wheels.sh, run here first,
+puts the packages the machine lacks into .wheels/, which the run carries):
+    MIST_DS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu/check.sh      # writes $OUT/gpu_check.md
+On this machine, the same flow on CPU ranks (the test runs it so, with --steps 2):
+    python -m benchmarks.gpu_check --cluster cpu --model tiny --no-profile --out /tmp/gpu_check
+
+Every step is a `mist-ds` command in its own process with its own time limit; a step that fails is recorded with its
+log's last lines and the flow goes on where it can (a failed profile: the zoo's datasheet cluster is tuned instead),
+so one call of a scarce machine says as much as it can.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import load_average, results_header, source_tree, table_text
+
+GPU_CLUSTERS: tuple[tuple[str, int, str], ...] = (
+    ("H200", 0, "h200-141g"), ("H100", 0, "h100-80g"), ("A100", 60_000, "a100-80g"), ("A100", 0, "a100-40g"),
+    ("L4", 0, "l4-24g"))
+"""(a word of nvidia-smi's GPU name, at least this many MiB of memory, the zoo's cluster): the first row that matches
+names the cluster whose datasheet the check starts from."""
+EXECUTORS: tuple[str, ...] = ("deepspeed", "mist")
+PROFILED_CLUSTER = "gpu-check"
+GIB = 2**30
+
+
+def cluster_for_gpu(name: str, memory_mib: int) -> str:
+    """The zoo's cluster for a GPU as nvidia-smi names it ('NVIDIA H100 80GB HBM3', 81559): GPU_CLUSTERS' first
+    match; SystemExit naming the GPU and the fix where none does."""
+    for word, least_mib, cluster in GPU_CLUSTERS:
+        if word in name.split() or any(part.startswith(word + "-") for part in name.split()):
+            if memory_mib >= least_mib:
+                return cluster
+    raise SystemExit(f"gpu_check: no zoo cluster for the GPU {name!r} ({memory_mib} MiB); name one with --cluster "
+                     f"(one of {', '.join(sorted({c for _, _, c in GPU_CLUSTERS}))}, or cpu)")
+
+
+def gpu_of_this_machine() -> tuple[str, int] | None:
+    """(name, memory in MiB) of GPU 0 as nvidia-smi reports them; None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    name, memory = out.splitlines()[0].rsplit(",", 1)
+    return name.strip(), int(float(memory))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One `mist-ds` command of the flow: its name (the log's), its arguments, its time limit in seconds."""
+
+    name: str
+    argv: tuple[str, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    step: Step
+    returncode: int | None
+    """None: killed at its time limit."""
+    seconds: float
+    tail: str
+    """The log's last lines (what failed says why)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def run_step(step: Step, logs: Path) -> Outcome:
+    """Run `mist-ds <argv>` (this Python, `-m mist_ds.cli.main`) with its log in `logs/<name>.log`."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{step.name}.log"
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", *step.argv], stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=step.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    seconds = time.perf_counter() - start
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    return Outcome(step, code, seconds, tail)
+
+
+@dataclass(frozen=True)
+class Settings:
+    cluster: str
+    model: str
+    global_batch_size: int
+    warmup: int
+    steps: int
+    profile: bool
+    out: Path
+
+
+def profile_step(s: Settings) -> Step:
+    return Step("profile", ("profile", f"model={s.model}", f"cluster={s.cluster}", "cluster.gpus_per_node=1",
+                            f"train.global_batch_size={s.global_batch_size}", "profile.quick=true",
+                            f"profile.name={PROFILED_CLUSTER}", f"profile.out_dir={s.out / 'profile'}",
+                            "tuner.quiet=true", f"hydra.run.dir={s.out / 'profile'}"), 240.0)
+
+
+def executor_steps(s: Settings, config_dir: tuple[str, ...], cluster: str, executor: str) -> tuple[Step, Step]:
+    """Tune for `executor`, then measure its plan (its overrides name the cluster, found in the same config dir)."""
+    tuned = s.out / f"tune-{executor}"
+    tune = Step(f"tune-{executor}", ("tune", *config_dir, f"cluster={cluster}", f"model={s.model}", "cluster.gpus_per_node=1",
+                                     "cluster.nodes=1", f"train.global_batch_size={s.global_batch_size}",
+                                     f"tuner.runtime={executor}", "tuner.compare_baselines=false",
+                                     "tuner.quiet=true", f"hydra.run.dir={tuned}"), 120.0)
+    measure = Step(f"measure-{executor}", ("measure", *config_dir, f"plan={tuned / 'plan.json'}",
+                                           f"measure.num_warmup_steps={s.warmup}", f"measure.num_steps={s.steps}",
+                                           f"hydra.run.dir={s.out / f'measure-{executor}'}"), 240.0)
+    return tune, measure
+
+
+def run_flow(s: Settings) -> list[Outcome]:
+    """Profile (unless told not to), then tune and measure on each executor; every outcome, in order."""
+    outcomes, logs = [], s.out / "logs"
+    config_dir: tuple[str, ...] = ()
+    cluster = s.cluster
+    if s.profile:
+        outcomes.append(run_step(profile_step(s), logs))
+        if outcomes[-1].ok:
+            config_dir, cluster = ("-cd", str(s.out / "profile")), PROFILED_CLUSTER
+    for executor in EXECUTORS:
+        tune, measure = executor_steps(s, config_dir, cluster, executor)
+        outcomes.append(run_step(tune, logs))
+        if outcomes[-1].ok:
+            outcomes.append(run_step(measure, logs))
+    return outcomes
+
+
+def measured_rows(out: Path) -> list[list]:
+    """One row per executor measured: layout, step time predicted / measured (median) and the error, then rank 0's
+    peak memory and model states (GiB: the priced parts, device and host), FLOPs and collective bytes predicted /
+    measured."""
+    from mist_ds.specs.strategy import layout_text, strategy_from_dict
+
+    rows = []
+    for executor in EXECUTORS:
+        path = out / f"measure-{executor}" / "measure.json"
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        measured = statistics.median(r["measured_iteration_time_s"])
+        comm = lambda side: sum((r[f"{side}_comm_bytes"] or [{}])[0].values())  # noqa: E731
+        priced_parts = r["predicted_model_state_bytes"][0]  # weights, grads, optimizer, buffers, host
+        states = lambda side: sum(r[f"{side}_model_state_bytes"][0][k] for k in priced_parts)  # noqa: E731
+        rows.append([executor, layout_text(strategy_from_dict(r["strategy"], "measure.strategy")),
+                     f"{r['predicted_iteration_time_s'][0]:.4f}", f"{measured:.4f}", f"{r['time_error']:+.1%}",
+                     f"{r['predicted_peak_memory_bytes'][0] / GIB:.2f} / {r['measured_peak_memory_bytes'][0] / GIB:.2f}",
+                     f"{states('predicted') / GIB:.3f} / {states('measured') / GIB:.3f}",
+                     f"{r['predicted_flops'][0]:.4g} / {r['measured_flops'][0]:.4g}",
+                     f"{comm('predicted'):.4g} / {comm('measured'):.4g}"])
+    return rows
+
+
+def report(s: Settings, outcomes: list[Outcome], machine: str, command: str, commit: str, load: str) -> str:
+    steps = table_text(["step", "exit", "seconds"], [[o.step.name, "killed at its limit" if o.returncode is None
+                                                      else o.returncode, f"{o.seconds:.1f}"] for o in outcomes])
+    failed = "".join(f"\n\n`{o.step.name}` ended so:\n\n```\n{o.tail}\n```" for o in outcomes if not o.ok)
+    rows = measured_rows(s.out)
+    measured = table_text(["executor", "plan", "predicted s", "measured s", "error", "peak GiB (pred / meas)",
+                           "model states GiB (pred / meas)", "FLOPs (pred / meas)", "collective bytes (pred / meas)"],
+                          rows) if rows else "No plan was measured."
+    cluster = (f"profiled on this machine ({PROFILED_CLUSTER}, from {s.cluster})"
+               if any(o.step.name == "profile" and o.ok for o in outcomes) else f"the zoo's {s.cluster} (datasheet)")
+    return "\n".join([
+        results_header("GPU check: a plan for one GPU, predicted beside measured", command,
+                       "held out: measured on this machine, never fitted to (the profile, where it ran, measured its "
+                       "operators, not these steps)", machine=machine, load=load, commit=commit),
+        f"Model {s.model}, global batch {s.global_batch_size}, cluster {cluster}, one GPU; {s.warmup} warm-up and "
+        f"{s.steps} timed steps per plan (`mist-ds measure`: the median step; rank 0's numbers, counted in the "
+        "engine).", "", measured, "", "Steps:", "", steps + failed, ""])
+
+
+def machine_text(gpu: tuple[str, int] | None) -> str:
+    import importlib.metadata
+
+    import torch
+
+    device = f"{gpu[0]} ({gpu[1]} MiB)" if gpu else "no GPU (CPU ranks)"
+    return (f"{device}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"DeepSpeed {importlib.metadata.version('deepspeed')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cluster", help="the zoo's cluster to start from (default: from nvidia-smi's GPU name)")
+    parser.add_argument("--model", default="gpt3-1.3b")
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "outputs/gpu_check")))
+    args = parser.parse_args(argv)
+    gpu = gpu_of_this_machine()
+    if args.cluster is None and gpu is None:
+        raise SystemExit("gpu_check: nvidia-smi found no GPU; name a cluster with --cluster (cpu on CPU ranks)")
+    cluster = args.cluster or cluster_for_gpu(*gpu)
+    s = Settings(cluster, args.model, args.global_batch_size, args.warmup, args.steps, args.profile,
+                 args.out.resolve())
+    s.out.mkdir(parents=True, exist_ok=True)
+    load, commit = load_average(), os.environ.get("MIST_DS_COMMIT") or source_tree()
+    outcomes = run_flow(s)
+    command = "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = report(s, outcomes, machine_text(gpu), command.strip(), commit,
+                  f"load average at start {load}, at the end {load_average()} (1, 5, 15 minutes)")
+    (s.out / "gpu_check.md").write_text(text)
+    print(text)
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
