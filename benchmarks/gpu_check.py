@@ -120,8 +120,8 @@ def profile_step(s: Settings) -> Step:
 def executor_steps(s: Settings, config_dir: tuple[str, ...], cluster: str, executor: str) -> tuple[Step, Step]:
     """Tune for `executor`, then measure its plan (its overrides name the cluster, found in the same config dir)."""
     tuned = s.out / f"tune-{executor}"
-    tune = Step(f"tune-{executor}", ("tune", *config_dir, f"cluster={cluster}", f"model={s.model}", "cluster.gpus_per_node=1",
-                                     "cluster.nodes=1", f"train.global_batch_size={s.global_batch_size}",
+    tune = Step(f"tune-{executor}", ("tune", *config_dir, f"cluster={cluster}", f"model={s.model}",
+                                     "cluster.gpus_per_node=1", "cluster.nodes=1", f"train.global_batch_size={s.global_batch_size}",
                                      f"tuner.runtime={executor}", "tuner.compare_baselines=false",
                                      "tuner.quiet=true", f"hydra.run.dir={tuned}"), 120.0)
     measure = Step(f"measure-{executor}", ("measure", *config_dir, f"plan={tuned / 'plan.json'}",
@@ -165,7 +165,8 @@ def measured_rows(out: Path) -> list[list]:
         states = lambda side: sum(r[f"{side}_model_state_bytes"][0][k] for k in priced_parts)  # noqa: E731
         rows.append([executor, layout_text(strategy_from_dict(r["strategy"], "measure.strategy")),
                      f"{r['predicted_iteration_time_s'][0]:.4f}", f"{measured:.4f}", f"{r['time_error']:+.1%}",
-                     f"{r['predicted_peak_memory_bytes'][0] / GIB:.2f} / {r['measured_peak_memory_bytes'][0] / GIB:.2f}",
+                     f"{r['predicted_peak_memory_bytes'][0] / GIB:.2f} / "
+                     f"{r['measured_peak_memory_bytes'][0] / GIB:.2f}",
                      f"{states('predicted') / GIB:.3f} / {states('measured') / GIB:.3f}",
                      f"{r['predicted_flops'][0]:.4g} / {r['measured_flops'][0]:.4g}",
                      f"{comm('predicted'):.4g} / {comm('measured'):.4g}"])

@@ -59,11 +59,7 @@ from typing import Any, Callable, Iterator, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from mist_ds.specs import ConfigError, Specs
-from mist_ds.specs.errors import NO_VALUE
-
-EXIT_OK = 0
-EXIT_CONFIG_ERROR = 2
-EXIT_NO_PLAN_FITS = 3
+from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_NO_PLAN_FITS, EXIT_OK, NO_VALUE
 PROG = "mist-ds"
 CLI_KEYS = ("json", "plan", "cases")
 """Top-level keys that steer a command's output, not the planned job: kept out of plan.json's overrides."""
@@ -198,7 +194,7 @@ def _tune(cfg: DictConfig) -> int:
         write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_NO_PLAN_FITS, str(reason), specs))
         return EXIT_NO_PLAN_FITS
     except ConfigError as error:  # reported by Jobs.run; the row keeps the reason
-        write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_CONFIG_ERROR, " ".join(str(error).split()),
+        write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_BAD_INPUT, " ".join(str(error).split()),
                                                          specs))
         raise
     plan = plan_from_result(result, overrides)
@@ -466,7 +462,7 @@ class Jobs:
             if self.full_error:
                 raise
             report(self.command, error)
-            status = EXIT_CONFIG_ERROR
+            status = EXIT_BAD_INPUT
         except Exception as error:
             self.crashed.append(error)
             raise
@@ -579,7 +575,7 @@ def run_command(command: str, args: Sequence[str]) -> int:
             if bad_input is None:
                 raise
             report(command, bad_input)
-            return EXIT_CONFIG_ERROR
+            return EXIT_BAD_INPUT
         swept = int(sweep_status.read_text()) if sweep_status.is_file() else EXIT_OK
     return max(jobs.status(), swept)
 
@@ -616,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"{PROG}: error: command={args[0]!r}: not a command; start with one of {', '.join(COMMANDS)} "
               f"({PROG} --help)", file=sys.stderr)
-    return EXIT_CONFIG_ERROR
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

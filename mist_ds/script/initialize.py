@@ -33,7 +33,7 @@ from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_
 from mist_ds.script.teardown import Teardown
 from mist_ds.script.user_config import (UserConfig, check_priced_as_given, merged_config, planner_overrides,
                                         read_user_config)
-from mist_ds.specs.errors import ConfigError
+from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_NO_PLAN_FITS, ConfigError
 
 log = logging.getLogger(__name__)
 PLAN_PHASE_TIMEOUT_S = 6 * 3600.0
@@ -53,10 +53,6 @@ def show_messages() -> None:
         handler.setFormatter(logging.Formatter("mist_ds: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-EXIT_INTERNAL = 1
-EXIT_BAD_INPUT = 2
-EXIT_NO_PLAN_FITS = 3
-
 
 class ScriptExit(SystemExit):
     """Every rank leaves the script with one code (after the process group is gone)."""

@@ -50,3 +50,13 @@ def require(condition: bool, field: str, value: Any, fix: str) -> None:
 
 def require_positive(field: str, value: float) -> None:
     require(value > 0, field, value, "must be > 0")
+
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+"""Anything that is not the user's mistake (a traceback says where)."""
+EXIT_BAD_INPUT = 2
+"""Bad input: one line naming the field, the value and the fix (a ConfigError)."""
+EXIT_NO_PLAN_FITS = 3
+"""The tuner found no plan that fits; the explanation says what binds."""
+
