@@ -121,8 +121,9 @@ def executor_steps(s: Settings, config_dir: tuple[str, ...], cluster: str, execu
     """Tune for `executor`, then measure its plan (its overrides name the cluster, found in the same config dir)."""
     tuned = s.out / f"tune-{executor}"
     tune = Step(f"tune-{executor}", ("tune", *config_dir, f"cluster={cluster}", f"model={s.model}",
-                                     "cluster.gpus_per_node=1", "cluster.nodes=1", f"train.global_batch_size={s.global_batch_size}",
-                                     f"tuner.runtime={executor}", "tuner.compare_baselines=false",
+                                     "cluster.gpus_per_node=1", "cluster.nodes=1",
+                                     f"train.global_batch_size={s.global_batch_size}", f"tuner.runtime={executor}",
+                                     "tuner.compare_baselines=false",
                                      "tuner.quiet=true", f"hydra.run.dir={tuned}"), 120.0)
     measure = Step(f"measure-{executor}", ("measure", *config_dir, f"plan={tuned / 'plan.json'}",
                                            f"measure.num_warmup_steps={s.warmup}", f"measure.num_steps={s.steps}",
