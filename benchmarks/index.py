@@ -77,8 +77,9 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "vtrain.md": (("8-GPU rows, out of the fit: MAPE", r"^- held-out rows \(\d+\): MAPE " + PERCENT),
                   ("Spearman", r"^- held-out rows .*?mean Spearman ([\d.]+)"),
                   ("top-1 regret", r"^- held-out rows .*?mean top-1 regret " + PERCENT)),
-    "zero_bubble.md": (("fp32 geomean zb-h1 over 1F1B, pipelines it runs", r"^- At fp32: .*?on those: ([\d.]+x)"),
-                       ("those that fit", r"^- At fp32: .*?also fits in memory: ([\d.]+x|none)")),
+    "zero_bubble.md": (("fp32 pipelines, searched plan over 1F1B (geomean)",
+                        r"^- At fp32: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)"),
+                       ("pipelines where the search picks zb-h1", r"^- At fp32: .*? picks zb-h1 on (\d+) of them")),
 }
 
 
