@@ -55,6 +55,7 @@ def check_zb_h1(results, feature: str) -> None:
     (_, stock), (specs, zb) = results[(feature, "1f1b")], results[(feature, "zb-h1")]
     par = specs.strategy.parallelism
     prediction = predict(specs).to_dict()
+    deferred_bytes = predicted_deferred_bytes(specs)
     from mist_ds.testing.step_census import step_census_mismatches
 
     for ran_1f1b, ran in zip(stock, zb):
@@ -63,6 +64,8 @@ def check_zb_h1(results, feature: str) -> None:
         assert ran["losses"] == ran_1f1b["losses"], feature  # bitwise
         assert [tuple(i) for i in ran["executed"]] == zb_h1_order(stage, par.pp, par.grad_accum)
         assert ran["split_linears"] > 0
+        # the bytes deferred W's hold at the stage's peak (the end of a forward), counted in the engine: priced
+        assert ran["peak_held_bytes"] == deferred_bytes[stage], (feature, stage, ran["peak_held_bytes"])
         # observed by the worker's own hooks: weights of linears accumulate in W only, everything else in B only,
         # each W(m) where the order places it
         for running, linear_weight in ran["accumulated"]:
@@ -81,6 +84,18 @@ def check_zb_h1(results, feature: str) -> None:
         if feature != "zero1":
             stock_calls = sum(ran_1f1b["census"]["calls_in_backward"].values())
             assert 1 <= sum(census["calls_in_backward"].values()) <= stock_calls
+
+
+def predicted_deferred_bytes(specs) -> list[int]:
+    """Per stage, the bytes the cost model prices for the deferred W's at the stage's peak."""
+    from mist_ds.cost.executors.zero_bubble import deferred_weight_bytes
+    from mist_ds.cost.predict import model_costs, stage_candidates
+    from mist_ds.hardware import hardware_model
+
+    hw = hardware_model(specs.cluster, specs.train.precision)
+    held = deferred_weight_bytes(model_costs(specs), hw, stage_candidates(specs.strategy, specs.model.seq_len),
+                                 specs.strategy.schedule)
+    return [int(x) for x in held]
 
 
 @pytest.mark.slow
