@@ -152,16 +152,18 @@ def repriced_strategy(result):
     return dataclasses.replace(result.strategy, schedule="zb-h1")
 
 
-@pytest.mark.parametrize("extra,expected", [([], ("1f1b", "zb-h1")), (["train.precision=bf16"], ("1f1b",)),
-                                            (["tuner.runtime=deepspeed"], ("1f1b",))])
-def test_zb_h1_is_searched_only_where_it_composes(extra, expected):
-    """The schedules of a pp 4 point: zb-h1 on executor mist in fp32 (rule split-precision at bf16); an executor
-    that does not run it searches 1F1B alone; a single stage has no order to choose."""
+@pytest.mark.parametrize("extra,tp,expected", [([], 1, ("1f1b", "zb-h1")),
+                                               (["train.precision=fp16"], 1, ("1f1b", "zb-h1")),
+                                               ([], 2, ("1f1b",)), (["tuner.runtime=deepspeed"], 1, ("1f1b",))])
+def test_zb_h1_is_searched_only_where_it_composes(extra, tp, expected):
+    """The schedules of a pp 4 point: zb-h1 on executor mist (at tp 2 rule split-tp refuses it); an executor that does
+    not run it searches 1F1B alone; a single stage has no order to choose."""
     from mist_ds.specs.executors import capabilities_of
     from mist_ds.tuner.search import point_schedules
     from mist_ds.tuner.space import GlobalPoint, tuner_executor
 
     specs = compose([*TUNE_PP4, "tuner.schedules=[1f1b,zb-h1]", *extra], with_strategy=False)
     caps = capabilities_of(tuner_executor(specs.tuner))
-    assert point_schedules(specs, caps, GlobalPoint(tp=1, pp=4, dp=2, micro_batch_size=4, grad_accum=4)) == expected
+    assert point_schedules(specs, caps, GlobalPoint(tp=tp, pp=4, dp=2 // tp, micro_batch_size=4,
+                                                    grad_accum=4 * tp)) == expected
     assert point_schedules(specs, caps, GlobalPoint(tp=1, pp=1, dp=8, micro_batch_size=4, grad_accum=1)) == ("1f1b",)
