@@ -77,9 +77,10 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "vtrain.md": (("8-GPU rows, out of the fit: MAPE", r"^- held-out rows \(\d+\): MAPE " + PERCENT),
                   ("Spearman", r"^- held-out rows .*?mean Spearman ([\d.]+)"),
                   ("top-1 regret", r"^- held-out rows .*?mean top-1 regret " + PERCENT)),
-    "zero_bubble.md": (("fp32 pipelines, searched plan over 1F1B (geomean)",
-                        r"^- At fp32: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)"),
-                       ("pipelines where the search picks zb-h1", r"^- At fp32: .*? picks zb-h1 on (\d+) of them")),
+    "zero_bubble.md": (("own precision, pipelines: searched plan over 1F1B (geomean)",
+                        r"^- At the cases' own precision: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)"),
+                       ("zb-h1 picked on", r"^- At the cases' own precision: .*? picks zb-h1 on (\d+ of them)"),
+                       ("fp32", r"^- At fp32: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)")),
 }
 
 

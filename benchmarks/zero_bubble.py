@@ -5,8 +5,7 @@ same plan re-priced with the zb-h1 order, and the best plan when it searches bot
     nice -n 5 .venv/bin/python -m benchmarks.zero_bubble gpt3-7B 22b   # some cases, for development
 
 Cases: the Mist paper's 20 (benchmarks/plan_quality.py `cases`, fp16) and the 22b and 175b cases of
-benchmarks/tune_speed.py, all at fp32, the only precision executor `mist` runs zb-h1 in (at fp16 / bf16 the search
-never tries it: rule `mist.split-precision`, so its plans are the 1F1B ones). Each is tuned on executor `mist`
+benchmarks/tune_speed.py (bf16), each at its own precision and at fp32. Each is tuned on executor `mist`
 (tuner.runtime=mist, baselines off) twice: tuner.schedules=[1f1b], then [1f1b,zb-h1], which searches zb-h1 at each
 pipeline point it composes with (tp 1, no activation offload) with the memory of its deferred W's. Where the 1F1B
 plan is a pipeline, it is also re-priced with strategy.schedule=zb-h1 (`predict_specs`, after `check_schedule_built`):
@@ -103,9 +102,9 @@ def repriced_cells(result) -> tuple[list, float | None]:
     return [text], (one.iteration_time_s / other.iteration_time_s if other.fits else None)
 
 
-def row(case: Case) -> Row:
-    specs = base_specs(with_precision(case.overrides, "fp32"))
-    head = [case.name, case.cluster, case.gpus]
+def row(case: Case, precision: str | None) -> Row:
+    specs = base_specs(with_precision(case.overrides, precision))
+    head = [case.name, case.cluster, case.gpus, specs.train.precision]
     one = tuned(specs, "1f1b")
     if one is None:
         return Row(head + ["no plan fits"] + ["-"] * 8, False, None)
@@ -121,7 +120,7 @@ def row(case: Case) -> Row:
     return Row(cells, one.strategy.parallelism.pp > 1, speedup, repriced, searched.strategy.schedule == SCHEDULE)
 
 
-HEADER = ["case", "cluster", "GPUs", "best plan, tuner.schedules=[1f1b]", "1F1B s", "1F1B bubble s",
+HEADER = ["case", "cluster", "GPUs", "precision", "best plan, tuner.schedules=[1f1b]", "1F1B s", "1F1B bubble s",
           "that plan re-priced with zb-h1", "searched: schedule", "searched plan, tuner.schedules=[1f1b,zb-h1]",
           "searched s", "searched bubble s", "searched peak GiB per stage", "speedup"]
 
@@ -130,38 +129,43 @@ def mean_text(values: list[float]) -> str:
     return f"{math.exp(sum(map(math.log, values)) / len(values)):.4f}x" if values else "none"
 
 
-def summary_lines(rows: list[Row]) -> list[str]:
+def summary_lines(label: str, rows: list[Row]) -> list[str]:
     pipelines = [r for r in rows if r.pipeline]
     chose = [r for r in pipelines if r.chose_zb]
     repriced = [r.repriced for r in pipelines if r.repriced is not None]
-    return [f"At fp32: {len(pipelines)} of {len(rows)} cases' best 1F1B plans are pipelines; the search with "
+    return [f"{label}: {len(pipelines)} of {len(rows)} cases' best 1F1B plans are pipelines; the search with "
             f"tuner.schedules=[1f1b,zb-h1] picks zb-h1 on {len(chose)} of them; geometric-mean predicted speedup of "
             f"the searched plan over the 1F1B plan on those {len(pipelines)}: "
             f"{mean_text([r.speedup for r in pipelines])}; on the {len(chose)} where it picks zb-h1: "
             f"{mean_text([r.speedup for r in chose])}.",
-            f"The 1F1B plan re-priced with zb-h1 (what a search without the schedule would hand over) still fits on "
-            f"{len(repriced)} of the {len(pipelines)} pipelines; geometric-mean speedup there: {mean_text(repriced)}."]
+            f"{label}, the 1F1B plan re-priced with zb-h1 (what a search without the schedule would hand over) "
+            f"still fits on {len(repriced)} of the {len(pipelines)} pipelines; geometric-mean speedup there: "
+            f"{mean_text(repriced)}."]
 
 
 def main(only: tuple[str, ...]) -> None:
     start, at_start = time.perf_counter(), run_start()
-    rows = [row(case) for case in all_cases(only)]
+    sections = [("At the cases' own precision", "the paper's fp16; 22b and 175b bf16", None),
+                ("At fp32", "", "fp32")]
+    tables, summary = [], []
+    for label, note, precision in sections:
+        rows = [row(case, precision) for case in all_cases(only)]
+        tables += [f"## {label}" + (f" ({note})" if note else ""), "", table_text(HEADER, [r.cells for r in rows]), ""]
+        summary += summary_lines(label, rows)
     lines = [results_header("ZB-H1 against 1F1B on executor `mist`: plans searched with the schedule (predicted)",
                             COMMAND, "none: predicted plans only, no measurement", started=at_start),
-             "Each case is tuned at fp32 on executor `mist` twice: with tuner.schedules=[1f1b] and with "
-             "[1f1b,zb-h1], where the search tries zb-h1 at every pipeline point it composes with (tp 1, no "
-             "activation offload; rule `mist.split-tp`, `mist.split-activation-offload`), the deferred W's "
-             "operands in each stage's memory, and keeps whichever plan is faster. At the paper's fp16 (and bf16) "
-             "the search never tries zb-h1 (rule `mist.split-precision`), so those plans are the 1F1B ones and are "
-             "not listed. The 1F1B plan is also re-priced with strategy.schedule=zb-h1: the plan a search without "
+             "Each case is tuned on executor `mist` twice, at its own precision and at fp32: with "
+             "tuner.schedules=[1f1b] and with [1f1b,zb-h1], where the search tries zb-h1 at every pipeline point it "
+             "composes with (tp 1, no activation offload; rules `mist.split-tp`, `mist.split-activation-offload`), "
+             "the deferred W's operands in each stage's memory, and keeps whichever plan is faster. The 1F1B plan "
+             "is also re-priced with strategy.schedule=zb-h1: the plan a search without "
              "the schedule hands over, often too large once its later stages hold deferred W's.", "",
              "Cases: the Mist paper's 20 (benchmarks/plan_quality.py: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "
              "global batch 16 x GPUs) and benchmarks/tune_speed.py's 22b (32x L4) and 175b (1024x A100-80GB). "
              "Plans: (t, S, d, b) and the stages' options; times are `predict`'s (the event simulation); peak "
              "memory per stage in GiB (**does not fit**: a stage above the usable memory per GPU); speedup = 1F1B "
-             "plan s / searched plan s.", "",
-             table_text(HEADER, [r.cells for r in rows]), "", "## Summary", ""]
-    lines += [f"- {line}" for line in summary_lines(rows)]
+             "plan s / searched plan s.", ""]
+    lines += tables + ["## Summary", ""] + [f"- {line}" for line in summary]
     lines += ["", f"{time.perf_counter() - start:.0f} s in all."]
     print("\n".join(lines))
 

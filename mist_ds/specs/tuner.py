@@ -86,7 +86,7 @@ class TunerSpec:
     form's best, no re-ranking."""
     schedules: tuple[str, ...] = ("1f1b",)
     """Pipeline orders searched per plan, 1f1b among them: a pipeline point is also searched with each other one its
-    executor runs and that composes with it (zb-h1: executor mist, fp32, tp 1, no activation offload)."""
+    executor runs and that composes with it (zb-h1: executor mist, tp 1, no activation offload)."""
     pipeline_script: bool = False
     """The plan runs in a user's script whose loop steps with engine.train_batch (mist_ds.initialize(...,
     pipeline=True)): a Hugging Face model may be cut into pipeline stages (mist_ds.runtime runs them); otherwise a
