@@ -167,3 +167,19 @@ def test_zb_h1_is_searched_only_where_it_composes(extra, tp, expected):
     assert point_schedules(specs, caps, GlobalPoint(tp=tp, pp=4, dp=2 // tp, micro_batch_size=4,
                                                     grad_accum=4 * tp)) == expected
     assert point_schedules(specs, caps, GlobalPoint(tp=1, pp=1, dp=8, micro_batch_size=4, grad_accum=1)) == ("1f1b",)
+
+
+def test_explain_shows_w_within_compute_and_the_deferred_w_memory_predict_adds():
+    """explain's zb-h1 facts: each stage's W seconds are part of its compute (time_breakdown), and its deferred W's
+    bytes are what predict's peak under zb-h1 holds beyond the same plan's 1F1B peak."""
+    from mist_ds.report.explain import split_backward_facts, time_breakdown
+
+    specs = compose([*TINY_PP8, "strategy.schedule=zb-h1"])
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    facts = split_backward_facts(specs, costs, hw)
+    zb, one_f_one_b = predict(specs), predict(compose([*TINY_PP8, "strategy.schedule=1f1b"]))
+    for i, row in enumerate(time_breakdown(specs, zb)):
+        assert 0 < facts["weight_gradient_s"][i] < row["compute_s"]
+        assert np.isclose(facts["deferred_weight_bytes"][i],
+                          zb.peak_memory_bytes[i] - one_f_one_b.peak_memory_bytes[i], rtol=1e-12, atol=0)
+    assert split_backward_facts(compose([*TINY_PP8, "strategy.schedule=1f1b"]), costs, hw) is None
