@@ -77,8 +77,12 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "vtrain.md": (("8-GPU rows, out of the fit: MAPE", r"^- held-out rows \(\d+\): MAPE " + PERCENT),
                   ("Spearman", r"^- held-out rows .*?mean Spearman ([\d.]+)"),
                   ("top-1 regret", r"^- held-out rows .*?mean top-1 regret " + PERCENT)),
-    "zero_bubble.md": (("fp32 geomean zb-h1 over 1F1B, pipelines it runs", r"^- At fp32: .*?on those: ([\d.]+x)"),
-                       ("those that fit", r"^- At fp32: .*?also fits in memory: ([\d.]+x|none)")),
+    "zero_bubble_cpu.md": (("idle zb-h1 / 1F1B, measured", r"^- Idle time .*?zb-h1 / 1F1B: measured ([\d.]+)"),
+                           ("simulated", r"^- Idle time .*?, simulated ([\d.]+)\.$")),
+    "zero_bubble.md": (("own precision, pipelines: searched plan over 1F1B (geomean)",
+                        r"^- At the cases' own precision: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)"),
+                       ("zb-h1 picked on", r"^- At the cases' own precision: .*? picks zb-h1 on (\d+ of them)"),
+                       ("fp32", r"^- At fp32: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)")),
 }
 
 

@@ -1,17 +1,15 @@
-"""ZB-H1 against 1F1B on executor `mist`, predicted (issue 31): the tuner's best plan at 1F1B, re-priced with the
-zb-h1 order where it is a pipeline.
+"""ZB-H1 against 1F1B on executor `mist`, predicted (issue 31): the tuner's best plan when it may only use 1F1B, the
+same plan re-priced with the zb-h1 order, and the best plan when it searches both (tuner.schedules=[1f1b,zb-h1]).
 
     nice -n 5 .venv/bin/python -m benchmarks.zero_bubble > benchmarks/results/zero_bubble.md
     nice -n 5 .venv/bin/python -m benchmarks.zero_bubble gpt3-7B 22b   # some cases, for development
 
 Cases: the Mist paper's 20 (benchmarks/plan_quality.py `cases`, fp16) and the 22b and 175b cases of
-benchmarks/tune_speed.py (train.precision at its default), each once at its own precision and once at fp32, the
-only precision executor `mist` runs zb-h1 in. Each is tuned on executor `mist` (tuner.runtime=mist, baselines
-off); where the best plan has pp > 1, the same strategy with strategy.schedule=zb-h1 is priced (`predict_specs`),
-after `check_schedule_built` (mist_ds/specs/executor_rules.py): a plan zb-h1 does not compose with (fp32 only, tp 1,
-no activation offload) is listed as refused with its rule, not priced. This is the 1F1B plan re-priced, not a plan
-searched with zb-h1: the tuner does not search the schedule yet, so the speedup is a lower bound of what a
-schedule-aware search would find.
+benchmarks/tune_speed.py (bf16), each at its own precision and at fp32. Each is tuned on executor `mist`
+(tuner.runtime=mist, baselines off) twice: tuner.schedules=[1f1b], then [1f1b,zb-h1], which searches zb-h1 at each
+pipeline point it composes with (tp 1, no activation offload) with the memory of its deferred W's. Where the 1F1B
+plan is a pipeline, it is also re-priced with strategy.schedule=zb-h1 (`predict_specs`, after `check_schedule_built`):
+the plan a search without the schedule would hand over.
 """
 from __future__ import annotations
 
@@ -71,78 +69,102 @@ def memory_text(prediction: Prediction) -> str:
     return f"[{peaks}]" + ("" if prediction.fits else " **does not fit**")
 
 
+def tuned(specs, schedules: str):
+    """The best plan on executor mist with tuner.schedules=`schedules` (None where none fits)."""
+    try:
+        return tune_specs(dataclasses.replace(specs, tuner=dataclasses.replace(
+            specs.tuner, schedules=tuple(schedules.split(",")))), progress=False, baselines=False)
+    except NoPlanFits:
+        return None
+
+
 @dataclass(frozen=True)
 class Row:
     cells: list
-    speedup: float | None  # 1F1B s / zb-h1 s, where zb-h1 runs the plan
-    fits: bool = False  # the zb-h1 plan fits in memory
+    pipeline: bool  # the 1F1B plan is a pipeline
+    speedup: float | None  # 1F1B s / the searched plan's s
+    repriced: float | None = None  # 1F1B s / its plan re-priced with zb-h1, where it runs and fits
+    chose_zb: bool = False  # the searched plan is a zb-h1 plan
+
+
+def repriced_cells(result) -> tuple[list, float | None]:
+    """The 1F1B plan with strategy.schedule=zb-h1: (cells, speedup where it runs and fits)."""
+    strategy, one = result.strategy, result.prediction
+    if strategy.parallelism.pp == 1:
+        return ["not a pipeline (pp 1)"], None
+    zb = dataclasses.replace(strategy, schedule=SCHEDULE)
+    try:
+        check_schedule_built(zb, capabilities_of(EXECUTOR), result.specs.train.precision, result.specs.model)
+    except ConfigError as error:
+        return [f"refused: {error.rule}"], None
+    other = predict_specs(dataclasses.replace(result.specs, strategy=zb))
+    text = f"{other.iteration_time_s:.3f} s, {memory_text(other)}"
+    return [text], (one.iteration_time_s / other.iteration_time_s if other.fits else None)
 
 
 def row(case: Case, precision: str | None) -> Row:
     specs = base_specs(with_precision(case.overrides, precision))
     head = [case.name, case.cluster, case.gpus, specs.train.precision]
-    try:
-        result = tune_specs(specs, progress=False, baselines=False)
-    except NoPlanFits:
-        return Row(head + ["no plan fits"] + ["-"] * 7, None)
-    strategy, one = result.strategy, result.prediction
-    base = head + [plan_text(result.search.best), f"{one.iteration_time_s:.3f}", f"{one.bubble_s:.3f}",
-                   memory_text(one)]
-    if strategy.parallelism.pp == 1:
-        return Row(base + ["not a pipeline (pp 1)", "-", "-", "-"], None)
-    zb = dataclasses.replace(strategy, schedule=SCHEDULE)
-    try:
-        check_schedule_built(zb, capabilities_of(EXECUTOR), result.specs.train.precision, result.specs.model)
-    except ConfigError as error:
-        return Row(base + [f"refused: {error.rule}", "-", "-", "-"], None)
-    other = predict_specs(dataclasses.replace(result.specs, strategy=zb))
-    speedup = one.iteration_time_s / other.iteration_time_s
-    return Row(base + [f"{other.iteration_time_s:.3f}", f"{other.bubble_s:.3f}", memory_text(other),
-                       f"{speedup:.4f}x"], speedup, other.fits)
+    one = tuned(specs, "1f1b")
+    if one is None:
+        return Row(head + ["no plan fits"] + ["-"] * 8, False, None)
+    searched = tuned(specs, f"1f1b,{SCHEDULE}")
+    p, q = one.prediction, searched.prediction
+    again, repriced = repriced_cells(one)
+    speedup = p.iteration_time_s / q.iteration_time_s
+    cells = head + [plan_text(one.search.best), f"{p.iteration_time_s:.3f}", f"{p.bubble_s:.3f}", *again,
+                    searched.strategy.schedule, plan_text(searched.search.best) if searched.strategy.schedule
+                    != "1f1b" else "the 1F1B plan" if searched.strategy == one.strategy else
+                    plan_text(searched.search.best), f"{q.iteration_time_s:.3f}", f"{q.bubble_s:.3f}",
+                    memory_text(q), f"{speedup:.4f}x"]
+    return Row(cells, one.strategy.parallelism.pp > 1, speedup, repriced, searched.strategy.schedule == SCHEDULE)
 
 
-HEADER = ["case", "cluster", "GPUs", "precision", "best plan at 1F1B (executor mist)", "1F1B s", "1F1B bubble s",
-          "1F1B peak GiB per stage", "zb-h1 s", "zb-h1 bubble s", "zb-h1 peak GiB per stage", "speedup"]
+HEADER = ["case", "cluster", "GPUs", "precision", "best plan, tuner.schedules=[1f1b]", "1F1B s", "1F1B bubble s",
+          "that plan re-priced with zb-h1", "searched: schedule", "searched plan, tuner.schedules=[1f1b,zb-h1]",
+          "searched s", "searched bubble s", "searched peak GiB per stage", "speedup"]
 
 
-def geomean_line(label: str, rows: list[Row]) -> str:
-    priced = [r for r in rows if r.speedup is not None]
-    fitting = [r.speedup for r in priced if r.fits]
-    pipelines = sum(1 for r in rows if r.cells[8] != "not a pipeline (pp 1)" and r.cells[4] != "no plan fits")
+def mean_text(values: list[float]) -> str:
+    return f"{math.exp(sum(map(math.log, values)) / len(values)):.4f}x" if values else "none"
 
-    def mean(values: list[float]) -> str:
-        return f"{math.exp(sum(map(math.log, values)) / len(values)):.4f}x" if values else "none"
-    return (f"{label}: {pipelines} of {len(rows)} cases' best plans are pipelines; zb-h1 runs {len(priced)} of them "
-            f"(the others refused); geometric-mean predicted speedup of zb-h1 over 1F1B on those: "
-            f"{mean([r.speedup for r in priced])}; on the {len(fitting)} whose zb-h1 plan also fits in memory: "
-            f"{mean(fitting)}.")
+
+def summary_lines(label: str, rows: list[Row]) -> list[str]:
+    pipelines = [r for r in rows if r.pipeline]
+    chose = [r for r in pipelines if r.chose_zb]
+    repriced = [r.repriced for r in pipelines if r.repriced is not None]
+    return [f"{label}: {len(pipelines)} of {len(rows)} cases' best 1F1B plans are pipelines; the search with "
+            f"tuner.schedules=[1f1b,zb-h1] picks zb-h1 on {len(chose)} of them; geometric-mean predicted speedup of "
+            f"the searched plan over the 1F1B plan on those {len(pipelines)}: "
+            f"{mean_text([r.speedup for r in pipelines])}; on the {len(chose)} where it picks zb-h1: "
+            f"{mean_text([r.speedup for r in chose])}.",
+            f"{label}, the 1F1B plan re-priced with zb-h1 (what a search without the schedule would hand over) "
+            f"still fits on {len(repriced)} of the {len(pipelines)} pipelines; geometric-mean speedup there: "
+            f"{mean_text(repriced)}."]
 
 
 def main(only: tuple[str, ...]) -> None:
     start, at_start = time.perf_counter(), run_start()
-    found = all_cases(only)
-    sections = [("At the cases' own precision (the paper's fp16; 22b and 175b at the default)", None),
-                ("At fp32 (the precision executor mist runs zb-h1 in)", "fp32")]
+    sections = [("At the cases' own precision", "the paper's fp16; 22b and 175b bf16", None),
+                ("At fp32", "", "fp32")]
     tables, summary = [], []
-    for title, precision in sections:
-        rows = [row(case, precision) for case in found]
-        tables += [f"## {title}", "", table_text(HEADER, [r.cells for r in rows]), ""]
-        summary.append(geomean_line(title.split(" (")[0], rows))
-    lines = [results_header("ZB-H1 against 1F1B on executor `mist`: the best 1F1B plan re-priced (predicted)",
+    for label, note, precision in sections:
+        rows = [row(case, precision) for case in all_cases(only)]
+        tables += [f"## {label}" + (f" ({note})" if note else ""), "", table_text(HEADER, [r.cells for r in rows]), ""]
+        summary += summary_lines(label, rows)
+    lines = [results_header("ZB-H1 against 1F1B on executor `mist`: plans searched with the schedule (predicted)",
                             COMMAND, "none: predicted plans only, no measurement", started=at_start),
-             "**This is the tuner's best 1F1B plan re-priced with the zb-h1 order, not a plan searched with zb-h1**: "
-             "the tuner does not search the schedule yet, so each speedup is a lower bound of what a schedule-aware "
-             "tuner would find (it could also pick another layout, micro-batch or recompute for zb-h1). zb-h1 "
-             "composes only with train.precision=fp32, tp 1 and no activation offload (executor `mist`'s "
-             "`split_backward`; rules `mist.split-precision`, `mist.split-tp`, `mist.split-activation-offload`, and "
-             "`mist.split-pipeline` at pp 1): a plan it cannot run is listed as refused with its rule, not priced. "
-             "The paper's cases are fp16, so each is also tuned at fp32, where zb-h1 runs.", "",
+             "Each case is tuned on executor `mist` twice, at its own precision and at fp32: with "
+             "tuner.schedules=[1f1b] and with [1f1b,zb-h1], where the search tries zb-h1 at every pipeline point it "
+             "composes with (tp 1, no activation offload; rules `mist.split-tp`, `mist.split-activation-offload`), "
+             "the deferred W's operands in each stage's memory, and keeps whichever plan is faster. The 1F1B plan "
+             "is also re-priced with strategy.schedule=zb-h1: the plan a search without "
+             "the schedule hands over, often too large once its later stages hold deferred W's.", "",
              "Cases: the Mist paper's 20 (benchmarks/plan_quality.py: GPT-3 and Llama shapes, 1.3B/2 GPUs to 22B/32, "
-             "global batch 16 x GPUs) and benchmarks/tune_speed.py's 22b (32x L4) and 175b (1024x A100-80GB). Each "
-             "tuned on executor `mist` (`tune_specs`, tuner.runtime=mist, baselines off); the plan's 1F1B numbers "
-             "are the tuner's prediction, the zb-h1 ones `predict_specs` of the same strategy with "
-             "strategy.schedule=zb-h1. Plans: (t, S, d, b) and the stages' options; peak memory per stage in GiB "
-             "(**does not fit**: a stage above the usable memory per GPU); speedup = 1F1B s / zb-h1 s.", ""]
+             "global batch 16 x GPUs) and benchmarks/tune_speed.py's 22b (32x L4) and 175b (1024x A100-80GB). "
+             "Plans: (t, S, d, b) and the stages' options; times are `predict`'s (the event simulation); peak "
+             "memory per stage in GiB (**does not fit**: a stage above the usable memory per GPU); speedup = 1F1B "
+             "plan s / searched plan s.", ""]
     lines += tables + ["## Summary", ""] + [f"- {line}" for line in summary]
     lines += ["", f"{time.perf_counter() - start:.0f} s in all."]
     print("\n".join(lines))

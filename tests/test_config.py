@@ -134,6 +134,8 @@ BAD_INPUTS = [
     (["tuner.host_memory=per-rack"], "tuner.host_memory"),
     (["tuner.host_memory=per-node", "tuner.partition_solver=dp"], "tuner.partition_solver"),
     (["tuner.grid=alpa"], "tuner.grid"),
+    (["tuner.schedules=[zb-h1]"], "tuner.schedules"),
+    (["tuner.schedules=[1f1b,zb-h2]"], "tuner.schedules"),
     (["tuner.grid=mist", "tuner.optimizer_offload_ratios=[0,1]"], "tuner.optimizer_offload_ratios"),
     (["model=llama3-8b", "cluster=a100-80g", "strategy.tp=16", "strategy.allow_cross_node_tp=true",
       "cluster.nodes=2"], "strategy.tp"),

@@ -26,6 +26,9 @@ CASES = {
     "megatron interleaved": ["strategy.runtime=megatron", "strategy.pp=2", "strategy.schedule=interleaved",
                              "strategy.virtual_stages=2", "strategy.micro_batch_size=4", "strategy.dp=4"],
     "one stage": [],
+    "mist zb-h1: B and W": ["strategy.runtime=mist", "strategy.pp=4", "strategy.schedule=zb-h1",
+                            "strategy.zero_stage=1", "strategy.micro_batch_size=4", "strategy.dp=2",
+                            "train.precision=fp32"],
 }
 
 
@@ -53,15 +56,27 @@ def test_the_drawn_timeline_ends_at_the_predicted_iteration_time(overrides):
         assert math.isclose(row[-1].get_x() + row[-1].get_width(), makespan, rel_tol=REL)
 
 
+def _boxes_by_kind(case: str):
+    """(the number of boxes of each kind the timeline of CASES[case] draws, its Parallelism)."""
+    specs = compose(BASE + CASES[case])
+    axes = timeline_figure(simulate_iteration(specs), "case").axes[0]
+    return {container.get_label(): len(container.patches) for container in axes.containers}, \
+        specs.strategy.parallelism
+
+
 def test_the_timeline_draws_every_micro_batch_and_the_extras():
-    specs = compose(BASE + CASES["mist-paper: first and last micro-batch extras"])
-    sim = simulate_iteration(specs)
-    axes = timeline_figure(sim, "case").axes[0]
-    by_kind = {container.get_label(): len(container.patches) for container in axes.containers}
-    par = specs.strategy.parallelism
+    by_kind, par = _boxes_by_kind("mist-paper: first and last micro-batch extras")
     assert by_kind["forward"] == by_kind["backward"] == par.pp * par.grad_accum
     assert by_kind["first micro-batch extra"] == by_kind["last micro-batch extra"] == par.pp
     assert by_kind["bubble"] >= par.pp - 1  # the pipeline fills and drains
+
+
+def test_the_zb_h1_timeline_draws_b_and_w_of_every_micro_batch():
+    """Under zb-h1 each micro-batch's backward is two boxes, B then W, on every stage."""
+    by_kind, par = _boxes_by_kind("mist zb-h1: B and W")
+    assert by_kind["forward"] == by_kind["B (input gradients)"] == by_kind["W (weight gradients)"] == \
+        par.pp * par.grad_accum
+    assert "backward" not in by_kind
 
 
 @pytest.mark.parametrize("overrides", [CASES["deepspeed pipeline: end work and norm sync"],

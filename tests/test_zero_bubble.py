@@ -78,3 +78,108 @@ def test_zb_h1_is_emitted_on_mist_and_refused_where_it_is_not_priced():
     with pytest.raises(ConfigError) as other:
         predict(compose([*TINY_PP8, "strategy.runtime=deepspeed", "strategy.schedule=zb-h1"]))
     assert other.value.rule == "deepspeed.schedule"
+
+
+# --- the tuner searching the schedule (tuner.schedules; docs/design.md, Tuner, Schedules) -----------------------
+
+TUNE_PP4 = ["cluster=cpu", "cluster.gpus_per_node=8", "model=tiny", "tuner.runtime=mist", "tuner.pp=[4]",
+            "tuner.tp=[1]", "train.global_batch_size=32", "train.precision=fp32", "tuner.compare_baselines=false",
+            "tuner.quiet=true", "tuner.micro_batch_sizes=[4]"]
+
+
+def _tuned(overrides):
+    from mist_ds.tuner import tune_specs
+
+    return tune_specs(compose(overrides, with_strategy=False), progress=False, baselines=False)
+
+
+def _with_usable_bytes(overrides, usable_bytes):
+    """`overrides` with the GPU's memory set so that `usable_bytes` are usable (the reserve kept)."""
+    reserve = compose(overrides, with_strategy=False).cluster.gpu.reserve_bytes
+    return overrides + [f"cluster.gpu.memory_gib={(usable_bytes + reserve) / 2 ** 30!r}"]
+
+
+def test_the_search_picks_zb_h1_where_it_is_faster_and_prices_its_memory_as_predict_does():
+    """With room to spare the searched plan is the 1F1B plan in the zb-h1 order (faster: the simulated bubble), its
+    predicted peaks those of the stages as the search priced them (deferred W's on the later stages)."""
+    one = _tuned([*TUNE_PP4, "tuner.schedules=[1f1b]"])
+    both = _tuned([*TUNE_PP4, "tuner.schedules=[1f1b,zb-h1]"])
+    assert one.strategy.schedule == "1f1b" and both.strategy.schedule == "zb-h1"
+    assert both.prediction.iteration_time_s < one.prediction.iteration_time_s
+    assert both.strategy.stages == one.strategy.stages
+    assert both.prediction.peak_memory_bytes[-1] > one.prediction.peak_memory_bytes[-1]
+    assert both.prediction.peak_memory_bytes[0] == one.prediction.peak_memory_bytes[0]
+    from mist_ds.tuner.intra import PointPricer, position_memory
+    from mist_ds.tuner.search import option_grids
+    from mist_ds.tuner.space import GlobalPoint
+
+    specs, par = both.specs, both.strategy.parallelism
+    point = GlobalPoint(tp=par.tp, pp=par.pp, dp=par.dp, micro_batch_size=par.micro_batch_size,
+                        grad_accum=par.grad_accum)
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    pricer = PointPricer(costs, hw, both.caps, specs.train, point, schedule="zb-h1")
+    layers = sorted({st.layers for st in both.strategy.stages})
+    priced = pricer.memory(pricer.options("mist", option_grids(specs), layers))
+    for i, st in enumerate(both.strategy.stages):
+        same = ((priced.layers == st.layers) & (priced.options["recompute"] == st.ckpt_layers)
+                & (priced.options["zero"] == st.zero_stage) & (priced.options["ao"] == 0) & (priced.options["wo"] == 0)
+                & (priced.options["go"] == 0) & (priced.options["oo"] == 0))
+        peak, _ = position_memory(priced, i, same)
+        assert np.allclose(peak, both.prediction.peak_memory_bytes[i], rtol=1e-12)
+
+
+def test_a_searched_zb_h1_plan_fits_where_the_1f1b_plan_re_priced_does_not():
+    """GPU memory between the 1F1B plan's peak and its zb-h1 re-pricing's: the plan a search without the schedule
+    would hand over does not fit in the zb-h1 order; the search's plan fits, whatever its schedule."""
+    import dataclasses
+
+    one = _tuned([*TUNE_PP4, "tuner.schedules=[1f1b]"])
+    repriced = predict(dataclasses.replace(one.specs, strategy=dataclasses.replace(one.strategy, schedule="zb-h1")))
+    usable = (max(one.prediction.peak_memory_bytes) + max(repriced.peak_memory_bytes)) / 2
+    tight = _with_usable_bytes(TUNE_PP4, usable)
+    assert not predict(dataclasses.replace(compose(tight, with_strategy=False), strategy=repriced_strategy(one))).fits
+    searched = _tuned([*tight, "tuner.schedules=[1f1b,zb-h1]"])
+    assert searched.prediction.fits
+    alone = _tuned([*tight, "tuner.schedules=[1f1b]"])
+    assert searched.prediction.iteration_time_s <= alone.prediction.iteration_time_s
+    if searched.strategy.schedule == "zb-h1":
+        assert searched.strategy.stages != one.strategy.stages
+
+
+def repriced_strategy(result):
+    import dataclasses
+
+    return dataclasses.replace(result.strategy, schedule="zb-h1")
+
+
+@pytest.mark.parametrize("extra,tp,expected", [([], 1, ("1f1b", "zb-h1")),
+                                               (["train.precision=fp16"], 1, ("1f1b", "zb-h1")),
+                                               ([], 2, ("1f1b",)), (["tuner.runtime=deepspeed"], 1, ("1f1b",))])
+def test_zb_h1_is_searched_only_where_it_composes(extra, tp, expected):
+    """The schedules of a pp 4 point: zb-h1 on executor mist (at tp 2 rule split-tp refuses it); an executor that does
+    not run it searches 1F1B alone; a single stage has no order to choose."""
+    from mist_ds.specs.executors import capabilities_of
+    from mist_ds.tuner.search import point_schedules
+    from mist_ds.tuner.space import GlobalPoint, tuner_executor
+
+    specs = compose([*TUNE_PP4, "tuner.schedules=[1f1b,zb-h1]", *extra], with_strategy=False)
+    caps = capabilities_of(tuner_executor(specs.tuner))
+    assert point_schedules(specs, caps, GlobalPoint(tp=tp, pp=4, dp=2 // tp, micro_batch_size=4,
+                                                    grad_accum=4 * tp)) == expected
+    assert point_schedules(specs, caps, GlobalPoint(tp=1, pp=1, dp=8, micro_batch_size=4, grad_accum=1)) == ("1f1b",)
+
+
+def test_explain_shows_w_within_compute_and_the_deferred_w_memory_predict_adds():
+    """explain's zb-h1 facts: each stage's W seconds are part of its compute (time_breakdown), and its deferred W's
+    bytes are what predict's peak under zb-h1 holds beyond the same plan's 1F1B peak."""
+    from mist_ds.report.explain import split_backward_facts, time_breakdown
+
+    specs = compose([*TINY_PP8, "strategy.schedule=zb-h1"])
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    facts = split_backward_facts(specs, costs, hw)
+    zb, one_f_one_b = predict(specs), predict(compose([*TINY_PP8, "strategy.schedule=1f1b"]))
+    for i, row in enumerate(time_breakdown(specs, zb)):
+        assert 0 < facts["weight_gradient_s"][i] < row["compute_s"]
+        assert np.isclose(facts["deferred_weight_bytes"][i],
+                          zb.peak_memory_bytes[i] - one_f_one_b.peak_memory_bytes[i], rtol=1e-12, atol=0)
+    assert split_backward_facts(compose([*TINY_PP8, "strategy.schedule=1f1b"]), costs, hw) is None

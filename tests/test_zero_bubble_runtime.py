@@ -32,16 +32,16 @@ def tiny(pp: int, *extra: str, ranks: int | None = None, precision: str = "fp32"
             "strategy.runtime=mist", f"train.precision={precision}", *extra]
 
 
-def run(pp: int, features: dict[str, tuple[str, ...]], ranks: int | None = None
+def run(pp: int, features: dict[str, tuple[str, ...]], ranks: int | None = None, precision: str = "fp32"
         ) -> dict[tuple[str, str], tuple[object, list[dict]]]:
-    """Each feature set at 1f1b and zb-h1 in one launch on `ranks` (default pp): (specs, results by rank) by
-    (feature, schedule)."""
+    """Each feature set at 1f1b and zb-h1 in one launch on `ranks` (default pp), in train.precision `precision`:
+    (specs, results by rank) by (feature, schedule)."""
     from mist_ds.observe.ranks import launch
 
     keys, cases, specs_of = [], [], {}
     for feature, extra in features.items():
         for schedule in ("1f1b", "zb-h1"):
-            specs = compose(tiny(pp, *extra, f"strategy.schedule={schedule}", ranks=ranks))
+            specs = compose(tiny(pp, *extra, f"strategy.schedule={schedule}", ranks=ranks, precision=precision))
             keys.append((feature, schedule))
             specs_of[keys[-1]] = specs
             config = ds_config(specs.strategy, specs.train, specs.model)
@@ -55,6 +55,7 @@ def check_zb_h1(results, feature: str) -> None:
     (_, stock), (specs, zb) = results[(feature, "1f1b")], results[(feature, "zb-h1")]
     par = specs.strategy.parallelism
     prediction = predict(specs).to_dict()
+    deferred_bytes = predicted_deferred_bytes(specs)
     from mist_ds.testing.step_census import step_census_mismatches
 
     for ran_1f1b, ran in zip(stock, zb):
@@ -63,6 +64,8 @@ def check_zb_h1(results, feature: str) -> None:
         assert ran["losses"] == ran_1f1b["losses"], feature  # bitwise
         assert [tuple(i) for i in ran["executed"]] == zb_h1_order(stage, par.pp, par.grad_accum)
         assert ran["split_linears"] > 0
+        # the bytes deferred W's hold at the stage's peak (the end of a forward), counted in the engine: priced
+        assert ran["peak_held_bytes"] == deferred_bytes[stage], (feature, stage, ran["peak_held_bytes"])
         # observed by the worker's own hooks: weights of linears accumulate in W only, everything else in B only,
         # each W(m) where the order places it
         for running, linear_weight in ran["accumulated"]:
@@ -83,6 +86,18 @@ def check_zb_h1(results, feature: str) -> None:
             assert 1 <= sum(census["calls_in_backward"].values()) <= stock_calls
 
 
+def predicted_deferred_bytes(specs) -> list[int]:
+    """Per stage, the bytes the cost model prices for the deferred W's at the stage's peak."""
+    from mist_ds.cost.executors.zero_bubble import deferred_weight_bytes
+    from mist_ds.cost.predict import model_costs, stage_candidates
+    from mist_ds.hardware import hardware_model
+
+    hw = hardware_model(specs.cluster, specs.train.precision)
+    held = deferred_weight_bytes(model_costs(specs), hw, stage_candidates(specs.strategy, specs.model.seq_len),
+                                 specs.strategy.schedule)
+    return [int(x) for x in held]
+
+
 @pytest.mark.slow
 def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_with_w_where_the_order_places_it():
     results = run(2, FEATURES)
@@ -93,6 +108,16 @@ def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_with_w_where_the_order_places_it(
 @pytest.mark.slow
 def test_zb_h1_trains_bitwise_like_1f1b_at_pp4():
     results = run(4, FEATURES)
+    for feature in FEATURES:
+        check_zb_h1(results, feature)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zb_h1_trains_bitwise_like_1f1b_in_reduced_precision(precision):
+    """bf16: BF16_Optimizer with `immediate_grad_update` (emitted for zb-h1) accumulates each deferred W as it lands;
+    without it the ZeRO-0 losses move. fp16: dynamic loss scaling, the W's gradients scaled as B's."""
+    results = run(2, FEATURES, precision=precision)
     for feature in FEATURES:
         check_zb_h1(results, feature)
 
@@ -126,7 +151,6 @@ def test_the_schedule_is_the_order_with_the_reductions_after_the_last_w():
     (1, (), "fp32", "mist.split-pipeline", "strategy.pp"),
     (2, ("strategy.tp=2",), "fp32", "mist.split-tp", "strategy.tp"),
     (2, ("strategy.offload.activations=0.5",), "fp32", "mist.split-activation-offload", "strategy.offload.activations"),
-    (2, (), "bf16", "mist.split-precision", "train.precision"),
 ])
 def test_what_zb_h1_does_not_compose_with_is_refused_with_its_rule(pp, extra, precision, rule, field):
     """Each refusal names the field, its value and the fix (strategy.schedule=1f1b among them)."""
@@ -142,6 +166,8 @@ def test_zb_h1_is_emitted_and_accepted_by_the_runtime_where_it_composes():
     specs = compose(tiny(2, "strategy.schedule=zb-h1", "strategy.zero_stage=1"))
     plan = read_mist_block(ds_config(specs.strategy, specs.train, specs.model))
     check_executable(plan, specs.model, 2, dtype=torch.float32)
-    with pytest.raises(ConfigError) as refused:
-        check_executable(plan, specs.model, 2, dtype=torch.bfloat16)
-    assert refused.value.rule == "mist.split-precision"
+    check_executable(plan, specs.model, 2, dtype=torch.bfloat16)
+    bf16 = compose(tiny(2, "strategy.schedule=zb-h1", precision="bf16"))
+    assert ds_config(bf16.strategy, bf16.train, bf16.model)["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    one_f_one_b = compose(tiny(2, "strategy.schedule=1f1b", precision="bf16"))
+    assert ds_config(one_f_one_b.strategy, one_f_one_b.train, one_f_one_b.model)["bf16"] == {"enabled": True}

@@ -48,7 +48,8 @@ def run_case(case: dict) -> dict:
                                                      DATA_SEED - 2 - planned.dp_rank))
     result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(engine).__name__,
               "executed": executed, "accumulated": accumulated, "census": census,
-              "split_linears": getattr(getattr(engine, "weight_gradients", None), "split_linears", 0)}
+              "split_linears": getattr(getattr(engine, "weight_gradients", None), "split_linears", 0),
+              "peak_held_bytes": getattr(getattr(engine, "weight_gradients", None), "peak_held_bytes", 0)}
     planned.close()
     return result
 

@@ -148,7 +148,7 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
                      activations_offload_ratios=tuple(cfg.activations_offload_ratios), quiet=cfg.quiet,
                      partition_solver=cfg.partition_solver, host_memory=cfg.host_memory, grid=cfg.grid,
                      top_n=cfg.top_n, rerank_top_n=cfg.rerank_top_n, verify=verify_spec(cfg),
-                     pipeline_script=cfg.pipeline_script, target=cfg.target)
+                     pipeline_script=cfg.pipeline_script, target=cfg.target, schedules=tuple(cfg.schedules))
 
 
 def verify_spec(cfg: TunerConfig) -> VerifySpec:

@@ -26,6 +26,7 @@ from mist_ds.specs import (EXECUTORS, ConfigError, ExecutorCapabilities, ModelSp
                            TrainSpec)
 from mist_ds.specs.buckets import BucketSizes, bucket_sizes
 from mist_ds.specs.executors import OverlapFeatures, capabilities_of
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.executor_rules import (check_executor, check_schedule_built, reduce_bucket_elements_of,
                                          reduced_by_deepspeed_hooks)
 from mist_ds.specs.strategy import strategy_from_dict
@@ -73,10 +74,14 @@ def check_emittable(strategy: StrategySpec, caps: ExecutorCapabilities | None = 
     check_schedule_built(strategy, caps, precision, model)
 
 
-def precision_block(precision: str) -> dict[str, Any]:
-    """`bf16` or `fp16` (dynamic loss scaling) section; fp32 needs none (DeepSpeed's default)."""
+def precision_block(precision: str, split_backward: bool = False) -> dict[str, Any]:
+    """`bf16` or `fp16` (dynamic loss scaling) section; fp32 needs none (DeepSpeed's default). `split_backward` (a
+    schedule that defers W, zb-h1): bf16 with `immediate_grad_update`, so BF16_Optimizer accumulates each weight
+    gradient into its fp32 one as autograd lands it (a grad-acc hook, bf16_optimizer.py create_grad_acc_hooks), a
+    deferred W's included; otherwise it accumulates after each backward and clears the bf16 gradients before the
+    next (pipe/engine.py _exec_backward_pass), which loses every W run in between."""
     if precision == "bf16":
-        return {"bf16": {"enabled": True}}
+        return {"bf16": {"enabled": True, **({"immediate_grad_update": True} if split_backward else {})}}
     if precision == "fp16":
         return {"fp16": {"enabled": True, **FP16_DYNAMIC_LOSS_SCALE}}
     return {}
@@ -243,7 +248,7 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         "train_batch_size": par.global_batch_size,
         "train_micro_batch_size_per_gpu": par.micro_batch_size,
         "gradient_accumulation_steps": par.grad_accum,
-        **precision_block(train.precision),
+        **precision_block(train.precision, strategy.schedule in SPLIT_SCHEDULES),
         "gradient_clipping": train.grad_clip,
         "optimizer": optimizer_block(train),
         "zero_optimization": zero_block(first, par.pp > 1, buckets, hooked),

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from mist_ds.cost.executors.zero_bubble import deferred_weight_bytes, stage_weight_gradient_s
 from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy, stage_candidates
 from mist_ds.cost.stage import stage_times
 from mist_ds.hardware import hardware_model
@@ -33,6 +34,7 @@ from mist_ds.plan import Plan
 from mist_ds.specs import ConfigError, Specs, StrategySpec, check_executor
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.strategy import StrategyRequest, degrees_text, resolve_strategy, strategy_from_dict
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.rerank import CLOSED_FORM
@@ -206,6 +208,19 @@ def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], 
             "more_s": more, "lost_on": max(TIME_PARTS, key=lambda k: more[k])}
 
 
+def split_backward_facts(specs: Specs, costs, hw) -> dict[str, list[float]] | None:
+    """Under a schedule that splits the backward (zb-h1), per stage: W's seconds in the iteration (G x its weight
+    gradients, within `compute`) and the bytes its deferred W's hold at the peak (within `activations`); None
+    otherwise."""
+    strategy = specs.strategy
+    if strategy.schedule not in SPLIT_SCHEDULES:
+        return None
+    c = stage_candidates(strategy, specs.model.seq_len)
+    G = strategy.parallelism.grad_accum
+    return {"weight_gradient_s": [G * float(x) for x in stage_weight_gradient_s(costs, hw, c)],
+            "deferred_weight_bytes": [float(x) for x in deferred_weight_bytes(costs, hw, c, strategy.schedule)]}
+
+
 def _recorded_s(plan: Plan | None) -> float | None:
     """The iteration time a plan file records (None where it records no number: it is re-priced anyway)."""
     value = plan.prediction.get("iteration_time_s") if plan else None
@@ -231,6 +246,7 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
         "time_per_stage": stages, "time_mean": plan_mean, "memory_per_stage": memory_rows(specs, prediction),
         "usable_memory_bytes": specs.cluster.gpu.usable_memory_bytes, "fits": prediction.fits,
         "relaxations": relaxations, "bound": bound["name"] if bound else None,
+        "split_backward": split_backward_facts(specs, costs, hw),
         "runner_ups": [_why_lost(specs, plan_mean, entry, i, specs.strategy, costs, hw)
                        for i, entry in enumerate(plan.runner_ups if plan else [])],
     }
@@ -267,11 +283,18 @@ def render_explain(facts: dict[str, Any]) -> str:
               "stage " + " ".join(f"{PART_WORDS[k]:>12.12}" for k in TIME_PARTS)]
     for i, row in enumerate(facts["time_per_stage"]):
         lines.append(f"{i:>5} " + " ".join(f"{row[k]:12.4f}" for k in TIME_PARTS))
+    split = facts.get("split_backward")
+    if split is not None:
+        lines.append(f"{s['schedule']}: W (weight gradients, in compute) per stage, s: "
+                     + ", ".join(f"{x:.4f}" for x in split["weight_gradient_s"]))
     lines += ["", f"Memory per GPU (GiB; {facts['usable_memory_bytes'] / GIB:.2f} usable):",
               "stage " + " ".join(f"{k:>11}" for k in (*MEMORY_PARTS, "peak", "margin"))]
     for i, row in enumerate(facts["memory_per_stage"]):
         values = [row[k] for k in MEMORY_PARTS] + [row["peak_bytes"], row["margin_bytes"]]
         lines.append(f"{i:>5} " + " ".join(f"{v / GIB:11.2f}" for v in values))
+    if split is not None:
+        lines.append(f"{s['schedule']}: deferred W's at the peak (in activations) per stage, GiB: "
+                     + ", ".join(f"{x / GIB:.2f}" for x in split["deferred_weight_bytes"]))
     lines += ["", "What bounds it: the setting re-tuned under each single relaxation:"]
     for r in facts["relaxations"]:
         if not r["applies"]:

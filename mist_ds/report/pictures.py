@@ -14,13 +14,18 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from mist_ds.cost.predict import MEMORY_PARTS, SimulatedIteration
+from mist_ds.cost.executors.zero_bubble import SplitSpan
 from mist_ds.cost.simulate import FORWARD
+from mist_ds.specs.pipeline_order import BACKWARD_WEIGHT
 from mist_ds.specs.cluster import GIB
 
 FORWARD_KIND, BACKWARD_KIND = "forward", "backward"
+INPUT_GRAD_KIND, WEIGHT_GRAD_KIND = "B (input gradients)", "W (weight gradients)"
+"""A split schedule's two halves of a backward (zb-h1; docs/design.md, Glossary: B, W, deferred W)."""
 FIRST_EXTRA, LAST_EXTRA = "first micro-batch extra", "last micro-batch extra"
 END_KIND, SYNC_KIND, BUBBLE_KIND = "end (reduce, step)", "norm sync", "bubble"
-KIND_COLORS = {FORWARD_KIND: "#4c78a8", BACKWARD_KIND: "#54a24b", FIRST_EXTRA: "#f58518", LAST_EXTRA: "#e45756",
+KIND_COLORS = {FORWARD_KIND: "#4c78a8", BACKWARD_KIND: "#54a24b", INPUT_GRAD_KIND: "#54a24b",
+               WEIGHT_GRAD_KIND: "#eeca3b", FIRST_EXTRA: "#f58518", LAST_EXTRA: "#e45756",
                END_KIND: "#b279a2", SYNC_KIND: "#9d755d", BUBBLE_KIND: "#e8e8e8"}
 PART_COLORS = {"weights": "#4c78a8", "grads": "#72b7b2", "optimizer": "#54a24b", "activations": "#f58518",
                "transient": "#e45756", "buffers": "#b279a2"}
@@ -45,8 +50,9 @@ def timeline_events(sim: SimulatedIteration) -> list[TimelineEvent]:
     """Every stage's work and idle time over one iteration, from the simulator's spans.
 
     A stage's first-micro-batch extra runs from the iteration's start (it needs no input); its last
-    backward's span ends with the last-micro-batch extra, split off here; its end work follows its
-    last span; the norm sync follows the last stage's end work on every stage. Gaps are bubbles."""
+    backward's span ends with the last-micro-batch extra, split off here (a split schedule's extra follows
+    the stage's last W instead: simulate_split); its end work follows; the norm sync follows the last
+    stage's end work on every stage. Gaps are bubbles."""
     stages = len(sim.end_s)
     events: list[TimelineEvent] = []
     free_s = [0.0] * stages
@@ -57,13 +63,20 @@ def timeline_events(sim: SimulatedIteration) -> list[TimelineEvent]:
             if span.micro_batch == 0 and sim.first_fwd_extra_s[i] > 0:
                 events.append(TimelineEvent(i, FIRST_EXTRA, None, 0.0, sim.first_fwd_extra_s[i]))
             events.append(TimelineEvent(i, FORWARD_KIND, span.micro_batch, span.start_s, span.end_s))
+        elif isinstance(span, SplitSpan):
+            kind = WEIGHT_GRAD_KIND if span.kind == BACKWARD_WEIGHT else INPUT_GRAD_KIND
+            events.append(TimelineEvent(i, kind, span.micro_batch, span.start_s, span.end_s))
         else:
             extra = sim.last_bwd_extra_s[i] if span.micro_batch == last_micro_batch else 0.0
             events.append(TimelineEvent(i, BACKWARD_KIND, span.micro_batch, span.start_s, span.end_s - extra))
             if extra > 0:
                 events.append(TimelineEvent(i, LAST_EXTRA, None, span.end_s - extra, span.end_s))
         free_s[i] = max(free_s[i], span.end_s)
+    split = any(isinstance(span, SplitSpan) for span in sim.spans)
     for i in range(stages):
+        if split and sim.last_bwd_extra_s[i] > 0:
+            events.append(TimelineEvent(i, LAST_EXTRA, None, free_s[i], free_s[i] + sim.last_bwd_extra_s[i]))
+            free_s[i] += sim.last_bwd_extra_s[i]
         if sim.end_s[i] > 0:
             events.append(TimelineEvent(i, END_KIND, None, free_s[i], free_s[i] + sim.end_s[i]))
     drained_s = max(free_s[i] + sim.end_s[i] for i in range(stages))

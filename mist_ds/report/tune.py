@@ -70,7 +70,8 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
     lines = [
         f"# Plan: {specs.model.name} on {specs.cluster.num_gpus}x {specs.cluster.gpu.name}",
         "",
-        f"Runtime `{strategy.runtime}`, space `{search['space']}`: {layout_text(strategy)} "
+        f"Runtime `{strategy.runtime}`, space `{search['space']}`, schedule `{strategy.schedule}`: "
+        f"{layout_text(strategy)} "
         f"(global batch {par.global_batch_size}, sequence {specs.model.seq_len}).",
         "",
         f"- iteration {p['iteration_time_s']:.3f} s (closed form {p['iteration_time_closed_form_s']:.3f} s), "

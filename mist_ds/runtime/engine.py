@@ -475,6 +475,7 @@ def apply_split_backward(engine, plan: MistBlock, stage: StageModule):
 
     if plan.strategy.schedule not in SPLIT_SCHEDULES:
         return engine
+    check_split_optimizer(engine.optimizer)
     reducer = getattr(engine, "grad_reducer", None)
     engine.__class__ = ZeroBubblePipelineEngine
     engine.grad_reducer, engine.weight_gradients, engine.pending_sends, engine.executed = \
@@ -485,6 +486,19 @@ def apply_split_backward(engine, plan: MistBlock, stage: StageModule):
     log.info("%s: %s with B and W, %d layers' linears split, reduction %s", plan.strategy.schedule,
              type(engine).__name__, len(split), "per layer in the last B and W" if reducer else "after the last W")
     return engine
+
+
+def check_split_optimizer(optimizer) -> None:
+    """A deferred W lands its weight gradient after the backward that BF16_Optimizer accumulates after, and before
+    the next clears it (pipe/engine.py _exec_backward_pass): it composes only where the optimizer accumulates each
+    gradient as it lands (`bf16.immediate_grad_update`, which the emitter writes for zb-h1)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    if isinstance(optimizer, BF16_Optimizer) and not optimizer.immediate_grad_update:
+        raise ConfigError("bf16.immediate_grad_update", False,
+                          "a zb-h1 plan's deferred weight gradients would be lost: set it to true in ds_config.json "
+                          "(mist-ds writes it for zb-h1 in bf16) [rule mist.split-immediate-grad-update]",
+                          rule="mist.split-immediate-grad-update")
 
 
 def own_communicator(rank_lists: list[list[int]], rank: int):

@@ -49,11 +49,14 @@ from mist_ds.specs.pipeline_order import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWA
 
 @dataclass
 class _Deferred:
-    """One linear's W of one micro-batch: its sub-graph's output, the output's gradient, the weight."""
+    """One linear's W of one micro-batch: its sub-graph's output (its storage released: W reads its graph only), the
+    output's gradient, the weight, and the input the sub-graph keeps for the weight gradient (held here only to be
+    counted)."""
 
     output: torch.Tensor
     grad_output: torch.Tensor
     weight: torch.nn.Parameter
+    input: torch.Tensor
 
 
 @dataclass
@@ -65,6 +68,9 @@ class WeightGradients:
     """The micro-batch whose B is running (None: no B runs; a linear's backward then may not defer)."""
     split_linears: int = 0
     """Linears split in the last B (all micro-batches of the step)."""
+    peak_held_bytes: int = 0
+    """The most bytes the deferred W's held at the end of a forward (the stage's activation peak), over the steps
+    run: what the cost model prices as the deferred W's memory (cost/executors/zero_bubble.py)."""
 
     @contextmanager
     def backward_input(self, micro_batch: int):
@@ -76,10 +82,11 @@ class WeightGradients:
         finally:
             self.micro_batch = None
 
-    def defer(self, output: torch.Tensor, grad_output: torch.Tensor, weight: torch.nn.Parameter) -> None:
+    def defer(self, output: torch.Tensor, grad_output: torch.Tensor, weight: torch.nn.Parameter,
+              input: torch.Tensor) -> None:
         if self.micro_batch is None:
             raise RuntimeError("a split linear's backward ran outside a B instruction: its W would have no place")
-        self.deferred[self.micro_batch].append(_Deferred(output, grad_output, weight))
+        self.deferred[self.micro_batch].append(_Deferred(output, grad_output, weight, input))
         self.split_linears += 1
 
     def backward_weight(self, micro_batch: int) -> int:
@@ -92,8 +99,19 @@ class WeightGradients:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the output gradients the deferred W's hold now (their inputs are held by their sub-graphs)."""
-        return sum(d.grad_output.numel() * d.grad_output.element_size() for ds in self.deferred.values() for d in ds)
+        """Bytes the deferred W's hold now: the storages of their inputs, output gradients and outputs, each storage
+        once (a tensor viewing another's storage adds nothing)."""
+        storages = {}
+        for items in self.deferred.values():
+            for item in items:
+                for tensor in (item.input, item.grad_output, item.output):
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def note_peak(self) -> None:
+        """At the end of a forward: keep the most bytes held (`peak_held_bytes`)."""
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     @contextmanager
     def splitting(self):
@@ -140,7 +158,10 @@ class _SplitLinear(torch.autograd.Function):
         ctx.inner = None
         inputs = [inner_x] + ([bias] if bias is not None and bias.requires_grad else [])
         torch.autograd.backward(y, grad_y, inputs=inputs, retain_graph=True)  # kept for W
-        store.defer(y, grad_y, weight)
+        # Every consumer of y ran its backward before this node (autograd's order), so nothing reads y's values
+        # again and W needs only its graph: its storage goes now, as a 1F1B backward would have freed it.
+        y.untyped_storage().resize_(0)
+        store.defer(y, grad_y, weight, inner_x)
         return inner_x.grad, None, None
 
 
@@ -267,6 +288,7 @@ def _exec_recv_grads(self, buffer_id):
 def _exec_forward_pass(self, buffer_id):
     self.executed.append((FORWARD, self.micro_batch_of_buffer(buffer_id)))
     PipelineEngine._exec_forward_pass(self, buffer_id)
+    self.weight_gradients.note_peak()  # the stage's activations peak here, as under 1F1B
 
 
 def _exec_wait_sends(self):

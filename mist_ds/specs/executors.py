@@ -48,9 +48,10 @@ class SplitBackward:
     """ao > 0: the offload's pack hooks would also save the deferred W's operands, which its one-block-ahead
     prefetch in backward does not know about."""
     precisions: tuple[str, ...] = ()
-    """train.precision values it runs in. BF16_Optimizer moves low-precision gradients into its fp32 ones after
-    each backward and clears them before the next, which a W run later would miss; so fp32 only (which also leaves
-    out the bf16-only weight gather in the first forward)."""
+    """train.precision values it runs in. In bf16 BF16_Optimizer moves low-precision gradients into its fp32 ones
+    after each backward and clears them before the next, which a W run later would miss, unless it accumulates each
+    as it lands (`bf16.immediate_grad_update`, which the emitter writes for a split schedule); fp16's loss scale
+    is in the output gradients W multiplies, as in B."""
     own_models: bool = False
     """A Hugging Face or user's model (family hf / module): their GEMM modules (GPT-2's Conv1D calls addmm) are not
     all `F.linear`, which is what the runtime splits, so W would not be what the cost model prices."""
@@ -193,9 +194,10 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     # checked on gloo only, so tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has
     # checked it.
     # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it and runs (mist_ds/runtime/zero_bubble.py) in
-    # fp32 on the zoo's models without TP or activation offload (SplitBackward says why not there).
+    # fp32, bf16 and fp16 on the zoo's models without TP or activation offload (SplitBackward says why not there).
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist", "zb-h1"),
-                   built_schedules=("1f1b", "mist", "zb-h1"), split_backward=SplitBackward(precisions=("fp32",)),
+                   built_schedules=("1f1b", "mist", "zb-h1"),
+                   split_backward=SplitBackward(precisions=("fp32", "bf16", "fp16")),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),
                    grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False, runs_on_stock_engine=False,

@@ -11,6 +11,8 @@ SPACES: tuple[str, ...] = ("mist", "megatron", "deepspeed", "aceso", "uniform")
 PARTITION_SOLVERS: tuple[str, ...] = ("auto", "dp", "milp")
 HOST_MEMORY: tuple[str, ...] = ("per-gpu", "per-node")
 GRIDS: tuple[str, ...] = ("default", "mist")
+SEARCHED_SCHEDULES: tuple[str, ...] = ("1f1b", "zb-h1")
+"""Pipeline orders the search can choose per plan (tuner.schedules; docs/design.md, Tuner, Schedules)."""
 DEFAULT_OFFLOAD_RATIOS: tuple[float, ...] = (0.0, 0.5, 1.0)
 # Mist's candidate offload ratios (Zhu et al., EuroSys'25, search space; docs/design.md, Tuner): wo and go
 # in six values, oo and ao in eight. `tuner.grid=mist` searches these instead of the ratio lists.
@@ -82,6 +84,9 @@ class TunerSpec:
     """The best points by the closed-form objective that the event simulation (what `predict` reports) re-ranks:
     the plan is the fastest of them by simulation (docs/design.md, Tuner, Re-ranking by simulation); 1 = the closed
     form's best, no re-ranking."""
+    schedules: tuple[str, ...] = ("1f1b",)
+    """Pipeline orders searched per plan, 1f1b among them: a pipeline point is also searched with each other one its
+    executor runs and that composes with it (zb-h1: executor mist, tp 1, no activation offload)."""
     pipeline_script: bool = False
     """The plan runs in a user's script whose loop steps with engine.train_batch (mist_ds.initialize(...,
     pipeline=True)): a Hugging Face model may be cut into pipeline stages (mist_ds.runtime runs them); otherwise a
@@ -120,6 +125,11 @@ class TunerSpec:
                 "give a whole number >= 1 of the best points by the closed form to re-rank by the event simulation "
                 "(1: the closed form's best, no re-ranking)")
         target_capabilities(self.target)
+        require(len(self.schedules) > 0 and set(self.schedules) <= set(SEARCHED_SCHEDULES)
+                and len(set(self.schedules)) == len(self.schedules) and "1f1b" in self.schedules,
+                "tuner.schedules", list(self.schedules),
+                f"list distinct schedules of {', '.join(SEARCHED_SCHEDULES)}, 1f1b among them (the order of every "
+                "point where no other composes), e.g. [1f1b,zb-h1]")
         require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
         for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"

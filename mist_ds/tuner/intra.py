@@ -4,7 +4,8 @@ layer count) in one vectorized pass, drop what does not fit, and keep the full P
 
 Stage positions that differ only in the activations they hold (micro-batches in flight) share one
 time evaluation: the time of a stage depends on its position only through first / last and whether
-its pipeline boundaries cross nodes, and its memory is linear in the micro-batches in flight.
+its pipeline boundaries cross nodes, and its memory is linear in the micro-batches in flight and, under a
+schedule that splits the backward (zb-h1), in the deferred W's it holds (cost/executors/zero_bubble.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
+from mist_ds.cost.executors.zero_bubble import held_weight_passes, stage_weight_operand_bytes
 from mist_ds.cost.stage import stage_boundaries_cross_nodes, stage_times
 from mist_ds.cost.stage_memory import in_flight_micro_batches, stage_memory
 from mist_ds.hardware import HardwareModel
@@ -44,6 +46,10 @@ class PricedOptions:
     position_class: np.ndarray
     """[S] the class of each stage position."""
     position_in_flight: np.ndarray
+    deferred_bytes: np.ndarray
+    """[classes, n] the bytes one deferred W keeps (0 where the schedule does not split the backward)."""
+    position_deferred: np.ndarray
+    """[S] the deferred W's each position holds at its peak beyond 1F1B's (zero_bubble.held_weight_passes)."""
     fits: np.ndarray
     """[n] fits at some position (GPU peak and host bytes); only these can be in a plan."""
     sized: np.ndarray
@@ -92,6 +98,8 @@ class PointPricer:
     host_limits_bytes: np.ndarray | None = None
     target: TargetCapabilities | str = DEFAULT_TARGET
     """What consumes the plans (tuner.target): options it cannot run are not among the point's options."""
+    schedule: str = "1f1b"
+    """The pipeline order the options are priced for: a split one (zb-h1) adds its deferred W's to the memory."""
 
     def options(self, space: str, grids: OptionGrids, layer_counts: list[int]) -> PricedOptions:
         """Every option of the space for these layer counts, nothing priced yet (inf)."""
@@ -104,7 +112,8 @@ class PointPricer:
         inf = {k: np.full(shape, np.inf) for k in ("stable_s", "delta_s", "end_s", "peak_bytes", "host_bytes")}
         return PricedOptions(
             layers=layers, options={k: np.concatenate([g[k] for g in grids_by_l]) for k in OPTION_KEYS}, **inf,
-            activations=np.zeros(shape), host_activations=np.zeros(shape),
+            activations=np.zeros(shape), host_activations=np.zeros(shape), deferred_bytes=np.zeros(shape),
+            position_deferred=held_weight_passes(self.schedule, np.arange(point.pp), point.pp, point.grad_accum),
             class_in_flight=in_flight_micro_batches(representatives, point.pp, point.grad_accum)[:, None],
             position_class=position_class, fits=np.zeros(layers.size, dtype=bool),
             sized=np.zeros(layers.size, dtype=bool), timed=np.zeros(layers.size, dtype=bool),
@@ -128,10 +137,13 @@ class PointPricer:
         memory = stage_memory(self.costs, self.hw, self.caps, self.train, self._candidates(priced, pick))
         for name in ("peak_bytes", "activations", "host_bytes", "host_activations"):
             getattr(priced, name)[:, pick] = getattr(memory, name)
+        if np.any(priced.position_deferred):
+            priced.deferred_bytes[:, pick] = stage_weight_operand_bytes(self.costs, self.hw,
+                                                                        self._candidates(priced, pick))
         priced.sized[pick] = True
         limits = np.full(self.point.pp, np.inf) if self.host_limits_bytes is None else self.host_limits_bytes
-        keys = np.stack([priced.position_class, priced.position_in_flight, limits], axis=1)
-        for i in np.unique(keys, axis=0, return_index=True)[1]:  # one position per (class, in flight, limit)
+        keys = np.stack([priced.position_class, priced.position_in_flight, priced.position_deferred, limits], axis=1)
+        for i in np.unique(keys, axis=0, return_index=True)[1]:  # one position per (class, in flight, W's, limit)
             peak, host = position_memory(priced, int(i), pick)
             priced.fits[pick] |= (peak <= self.usable_bytes) & (host <= limits[i])
         return priced
@@ -180,10 +192,11 @@ def floor_stable_s(priced: PricedOptions, coarse: tuple[float, ...], grids: Opti
 
 def position_memory(priced: PricedOptions, position: int, pick=slice(None)) -> tuple[np.ndarray, np.ndarray]:
     """(peak GPU bytes, host bytes) of every option (or those `pick` selects) at `position` (its own
-    micro-batches in flight)."""
+    micro-batches in flight and deferred W's)."""
     k = priced.position_class[position]
     scale = priced.position_in_flight[position] / priced.class_in_flight[k]
-    peak = priced.peak_bytes[k, pick] + (scale - 1) * priced.activations[k, pick]
+    peak = (priced.peak_bytes[k, pick] + (scale - 1) * priced.activations[k, pick]
+            + priced.position_deferred[position] * priced.deferred_bytes[k, pick])
     host = priced.host_bytes[k, pick] + (scale - 1) * priced.host_activations[k, pick]
     return peak, host
 
@@ -222,12 +235,13 @@ def stage_fronts(priced: PricedOptions, usable_bytes: float, host_limits_bytes: 
     be what lets a neighbour offload more). An option fits when its GPU peak is within `usable_bytes` and
     its host bytes within the position's `host_limits_bytes` [S] (cost/host.py, position_host_limits);
     `allowed` restricts the options (e.g. one ZeRO stage for runtimes that need it uniform)."""
-    by_key: dict[tuple[int, float, float], tuple[dict[int, np.ndarray], np.ndarray]] = {}
+    by_key: dict[tuple[int, float, float, float], tuple[dict[int, np.ndarray], np.ndarray]] = {}
     sorted_by_class: dict[tuple[int, int], tuple[np.ndarray, list[np.ndarray], np.ndarray]] = {}
     options, indices = {}, {}
     for i in range(priced.position_class.size):
         k = int(priced.position_class[i])
-        key = (k, float(priced.position_in_flight[i]), float(host_limits_bytes[i]))
+        key = (k, float(priced.position_in_flight[i]), float(priced.position_deferred[i]),
+               float(host_limits_bytes[i]))
         if key not in by_key:
             ok, host = np.zeros(priced.layers.size, dtype=bool), np.zeros(priced.layers.size)
             timed = np.flatnonzero(priced.timed)

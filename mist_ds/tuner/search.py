@@ -4,6 +4,13 @@ its bound exceeds the best plan found; per point the intra-stage fronts and the 
 default (tuner.grid=mist) is searched after the default one, whose best plan then bounds both the points
 and, at each point, which fine options are priced at all (_price_by_bound).
 
+Schedules (tuner.schedules): a pipeline point of a free-stage space is searched once per listed schedule its
+executor runs and that composes with the point (1f1b always; zb-h1 where executor_rules.check_schedule_built lets
+it); a split schedule prices its options' memory with their deferred W's and leaves out what it does not compose
+with (activation offload), so the plan it finds fits as ZB-H1 runs it. The partition solvers minimize the 1F1B closed
+form; a zb-h1 plan's objective is that closed form less the bubble the event simulation says ZB-H1 saves on its
+stages (`_split_saving_s`), so both schedules' plans compete in one frame (docs/design.md, Tuner, Schedules).
+
 Determinism: points are priced in fixed rounds of fixed chunks, whatever the worker count; a point is
 pruned only when its bound is strictly above the best time, so pruning never changes the optimum, and
 ties are broken by the point's order.
@@ -24,7 +31,9 @@ import numpy as np
 
 from mist_ds.cost.host import host_fits, position_host_limits, shared_nodes
 from mist_ds.cost.layer_time import layer_times
-from mist_ds.cost.predict import model_costs
+from mist_ds.cost.executors.zero_bubble import simulate_split, stage_weight_gradient_s
+from mist_ds.cost.predict import model_costs, stage_candidates
+from mist_ds.cost.simulate import simulate
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
 from mist_ds.cost.stage import stage_times, tail_s
 from mist_ds.cost.stage_memory import stage_memory
@@ -33,7 +42,8 @@ from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.hardware.interference import monotone_envelope
 from mist_ds.specs import ConfigError, Parallelism, ExecutorCapabilities, Specs, StageStrategy, StrategySpec
 from mist_ds.specs.executors import capabilities_of
-from mist_ds.specs.executor_rules import allowed_stage_options
+from mist_ds.specs.executor_rules import allowed_stage_options, check_schedule_built
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.strategy import degrees_text, partition_uniform
 from mist_ds.specs.targets import TargetCapabilities
 from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
@@ -81,8 +91,9 @@ class PointResult:
     """The best strategy of one global point (None when nothing fits) and what pricing it took."""
 
     point: GlobalPoint
-    variant: tuple[tuple[str, int], ...]
-    """Uniform choices the runtime imposes, fixed per run of the solver (e.g. (("zero", 1),))."""
+    variant: tuple[tuple[str, int | str], ...]
+    """Uniform choices the runtime imposes, fixed per run of the solver (e.g. (("zero", 1),)), and the schedule
+    where it is not 1F1B's order (("schedule", "zb-h1"))."""
     lower_bound_s: float
     objective_s: float | None
     strategy: StrategySpec | None
@@ -138,12 +149,13 @@ def option_grids(specs: Specs) -> OptionGrids:
 # --- lower bound ---------------------------------------------------------------------------------------
 
 def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint], fused: bool,
-                   max_chunks=None) -> np.ndarray:
+                   max_chunks=None, split=None) -> np.ndarray:
     """No plan of a point is faster than its bound (seconds; one array call for all points): every
     stage's stable time is at least its compute and TP time, so sum_i T_i >= L m + embedding + head,
     and max_i T_i >= sum_i T_i / S; G max T + (sum T - max T) / v >= sum T (G + (S - 1) / v) / S.
     fused: the runtime's ExecutorCapabilities.fused_kernels; max_chunks: per point, the most chunks
-    per stage its plans may interleave (None: 1)."""
+    per stage its plans may interleave (None: 1); split: per point, whether a schedule that splits the
+    backward is searched there (None: nowhere): its bubble has no such bound, only G max T >= G sum T / S."""
     if not points:
         return np.zeros(0)
     b = np.array([p.micro_batch_size for p in points], dtype=np.float64)
@@ -153,7 +165,8 @@ def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoin
               for x in (layer_times(cost, hw, b, s, t, fused) for cost in (costs.embedding, costs.block, costs.head))]
     total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
     chunks = np.ones(len(points)) if max_chunks is None else np.asarray(max_chunks, dtype=np.float64)
-    factor = np.array([(p.grad_accum + (p.pp - 1) / v) / p.pp for p, v in zip(points, chunks)])
+    splits = np.zeros(len(points), dtype=bool) if split is None else np.asarray(split, dtype=bool)
+    factor = np.array([(p.grad_accum + (p.pp - 1) / v * (not z)) / p.pp for p, v, z in zip(points, chunks, splits)])
     return total * factor
 
 
@@ -188,11 +201,53 @@ def _stage_strategies(options: dict[str, np.ndarray], layers: list[int],
     return tuple(_stage_strategy(options, k, l, options["recompute"][k]) for l, k in zip(layers, chosen))
 
 
-def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...], chunks: int = 1) -> StrategySpec:
+def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...], chunks: int = 1,
+              schedule: str = "1f1b") -> StrategySpec:
     par = Parallelism(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch_size=point.micro_batch_size,
                       grad_accum=point.grad_accum)
     return StrategySpec(runtime=runtime, parallelism=par, stages=stages,
-                        schedule="interleaved" if chunks > 1 else "1f1b", virtual_stages=chunks)
+                        schedule="interleaved" if chunks > 1 else schedule, virtual_stages=chunks)
+
+
+def point_schedules(specs: Specs, caps: ExecutorCapabilities, point: GlobalPoint) -> tuple[str, ...]:
+    """The schedules (tuner.schedules) a point is searched with on `caps`: 1f1b, and each other one the executor
+    runs that composes with the point (executor_rules.check_schedule_built, on a probe of its layout without
+    activation offload, which the search then leaves out); a single stage has no order to choose."""
+    if point.pp == 1:
+        return ("1f1b",)
+    probe = _strategy(caps.name, point, tuple(StageStrategy(layers=l, ckpt_layers=0, zero_stage=0)
+                                              for l in partition_uniform(specs.model.num_layers, point.pp)))
+    out = []
+    for schedule in specs.tuner.schedules:
+        if schedule != "1f1b" and schedule not in caps.built_schedules:
+            continue
+        try:
+            check_schedule_built(dataclasses.replace(probe, schedule=schedule), caps, specs.train.precision,
+                                 specs.model)
+        except ConfigError:
+            continue
+        out.append(schedule)
+    return tuple(out)
+
+
+def _schedule_variant(variant: tuple, schedule: str) -> tuple:
+    """A solver variant with its schedule: 1F1B's order adds nothing (the variants of a search without one)."""
+    return variant if schedule == "1f1b" else (*variant, ("schedule", schedule))
+
+
+def _split_saving_s(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
+                    strategy: StrategySpec) -> float:
+    """Seconds the event simulation of `strategy`'s stages takes off 1F1B's when its schedule splits the backward
+    (cost/executors/zero_bubble.py simulate_split, cost/simulate.py simulate): what a split schedule's objective
+    subtracts from the 1F1B closed form."""
+    c = stage_candidates(strategy, specs.model.seq_len)
+    times = stage_times(costs, hw, caps, specs.train, c)
+    weight_s = stage_weight_gradient_s(costs, hw, c)
+    G, end = strategy.parallelism.grad_accum, list(times.end_s)
+    one_f_one_b, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s, G, end)
+    split, _ = simulate_split(times.fwd_s, times.bwd_s - weight_s, weight_s, times.first_fwd_extra_s,
+                              times.last_bwd_extra_s, G, end)
+    return one_f_one_b - split
 
 
 def _host_limits(specs: Specs, point: GlobalPoint) -> tuple[np.ndarray, HostSharing | None]:
@@ -225,6 +280,10 @@ def _solve_variant(ctx: SearchContext, point: GlobalPoint, host_limits: np.ndarr
     specs = ctx.specs
     allowed = np.ones(priced.layers.size, dtype=bool) if allowed is None else allowed.copy()
     for name, value in variant:
+        if name == "schedule":  # a split schedule keeps to what it composes with (executor_rules)
+            if value in SPLIT_SCHEDULES and not ctx.caps.split_backward.activations_offload:
+                allowed &= priced.options["ao"] == 0
+            continue
         allowed &= priced.options[name] == value
     usable = specs.cluster.gpu.usable_memory_bytes
 
@@ -294,14 +353,21 @@ def _coarse_plans(ctx: SearchContext, point: GlobalPoint, variants, solve, coars
 
 def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
                 point: GlobalPoint, bound: float) -> list[PointResult]:
+    """The point's best plan per solver variant and schedule (point_schedules)."""
+    return [r for schedule in point_schedules(ctx.specs, caps, point)
+            for r in _free_point_scheduled(ctx, costs, hw, caps, point, bound, schedule)]
+
+
+def _free_point_scheduled(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
+                          point: GlobalPoint, bound: float, schedule: str) -> list[PointResult]:
     specs = ctx.specs
     L = specs.model.num_layers
     counts = layer_counts(L, point.pp, specs.tuner.layer_slack)
     host_limits, sharing = _host_limits(specs, point)
     pricer = PointPricer(costs, hw, caps, specs.train, point, specs.cluster.gpu.usable_memory_bytes, host_limits,
-                         ctx.target)
+                         ctx.target, schedule)
     priced = pricer.options(ctx.space, option_grids(specs), counts)
-    variants = _variants(caps, priced.options["zero"], point, min(counts))
+    variants = [_schedule_variant(v, schedule) for v in _variants(caps, priced.options["zero"], point, min(counts))]
     solve = partial(_solve_variant, ctx, point, host_limits, sharing)
     coarse = coarse_options(priced.options, DEFAULT_OFFLOAD_RATIOS)
     if coarse.all():
@@ -325,10 +391,13 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
                                        closest=closest))
             continue
         chosen = [int(fronts.indices[(i, l)][k]) for i, (l, k) in enumerate(zip(partition.layers, partition.option))]
-        strategy = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(partition.layers), chosen))
+        strategy = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(partition.layers), chosen),
+                             schedule=schedule)
         # The partition's objective holds the slowest end work; the tail adds the norm sync after it.
         end_max = max(float(priced.end_s[priced.position_class[i], j]) for i, j in enumerate(chosen))
         objective = partition.objective_s - end_max + float(tail_s(hw, specs.train, end_max, world))
+        if schedule in SPLIT_SCHEDULES:
+            objective -= _split_saving_s(specs, costs, hw, caps, strategy)
         results.append(PointResult(point, variant, bound, objective, strategy, priced.count, gap=partition.gap,
                                    solver=partition.solver, least_peak_bytes=least, closest=closest))
     return results
@@ -457,14 +526,19 @@ def search(specs: Specs, space: str | None = None, runtime: str | ExecutorCapabi
         # Its best plan with the default grid, a part of this one, bounds the search (docs/design.md, Tuner, Grids).
         warm = search(_default_grid(specs), space, caps, cache_dir, progress=False)
         incumbent = warm.best.objective_s if warm.best is not None else math.inf
-        coarse = {(p.point, p.variant): p.objective_s for p in warm.points}
+        # A split schedule's objective is below its partition's closed form, no bound for the fine options: those
+        # points are bounded by their coarse plans' closed form, solved again (_coarse_plans).
+        coarse = {(p.point, p.variant): p.objective_s for p in warm.points
+                  if not any(name == "schedule" for name, _ in p.variant)}
     ctx = SearchContext(specs=specs, space=space, caps=caps, cache_dir=cache_dir, incumbent_s=incumbent,
                         coarse_objectives=coarse)
     state = _state(ctx)
     costs, hw, caps = state
     points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space, caps)
     chunks = [specs.model.num_layers // p.pp if _interleaves(caps, space, p) else 1 for p in points]
-    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels, chunks)
+    split = [space in FREE_STAGE_SPACES and any(s in SPLIT_SCHEDULES for s in point_schedules(specs, caps, p))
+             for p in points]
+    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels, chunks, split)
     ordered = sorted(((p, float(b)) for p, b in zip(points, bounds)), key=lambda pb: (pb[1], pb[0]))
     results: list[PointResult] = []
     pruned: list[tuple[GlobalPoint, float]] = []

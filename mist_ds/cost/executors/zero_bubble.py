@@ -69,13 +69,22 @@ def stage_weight_gradient_s(costs: ModelCosts, hw: HardwareModel, c: StageCandid
     return _per_stage(costs, c, lambda cost: weight_gradient_s(cost, hw, c.b, c.s, c.t))
 
 
+def held_weight_passes(schedule: str, stages, pp: int, micro_batches: int) -> np.ndarray:
+    """Per stage index in `stages`, the micro-batches of W operands a stage keeps at its peak beyond the one 1F1B
+    frees right after its backward (module docstring); 0 everywhere for a schedule that does not split."""
+    return np.array([max(0, deferred_weight_passes(schedule, int(i), pp, micro_batches) - 1)
+                     for i in np.ravel(stages)], dtype=np.float64).reshape(np.shape(stages))
+
+
+def stage_weight_operand_bytes(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarray:
+    """Per stage, the bytes one deferred W keeps (one micro-batch's weight-gradient operands of its layers)."""
+    return _per_stage(costs, c, lambda cost: weight_gradient_operand_bytes(cost, c.b, c.s, c.t, hw.dtype_bytes))
+
+
 def deferred_weight_bytes(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, schedule: str) -> np.ndarray:
     """Per stage, the bytes deferred W's keep at the stage's peak beyond 1F1B's (module docstring)."""
-    held = np.array([max(0, deferred_weight_passes(schedule, int(i), int(c.pp.flat[0]), int(c.G.flat[0])) - 1)
-                     for i in np.ravel(c.stage)], dtype=np.float64).reshape(np.shape(c.stage))
-    per_micro_batch = _per_stage(costs, c, lambda cost: weight_gradient_operand_bytes(cost, c.b, c.s, c.t,
-                                                                                      hw.dtype_bytes))
-    return held * per_micro_batch
+    held = held_weight_passes(schedule, c.stage, int(c.pp.flat[0]), int(c.G.flat[0]))
+    return held * stage_weight_operand_bytes(costs, hw, c)
 
 
 @dataclass(frozen=True)
