@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mist_ds.config import compose
+from mist_ds.cost.predict import predict
 from mist_ds.specs import ConfigError
 from mist_ds.specs.groups import group_name, group_roles
 from mist_ds.specs.strategy import (Parallelism, StrategyRequest, degrees_text, resolve_strategy,
@@ -52,5 +53,6 @@ def test_sequence_groups_are_consecutive_ranks_and_data_spans_dp_times_sp():
 
 def test_an_executor_not_priced_with_sp_refuses_it_by_rule():
     with pytest.raises(ConfigError) as err:
-        compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "strategy.sp=2", "strategy.runtime=deepspeed"])
-    assert err.value.rule == "deepspeed.sp" and "strategy.sp=1" in str(err.value)
+        predict(compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "strategy.sp=2",
+                         "strategy.runtime=megatron"]))
+    assert err.value.rule == "megatron.sp" and "strategy.sp=1" in str(err.value)
