@@ -1,7 +1,10 @@
-"""Sequence parallelism's strategy (docs/design.md, Glossary, sequence parallel): the degree q in the world
-t S d q, DeepSpeed Ulysses' head and length rules refused before pricing, the rank layout's sequence and
-sequence-data groups, and the one serialization carrying sp."""
+"""Sequence parallelism (docs/design.md, Glossary, sequence parallel; The strategy space; Tuner): the degree q in
+the world t S d q, DeepSpeed Ulysses' head and length rules refused before pricing, the rank layout's sequence and
+sequence-data groups, the one serialization carrying sp; its pricing against hand counts (all-to-all bytes, FLOPs,
+memory at s / q, states over d q), the executor and runtime rules, the tuner's sp search and explain's sp."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -10,6 +13,7 @@ from mist_ds.cost.predict import model_costs, predict, stage_candidates
 from mist_ds.cost.sequence import all_to_all_bytes, on_rank
 from mist_ds.cost.stage import stage_times
 from mist_ds.hardware import hardware_model
+from mist_ds.report.explain import with_sequence_parallel, explain_facts, render_explain
 from mist_ds.tuner import tune_specs
 from mist_ds.tuner.space import global_points
 from mist_ds.specs import ConfigError
@@ -187,3 +191,22 @@ def test_tuner_sp_refuses_degrees_nothing_can_run(overrides, runtime, words):
     with pytest.raises(ConfigError) as err:
         global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", capabilities_of(runtime))
     assert "tuner.sp" in str(err.value) and words in str(err.value)
+
+
+def test_explain_relaxes_to_sp_only_where_the_search_did_not_try_it():
+    short = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4"])
+    relaxed = with_sequence_parallel(short)
+    assert relaxed is not None and relaxed.tuner.sp == (1, 2, 4)
+    assert with_sequence_parallel(compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4",
+                                       "model.seq_len=16384"])) is None  # searched already
+    assert with_sequence_parallel(compose(["model=tiny", "cluster=cpu", "strategy.runtime=megatron"])) is None
+
+
+@pytest.mark.slow
+def test_explain_names_sp_when_it_binds():
+    tuned = _tuned()
+    specs = dataclasses.replace(tuned.specs, strategy=tuned.strategy)
+    facts = explain_facts(specs, None)
+    without = facts["without_sp"]
+    assert without is not None and without["iteration_time_s"] > facts["iteration_time_s"]
+    assert "sequence parallelism binds: sp 2" in render_explain(facts)

@@ -85,7 +85,7 @@ def _micro_batches(specs: Specs, size: int) -> Specs | None:
     return dataclasses.replace(specs, tuner=dataclasses.replace(specs.tuner, micro_batch_sizes=(*sizes, size)))
 
 
-def _sequence_parallel(specs: Specs, degrees: tuple[int, ...] | None = None) -> Specs | None:
+def with_sequence_parallel(specs: Specs, degrees: tuple[int, ...] | None = None) -> Specs | None:
     """The setting with tuner.sp = `degrees` (default: 1 and every degree DeepSpeed Ulysses allows within a node);
     None where its executor does not price sp or the setting searches those degrees already."""
     runtime = specs.strategy.runtime if specs.strategy is not None else specs.tuner.runtime
@@ -109,7 +109,8 @@ RELAXATIONS: tuple[Relaxation, ...] = (
                "one more micro-batch size allowed: twice the largest",
                lambda s: _micro_batches(s, 2 * max(s.tuner.micro_batch_sizes))),
     Relaxation("sequence_parallel", "activations of a long sequence",
-               "sequence parallelism allowed (DeepSpeed Ulysses, every degree within a node)", _sequence_parallel),
+               "sequence parallelism allowed (DeepSpeed Ulysses, every degree within a node)",
+               with_sequence_parallel),
 )
 
 
@@ -247,7 +248,7 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
     without_sp = None
     if specs.strategy.parallelism.sp > 1:  # what sp buys: the setting's best plan without it
         without_sp = _retuned(specs, Relaxation("without_sp", "sequence parallelism", "sequence parallelism off "
-                                                "(tuner.sp=[1])", lambda s: _sequence_parallel(s, (1,))), best_s)
+                                                "(tuner.sp=[1])", lambda s: with_sequence_parallel(s, (1,))), best_s)
     plan_mean = mean_breakdown(stages)
     return {
         "strategy": specs.strategy.to_dict(), "iteration_time_s": plan_s, "retuned_iteration_time_s": tuned_s,
