@@ -79,6 +79,11 @@ def test_sp2_losses_are_the_sp1_run_s(plans, ran, name):
         assert result["losses"] == pytest.approx(reference, rel=RTOL), f"{name} rank {result['what_ran']['rank']}"
 
 
+def test_the_config_names_the_sequence_parallel_size(plans):
+    """DeepSpeedConfig reads it where no mpu says d (deepspeed/runtime/config.py, the batch rule's world size)."""
+    assert all(plan.config["sequence_parallel_size"] == 2 for plan in plans.values())
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_rank_held_its_slice_and_deepspeed_the_groups(ran, name):
     """Every rank of the sequence group read the same samples (data index 0) and kept its own half."""
