@@ -139,4 +139,4 @@ def test_gloo_groups_keep_the_per_step_latency():
 
 def test_an_all_to_all_is_priced_on_the_placement():
     inside, across = _nccl_group(8, 1), _nccl_group(16, 1)
-    assert 0 < float(inside.time_s("all_to_all", 1 << 24)) < float(across.time_s("all_to_all", 1 << 24))
+    assert 0 < float(inside.all_to_all_time_s(1 << 24)) < float(across.all_to_all_time_s(1 << 24))

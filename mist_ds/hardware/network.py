@@ -102,6 +102,11 @@ class RingGroup:
         """Reduce-scatter of `message_bytes` per rank (each keeps 1 / n of the result)."""
         return self.time_s("reduce_scatter", message_bytes)
 
+    def all_to_all_time_s(self, message_bytes) -> np.ndarray:
+        """All-to-all of `message_bytes` per rank: one n-th kept, one sent to each of the n - 1 others (grouped
+        send / recv on NCCL, Simple)."""
+        return self.time_s("all_to_all", message_bytes)
+
 
 def p2p_time_s(message_bytes, cross_node, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,
                latency_s: float):
