@@ -88,8 +88,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
 README = REPO_ROOT / "README.md"
 README_BEGIN = "<!-- results table: written by `python -m benchmarks.index --readme` from the results files -->"
 README_END = "<!-- end of the results table -->"
-README_FILES = ("vtrain.md", "megatron_sc21.md", "nccl_rails.md", "mist_l4.md", "torchtitan_h100.md", "model_states.md",
-                "measure_cpu.md", "interference_fit.md", "mist_runtime.md", "cost_speed.md", "tune_speed.md",
+README_FILES = ("vtrain.md", "megatron_sc21.md", "nccl_rails.md", "mist_l4.md", "model_states.md", "measure_cpu.md",
+                "interference_fit.md", "mist_runtime.md", "cost_speed.md", "tune_speed.md",
                 "plan_quality.md", "sc21_tune.md", "hf_tune.md", "soak.md", "soak_script.md")
 """The README's rows: the accuracy files and the speeds a user asks about first; the index lists every file."""
 
