@@ -22,6 +22,8 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 NOT_RESULTS = {"README.md", "index.md"}
 COMMAND = ".venv/bin/python -m benchmarks.index > benchmarks/results/index.md"
 PERCENT = r"([\d.]+%)"
+# nccl_rails.md: a node count's row of the NCCL tuning model's error table, its all-sizes cell.
+NCCL_MODEL_ROW = r"Error of NCCL's tuning model[\s\S]*?^\| {} \| \d+ \|(?:[^|]*\|){{3}} " + PERCENT
 # file -> (label, pattern with one group) per headline number, in the order the index quotes them
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "calibration_a100.md": (("RMS log error on the fit rows", r"RMS \(weighted\) log error on the fit rows: start "
@@ -52,9 +54,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                         ("its sp", r"^\| 8x H100-80GB \| 64k \| sp searched \| .*?\| sp (\d+),")),
     "model_states.md": (("cells", r"^(\d+) \(case, rank, field\) cells"), ("exact", r"cells: (\d+) exact"),
                         ("beyond the stated residual", r"(\d+) beyond it")),
-    "nccl_rails.md": (("4-32 MiB median |error|, 4 nodes", r"^\| 4 \| \d+ \|(?:[^|]*\|){2} " + PERCENT),
-                      ("8 nodes", r"^\| 8 \| \d+ \|(?:[^|]*\|){2} " + PERCENT),
-                      ("16 nodes", r"^\| 16 \| \d+ \|(?:[^|]*\|){2} " + PERCENT)),
+    "nccl_rails.md": (("NCCL's tuning model, all sizes, median |error|, 4 nodes", NCCL_MODEL_ROW.format(4)),
+                      ("8 nodes", NCCL_MODEL_ROW.format(8)), ("16 nodes", NCCL_MODEL_ROW.format(16))),
     "offload_grid.md": (("mist grid, mist-paper, faster than default", r"^\| mist-paper \| mist \| per-gpu \| \d+ "
                                                                        r"\| ([^|]+?) \|"),),
     "partition_solvers.md": (("22b dp objective s", r"^- 22b / deepspeed: .*dp objective ([\d.]+) s"),
@@ -73,6 +74,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                        ("census mismatches", r"(\d+) census mismatches"),
                        ("changed losses", r"(\d+) launches with changed losses")),
     "sweep_pictures.md": (("sweep", r"^## Sweep: (\d+ jobs, status \d+)"),),
+    "torchtitan_h100.md": (("FSDP 8B TPS/GPU MAPE", r"^MAPE of TPS/GPU over the \d+ rows: " + PERCENT),
+                           ("70B on 768 H100, tuned plan's MFU", r"^\| tp .*? \| [\d.]+ \| " + PERCENT)),
     "symbolic_trace.md": (("worst cold s", r"Worst cold ([\d.]+) s"), ("worst cached s", r"worst cached ([\d.]+) s")),
     "tune_speed.md": (("1t search s, deepspeed", r"^\| 1t \| deepspeed \| [\d.]+ \| ([\d.]+)"),
                       ("mist-paper", r"^\| 1t \| mist-paper \| [\d.]+ \| ([\d.]+)")),
@@ -92,8 +95,8 @@ README = REPO_ROOT / "README.md"
 README_BEGIN = "<!-- results table: written by `python -m benchmarks.index --readme` from the results files -->"
 README_END = "<!-- end of the results table -->"
 README_FILES = ("vtrain.md", "megatron_sc21.md", "nccl_rails.md", "mist_l4.md", "model_states.md", "measure_cpu.md",
-                "interference_fit.md", "mist_runtime.md", "cost_speed.md", "tune_speed.md", "plan_quality.md",
-                "sc21_tune.md", "hf_tune.md", "soak.md", "soak_script.md")
+                "interference_fit.md", "mist_runtime.md", "cost_speed.md", "tune_speed.md",
+                "plan_quality.md", "sc21_tune.md", "hf_tune.md", "soak.md", "soak_script.md")
 """The README's rows: the accuracy files and the speeds a user asks about first; the index lists every file."""
 
 

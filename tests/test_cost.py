@@ -3,6 +3,7 @@ feature off inside the test), the closed form agrees with the simulator, predict
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -449,35 +450,54 @@ def _both(specs, costs):
     return deepspeed, ideal, hw, stage_params(costs, c, c.shapes)
 
 
-def test_deepspeed_zero1_all_reduces_then_gathers_the_updated_weights(costs_13b):
+def _in_buckets(collective, message, elements, bucket):
+    """DeepSpeed's bucketed reduction: ceil(elements / bucket) equal calls, each paying its latency."""
+    count = math.ceil(elements / bucket)
+    return count * collective(message / count)
+
+
+def test_deepspeed_zero1_all_reduces_its_buckets_then_gathers_the_updated_weights(costs_13b):
+    from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
+
     specs = specs_of("strategy.zero_stage=1", "strategy.dp=8")
     deepspeed, ideal, hw, params = _both(specs, costs_13b)
     weights = hw.dtype_bytes * float(params[0])
-    all_reduce, gather = float(hw.all_reduce_time_s(weights, 8, 1)), float(hw.all_gather_time_s(weights, 8, 1))
+    all_reduce = float(_in_buckets(lambda m: hw.all_reduce_time_s(m, 8, 1), weights, float(params[0]),
+                                   PLANNED_REDUCE_BUCKET_ELEMENTS))
+    gather = float(hw.all_gather_time_s(weights, 8, 1))
+    assert math.ceil(float(params[0]) / PLANNED_REDUCE_BUCKET_ELEMENTS) > 1  # several buckets, each its latency
+    assert all_reduce > float(hw.all_reduce_time_s(weights, 8, 1))
     assert float(deepspeed.grad_reduce_s[0]) == pytest.approx(all_reduce + gather)
-    assert float(ideal.grad_reduce_s[0]) == pytest.approx(all_reduce)
+    assert float(ideal.grad_reduce_s[0]) == pytest.approx(float(hw.all_reduce_time_s(weights, 8, 1)))
 
 
 def test_deepspeed_zero2_all_reduces_its_buckets_every_micro_batch(costs_13b):
+    from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
+
     specs = specs_of("strategy.zero_stage=2", "strategy.dp=8")
     deepspeed, ideal, hw, params = _both(specs, costs_13b)
     weights = hw.dtype_bytes * float(params[0])
-    assert float(deepspeed.dp_comm_s[0]) == pytest.approx(float(hw.all_reduce_time_s(weights, 8, 1)))
+    buckets = _in_buckets(lambda m: hw.all_reduce_time_s(m, 8, 1), weights, float(params[0]),
+                          PLANNED_REDUCE_BUCKET_ELEMENTS)
+    assert float(deepspeed.dp_comm_s[0]) == pytest.approx(float(buckets))
     assert float(ideal.dp_comm_s[0]) == pytest.approx(float(hw.reduce_scatter_time_s(weights, 8, 1)))
     assert float(deepspeed.grad_reduce_s[0]) == pytest.approx(float(hw.all_gather_time_s(weights, 8, 1)))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_bf16_optimizer_steps_its_partition_and_gathers_it(costs_13b, precision):
-    """A bf16 pipeline runs BF16_Optimizer on ZeRO-0: all-reduce, a step over 1 / d of the parameters,
-    an all-gather of the updated weights. In fp32 the plain optimizer steps everything, no gather."""
+    """A bf16 pipeline runs BF16_Optimizer on ZeRO-0: all-reduce (in 5e8-element buffers), a step over 1 / d
+    of the parameters, an all-gather of the updated weights. In fp32 the plain optimizer steps everything,
+    no gather."""
+    from mist_ds.cost.executors.deepspeed import ENGINE_ALLREDUCE_ELEMENTS, TORCH_ADAMW_STEP_BYTES_PER_PARAM
+
     specs = specs_of("strategy.pp=2", "strategy.dp=4", f"train.precision={precision}")
     deepspeed, _, hw, params = _both(specs, costs_13b)
     weights = hw.dtype_bytes * params
-    all_reduce, gather = hw.all_reduce_time_s(weights, 4, 1), hw.all_gather_time_s(weights, 4, 1)
+    all_reduce = np.array([_in_buckets(lambda m: hw.all_reduce_time_s(m, 4, 1), w, p, ENGINE_ALLREDUCE_ELEMENTS)
+                           for w, p in zip(weights, params)])
+    gather = hw.all_gather_time_s(weights, 4, 1)
     stepped = params / 4 if precision == "bf16" else params
-    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_STEP_BYTES_PER_PARAM
-
     step = hw.memory_bound_time_s((TORCH_ADAMW_STEP_BYTES_PER_PARAM + hw.dtype_bytes) * stepped)
     assert deepspeed.grad_reduce_s == pytest.approx(all_reduce + (gather if precision == "bf16" else 0.0))
     assert deepspeed.optimizer_s == pytest.approx(step)
@@ -528,3 +548,18 @@ def test_zero3_first_gather_and_last_reduce_scatter_are_exposed(costs_13b):
     exposed = float(hw.all_gather_time_s(layer, 8, 1) + hw.reduce_scatter_time_s(layer, 8, 1))
     assert float(deepspeed.stable_s[0] - ideal.stable_s[0]) > 0
     assert float(deepspeed.stable_s[0]) >= float(deepspeed.compute_s[0] + deepspeed.recompute_s[0]) + exposed
+
+
+def test_zero3_gathers_once_per_submodule_each_paying_its_latency(costs_13b):
+    """GPT's block holds four linears (attention.qkv, attention.proj, fc_in, fc_out; mist_ds/models/gpt.py):
+    DeepSpeed's ZeRO-3 gathers each in its own call, so a stage's gathers cost 4 l + 2 latencies (embedding,
+    head) where the ideal executor pays one."""
+    from mist_ds.cost.executors.deepspeed import in_pieces, zero3_gathers_per_block
+
+    assert zero3_gathers_per_block(costs_13b) == 4
+    specs = specs_of("strategy.zero_stage=3", "strategy.dp=8")
+    deepspeed, ideal, hw, params = _both(specs, costs_13b)
+    gather = (lambda m: hw.all_gather_time_s(m, 8, 1))
+    weights = hw.dtype_bytes * float(params[0])
+    assert float(in_pieces(gather, weights, 4 * 24 + 2)) > float(gather(weights))
+    assert float(deepspeed.dp_comm_s[0]) > float(ideal.dp_comm_s[0])

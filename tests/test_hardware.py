@@ -78,3 +78,65 @@ def test_cross_node_pipeline_sends_keep_one_gpus_share():
     inside = float(p2p_time_s(message, False, GPUS_PER_NODE, INTRA, NODE_NETWORK, 0.0))
     assert cross == pytest.approx(message / PER_GPU_SHARE)
     assert inside == pytest.approx(message / INTRA)
+
+
+# --- NCCL's tuning model (mist_ds/hardware/nccl.py; constants of NVIDIA/nccl src/graph/tuning.cc) ----------
+def _nccl_group(size, stride, intra_link="nvlink"):
+    return RingGroup.of(size, stride, GPUS_PER_NODE, INTRA, NODE_NETWORK, 10e-6, intra_link=intra_link)
+
+
+def test_a_tiny_all_reduce_in_one_node_costs_the_ring_ll_latency():
+    """8 ranks on NVLink, 8 bytes: ring LL, base 6.6 us + 14 steps x 0.6 us = 15.0 us (tree LL: 6.8 + 2 x 7
+    x 0.6 = 15.2 us), the bytes negligible."""
+    assert float(_nccl_group(8, 1).all_reduce_time_s(8.0)) == pytest.approx(15.0e-6, rel=1e-3)
+
+
+def test_the_protocol_switches_from_ll_to_simple_as_messages_grow():
+    from mist_ds.hardware.nccl import candidate_times_s
+
+    def best(message):
+        times = [float(x) for x in candidate_times_s("all_gather", message, 8.0, 1.0, INTRA, "nvlink")]
+        return times.index(min(times))  # ring LL, LL128, Simple, then PAT
+
+    assert best(1024.0) == 0 and best(1 << 30) == 2
+
+
+def test_ring_latency_grows_with_the_ring_and_tree_takes_over_across_many_nodes():
+    """An all-gather over 768 ranks on 96 nodes pays 767 steps: 672 intra-node at max(0.6, 1) us and 95 at the
+    network's 2.7 us (LL) plus the 6.6 us base; an all-reduce there runs on NCCL's tree instead, latency in
+    log2 of the nodes, far below a ring's 2 x 767 steps."""
+    from mist_ds.hardware.nccl import candidate_times_s, ring_latency_s
+
+    assert float(ring_latency_s("all_gather", 0, 768.0, 96.0, "nvlink")) == pytest.approx(
+        (6.6 + 672 * 1.0 + 95 * 2.7) * 1e-6)
+    times = [float(x) for x in candidate_times_s("all_reduce", 1 << 20, 768.0, 96.0, NODE_NETWORK, "nvlink")]
+    assert times.index(min(times)) >= 3  # one of the tree's three protocols
+    assert float(_nccl_group(768, 1).all_reduce_time_s(1 << 20)) == pytest.approx(min(times))
+    assert float(_nccl_group(768, 1).all_gather_time_s(8.0)) > float(_nccl_group(64, 1).all_gather_time_s(8.0))
+
+
+def test_pat_serves_gathers_with_one_rank_per_node():
+    from mist_ds.hardware.nccl import candidate_times_s
+
+    one_per_node = candidate_times_s("all_gather", 1024.0, 16.0, 16.0, PER_GPU_SHARE, "nvlink")
+    assert np.isfinite(float(one_per_node[-1]))
+    assert float(_nccl_group(16, 8).all_gather_time_s(1024.0)) == pytest.approx(min(float(x) for x in one_per_node))
+    assert not np.isfinite(float(candidate_times_s("all_gather", 1024.0, 16.0, 2.0, INTRA, "nvlink")[-1]))
+
+
+def test_a_node_without_nvlink_runs_no_ll128_and_pays_pci_latency():
+    from mist_ds.hardware.nccl import candidate_times_s
+
+    assert len(candidate_times_s("all_gather", 1024.0, 8.0, 1.0, INTRA, "pci")) == 3  # LL, Simple, PAT
+    assert float(_nccl_group(8, 1, "pci").all_reduce_time_s(8.0)) > float(_nccl_group(8, 1).all_reduce_time_s(8.0))
+
+
+def test_gloo_groups_keep_the_per_step_latency():
+    group = RingGroup.of(4, 1, GPUS_PER_NODE, INTRA, NODE_NETWORK, 10e-6)
+    assert float(group.all_reduce_time_s(4e6)) == pytest.approx(6 * (1e6 / INTRA + 10e-6))
+    assert float(group.time_s("all_to_all", 4e6)) == pytest.approx(3 * (1e6 / INTRA + 10e-6))
+
+
+def test_an_all_to_all_is_priced_on_the_placement():
+    inside, across = _nccl_group(8, 1), _nccl_group(16, 1)
+    assert 0 < float(inside.all_to_all_time_s(1 << 24)) < float(across.all_to_all_time_s(1 << 24))

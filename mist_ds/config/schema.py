@@ -81,7 +81,7 @@ class ClusterConfig:
     pcie_gbps: float = MISSING  # host link per GPU, one direction, GB/s, measured with all GPUs copying at once
     cpu_memory_gib: float = MISSING  # host memory per node, GiB
     cpu_adam_gparams_per_s: float = MISSING  # host optimizer (CPU Adam) speed per node, 1e9 params/s
-    collective_latency_us: float = 10.0  # per ring step of a collective and per p2p message, microseconds
+    collective_latency_us: float = 10.0  # per p2p message and gloo ring step (GPUs: NCCL's own), microseconds
     interference: InterferenceConfig = field(default_factory=InterferenceConfig)
     profile_db: Optional[str] = None  # SQLite file of measured op times (mist-ds profile); null = roofline only
     price_per_gpu_hour: Optional[float] = None  # USD per GPU-hour; null = unknown

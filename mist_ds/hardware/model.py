@@ -46,9 +46,23 @@ class HardwareModel:
         c = self.cluster
         return c.gpus_per_node, c.intra_node_bytes_per_s, c.inter_node_bytes_per_s, c.collective_latency_s
 
+    @property
+    def intra_link(self) -> str | None:
+        """What NCCL's tuning model calls the link inside a node (hardware/nccl.py): "pci" where GPUs talk no
+        faster than over their host link (no NVLink: typeIntra is a PCI path), else "nvlink"; None for CPU
+        ranks, whose gloo collectives keep the per-step latency `collective_latency_s`."""
+        c = self.cluster
+        if c.gpu.is_cpu_process:
+            return None
+        return "pci" if c.intra_node_bytes_per_s <= c.pcie_bytes_per_s else "nvlink"
+
     def group(self, size, stride) -> network.RingGroup:
         """Groups of `size` ranks `stride` apart, for several collectives over the same groups."""
-        return network.RingGroup.of(size, stride, *self._net())
+        return network.RingGroup.of(size, stride, *self._net(), intra_link=self.intra_link)
+
+    def collective_time_s(self, kind: str, message_bytes, size, stride) -> np.ndarray:
+        """One collective of `kind` (hardware/nccl.py KINDS) over groups of `size` ranks `stride` apart."""
+        return self.group(size, stride).time_s(kind, message_bytes)
 
     def all_reduce_time_s(self, message_bytes, size, stride) -> np.ndarray:
         return self.group(size, stride).all_reduce_time_s(message_bytes)
@@ -56,7 +70,8 @@ class HardwareModel:
     def all_gather_time_s(self, message_bytes, size, stride) -> np.ndarray:
         return self.group(size, stride).all_gather_time_s(message_bytes)
 
-    reduce_scatter_time_s = all_gather_time_s
+    def reduce_scatter_time_s(self, message_bytes, size, stride) -> np.ndarray:
+        return self.group(size, stride).reduce_scatter_time_s(message_bytes)
 
     def p2p_time_s(self, message_bytes, cross_node) -> np.ndarray:
         return network.p2p_time_s(message_bytes, cross_node, *self._net())

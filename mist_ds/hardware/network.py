@@ -1,4 +1,4 @@
-"""Collective and point-to-point times: alpha-beta on the group's real placement. Seconds.
+"""Collective and point-to-point times on the group's real placement. Seconds.
 
 Ranks are laid out TP fastest, then data parallel, then pipeline (Megatron-LM and DeepSpeed's
 PipeModelDataParallelTopology), so a group of `size` ranks whose members are `stride` ranks apart
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from mist_ds.hardware import nccl
 
 
 def spans_nodes(size, stride, gpus_per_node: int):
@@ -41,42 +43,69 @@ def link_bandwidth(size, stride, gpus_per_node: int, intra_bytes_per_s: float, i
                     intra_bytes_per_s)
 
 
+def nodes_spanned(size, stride, gpus_per_node: int):
+    """Nodes a group of `size` ranks `stride` apart (the first on a node's first rank) touches: 1 inside a node,
+    else its members over gpus_per_node // stride per node (one per node once stride >= gpus_per_node)."""
+    size = np.asarray(size, dtype=np.float64)
+    per_node = np.maximum(np.floor(gpus_per_node / np.maximum(stride, 1.0)), 1.0)
+    return np.where(spans_nodes(size, stride, gpus_per_node), np.ceil(size / per_node), 1.0)
+
+
 @dataclass(frozen=True)
 class RingGroup:
     """Arrays describing groups of `size` ranks `stride` apart (one per candidate), so that several
-    collectives over the same groups share the placement work. Seconds; 0 for a single rank."""
+    collectives over the same groups share the placement work. Seconds; 0 for a single rank.
+
+    With `intra_link` set (GPUs on NCCL: "nvlink", or "pci" for a node without NVLink) a collective costs what
+    NCCL's tuning model gives its fastest algorithm and protocol (hardware/nccl.py); without (CPU ranks on
+    gloo) a ring of 2 (n - 1) or n - 1 steps, each paying `latency_s`."""
 
     size: np.ndarray
     seconds_per_byte: np.ndarray
     """1 / the ring's per-rank bandwidth (0 for a single rank)."""
     latency_s: float
+    nodes: np.ndarray | float = 1.0
+    intra_link: str | None = None
 
     @classmethod
-    def of(cls, size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s, latency_s: float):
+    def of(cls, size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s, latency_s: float,
+           intra_link: str | None = None):
         size = np.asarray(size, dtype=np.float64)
         bandwidth = link_bandwidth(size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s)
         bandwidth = np.broadcast_to(bandwidth, np.broadcast(size, bandwidth).shape)
         ring = np.broadcast_to(size > 1, bandwidth.shape)
         seconds_per_byte = np.divide(1.0, bandwidth, out=np.zeros(bandwidth.shape), where=ring)
-        return cls(size=size, seconds_per_byte=seconds_per_byte, latency_s=latency_s)
+        return cls(size=size, seconds_per_byte=seconds_per_byte, latency_s=latency_s,
+                   nodes=nodes_spanned(size, stride, gpus_per_node), intra_link=intra_link)
 
-    # A ring sends 2 (n - 1) / n of the message per rank in 2 (n - 1) steps for an all-reduce, half
-    # that for an all-gather or reduce-scatter (Patarasuk & Yuan 2009; NCCL's busBw).
-    def all_reduce_time_s(self, message_bytes) -> np.ndarray:
-        """Ring all-reduce of `message_bytes` per rank."""
+    def time_s(self, kind: str, message_bytes) -> np.ndarray:
+        """One collective of `kind` (nccl.KINDS) over the group; `message_bytes` as nccl.candidate_times_s."""
         n = self.size
-        return 2.0 * (n - 1.0) * (np.asarray(message_bytes) / n * self.seconds_per_byte + self.latency_s)
+        if self.intra_link is not None:
+            bus = np.divide(1.0, self.seconds_per_byte, out=np.full(self.seconds_per_byte.shape, np.inf),
+                            where=self.seconds_per_byte > 0)
+            return nccl.collective_time_s(kind, message_bytes, n, self.nodes, bus, self.intra_link)
+        # A ring sends 2 (n - 1) / n of the message per rank in 2 (n - 1) steps for an all-reduce, half
+        # that for the others (Patarasuk & Yuan 2009; NCCL's busBw).
+        ring_steps = nccl.steps(kind, n)
+        return ring_steps * (np.asarray(message_bytes) / n * self.seconds_per_byte + self.latency_s)
+
+    def all_reduce_time_s(self, message_bytes) -> np.ndarray:
+        """All-reduce of `message_bytes` per rank."""
+        return self.time_s("all_reduce", message_bytes)
 
     def all_gather_time_s(self, message_bytes) -> np.ndarray:
-        """Ring all-gather (or reduce-scatter) whose full result is `message_bytes` per rank."""
-        n = self.size
-        return (n - 1.0) * (np.asarray(message_bytes) / n * self.seconds_per_byte + self.latency_s)
+        """All-gather whose full result is `message_bytes` per rank."""
+        return self.time_s("all_gather", message_bytes)
 
-    reduce_scatter_time_s = all_gather_time_s
+    def reduce_scatter_time_s(self, message_bytes) -> np.ndarray:
+        """Reduce-scatter of `message_bytes` per rank (each keeps 1 / n of the result)."""
+        return self.time_s("reduce_scatter", message_bytes)
 
-    # An all-to-all of an n-share tensor per rank keeps one share and sends one to each of the n - 1 others (NCCL's
-    # pairwise send / recv): the bytes per rank and the n - 1 latencies of a ring all-gather of that tensor.
-    all_to_all_time_s = all_gather_time_s
+    def all_to_all_time_s(self, message_bytes) -> np.ndarray:
+        """All-to-all of `message_bytes` per rank: one n-th kept, one sent to each of the n - 1 others (grouped
+        send / recv on NCCL, Simple)."""
+        return self.time_s("all_to_all", message_bytes)
 
 
 def p2p_time_s(message_bytes, cross_node, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,

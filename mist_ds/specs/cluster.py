@@ -142,7 +142,8 @@ class ClusterSpec:
     """Host optimizer (CPU Adam) speed per node, parameters per second."""
     interference: InterferenceSpec
     collective_latency_s: float = 10e-6
-    """Per ring step of a collective and per p2p message."""
+    """Per p2p message, and per ring step of a collective between CPU ranks (gloo); GPU collectives take NCCL's
+    latencies (hardware/nccl.py)."""
     profile_db: str | None = None
     price_per_gpu_hour: float | None = None
 

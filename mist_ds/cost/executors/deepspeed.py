@@ -11,7 +11,7 @@ from mist_ds.cost.candidates import vocab_shard_elements
 from mist_ds.cost.executors.interface import StageInputs, StageMoves
 from mist_ds.cost.executors.mist import layerwise_reduce
 from mist_ds.cost.memory import FP32_BYTES
-from mist_ds.specs.executor_rules import runs_bf16_optimizer
+from mist_ds.specs.executor_rules import reduce_bucket_elements_of, runs_bf16_optimizer
 
 # torch's AdamW as DeepSpeed runs it with `torch_adam: true` (foreach on a GPU, torch/optim/adam.py
 # _multi_tensor_adam; the single-tensor loop elsewhere does the same passes): eight passes over fp32
@@ -21,6 +21,25 @@ from mist_ds.specs.executor_rules import runs_bf16_optimizer
 TORCH_ADAMW_STEP_BYTES_PER_PARAM = 84
 # A partitioned pipeline send's header: PartitionedTensor.to_meta, nine int64 (deepspeed/runtime/utils.py).
 PARTITION_META_BYTES = 72
+# ZeRO-0 and BF16_Optimizer all-reduce gradients in buffers of this many elements
+# (MEMORY_OPT_ALLREDUCE_SIZE, deepspeed/runtime/engine.py:151; allreduce_gradients, pipe/engine.py:294-298).
+ENGINE_ALLREDUCE_ELEMENTS = 500_000_000
+
+
+def in_pieces(collective, message, count):
+    """`count` calls (at least one) of one collective sharing `message` bytes equally: each pays its own
+    latency (and protocol), as DeepSpeed issues one per bucket or per module."""
+    count = np.maximum(count, 1.0)
+    return count * collective(message / count)
+
+
+def zero3_gathers_per_block(costs) -> int:
+    """All-gathers ZeRO-3 issues per block per pass: one per parameter-holding submodule
+    (partitioned_param_coordinator.py fetch_sub_module gathers the module's parameters in one coalesced
+    call, :364-381, and each prefetch round takes what the live limit freed, about one submodule,
+    :452-484). Counted as the block's linears (its forward GEMMs on weights); a norm's few elements go in
+    its neighbour's prefetch round."""
+    return max(sum(1 for gemm in costs.block.gemms if gemm[0] == "fwd"), 1)
 
 
 @dataclass(frozen=True)
@@ -97,9 +116,17 @@ def moves(inputs: StageInputs) -> StageMoves:
     layer_bytes = b_w * ev(costs.block, "params")
     layer_trained_bytes = b_w * ev(costs.block, "trainable_params")
     zero3 = c.zero == 3
-    fwd_exposed = np.where(zero3, data_parallel.all_gather_time_s(layer_bytes), 0.0)
-    bwd_exposed = np.where(zero3 & (layer_trained_bytes > 0), data_parallel.reduce_scatter_time_s(layer_trained_bytes),
-                           0.0)
+    # ZeRO-3: one gather per submodule, the embedding and head one each; the reduce-scatter per reduce
+    # bucket (stage3.py reduce_independent_p_g_buckets_and_remove_grads flushes a full one, :1583). ZeRO-1/2 all-reduce
+    # per bucket (stage_1_and_2.py:1414-1424), ZeRO-0 and BF16_Optimizer per 5e8-element buffer.
+    modules = zero3_gathers_per_block(costs)
+    gathers = c.layers * modules + c.first + c.last
+    bucket = reduce_bucket_elements_of(inputs.caps, inputs.caps.overlap, c.pp, c.zero, ev(costs.block, "params"))
+    buckets = np.ceil(params / np.maximum(bucket, 1.0))
+    buffers = np.where(c.zero >= 1, buckets, np.ceil(params / ENGINE_ALLREDUCE_ELEMENTS))
+    fwd_exposed = np.where(zero3, in_pieces(data_parallel.all_gather_time_s, layer_bytes, modules), 0.0)
+    bwd_exposed = np.where(zero3 & (layer_trained_bytes > 0), in_pieces(
+        data_parallel.reduce_scatter_time_s, layer_trained_bytes, np.ceil(layer_trained_bytes / b_w / bucket)), 0.0)
 
     several = c.G > 1
     grads_every_micro = (c.go > 0) & (zero3 | ((c.zero == 2) & several))
@@ -112,20 +139,20 @@ def moves(inputs: StageInputs) -> StageMoves:
     rebuild = np.where((c.pp > 1) & (c.t > 1), hw.all_gather_time_s(activation, c.t, 1), 0.0)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
 
-    def ran(collective, message):  # a collective DeepSpeed does not run costs nothing, latency included
-        return np.where(message > 0, collective(message), 0.0)
+    def ran(collective, message, count=1.0):  # a collective DeepSpeed does not run costs nothing, latency included
+        return np.where(message > 0, in_pieces(collective, message, count), 0.0)
 
     return StageMoves(
-        fwd_g2g=ran(data_parallel.all_gather_time_s, traffic.micro_gather_fwd),
-        bwd_g2g=(ran(data_parallel.all_gather_time_s, traffic.micro_gather_bwd)
-                 + ran(data_parallel.reduce_scatter_time_s, traffic.micro_reduce_scatter)
-                 + ran(data_parallel.all_reduce_time_s, traffic.micro_all_reduce)),
+        fwd_g2g=ran(data_parallel.all_gather_time_s, traffic.micro_gather_fwd, gathers),
+        bwd_g2g=(ran(data_parallel.all_gather_time_s, traffic.micro_gather_bwd, gathers)
+                 + ran(data_parallel.reduce_scatter_time_s, traffic.micro_reduce_scatter, buckets)
+                 + ran(data_parallel.all_reduce_time_s, traffic.micro_all_reduce, buckets)),
         fwd_exposed=fwd_exposed, bwd_exposed=bwd_exposed,
         fwd_h2d=weight_in, fwd_d2h=none + activations_copy,
         bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0) + activations_copy,
         bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
         fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild,
-        step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce)
+        step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce, buffers)
                      + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
         step_params=np.where(traffic.partitioned_step, params / c.d, params),
         step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
