@@ -170,9 +170,9 @@ def test_the_tuner_picks_sp_where_activations_of_a_long_sequence_bind():
     assert "x sp 2," in degrees_text(with_sp.strategy.parallelism)
 
 
-def _points(*overrides: str):
+def _points(*overrides: str, runtime: str = "deepspeed"):
     specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4", "train.global_batch_size=8", *overrides])
-    caps = capabilities_of("deepspeed")
+    caps = capabilities_of(runtime)
     return global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps)
 
 
@@ -182,6 +182,9 @@ def test_sp_is_searched_by_default_only_for_long_sequences_and_where_deepspeed_r
     assert {p.sp for p in long} == {1, 2, 4}
     assert all(p.tp == 1 and p.pp == 1 and p.num_gpus == 4 for p in long if p.sp > 1)
     assert {p.sp for p in _points("tuner.sp=[2]")} == {2}
+    # executor mist prices sp but its engines do not run it: searched only where tuner.sp asks
+    assert {p.sp for p in _points("model.seq_len=16384", runtime="mist")} == {1}
+    assert {p.sp for p in _points("model.seq_len=16384", "tuner.sp=[1,2]", runtime="mist")} == {1, 2}
 
 
 @pytest.mark.parametrize("overrides, runtime, words", [

@@ -2,8 +2,9 @@
 zoo's tiny model on real DeepSpeed (CPU ranks, gloo), its attention DeepSpeed's DistributedAttention over the sequence
 group, each rank fed its half of every sequence, ZeRO sharding and gradient reduction over the d q ranks.
 
-Numerics (fp32, no clipping, dropout 0): the losses equal the sp 1 run of the same layers in one process (plain
-torch, tests/runtime_worker.py `reference_losses`) within RTOL. Attention is the same computation per head (the
+Numerics (fp32, clipping at train.grad_clip 1, dropout 0): the losses and the gradient norms clipping reads equal the
+sp 1 run of the same layers in one process (plain torch, tests/runtime_worker.py `reference_losses`) within RTOL
+(the norms at every ZeRO stage: ZeRO-3's reduce-scatter averages over d q, which the runtime's backward share undoes). Attention is the same computation per head (the
 all-to-alls move values, never add them), but every linear runs on s / 2 tokens per rank, so each weight gradient
 is two partial sums added by the reduction instead of one GEMM's sum over s, and the loss is the sum of two
 halves' means: fp32 roundings of split sums (relative 2^-24 per addition), far below RTOL over 3 Adam steps.
@@ -31,7 +32,7 @@ WORKER = "tests.runtime_worker:runtime_worker"
 STEPS = 3
 RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 300.0
-FP32 = ["model=tiny", "train.precision=fp32", "train.grad_clip=0", "strategy.micro_batch_size=2"]
+FP32 = ["model=tiny", "train.precision=fp32", "train.grad_clip=1.0", "strategy.micro_batch_size=2"]
 
 # name -> (ranks, overrides)
 CASES = {
@@ -74,9 +75,11 @@ def ran(plans) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_sp2_losses_are_the_sp1_run_s(plans, ran, name):
     plan = plans[name]
-    reference = reference_losses(plan.specs, plan.config, STEPS)
+    norms: list[float] = []
+    reference = reference_losses(plan.specs, plan.config, STEPS, norms)
     for result in ran[name]:
         assert result["losses"] == pytest.approx(reference, rel=RTOL), f"{name} rank {result['what_ran']['rank']}"
+        assert result["grad_norms"] == pytest.approx(norms, rel=RTOL), f"{name} rank {result['what_ran']['rank']}"
 
 
 def test_the_config_names_the_sequence_parallel_size(plans):

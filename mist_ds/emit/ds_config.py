@@ -266,6 +266,10 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         # Read by DeepSpeedConfig where no mpu is given (deepspeed/runtime/config.py: its batch rule's world size is
         # then the world / sequence_parallel_size, train_batch_size = b G d); mist_ds.runtime passes an mpu saying d.
         config["sequence_parallel_size"] = par.sp
+        # With sequence parallelism DeepSpeed's engine reduces gradients (every ZeRO stage) in this type, fp32 unless
+        # told (deepspeed/runtime/engine.py: communication_data_type = seq_parallel_communication_data_type;
+        # runtime/constants.py's default "fp32"); the plan prices them in the training type, as at sp = 1.
+        config["seq_parallel_communication_data_type"] = train.precision
     if any(s.optimizer_offload > 0 for s in strategy.stages):
         # Offloaded states are stepped by torch's AdamW on the host (torch_adam: the config's optimizer
         # resolves to it before any CPUAdam, deepspeed/runtime/engine.py:2378). DeepSpeed refuses a

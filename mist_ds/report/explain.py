@@ -42,7 +42,7 @@ from mist_ds.specs.strategy import StrategyRequest, degrees_text, resolve_strate
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.rerank import CLOSED_FORM
 from mist_ds.tuner.runner_ups import strategy_differences
-from mist_ds.tuner.space import node_sequence_degrees, sequence_degrees, tuner_executor
+from mist_ds.tuner.space import node_sequence_degrees, plans_sequence_parallel, sequence_degrees, tuner_executor
 
 TIME_PARTS = ("compute_s", "recompute_s", "exposed_comm_s", "exposed_host_s", "bubble_s", "imbalance_s", "optimizer_s")
 PART_WORDS = {"compute_s": "compute", "recompute_s": "recompute", "exposed_comm_s": "exposed communication",
@@ -92,7 +92,7 @@ def with_sequence_parallel(specs: Specs, degrees: tuple[int, ...] | None = None)
     None where its executor does not price sp or the setting searches those degrees already."""
     runtime = specs.strategy.runtime if specs.strategy is not None else specs.tuner.runtime
     caps = capabilities_of(runtime or tuner_executor(specs.tuner))
-    if not caps.sequence_parallel.priced:
+    if not (plans_sequence_parallel(caps, specs.tuner, specs.tuner.space) and caps.sequence_parallel.built):
         return None
     wanted = degrees or tuple(node_sequence_degrees(specs.model, specs.cluster))
     asked = dataclasses.replace(specs, tuner=dataclasses.replace(specs.tuner, sp=wanted))

@@ -151,13 +151,15 @@ class PlannedEngine:
             tokens, labels = next(micro_batches)
             device = self.engine.device
             loss = self.loss_fn(self.engine(tokens.to(device)), labels.to(device))
+            backward_loss = loss
             if sequence is not None:  # the slice's share of the whole sequence's mean (runtime/sequence.py)
+                backward_loss = loss * sequence.backward_share(self.plan.strategy.stages[0].zero_stage)
                 loss = loss * sequence.loss_share
             boundary = reducer is not None and micro_batch == grad_accum - 1
             if boundary:  # the per-layer reduction during the boundary's backward (overlap.py)
                 reducer.arm()
             try:
-                self.engine.backward(loss)
+                self.engine.backward(backward_loss)
             finally:
                 if boundary:
                     reducer.armed = False

@@ -7,10 +7,12 @@ engine and ZeRO read the groups from the mpu (deepspeed/utils/groups.py `_get_se
 `_get_sequence_parallel_world_size`): `SequenceParallelMpu` answers the sequence-data-parallel group (d q ranks:
 ZeRO shards and gradients are reduced over it), the sequence group (q ranks), and a data-parallel size d, which
 DeepSpeed's batch rule takes (train_batch_size = b G d); DeepSpeed averages the gradients summed over d q ranks by
-d (deepspeed/runtime/engine.py `_reduce_non_expert_gradients`, zero/stage_1_and_2.py and zero/stage3.py divide by
-d q / q; ZeRO-3's reduce-scatter by d q: zero/stage3.py `__avg_scatter_grads`, a 1 / q that Adam does not see but
-a gradient clip would). Each rank's loss is its slice's mean token loss / q, so the gradients summed over a sequence
-group are those of the whole sequence's mean (`SequenceGroups.loss_share`).
+d (deepspeed/runtime/engine.py `_reduce_non_expert_gradients`, zero/stage_1_and_2.py divide by d q / q), except
+ZeRO-3's reduce-scatter, which divides by d q (zero/stage3.py `__avg_scatter_grads` through
+`reduce_scatter_coalesced`'s pre-division by the group's size). Each rank's loss is its slice's mean token loss / q,
+so the slices' losses summed over a sequence group are the whole sequence's mean (`SequenceGroups.loss_share`); it
+backpropagates that, or, under ZeRO-3, q times it (`backward_share`), so every ZeRO stage's gradients are those of
+the whole sequences' mean over the d data-parallel ranks: what a gradient clip reads.
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ class SequenceGroups:
     def loss_share(self) -> float:
         """What a rank's slice mean is scaled by: 1 / q (module docstring)."""
         return 1.0 / self.layers.size
+
+    def backward_share(self, zero_stage: int) -> float:
+        """What a rank's slice mean is scaled by before its backward: the loss share, times q under ZeRO-3, whose
+        reduce-scatter averages over the d q ranks where the other stages average over d (module docstring)."""
+        return self.loss_share * (self.layers.size if zero_stage == 3 else 1)
 
 
 def sequence_rank_lists(par: Parallelism) -> list[list[int]]:

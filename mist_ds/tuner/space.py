@@ -90,7 +90,7 @@ def sequence_degrees(model: ModelSpec, cluster: ClusterSpec, tuner: TunerSpec, c
     1, and from LONG_SEQUENCE_TOKENS on every divisor of a node's GPUs that Ulysses allows (q divides the heads and
     the sequence, kv heads split or replicated; its all-to-alls stay on NVLink), where the executor prices it and
     the target runs it (docs/design.md, Tuner, Sequence parallelism)."""
-    runs = caps.sequence_parallel.priced and tuner.target_row.sequence_parallel and space in SEQUENCE_PARALLEL_SPACES
+    runs = plans_sequence_parallel(caps, tuner, space)
     if tuner.sp is not None:
         allowed = [q for q in tuner.sp if q == 1 or (runs and _sp_ok(model, q))]
         if not allowed:  # every degree asked for is refused: say why
@@ -100,9 +100,15 @@ def sequence_degrees(model: ModelSpec, cluster: ClusterSpec, tuner: TunerSpec, c
                                   "add 1 (tuner.sp=[1]) or leave tuner.sp out")
             model.check_sequence_parallel(tuner.sp[0], "tuner.sp")
         return sorted(set(allowed))
-    if not runs or model.seq_len < LONG_SEQUENCE_TOKENS:
-        return [1]
+    if not (runs and caps.sequence_parallel.built) or model.seq_len < LONG_SEQUENCE_TOKENS:
+        return [1]  # by default only where the executor's engines run it: a plan tune writes is one that trains
     return node_sequence_degrees(model, cluster)
+
+
+def plans_sequence_parallel(caps: ExecutorCapabilities, tuner: TunerSpec, space: str) -> bool:
+    """Whether a plan of q > 1 may be made here: the executor prices it, the target runs it, the space has it (asked
+    for by tuner.sp; the default search also needs the executor's engines to run it, SequenceParallel.built)."""
+    return caps.sequence_parallel.priced and tuner.target_row.sequence_parallel and space in SEQUENCE_PARALLEL_SPACES
 
 
 def node_sequence_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
