@@ -2,7 +2,10 @@
 hands it to `deepspeed.initialize`, trained with the usual loop (engine(...), engine.backward, engine.step; or
 engine.train_batch with --pipeline). The model: an HF causal LM built from a config (--model_config, random
 weights, its own loss), or a plain nn.Module from a function (--module pkg.mod:make, logits out, the loop's own
-next-token cross entropy). With --census OUT it also counts, in the engine, what four steps did
+next-token cross entropy). With --training_data the model's data is a dataset handed to mist_ds.initialize (dicts of
+input_ids, labels, position_ids, as an HF collator makes them) and the loop steps through the dataloader it returns,
+`engine(**batch).loss`, printing each step's loss averaged over the ranks and DeepSpeed's gradient norm (what a
+sequence-parallel plan is compared with an sp 1 plan by). With --census OUT it also counts, in the engine, what four steps did
 (mist_ds/observe/steps.py) and how often each block ran forward in the counted step (recompute runs a block's
 forward again in the backward), and rank 0 writes every rank's counts to OUT; otherwise rank 0 prints each step's
 loss.
@@ -31,7 +34,26 @@ def build_model(args) -> torch.nn.Module:
     if args.module:
         module, _, function = args.module.partition(":")
         return getattr(importlib.import_module(module), function)()
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config))
+    attention = {"attn_implementation": args.attn} if args.attn else {}
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), **attention)
+
+
+class TokenSequences(torch.utils.data.Dataset):
+    """`count` sequences of random token ids (seed 0), each a dict as an HF data collator makes them: input_ids,
+    labels and (unless `positions` is off) position_ids."""
+
+    def __init__(self, vocab: int, seq_len: int, count: int, positions: bool = True) -> None:
+        self.tokens = torch.randint(0, vocab, (count, seq_len), generator=torch.Generator().manual_seed(0))
+        self.positions = positions
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+        if self.positions:
+            item["position_ids"] = torch.arange(len(self.tokens[i]))
+        return item
 
 
 def micro_batches(vocab: int, b: int, seq_len: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -61,6 +83,10 @@ def main() -> None:
     parser.add_argument("--fail_on_rank", type=int, default=None, help="this rank raises in its second step")
     parser.add_argument("--batch", type=int, default=None, help="the loop's own batch size (default: the engine's)")
     parser.add_argument("--pipeline", action="store_true", help="step with engine.train_batch (pp > 1 may be planned)")
+    parser.add_argument("--training_data", action="store_true",
+                        help="hand a dataset to mist_ds.initialize and step through the dataloader it returns")
+    parser.add_argument("--no_position_ids", action="store_true", help="the dataset's samples lack position_ids")
+    parser.add_argument("--attn", default=None, help="the HF model's attn_implementation (default: transformers')")
     parser.add_argument("--local_rank", type=int, default=-1)
     deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -68,10 +94,21 @@ def main() -> None:
     model = build_model(args)
     vocab = model.config.vocab_size if args.model_config else model.lm_head.out_features
     forwards = count_block_forwards(model)
-    engine, _, _, _ = mist_ds.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                         pipeline=args.pipeline)
+    data = TokenSequences(vocab, args.seq_len, 256, not args.no_position_ids) if args.training_data else None
+    engine, _, loader, _ = mist_ds.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                              training_data=data, pipeline=args.pipeline)
     dp_rank, _ = mist_ds.data_parallel(engine)
     b, accum = args.batch or engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    drawn = iter(loader) if loader is not None else None
+
+    def dataset_step() -> float:  # as a DeepSpeed user steps through the dataloader: engine(**batch).loss
+        total = 0.0
+        for _ in range(accum):
+            loss = engine(**{key: value.to(engine.device) for key, value in next(drawn).items()}).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        return total / accum
 
     def loss_of(tokens: torch.Tensor) -> torch.Tensor:
         if args.model_config:
@@ -80,6 +117,8 @@ def main() -> None:
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
     def step(seed: int) -> float:
+        if drawn is not None:
+            return dataset_step()
         batches = micro_batches(vocab, b, args.seq_len, accum, seed + dp_rank)
         if args.pipeline:
             return float(engine.train_batch(iter([(tokens, tokens) for tokens in batches])))
@@ -96,8 +135,13 @@ def main() -> None:
             if seed == 1 and torch.distributed.get_rank() == args.fail_on_rank:
                 raise RuntimeError(f"rank {args.fail_on_rank} fails in its second step, as the test asked")
             loss = step(seed)
+            if drawn is not None:  # the step's mean over every rank's micro-batches, and DeepSpeed's gradient norm
+                mean = torch.tensor(loss, dtype=torch.float64)
+                torch.distributed.all_reduce(mean)
+                loss = float(mean) / torch.distributed.get_world_size()
             if torch.distributed.get_rank() == 0:
-                print(f"loss {loss!r}", flush=True)
+                norm = f" grad_norm {float(engine.get_global_grad_norm())!r}" if drawn is not None else ""
+                print(f"loss {loss!r}{norm}", flush=True)
         return
     from mist_ds.observe.steps import census_of_steps
     from mist_ds.plan import load_plan

@@ -29,6 +29,8 @@ from typing import Any, Callable
 from mist_ds.script.apply import apply_batch_check, apply_recompute
 from mist_ds.script.planning import (hf_model_overrides, is_hf_model, pipeline_overrides, pipelines_held_because,
                                      plan_model)
+from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_parallel_data, sequence_parallel_loader,
+                                     sequence_parallel_rank)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
 from mist_ds.script.user_config import (UserConfig, check_priced_as_given, merged_config, planner_overrides,
@@ -229,13 +231,22 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     if strategy.parallelism.pp > 1:
         return _pipeline(settings, plan_json, model, spec, config, deepspeed_args)
     blocks = spec.read_model.blocks_attr
+    par = strategy.parallelism
     apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_model(model))
-    apply_batch_check(model, strategy.parallelism.micro_batch_size, spec.seq_len,
+    apply_batch_check(model, par.micro_batch_size, spec.seq_len,
                       lambda mistake: _leave(EXIT_BAD_INPUT, f"error: the first batch: {mistake}", together=False))
+    training_data = deepspeed_args["training_data"]
+    if par.sp > 1:  # DeepSpeed's Ulysses; its dataloader is built below (deepspeed_io cannot split by its mpu)
+        check_sequence_parallel_data(training_data)
+        deepspeed_args = {**deepspeed_args, "training_data": None, "mpu": apply_sequence_parallel(
+            model, par.sp, par.micro_batch_size, config.get("zero_optimization", {}),
+            lambda mistake: _leave(EXIT_BAD_INPUT, f"error: a batch: {mistake}", together=False))}
     if dist.get_rank() == 0:
         log.info("%s; DeepSpeed config: %s", plan_json, "the plan's (AdamW, its precision)" if not user.given else
                  f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
     out = _initialize_deepspeed(deepspeed_args, model, config)
+    if par.sp > 1 and training_data is not None:
+        out = (out[0], out[1], sequence_parallel_loader(out[0], training_data, deepspeed_args["collate_fn"]), out[3])
     teardown = Teardown(out[0].destroy)
     atexit.register(teardown)
     if settings.phase == "verify":
@@ -307,7 +318,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
 def data_parallel(engine: Any) -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size) of a DeepSpeed engine, for a loop that draws its own
-    data: every rank of an AutoTP group gets the same samples (DeepSpeed's dataloader already splits this way)."""
+    data: every rank of an AutoTP group gets the same samples (DeepSpeed's dataloader already splits this way). Under
+    sequence parallelism every rank of the d x sp sequence-data group draws its own samples, which
+    mist_ds.sequence_shards hands to the ranks of its sequence group in turn."""
+    sequence = sequence_parallel_rank(engine)
+    if sequence is not None:
+        return sequence
     mpu = getattr(engine, "mpu", None)
     if mpu is not None:
         return mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
