@@ -15,10 +15,14 @@ from a flag. With `count_flops` off the mode only watches collectives (the cheap
 model-state-counted step).
 
 Payload bytes of one call are the bytes this rank contributes: the tensor all-reduced or broadcast,
-the local shard an all-gather gathers, the whole input a reduce-scatter splits, the tensor sent or
-received. Calls are keyed "kind/group", the group named as mist_ds/specs/groups.py names it for the
-plan's layout (tensor, data, pipe, tied, model, world, self), p2p by peer stage: "send/next",
-"recv/prev", ...; the cost model's accounting uses the same names.
+the local shard an all-gather gathers, the whole input a reduce-scatter splits, the whole input an all-to-all
+scatters (the 1/q share it keeps included: DeepSpeed Ulysses' exchanges of q, k, v and the attention output,
+`c10d::alltoall_base_` under deepspeed.comm.all_to_all_single, each b (s / q) heads head_dim elements), the tensor
+sent or received. Calls are keyed "kind/group", the group named as mist_ds/specs/groups.py names it for the
+plan's layout (tensor, sequence, data, pipe, tied, model, world, self), p2p by peer stage: "send/next",
+"recv/prev", ...; the cost model's accounting uses the same names. Ulysses' all-to-alls are
+"all_to_all/sequence"; at d = 1 the sequence group is also the data group, so the gradient reductions are
+named `sequence` too.
 """
 from __future__ import annotations
 
