@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from mist_ds.config import compose
+from mist_ds.cost.predict import model_costs, predict, stage_candidates
+from mist_ds.cost.sequence import all_to_all_bytes, on_rank
+from mist_ds.cost.stage import stage_times
+from mist_ds.hardware import hardware_model
 from mist_ds.specs import ConfigError
+from mist_ds.specs.executor_rules import check_sequence_parallel_built
+from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.groups import group_name, group_roles
 from mist_ds.specs.strategy import (Parallelism, StrategyRequest, degrees_text, resolve_strategy,
                                     strategy_from_dict)
@@ -52,5 +58,89 @@ def test_sequence_groups_are_consecutive_ranks_and_data_spans_dp_times_sp():
 
 def test_an_executor_not_priced_with_sp_refuses_it_by_rule():
     with pytest.raises(ConfigError) as err:
-        compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "strategy.sp=2", "strategy.runtime=deepspeed"])
-    assert err.value.rule == "deepspeed.sp" and "strategy.sp=1" in str(err.value)
+        predict(compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "strategy.sp=2",
+                         "strategy.runtime=megatron"]))
+    assert err.value.rule == "megatron.sp" and "strategy.sp=1" in str(err.value)
+
+
+def _priced(*overrides: str):
+    specs = compose(["model=tiny", "cluster=cpu", "train.global_batch_size=4", "strategy.micro_batch_size=1",
+                     *overrides])
+    return specs, predict(specs)
+
+
+def test_an_sp_2_plan_moves_the_hand_counted_all_to_all_bytes():
+    # tiny: 8 blocks, 4 heads (= kv heads) of 32, s = 128; sp 2 on 2 ranks: d = 1, G = 4, 2 blocks recompute
+    specs, priced = _priced("strategy.sp=2", "strategy.ckpt_layers=2")
+    model, dtype_bytes = specs.model, {"bf16": 2, "fp16": 2, "fp32": 4}[specs.train.precision]
+    tokens = 1 * model.seq_len // 2  # b s / q on each rank
+    per_pass = (2 * tokens * model.num_heads + 2 * tokens * max(model.num_kv_heads, 2)) * model.head_dim * dtype_bytes
+    exchanges = 4 * (2 * 8 + 2)  # G (forward + backward of every block + the recomputed forwards)
+    assert priced.comm_bytes_per_rank[0]["all_to_all/sequence"] == exchanges * per_pass
+    # the gradients reduce over d q = 2 ranks, which are the sequence group here
+    assert not any(key.endswith("/data") for key in priced.comm_bytes_per_rank[0])
+
+
+def test_gqa_key_values_are_replicated_where_sp_exceeds_them():
+    model = compose(["model=llama3-8b"]).model  # 32 heads, 8 kv heads of 128
+    split, replicated = all_to_all_bytes(model, 1, 4096, 4, 2), all_to_all_bytes(model, 1, 4096, 16, 2)
+    assert split["key"] == 1024 * 8 * 128 * 2 and split["query"] == 1024 * 32 * 128 * 2
+    assert replicated["value"] == 256 * 16 * 128 * 2 and replicated["output"] == 256 * 32 * 128 * 2
+
+
+def test_attention_runs_on_all_tokens_for_a_share_of_the_heads():
+    # The same sequences on the same 2 ranks: sp 2 gives each rank half of every sequence, sp 1 half of the
+    # sequences. Attention's core at 1 / q (all s tokens, n / q heads) keeps a rank's FLOPs equal; at s / q tokens
+    # (1 / q^2) the sp 2 rank would run fewer.
+    _, whole = _priced()
+    specs, sliced = _priced("strategy.sp=2")
+    assert sliced.flops_per_rank[0] == pytest.approx(whole.flops_per_rank[0], rel=1e-12)
+    costs = model_costs(specs)
+    b, s = 1, specs.model.seq_len
+    attention = costs.block("fwd_attention_flops", b, s, 1)
+    assert on_rank(costs.block, "fwd_attention_flops", b, s, 1, 2) == pytest.approx(attention / 2)
+    assert on_rank(costs.block, "fwd_flops", b, s, 1, 2) == pytest.approx(
+        costs.block("fwd_flops", b, s // 2, 1) - costs.block("fwd_attention_flops", b, s // 2, 1) + attention / 2)
+
+
+def test_activations_are_a_rank_s_slice_and_states_shard_over_d_times_sp():
+    _, sliced = _priced("strategy.sp=2", "strategy.zero_stage=1")
+    _, short = _priced("model.seq_len=64", "strategy.zero_stage=1")  # sp 1 on s / 2 tokens
+    _, whole = _priced("strategy.zero_stage=1")  # sp 1: d = 2, the same ZeRO group size as d q = 1 x 2
+    assert sliced.memory_breakdown[0]["activations"] == pytest.approx(short.memory_breakdown[0]["activations"],
+                                                                      rel=1e-12)
+    for part in ("optimizer", "weights", "grads"):
+        assert sliced.memory_breakdown[0][part] == whole.memory_breakdown[0][part], part
+
+
+def test_the_all_to_alls_cost_more_when_the_sequence_group_leaves_the_node():
+    specs = compose(["model=tiny", "cluster=cpu", "train.global_batch_size=4", "strategy.sp=2"])
+    apart = compose(["model=tiny", "cluster=cpu", "cluster.nodes=2", "cluster.gpus_per_node=1",
+                     "cluster.inter_node_gbps=0.5", "train.global_batch_size=4", "strategy.sp=2"])
+    seconds = []
+    for one in (specs, apart):
+        hw = hardware_model(one.cluster, one.train.precision)
+        times = stage_times(model_costs(one), hw, capabilities_of("deepspeed"), one.train,
+                            stage_candidates(one.strategy, one.model.seq_len))
+        seconds.append(float(times.sp_s[0]))
+    assert 0 < seconds[0] < seconds[1]
+
+
+@pytest.mark.parametrize("overrides, rule", [
+    (["strategy.pp=2", "cluster.gpus_per_node=4"], "deepspeed.sp-pipeline"),
+    (["strategy.tp=2", "cluster.gpus_per_node=4"], "deepspeed.sp-tp"),
+    (["model.flash_attention=false"], "model.sp-eager"),
+])
+def test_rules_refuse_what_deepspeed_ulysses_cannot_run(overrides, rule):
+    with pytest.raises(ConfigError) as err:
+        predict(compose(["model=tiny", "cluster=cpu", "train.global_batch_size=4", "strategy.sp=2", *overrides]))
+    assert err.value.rule == rule and "strategy.sp" in str(err.value)
+
+
+def test_the_runtime_refuses_a_priced_sp_plan_it_does_not_run_yet():
+    specs = compose(["model=tiny", "cluster=cpu", "train.global_batch_size=4", "strategy.sp=2"])
+    caps = capabilities_of("deepspeed")
+    assert caps.sequence_parallel.priced and not caps.sequence_parallel.built
+    with pytest.raises(ConfigError) as err:
+        check_sequence_parallel_built(specs.strategy, caps)
+    assert err.value.rule == "deepspeed.sp-not-built"

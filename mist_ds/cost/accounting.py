@@ -9,6 +9,12 @@ Communication is accounted for the executors that execute on DeepSpeed (Executor
 .executes_on_deepspeed), as DeepSpeed 0.19.8 moves it (each rule cites its source; docs/design.md,
 What DeepSpeed does):
 - TP: the layers' all-reduces (traced), again for each recomputed block's forward.
+- Sequence parallel (q > 1, DeepSpeed Ulysses; cost/sequence.py): `all_to_all` on group `sequence`, per rank the
+  bytes of the tensors it hands all_to_all_single (it keeps 1 / q of each and sends the rest): per block and
+  micro-batch q, k, v and the attention output in forward, their gradients in backward, a recomputed block's forward
+  once more: G (2 l + c) (2 b (s / q) n + 2 b (s / q) max(kv, q)) K bytes, K the head dim times the dtype's bytes.
+- Data parallel: every rule below over the stage's data group, d q ranks with sequence parallelism (DeepSpeed's
+  sequence-data-parallel group, which reduces gradients and shards ZeRO's states).
 - Data parallel, by optimizer: ZeRO-0 all-reduces the gradients once per step (engine.py
   allreduce_gradients; BF16_Optimizer in a bf16 pipeline too, bf16_optimizer.py) and BF16_Optimizer
   then all-gathers its updated partition (bf16_optimizer.py:593-603); ZeRO-1 all-reduces each bucket
@@ -37,6 +43,7 @@ import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates, stage_params, stage_trainable_params
 from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES, DataParallelTraffic, data_parallel_traffic
+from mist_ds.cost.sequence import block_all_to_all_bytes
 from mist_ds.specs import ExecutorCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
@@ -120,8 +127,13 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
         traffic = data_parallel_traffic(stage.zero_stage, par.pp > 1, train.precision == "bf16",
                                         dtype_bytes * float(params[i]), dtype_bytes * tied_vocab,
                                         trained_bytes=dtype_bytes * float(trained[i]))
-        for key, value in _data_parallel(traffic, dtype_bytes, float(trained[i]), par.dp, par.grad_accum).items():
+        for key, value in _data_parallel(traffic, dtype_bytes, float(trained[i]), par.data_group_size,
+                                         par.grad_accum).items():
             terms[key] += value
+        if par.sp > 1:
+            exchanges = par.grad_accum * (2 * c.layers[i] + c.recompute[i])  # forward, backward, recomputed forward
+            terms[("all_to_all", "sequence")] += float(exchanges * block_all_to_all_bytes(
+                model, par.micro_batch_size, model.seq_len, par.sp, dtype_bytes))
         if par.pp > 1:
             for key, value in _pipeline(c, i, float(activation[i]), par.tp, par.grad_accum).items():
                 terms[key] += value

@@ -1,8 +1,8 @@
 """The candidates one stage is priced for: arrays of strategies (StageCandidates), the layer costs of their
 model (ModelCosts), and what both time and memory derive from them once (ShapeIndex, the stage's parameters).
 
-Symbols: b micro-batch, s sequence, t TP, d data parallel, S stages (pp), G micro-batches, i stage
-index, l layers, c checkpointed layers, z ZeRO stage, wo / go / oo / ao offload fractions.
+Symbols: b micro-batch, s sequence, t TP, d data parallel, q sequence parallel, S stages (pp), G micro-batches,
+i stage index, l layers, c checkpointed layers, z ZeRO stage, wo / go / oo / ao offload fractions.
 Every input broadcasts; parameter counts are elements.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
+from mist_ds.cost.sequence import on_rank
 from mist_ds.specs import ModelSpec
 from mist_ds.symbolic import LayerCost
 
@@ -24,6 +25,8 @@ class StageCandidates:
     s: np.ndarray
     t: np.ndarray
     d: np.ndarray
+    """Ranks of the stage's data group, which reduce each gradient and shard ZeRO's states: d q (DeepSpeed's
+    sequence-data-parallel group; the data-parallel degree d without sequence parallelism)."""
     pp: np.ndarray
     G: np.ndarray
     stage: np.ndarray
@@ -36,11 +39,13 @@ class StageCandidates:
     ao: np.ndarray
     v: np.ndarray
     """Model chunks per stage (interleaved 1F1B; 1 otherwise)."""
+    q: np.ndarray
+    """Sequence-parallel degree: each rank holds s / q tokens of every sequence (cost/sequence.py; 1 = none)."""
 
     @classmethod
     def of(cls, **values) -> "StageCandidates":
-        """Arrays broadcast together; `v` defaults to 1 (no interleaving)."""
-        values = {"v": 1, **values}
+        """Arrays broadcast together; `v` defaults to 1 (no interleaving), `q` to 1 (no sequence parallelism)."""
+        values = {"v": 1, "q": 1, **values}
         arrays = np.broadcast_arrays(*(np.asarray(values[f.name], dtype=np.float64) for f in fields(cls)))
         return cls(*arrays)
 
@@ -71,25 +76,28 @@ class StageCandidates:
 
 
 class ShapeIndex:
-    """Layer costs depend on (b, s, t) only, which take few distinct values among many candidates:
-    evaluate each quantity once per distinct triple and spread it back."""
+    """Layer costs depend on (b, s, t, q) only, which take few distinct values among many candidates:
+    evaluate each quantity once per distinct quadruple and spread it back."""
 
     def __init__(self, c: "StageCandidates") -> None:
-        # One integer key per (b, s, t): sorting integers is ~40x faster than rows (np.unique axis=0).
-        s_span, t_span = c.s.max() + 1, c.t.max() + 1
-        keys = ((c.b * s_span + c.s) * t_span + c.t).astype(np.int64).ravel()
+        # One integer key per (b, s, t, q): sorting integers is ~40x faster than rows (np.unique axis=0).
+        s_span, t_span, q_span = c.s.max() + 1, c.t.max() + 1, c.q.max() + 1
+        keys = (((c.b * s_span + c.s) * t_span + c.t) * q_span + c.q).astype(np.int64).ravel()
         unique, inverse = np.unique(keys, return_inverse=True)
         self.inverse = inverse.reshape(c.b.shape)
-        self.t = (unique % int(t_span)).astype(np.float64)
-        self.s = ((unique // int(t_span)) % int(s_span)).astype(np.float64)
-        self.b = (unique // int(t_span * s_span)).astype(np.float64)
+        self.q = (unique % int(q_span)).astype(np.float64)
+        rest = unique // int(q_span)
+        self.t = (rest % int(t_span)).astype(np.float64)
+        self.s = ((rest // int(t_span)) % int(s_span)).astype(np.float64)
+        self.b = (rest // int(t_span * s_span)).astype(np.float64)
         self._memo: dict[tuple[int, str], tuple[LayerCost, np.ndarray]] = {}
 
     def __call__(self, cost: LayerCost, key: str) -> np.ndarray:
-        """cost's `key` on every candidate; memoized, as time and memory read the same quantities."""
+        """cost's `key` on one rank of every candidate (its sequence slice: cost/sequence.py on_rank); memoized,
+        as time and memory read the same quantities."""
         memo_key = (id(cost), key)
         if memo_key not in self._memo:  # the cost is kept with its value: its id cannot be reused
-            self._memo[memo_key] = (cost, cost(key, self.b, self.s, self.t)[self.inverse])
+            self._memo[memo_key] = (cost, on_rank(cost, key, self.b, self.s, self.t, self.q)[self.inverse])
         return self._memo[memo_key][1]
 
     def spread(self, values: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.layer_time import profile_sources
 from mist_ds.cost.executors.zero_bubble import (SplitSpan, deferred_weight_bytes, pipeline_bubble_s, simulate_split,
                                                 stage_weight_gradient_s)
+from mist_ds.cost.sequence import on_rank
 from mist_ds.cost.simulate import Span, simulate, simulate_interleaved
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
 from mist_ds.cost.stage import StageTimes, stage_times, tail_s
@@ -83,7 +84,7 @@ def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
     par, stages = strategy.parallelism, strategy.stages
     per_stage = lambda attr: np.array([getattr(st, attr) for st in stages], dtype=np.float64)  # noqa: E731
     return StageCandidates.of(
-        b=par.micro_batch_size, s=seq_len, t=par.tp, d=par.dp, pp=par.pp, G=par.grad_accum,
+        b=par.micro_batch_size, s=seq_len, t=par.tp, d=par.data_group_size, q=par.sp, pp=par.pp, G=par.grad_accum,
         stage=np.arange(par.pp), layers=per_stage("layers"), recompute=per_stage("ckpt_layers"),
         zero=per_stage("zero_stage"), wo=per_stage("weights_offload"), go=per_stage("grads_offload"),
         oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages)
@@ -182,12 +183,13 @@ class StageWork:
     flops_per_rank: np.ndarray
     """An iteration's FLOPs, recompute included (cost/accounting.py, stage_flops)."""
     recompute_flops: np.ndarray
-    """One micro-batch's recomputed forward FLOPs of the whole TP group (recompute x block forward x t)."""
+    """One micro-batch's recomputed forward FLOPs of the whole TP and sequence group (recompute x a rank's block
+    forward x t q)."""
 
 
 def stage_work(costs: ModelCosts, c: StageCandidates) -> StageWork:
     return StageWork(flops_per_rank=stage_flops(costs, c),
-                     recompute_flops=c.recompute * costs.block("fwd_flops", c.b, c.s, c.t) * c.t)
+                     recompute_flops=c.recompute * on_rank(costs.block, "fwd_flops", c.b, c.s, c.t, c.q) * c.t * c.q)
 
 
 def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
@@ -231,7 +233,7 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         fits=not warnings,
         host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.stage_width,
                                                        specs.cluster.gpus_per_node))),
-        sources={**profile_sources((costs.embedding, costs.block, costs.head), hw, c.b, c.s, c.t),
+        sources={**profile_sources((costs.embedding, costs.block, costs.head), hw, c.b, c.s, c.t, c.q),
                  "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta", "host": "pcie+cpu-adam"},
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
         host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,

@@ -20,6 +20,7 @@ from mist_ds.cost.executors.interface import (EndOfIteration, OptimizerStep, Pas
                                               StageMoves)
 from mist_ds.cost.layer_time import LayerTimes, layer_times
 from mist_ds.cost.memory import FP32_BYTES
+from mist_ds.cost.sequence import block_all_to_all_s
 from mist_ds.cost.stage_memory import saved_bytes
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import ExecutorCapabilities, TrainSpec
@@ -44,6 +45,8 @@ class StageTimes:
     compute_s: np.ndarray
     recompute_s: np.ndarray
     tp_s: np.ndarray
+    sp_s: np.ndarray
+    """Sequence parallelism's all-to-alls of one micro-batch, both passes (serial, cost/sequence.py)."""
     p2p_s: np.ndarray
     dp_comm_s: np.ndarray
     swap_s: np.ndarray
@@ -56,7 +59,7 @@ def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex,
     """Embedding, block and head times, evaluated once per distinct (b, s, t) and spread over the candidates."""
     out = []
     for cost in (costs.embedding, costs.block, costs.head):
-        unique = layer_times(cost, hw, ev.b, ev.s, ev.t, fused)
+        unique = layer_times(cost, hw, ev.b, ev.s, ev.t, fused, ev.q)
         out.append(LayerTimes(*(ev.spread(getattr(unique, f.name)) for f in fields(LayerTimes))))
     return tuple(out)
 
@@ -150,8 +153,19 @@ def pass_work(inputs: StageInputs, executor: CollectiveExecutor, moves: StageMov
     bwd_tp = c.layers * block.bwd_tp_s + c.recompute * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
     p2p = _p2p_s(inputs.costs, inputs.hw, c, c.shapes, inputs.caps.p2p_scatter_gather, executor.partitioned_sends)
     fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
+    block_sp = _block_all_to_all_s(inputs)  # the recomputed forward exchanges again
+    fwd_sp, bwd_sp = c.layers * block_sp, (c.layers + c.recompute) * block_sp
     return PassWork(fwd_compute=fwd_compute, bwd_compute=bwd_compute, recompute=recompute, fwd_tp=fwd_tp,
-                    bwd_tp=bwd_tp, tp=fwd_tp + bwd_tp, p2p=p2p)
+                    bwd_tp=bwd_tp, tp=fwd_tp + bwd_tp, p2p=p2p, fwd_sp=fwd_sp, bwd_sp=bwd_sp, sp=fwd_sp + bwd_sp)
+
+
+def _block_all_to_all_s(inputs: StageInputs) -> np.ndarray:
+    """One block's all-to-alls of one pass over its sequence group (q consecutive ranks of one TP index, t apart),
+    per distinct shape and spread; 0 without sequence parallelism."""
+    ev = inputs.c.shapes
+    if not np.any(ev.q > 1):
+        return np.zeros(inputs.c.b.shape)
+    return ev.spread(block_all_to_all_s(inputs.costs.model, inputs.hw, ev.b, ev.s, ev.q, ev.t))
 
 
 def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassPhases:
@@ -174,7 +188,8 @@ def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassP
         bwd_phase = (np.where(g2g_overlapped & (c.zero == 3),
                               hw.overlapped_time_s(bwd_compute + recompute, bwd_hidden, 0, 0) + moves.bwd_exposed,
                               bwd_compute + recompute + bwd_g2g) + bwd_h2d + bwd_d2h)
-    return PassPhases(fwd_phase=fwd_phase, bwd_phase=bwd_phase, stable=fwd_phase + bwd_phase + work.tp + work.p2p)
+    return PassPhases(fwd_phase=fwd_phase, bwd_phase=bwd_phase,
+                      stable=fwd_phase + bwd_phase + work.tp + work.sp + work.p2p)
 
 
 def optimizer_step(inputs: StageInputs, moves: StageMoves) -> OptimizerStep:
@@ -195,11 +210,12 @@ def optimizer_step(inputs: StageInputs, moves: StageMoves) -> OptimizerStep:
 def _stage_times_of(work: PassWork, phases: PassPhases, moves: StageMoves, step: OptimizerStep,
                     end: EndOfIteration) -> StageTimes:
     stable = phases.stable
-    fwd = phases.fwd_phase + work.fwd_tp + work.p2p / 2
+    fwd = phases.fwd_phase + work.fwd_tp + work.fwd_sp + work.p2p / 2
     return StageTimes(stable_s=stable, fwd_s=fwd, bwd_s=stable - fwd,
                       delta_s=end.first_fwd_extra + end.last_bwd_extra,
                       first_fwd_extra_s=end.first_fwd_extra, last_bwd_extra_s=end.last_bwd_extra, end_s=end.end,
                       compute_s=work.fwd_compute + work.bwd_compute, recompute_s=work.recompute, tp_s=work.tp,
+                      sp_s=work.sp,
                       p2p_s=work.p2p, dp_comm_s=moves.fwd_g2g + moves.bwd_g2g,
                       swap_s=moves.fwd_h2d + moves.fwd_d2h + moves.bwd_h2d + moves.bwd_d2h,
                       optimizer_s=step.total_s, grad_reduce_s=end.grad_reduce)

@@ -74,6 +74,10 @@ class RingGroup:
 
     reduce_scatter_time_s = all_gather_time_s
 
+    # An all-to-all of an n-share tensor per rank keeps one share and sends one to each of the n - 1 others (NCCL's
+    # pairwise send / recv): the bytes per rank and the n - 1 latencies of a ring all-gather of that tensor.
+    all_to_all_time_s = all_gather_time_s
+
 
 def p2p_time_s(message_bytes, cross_node, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s,
                latency_s: float):

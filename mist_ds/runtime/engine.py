@@ -44,6 +44,7 @@ from mist_ds.runtime.versions import check_deepspeed_version
 from mist_ds.specs import (ConfigError, ModelSpec, check_executor, check_schedule_built, executor_capabilities,
                            grad_reduce_overlapped,
                            weight_gather_overlapped)
+from mist_ds.specs.executor_rules import check_sequence_parallel_built
 from mist_ds.specs.strategy import degrees_text
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,7 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module:
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
     check_executor(strategy, caps, model)
     check_schedule_built(strategy, caps, None if dtype is None else precision_name(dtype), model)
+    check_sequence_parallel_built(strategy, caps)
     lacking = [name for name, on in dataclasses.asdict(plan.overlap).items() if on and not getattr(caps.overlap, name)]
     if lacking:  # the plan switches features off one by one; it cannot switch on one the runtime lacks
         raise ConfigError("mist.overlap", dataclasses.asdict(plan.overlap),

@@ -152,6 +152,14 @@ def _check_sequence_parallel(name: str, rules: SequenceParallel, par: Parallelis
                       f"and AutoTP's clash): use strategy.sp=1 or strategy.tp=1 (tp is {par.tp})")
 
 
+def check_sequence_parallel_built(strategy: StrategySpec, caps: ExecutorCapabilities) -> None:
+    """Refuse, before a rank trains it, an sp > 1 plan the executor prices but mist_ds's runtime does not run yet."""
+    if strategy.parallelism.sp > 1 and not caps.sequence_parallel.built:
+        raise _refuse(f"{caps.name}.sp-not-built", "strategy.sp", strategy.parallelism.sp,
+                      f"executor {caps.name} prices sequence parallelism but mist_ds.runtime does not run it yet: "
+                      "train the plan with strategy.sp=1 (tune: tuner.sp=[1])")
+
+
 def _check_offload(name: str, caps: ExecutorCapabilities, i: int, s) -> None:
     wo, go, oo, ao = s.weights_offload, s.grads_offload, s.optimizer_offload, s.activations_offload
     if wo > 0:

@@ -70,6 +70,9 @@ class SequenceParallel:
     with_tensor_parallel: bool = False
     """tp > 1 with sp > 1. Ulysses' sequence groups are consecutive ranks over the data group and AutoTP installs
     groups of its own (tried: "Data inconsistency within the TP group")."""
+    built: bool = False
+    """mist_ds's runtime trains sp > 1 plans on it (DeepSpeed's DistributedAttention / UlyssesSPAttentionHF
+    installed). False: priced and planned, but mist_ds.runtime refuses them (`<name>.sp-not-built`)."""
 
 
 ModelStateAccounting = Literal["deepspeed", "megatron", "zero-paper"]
@@ -179,7 +182,10 @@ def _deepspeed() -> ExecutorCapabilities:
         # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
         recompute_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
-        overlap=OverlapFeatures(), collectives="deepspeed", runs_on_stock_engine=True)
+        overlap=OverlapFeatures(), collectives="deepspeed", runs_on_stock_engine=True,
+        # Ulysses' all-to-alls, the s / q slices and the d q data group (mist_ds/cost/sequence.py), at pp = 1 and
+        # tp = 1 only: DeepSpeed 0.19.8 runs it there (SequenceParallel's fields say why not elsewhere).
+        sequence_parallel=SequenceParallel(priced=True))
 
 
 def _executors() -> Mapping[str, ExecutorCapabilities]:

@@ -135,6 +135,11 @@ class ModelSpec:
                 "Ulysses requires")
         require(self.seq_len % q == 0, field, q, f"must divide model.seq_len={self.seq_len} (each rank of the "
                                                  "sequence group holds seq_len / sp tokens)")
+        if not self.flash_attention:  # the s x s probabilities of n / q heads: not what the cost model slices
+            asked = "model.attn_implementation=eager" if self.hf is not None else "model.flash_attention=false"
+            fix = "model.attn_implementation=sdpa" if self.hf is not None else "model.flash_attention=true"
+            raise ConfigError(field, q, f"sequence parallelism is priced with fused attention only, and {asked} "
+                                        f"runs eager attention: use {fix} or strategy.sp=1", rule="model.sp-eager")
 
     def runs_as_pipeline_stages(self, pipeline_script: bool = False) -> bool:
         """Whether a plan may split the model into pipeline stages that run: the zoo's models run as DeepSpeed

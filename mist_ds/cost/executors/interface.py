@@ -97,6 +97,11 @@ class PassWork:
     tp: np.ndarray
     p2p: np.ndarray
     """Blocking pipeline sends and receives of both passes."""
+    fwd_sp: np.ndarray
+    bwd_sp: np.ndarray
+    """Sequence parallelism's all-to-alls (serial: attention waits for them; cost/sequence.py), the
+    recomputed blocks' again in backward."""
+    sp: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ class PassPhases:
     fwd_phase: np.ndarray
     bwd_phase: np.ndarray
     stable: np.ndarray
-    """One steady micro-batch: both phases, TP collectives and p2p."""
+    """One steady micro-batch: both phases, TP collectives, sequence all-to-alls and p2p."""
 
 
 @dataclass(frozen=True)
