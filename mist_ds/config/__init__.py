@@ -121,12 +121,11 @@ def job_overrides(exclude_keys: Sequence[str]) -> list[str]:
     return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in exclude_keys]
 
 
-def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, loss=None, caps=None) -> Specs:
+def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Validate a composed config into frozen SI specs (ConfigError names the first bad field).
 
     with_strategy=False skips the `strategy` group (the tuner chooses the strategy itself). `module`, `loss`: your
-    own nn.Module and loss function, from Python (model=module; docs/design.md, Your own model). `caps`: the
-    executor's capabilities the strategy is checked against (an ablation's; default its row's).
+    own nn.Module and loss function, from Python (model=module; docs/design.md, Your own model).
     """
     try:
         schema: MistDsConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
@@ -134,18 +133,16 @@ def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, 
         raise as_config_error(error) from error
     specs = to_specs(schema, with_strategy=with_strategy, module=module, loss=loss)
     if specs.strategy is not None:
-        check_executor(specs.strategy, caps, model=specs.model)
+        check_executor(specs.strategy, model=specs.model)
     return specs
 
 
-def compose(overrides: Sequence[str] = (), with_strategy: bool = True, module=None, loss=None, caps=None) -> Specs:
+def compose(overrides: Sequence[str] = (), with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Compose mist_ds's config with `overrides` (e.g. ["model=llama2-7b", "cluster.nodes=2"]). Given `module` (your
-    own nn.Module; `loss` its loss function, optional), the model is that module: `model=module` is selected. `caps`:
-    specs_from_config's."""
+    own nn.Module; `loss` its loss function, optional), the model is that module: `model=module` is selected."""
     if module is not None:
         overrides = [MODULE_OPTION, *(o for o in overrides if o != MODULE_OPTION)]
-    return specs_from_config(compose_config(overrides), with_strategy=with_strategy, module=module, loss=loss,
-                             caps=caps)
+    return specs_from_config(compose_config(overrides), with_strategy=with_strategy, module=module, loss=loss)
 
 
 __all__ = ["ConfigError", "compose", "job_overrides", "compose_config", "recompose_in_app", "register_configs",

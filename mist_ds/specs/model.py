@@ -116,17 +116,13 @@ class ModelSpec:
         """DeepSpeed Ulysses' rules for q > 1 (docs/design.md, Glossary, sequence parallel): the all-to-alls scatter
         query heads over the q ranks (heads divisible by q), key-value heads split or replicated (kv divisible by q or
         q by kv), each rank holds s / q tokens (s divisible by q); a user's own nn.Module has no attention DeepSpeed
-        can wrap, and an hf model's eager attention DeepSpeed refuses (ulysses_sp.py register_with_transformers)."""
+        can wrap."""
         if q == 1:
             return
         if self.module is not None:
             raise ConfigError(field, q, "sequence parallelism of your own nn.Module is not priced (DeepSpeed Ulysses "
                                         "wraps a known attention): plan it with strategy.sp=1 (tune: tuner.sp=[1])",
                               rule="module.sp")
-        if self.hf is not None and self.hf.attn_implementation == "eager":
-            raise ConfigError(field, q, "DeepSpeed Ulysses runs sdpa or flash attention (eager builds a mask of each "
-                                        "rank's slice alone): model.attn_implementation=sdpa, or strategy.sp=1",
-                              rule="hf.sp-eager")
         require(self.num_heads % q == 0, field, q, f"must divide model.num_heads={self.num_heads} (DeepSpeed "
                                                    "Ulysses scatters the query heads over the sequence group)")
         kv = self.num_kv_heads

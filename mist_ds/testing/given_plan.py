@@ -11,21 +11,19 @@ from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
 from mist_ds.files import write_json_atomic
 from mist_ds.plan import Plan, model_source_of
-from mist_ds.specs.executors import ExecutorCapabilities
 
 
-def write_given_plan(overrides: Sequence[str], out: Path, caps: ExecutorCapabilities | None = None) -> dict[str, Any]:
+def write_given_plan(overrides: Sequence[str], out: Path) -> dict[str, Any]:
     """Write the plan files of the strategy `overrides` give into `out`; {specs, prediction (dict), config (the
-    ds_config written)}. `caps`: the executor's capabilities priced and emitted with (default: its row's)."""
-    specs = compose(list(overrides), caps=caps)
-    prediction = predict(specs, caps=caps).to_dict()
+    ds_config written)}."""
+    specs = compose(list(overrides))
+    prediction = predict(specs).to_dict()
     search = {"space": "given", "runtime": specs.strategy.runtime, "seconds": 0.0, "points_priced": 1,
               "points_pruned": 0, "candidates_evaluated": 1, "objective_s": None, "gap": 0.0, "solver": None,
               "max_gap": 0.0}
     plan = Plan(user_overrides=list(overrides), strategy=specs.strategy, prediction=prediction, search=search,
                 model_source=model_source_of(specs.model))
-    config = ds_config(specs.strategy, specs.train, specs.model, caps=caps,
-                       host_bytes_per_rank=prediction["host_bytes_per_rank"])
+    config = ds_config(specs.strategy, specs.train, specs.model, host_bytes_per_rank=prediction["host_bytes_per_rank"])
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "ds_config.json", config)
     write_json_atomic(out / "plan.json", plan.to_dict())

@@ -417,7 +417,8 @@ def engine_facts(specs, config: dict, result: dict) -> Facts:
     strategy, stage = specs.strategy, result["what_ran"]["stage"]
     own, buckets = strategy.stages[stage], read_mist_block(config).buckets
     return Facts(zero=own.zero_stage, bf16=specs.train.precision == "bf16", offload=own.optimizer_offload > 0,
-                 pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.dp, rank=result["dp_rank"],
+                 pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.data_group_size,  # ZeRO shards d x sp
+                 rank=result["dp_rank"],
                  sizes=tuple(result["param_sizes"]), bucket=buckets.reduce_bucket_elements,
                  threshold=buckets.stage3_persistence_threshold_elements, params_offload=own.weights_offload > 0,
                  micro_batches=strategy.parallelism.grad_accum,
