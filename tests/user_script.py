@@ -100,6 +100,7 @@ def main() -> None:
     dp_rank, _ = mist_ds.data_parallel(engine)
     b, accum = args.batch or engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     drawn = iter(loader) if loader is not None else None
+    grad_norms = []  # DeepSpeed's own norm of each step's reduced gradient
 
     def dataset_step() -> float:  # as a DeepSpeed user steps through the dataloader: engine(**batch).loss
         total = 0.0
@@ -108,6 +109,7 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             total += loss.item()
+        grad_norms.append(float(engine.get_global_grad_norm()))
         return total / accum
 
     def loss_of(tokens: torch.Tensor) -> torch.Tensor:
@@ -140,7 +142,7 @@ def main() -> None:
                 torch.distributed.all_reduce(mean)
                 loss = float(mean) / torch.distributed.get_world_size()
             if torch.distributed.get_rank() == 0:
-                norm = f" grad_norm {float(engine.get_global_grad_norm())!r}" if drawn is not None else ""
+                norm = f" grad_norm {grad_norms[-1]!r}" if drawn is not None else ""
                 print(f"loss {loss!r}{norm}", flush=True)
         return
     from mist_ds.observe.steps import census_of_steps
@@ -158,6 +160,7 @@ def main() -> None:
 
     result = census_of_steps(engine, par, observed, args.model_config or args.module)
     result["block_forwards"] = counted_step
+    result["grad_norms"] = grad_norms
     results = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(results, result)
     if torch.distributed.get_rank() == 0:
