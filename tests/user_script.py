@@ -5,10 +5,10 @@ weights, its own loss), or a plain nn.Module from a function (--module pkg.mod:m
 next-token cross entropy). With --training_data the model's data is a dataset handed to mist_ds.initialize (dicts of
 input_ids, labels, position_ids, as an HF collator makes them) and the loop steps through the dataloader it returns,
 `engine(**batch).loss`, printing each step's loss averaged over the ranks and DeepSpeed's gradient norm (what a
-sequence-parallel plan is compared with an sp 1 plan by). With --census OUT it also counts, in the engine, what four steps did
-(mist_ds/observe/steps.py) and how often each block ran forward in the counted step (recompute runs a block's
-forward again in the backward), and rank 0 writes every rank's counts to OUT; otherwise rank 0 prints each step's
-loss.
+sequence-parallel plan is compared with an sp 1 plan by). With --census OUT it also counts, in the engine, what four
+steps did (mist_ds/observe/steps.py) and how often each block ran forward in the counted step (recompute runs a
+block's forward again in the backward), and rank 0 writes every rank's counts to OUT; otherwise rank 0 prints each
+step's loss.
 
     mist-deepspeed --autotune-mist run --num_gpus 2 --mist model.seq_len=32 --mist cluster=cpu \
         tests/user_script.py --model_config DIR [--census OUT.json] [--deepspeed --deepspeed_config CFG]
