@@ -11,7 +11,9 @@ phase (mist_ds/script/settings.py): in the plan phase rank 0 plans the model han
 the verify and run phases the plan's config, merged with the user's (mist_ds/script/user_config.py), goes to
 DeepSpeed's engine with the plan's recompute applied to the model. pp = 1 returns DeepSpeed's own engine: ZeRO and
 offload from the config, tensor parallelism by DeepSpeed's AutoTP (which shards the model), the dataloader split by
-data-parallel rank (DeepSpeed's, over `training_data`).
+data-parallel rank (DeepSpeed's, over `training_data`). A plan with sequence parallelism (sp > 1) installs DeepSpeed's
+Ulysses for HF models on the model and its adapter around that dataloader, `.loss` the whole sequence's
+(mist_ds/script/sequence.py).
 
 A mistake in what the script hands over, or a plan for another model, is one line on stderr and exit 2 on every
 rank; a model nothing fits, exit 3.
