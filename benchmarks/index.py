@@ -48,6 +48,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                         ("measured", r"^\| pp2-dp2-bf16 \|(?:[^|]*\|){6} ([\d.]+)")),
     "mist_runtime_paper.md": (("geomean speedup of mist over deepspeed", r"^Geometric mean speedup over the \d+ "
                                                                          r"cases where both fit: ([\d.]+x)"),),
+    "long_context.md": (("8 H100 64k: sp plan over best without sp", r"^- 8x H100-80GB, 64k tokens: ([\d.]+x)"),
+                        ("its sp", r"^\| 8x H100-80GB \| 64k \| sp searched \| .*?\| sp (\d+),")),
     "model_states.md": (("cells", r"^(\d+) \(case, rank, field\) cells"), ("exact", r"cells: (\d+) exact"),
                         ("beyond the stated residual", r"(\d+) beyond it")),
     "nccl_rails.md": (("4-32 MiB median |error|, 4 nodes", r"^\| 4 \| \d+ \|(?:[^|]*\|){2} " + PERCENT),

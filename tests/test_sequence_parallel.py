@@ -1,7 +1,10 @@
-"""Sequence parallelism's strategy (docs/design.md, Glossary, sequence parallel): the degree q in the world
-t S d q, DeepSpeed Ulysses' head and length rules refused before pricing, the rank layout's sequence and
-sequence-data groups, and the one serialization carrying sp."""
+"""Sequence parallelism (docs/design.md, Glossary, sequence parallel; The strategy space; Tuner): the degree q in
+the world t S d q, DeepSpeed Ulysses' head and length rules refused before pricing, the rank layout's sequence and
+sequence-data groups, the one serialization carrying sp; its pricing against hand counts (all-to-all bytes, FLOPs,
+memory at s / q, states over d q), the executor and runtime rules, the tuner's sp search and explain's sp."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -10,6 +13,9 @@ from mist_ds.cost.predict import model_costs, predict, stage_candidates
 from mist_ds.cost.sequence import all_to_all_bytes, on_rank
 from mist_ds.cost.stage import stage_times
 from mist_ds.hardware import hardware_model
+from mist_ds.report.explain import with_sequence_parallel, explain_facts, render_explain
+from mist_ds.tuner import tune_specs
+from mist_ds.tuner.space import global_points
 from mist_ds.specs import ConfigError
 from mist_ds.specs.executor_rules import check_sequence_parallel_built
 from mist_ds.specs.executors import capabilities_of
@@ -144,3 +150,63 @@ def test_the_runtime_refuses_a_priced_sp_plan_it_does_not_run_yet():
     with pytest.raises(ConfigError) as err:
         check_sequence_parallel_built(specs.strategy, caps)
     assert err.value.rule == "deepspeed.sp-not-built"
+
+
+def _tuned(*overrides: str):
+    specs = compose(["model=tiny", "cluster=cpu", "model.seq_len=16384", "train.global_batch_size=2",
+                     "cluster.gpu.memory_gib=1.0", "tuner.compare_baselines=false", "tuner.quiet=true", "tuner.top_n=0",
+                     *overrides])
+    return tune_specs(specs, progress=False, baselines=False)
+
+
+def test_the_tuner_picks_sp_where_activations_of_a_long_sequence_bind():
+    # 16k tokens of tiny on 2 ranks of 1 GiB: without sp the best plan recomputes more blocks (or shards by tp)
+    with_sp, without = _tuned(), _tuned("tuner.sp=[1]")
+    assert with_sp.strategy.parallelism.sp == 2 and without.strategy.parallelism.sp == 1
+    assert with_sp.prediction.iteration_time_s < without.prediction.iteration_time_s
+    assert sum(s.ckpt_layers for s in with_sp.strategy.stages) < sum(s.ckpt_layers for s in without.strategy.stages)
+    assert "x sp 2," in degrees_text(with_sp.strategy.parallelism)
+
+
+def _points(*overrides: str):
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4", "train.global_batch_size=8", *overrides])
+    caps = capabilities_of("deepspeed")
+    return global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", caps)
+
+
+def test_sp_is_searched_by_default_only_for_long_sequences_and_where_deepspeed_runs_it():
+    assert {p.sp for p in _points()} == {1}  # 128 tokens: the search is what it was
+    long = _points("model.seq_len=16384")
+    assert {p.sp for p in long} == {1, 2, 4}
+    assert all(p.tp == 1 and p.pp == 1 and p.num_gpus == 4 for p in long if p.sp > 1)
+    assert {p.sp for p in _points("tuner.sp=[2]")} == {2}
+
+
+@pytest.mark.parametrize("overrides, runtime, words", [
+    (["tuner.sp=[3]"], "deepspeed", "model.num_heads=4"),
+    (["tuner.sp=[2]"], "megatron", "does not run sequence parallelism"),
+])
+def test_tuner_sp_refuses_degrees_nothing_can_run(overrides, runtime, words):
+    specs = compose(["model=tiny", "cluster=cpu", *overrides])
+    with pytest.raises(ConfigError) as err:
+        global_points(specs.model, specs.cluster, specs.train, specs.tuner, "mist", capabilities_of(runtime))
+    assert "tuner.sp" in str(err.value) and words in str(err.value)
+
+
+def test_explain_relaxes_to_sp_only_where_the_search_did_not_try_it():
+    short = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4"])
+    relaxed = with_sequence_parallel(short)
+    assert relaxed is not None and relaxed.tuner.sp == (1, 2, 4)
+    assert with_sequence_parallel(compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4",
+                                       "model.seq_len=16384"])) is None  # searched already
+    assert with_sequence_parallel(compose(["model=tiny", "cluster=cpu", "strategy.runtime=megatron"])) is None
+
+
+@pytest.mark.slow
+def test_explain_names_sp_when_it_binds():
+    tuned = _tuned()
+    specs = dataclasses.replace(tuned.specs, strategy=tuned.strategy)
+    facts = explain_facts(specs, None)
+    without = facts["without_sp"]
+    assert without is not None and without["iteration_time_s"] > facts["iteration_time_s"]
+    assert "sequence parallelism binds: sp 2" in render_explain(facts)

@@ -139,7 +139,8 @@ def tuner_spec(cfg: TunerConfig) -> TunerSpec:
         executor_capabilities(cfg.runtime, field="tuner.runtime")
     return TunerSpec(space=cfg.space, runtime=cfg.runtime, micro_batch_sizes=tuple(cfg.micro_batch_sizes),
                      max_tp=cfg.max_tp, tp=None if cfg.tp is None else tuple(cfg.tp),
-                     pp=None if cfg.pp is None else tuple(cfg.pp), workers=cfg.workers,
+                     pp=None if cfg.pp is None else tuple(cfg.pp), sp=None if cfg.sp is None else tuple(cfg.sp),
+                     workers=cfg.workers,
                      compare_baselines=cfg.compare_baselines,
                      milp_time_limit_s=cfg.milp_time_limit_s, layer_slack=cfg.layer_slack,
                      weights_offload_ratios=tuple(cfg.weights_offload_ratios),

@@ -129,6 +129,8 @@ class TunerConfig:
     max_tp: int = 8  # largest tensor-parallel degree tried
     tp: Optional[List[int]] = None  # allowed tensor-parallel degrees, e.g. [1, 2]; null = any up to max_tp
     pp: Optional[List[int]] = None  # allowed pipeline degrees S, e.g. [2]; null = any
+    sp: Optional[List[int]] = None  # allowed sequence-parallel degrees q, e.g. [1, 4]; null = 1, and from
+    # 16384 tokens on also every degree DeepSpeed Ulysses allows within a node
     workers: int = 1  # worker processes for the outer loop; the plan does not depend on it
     compare_baselines: bool = True  # also tune the megatron, deepspeed and aceso spaces and compare
     milp_time_limit_s: float = 60.0  # CBC time limit per MILP, seconds; the gap is reported if it binds

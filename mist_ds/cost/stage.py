@@ -153,18 +153,22 @@ def pass_work(inputs: StageInputs, executor: CollectiveExecutor, moves: StageMov
     bwd_tp = c.layers * block.bwd_tp_s + c.recompute * block.fwd_tp_s + c.first * emb.bwd_tp_s + c.last * head.bwd_tp_s
     p2p = _p2p_s(inputs.costs, inputs.hw, c, c.shapes, inputs.caps.p2p_scatter_gather, executor.partitioned_sends)
     fwd_tp, bwd_tp = fwd_tp + moves.fwd_tp, bwd_tp + moves.bwd_tp
-    block_sp = _block_all_to_all_s(inputs)  # the recomputed forward exchanges again
-    fwd_sp, bwd_sp = c.layers * block_sp, (c.layers + c.recompute) * block_sp
+    block_sp = _block_all_to_all_s(inputs)
+    if block_sp is None:  # no sequence parallelism: no work on the (many) candidates
+        fwd_sp = bwd_sp = sp = np.zeros(np.broadcast(fwd_compute, p2p).shape)
+    else:  # the recomputed forward exchanges again
+        fwd_sp, bwd_sp = c.layers * block_sp, (c.layers + c.recompute) * block_sp
+        sp = fwd_sp + bwd_sp
     return PassWork(fwd_compute=fwd_compute, bwd_compute=bwd_compute, recompute=recompute, fwd_tp=fwd_tp,
-                    bwd_tp=bwd_tp, tp=fwd_tp + bwd_tp, p2p=p2p, fwd_sp=fwd_sp, bwd_sp=bwd_sp, sp=fwd_sp + bwd_sp)
+                    bwd_tp=bwd_tp, tp=fwd_tp + bwd_tp, p2p=p2p, fwd_sp=fwd_sp, bwd_sp=bwd_sp, sp=sp)
 
 
-def _block_all_to_all_s(inputs: StageInputs) -> np.ndarray:
+def _block_all_to_all_s(inputs: StageInputs) -> np.ndarray | None:
     """One block's all-to-alls of one pass over its sequence group (q consecutive ranks of one TP index, t apart),
-    per distinct shape and spread; 0 without sequence parallelism."""
+    per distinct shape and spread; None where no candidate is sequence parallel."""
     ev = inputs.c.shapes
     if not np.any(ev.q > 1):
-        return np.zeros(inputs.c.b.shape)
+        return None
     return ev.spread(block_all_to_all_s(inputs.costs.model, inputs.hw, ev.b, ev.s, ev.q, ev.t))
 
 

@@ -3,8 +3,9 @@ lost (docs/design.md, Explaining a plan).
 
 Time, per stage, in seconds of one iteration; each stage's parts add up to the iteration time:
     compute, recompute        G x the stage's forward + backward compute, G x its recomputed forwards
-    exposed communication     G x (TP collectives + pipeline p2p + the ZeRO / data-parallel traffic no
-                              compute hides) + the gradient reduction no backward hides (the last
+    exposed communication     G x (TP collectives + sequence parallelism's all-to-alls + pipeline p2p + the
+                              ZeRO / data-parallel traffic no compute hides) + the gradient reduction no
+                              backward hides (the last
                               micro-batch's extra, or after it where the runtime does not overlap it)
     exposed host transfers    G x the swaps (offloaded states and activations) no compute hides
     imbalance                 (G - 1) x (the slowest stage's stable time - this stage's): steady-state waits
@@ -16,7 +17,9 @@ between data-parallel traffic and host transfers in proportion to how long each 
 
 The bound: the plan's setting is re-tuned as it is and under each single relaxation (RELAXATIONS),
 baselines and runner-ups off; the relaxation whose re-tuned plan is fastest, and faster than the best
-plan of the setting, names what bounds the plan.
+plan of the setting, names what bounds the plan. One relaxation allows sequence parallelism where the
+setting's search did not try it, so that a plan bound by the activations of a long sequence names sp; a plan
+with sp > 1 is re-tuned without it too (`without_sp`), which says what sp saves (time, recompute, offload).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from mist_ds.specs.strategy import StrategyRequest, degrees_text, resolve_strate
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.rerank import CLOSED_FORM
 from mist_ds.tuner.runner_ups import strategy_differences
+from mist_ds.tuner.space import node_sequence_degrees, sequence_degrees, tuner_executor
 
 TIME_PARTS = ("compute_s", "recompute_s", "exposed_comm_s", "exposed_host_s", "bubble_s", "imbalance_s", "optimizer_s")
 PART_WORDS = {"compute_s": "compute", "recompute_s": "recompute", "exposed_comm_s": "exposed communication",
@@ -81,6 +85,19 @@ def _micro_batches(specs: Specs, size: int) -> Specs | None:
     return dataclasses.replace(specs, tuner=dataclasses.replace(specs.tuner, micro_batch_sizes=(*sizes, size)))
 
 
+def with_sequence_parallel(specs: Specs, degrees: tuple[int, ...] | None = None) -> Specs | None:
+    """The setting with tuner.sp = `degrees` (default: 1 and every degree DeepSpeed Ulysses allows within a node);
+    None where its executor does not price sp or the setting searches those degrees already."""
+    runtime = specs.strategy.runtime if specs.strategy is not None else specs.tuner.runtime
+    caps = capabilities_of(runtime or tuner_executor(specs.tuner))
+    if not caps.sequence_parallel.priced:
+        return None
+    wanted = degrees or tuple(node_sequence_degrees(specs.model, specs.cluster))
+    asked = dataclasses.replace(specs, tuner=dataclasses.replace(specs.tuner, sp=wanted))
+    searched = sequence_degrees(specs.model, specs.cluster, specs.tuner, caps, specs.tuner.space)
+    return None if set(searched) == set(wanted) else asked
+
+
 RELAXATIONS: tuple[Relaxation, ...] = (
     Relaxation("memory", "memory", "10% more GPU memory", _more_memory),
     Relaxation("network", "network", "twice the GPU-GPU bandwidth (inside and between nodes)", _faster_network),
@@ -91,6 +108,9 @@ RELAXATIONS: tuple[Relaxation, ...] = (
     Relaxation("larger_micro_batch", "micro-batch size: small kernels",
                "one more micro-batch size allowed: twice the largest",
                lambda s: _micro_batches(s, 2 * max(s.tuner.micro_batch_sizes))),
+    Relaxation("sequence_parallel", "activations of a long sequence",
+               "sequence parallelism allowed (DeepSpeed Ulysses, every degree within a node)",
+               with_sequence_parallel),
 )
 
 
@@ -104,7 +124,8 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
     G, total = strategy.parallelism.grad_accum, prediction.iteration_time_s
     # Never below 0 but by rounding (the overlap model prices a phase at least its compute); the bubble,
     # the rest, keeps each row's sum exact.
-    hidden = np.maximum(times.stable_s - times.compute_s - times.recompute_s - times.tp_s - times.p2p_s, 0.0)
+    serial = times.tp_s + times.sp_s + times.p2p_s  # collectives compute waits for, and blocking sends
+    hidden = np.maximum(times.stable_s - times.compute_s - times.recompute_s - serial, 0.0)
     # The gradient reduction is communication: after the last backward where the runtime does not
     # overlap it (part of end_s), else what of it the last backward does not hide (its extra).
     overlap = caps.overlap
@@ -119,7 +140,7 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
     rows = []
     for i in range(strategy.parallelism.pp):
         row = {"compute_s": G * float(times.compute_s[i]), "recompute_s": G * float(times.recompute_s[i]),
-               "exposed_comm_s": G * float(times.tp_s[i] + times.p2p_s[i] + hidden[i] * comm_share[i])
+               "exposed_comm_s": G * float(serial[i] + hidden[i] * comm_share[i])
                + float(times.last_bwd_extra_s[i] + end_comm[i] + first_comm[i]),
                "exposed_host_s": G * float(hidden[i] * (1 - comm_share[i])),
                "imbalance_s": (G - 1) * float(np.max(times.stable_s) - times.stable_s[i]),
@@ -224,13 +245,17 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
     best_s = plan_s if tuned_s is None else min(plan_s, tuned_s)
     relaxations = [_retuned(specs, r, best_s) for r in RELAXATIONS]
     bound = bound_of(relaxations, best_s)
+    without_sp = None
+    if specs.strategy.parallelism.sp > 1:  # what sp buys: the setting's best plan without it
+        without_sp = _retuned(specs, Relaxation("without_sp", "sequence parallelism", "sequence parallelism off "
+                                                "(tuner.sp=[1])", lambda s: with_sequence_parallel(s, (1,))), best_s)
     plan_mean = mean_breakdown(stages)
     return {
         "strategy": specs.strategy.to_dict(), "iteration_time_s": plan_s, "retuned_iteration_time_s": tuned_s,
         "recorded_iteration_time_s": _recorded_s(plan),
         "time_per_stage": stages, "time_mean": plan_mean, "memory_per_stage": memory_rows(specs, prediction),
         "usable_memory_bytes": specs.cluster.gpu.usable_memory_bytes, "fits": prediction.fits,
-        "relaxations": relaxations, "bound": bound["name"] if bound else None,
+        "relaxations": relaxations, "bound": bound["name"] if bound else None, "without_sp": without_sp,
         "runner_ups": [_why_lost(specs, plan_mean, entry, i, specs.strategy, costs, hw)
                        for i, entry in enumerate(plan.runner_ups if plan else [])],
     }
@@ -251,6 +276,21 @@ def _loss_text(runner_up: dict[str, Any], plan_s: float) -> str:
     shown = sorted(((v, k) for k, v in runner_up["more_s"].items() if abs(v) >= 5e-4), reverse=True)
     parts = ", ".join(f"{PART_WORDS[k]} {v:+.3f}" for v, k in shown)
     return f"lost on {PART_WORDS[runner_up['lost_on']]} ({parts})"
+
+
+def _without_sp_lines(facts: dict[str, Any]) -> list[str]:
+    """What the plan's sequence parallelism buys: the setting re-tuned without it."""
+    record = facts.get("without_sp")
+    if record is None:
+        return []
+    sp = facts["strategy"]["sp"]
+    if record["iteration_time_s"] is None:
+        outcome = "no plan fits without it"
+    else:
+        changed = ", ".join(record["changes"]) or "same strategy"
+        outcome = (f"without it the best plan takes {record['iteration_time_s']:.3f} s "
+                   f"({record['speedup']:.3f}x of the plan's speed; changes {changed})")
+    return ["", f"sequence parallelism binds: sp {sp} (its all-to-alls are in exposed communication); {outcome}"]
 
 
 def render_explain(facts: dict[str, Any]) -> str:
@@ -285,6 +325,7 @@ def render_explain(facts: dict[str, Any]) -> str:
     named = next((r for r in facts["relaxations"] if r["name"] == facts["bound"]), None)
     lines.append(f"bound: {named['bound']} ({named['relaxation']} speeds it most, {named['speedup']:.3f}x)" if named
                  else "bound: none of these relaxations speeds it: compute")
+    lines += _without_sp_lines(facts)
     if facts["runner_ups"]:
         lines += ["", "Runner-ups, and where each spends more than the plan (stage mean, seconds):"]
         for r in facts["runner_ups"]:

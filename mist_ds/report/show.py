@@ -42,7 +42,7 @@ def show_facts(specs: Specs) -> dict[str, Any]:
 
     def states_at(zero: int) -> float:  # the runtime's reduce buckets at that ZeRO stage (specs.executor_rules)
         return float(model_state_bytes(caps.model_states, ModelStateShape(
-            heaviest, par.dp, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
+            heaviest, par.data_group_size, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
             bf16=train.precision == "bf16", largest_param_elements=largest,
             overlap_comm=reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, zero),
             reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, par.pp, zero, block),
@@ -60,12 +60,14 @@ def show_facts(specs: Specs) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step,
         "model_state_bytes_per_gpu": states,
         "model_state_note": (f"heaviest stage's GPU ({heaviest:,} parameters per GPU, {trained:,} trainable), "
-                             f"data-parallel size {par.dp}, {train.precision}, runtime {strategy.runtime}, "
+                             f"data group size {par.data_group_size} (dp x sp), {train.precision}, "
+                             f"runtime {strategy.runtime}, "
                              f"each part at its own peak (end of backward or inside the optimizer step)"),
         "gpus": cluster.num_gpus,
         "peak_flops_per_gpu": cluster.gpu.peak(train.precision),
         "gpu_memory_bytes": cluster.gpu.memory_bytes,
-        "parallelism": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch_size": par.micro_batch_size,
+        "parallelism": {"tp": par.tp, "pp": par.pp, "dp": par.dp, "sp": par.sp,
+                        "micro_batch_size": par.micro_batch_size,
                         "grad_accum": par.grad_accum, "global_batch_size": par.global_batch_size},
         "model": _fields(model),
         "cluster": {**_fields(cluster, skip=("gpu", "interference")), "gpu": _fields(cluster.gpu)},

@@ -12,7 +12,7 @@ from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan, model_source_of
 from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import Specs
-from mist_ds.specs.strategy import layout_text, strategy_from_dict
+from mist_ds.specs.strategy import degrees_text, layout_text, strategy_from_dict
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import ExecutorCapabilities
 from mist_ds.tuner import Reranking, TuneResult
@@ -193,7 +193,9 @@ def plan_pictures(plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> dict[
     from mist_ds.cost.predict import simulate_iteration
     from mist_ds.report.pictures import figure_files, memory_figure, timeline_figure
 
-    title = f"{specs.model.name} on {specs.cluster.num_gpus}x {specs.cluster.gpu.name}"
+    # the layout in words, `x sp q` where sequence parallel
+    title = (f"{specs.model.name} on {specs.cluster.num_gpus}x {specs.cluster.gpu.name}, "
+             f"{degrees_text(plan.strategy.parallelism)}")
     sim = simulate_iteration(dataclasses.replace(specs, strategy=plan.strategy), caps)
     gpu = specs.cluster.gpu
     memory = memory_figure(plan.prediction["memory_breakdown"], gpu.usable_memory_bytes, gpu.memory_bytes,

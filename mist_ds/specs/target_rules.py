@@ -74,6 +74,10 @@ def check_target(strategy: StrategySpec, caps: ExecutorCapabilities, target: Tar
     if strategy.parallelism.pp > 1 and not target.pipeline:
         raise _refuse(target, "pipeline", "strategy.pp", strategy.parallelism.pp,
                       f"tuner.target={target.name} runs the model as one module on every rank: use strategy.pp=1")
+    if strategy.parallelism.sp > 1 and not target.sequence_parallel:
+        raise _refuse(target, "sp", "strategy.sp", strategy.parallelism.sp,
+                      f"tuner.target={target.name} builds its engine from ds_config.json alone, without DeepSpeed "
+                      "Ulysses' attention and data loader: use strategy.sp=1")
     for i, s in enumerate(strategy.stages):
         if not recompute_allowed(target, s.layers, s.ckpt_layers):
             raise _refuse(target, "recompute-every-nth", f"strategy.ckpt_layers[{i}]", s.ckpt_layers,
@@ -88,6 +92,9 @@ def check_target_tuning(target: TargetCapabilities, tuner: TunerSpec, caps: Exec
     executor, only pipelines, another model family."""
     _check_model(target, model)
     _check_executor(target, caps, "tuner.runtime")
+    if not target.sequence_parallel and tuner.sp is not None and 1 not in tuner.sp:
+        raise _refuse(target, "sp", "tuner.sp", list(tuner.sp), f"tuner.target={target.name} builds its engine "
+                      "without DeepSpeed Ulysses: use tuner.sp=[1] or leave tuner.sp out")
     if not target.pipeline and tuner.pp is not None and 1 not in tuner.pp:
         raise _refuse(target, "pipeline", "tuner.pp", list(tuner.pp),
                       f"tuner.target={target.name} runs the model as one module on every rank: use tuner.pp=[1] "

@@ -37,17 +37,22 @@ class TargetCapabilities:
     writes_train_command: bool
     """cmd.txt: the command that trains the plan with mist_ds's launch/train.py; False: the consumer's own script
     trains it (summary.md says how)."""
+    sequence_parallel: bool
+    """It runs sp > 1 plans: DeepSpeed Ulysses' attention and data-loader adapter are installed by
+    mist_ds.initialize, which a target building its engine from ds_config.json alone does not call."""
 
 
 def _targets() -> Mapping[str, TargetCapabilities]:
     deepspeed = TargetCapabilities(name="deepspeed", pipeline=True, stock_engine=False, recompute_every_nth=False,
-                                   model_families=None, trainer_args=False, writes_train_command=True)
+                                   model_families=None, trainer_args=False, writes_train_command=True,
+                                   sequence_parallel=True)
     # transformers 5.25's Trainer: one module per rank (no DeepSpeed PipelineModule), the engine from
     # `deepspeed.initialize` with the config's ZeRO stage, offload and AutoTP (`tensor_parallel.autotp_size`, passed
     # to deepspeed.tp_model_init; accelerate splits the data by data-parallel rank), recompute by
     # PreTrainedModel.activation_checkpointing_enable(every_n_layers=n).
     hf_trainer = TargetCapabilities(name="hf-trainer", pipeline=False, stock_engine=True, recompute_every_nth=True,
-                                    model_families=("hf",), trainer_args=True, writes_train_command=False)
+                                    model_families=("hf",), trainer_args=True, writes_train_command=False,
+                                    sequence_parallel=False)
     return MappingProxyType({t.name: t for t in (deepspeed, hf_trainer)})
 
 

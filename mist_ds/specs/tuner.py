@@ -57,6 +57,9 @@ class TunerSpec:
     """Allowed tensor-parallel degrees; None = every degree up to max_tp that fits a node."""
     pp: tuple[int, ...] | None = None
     """Allowed pipeline degrees S; None = every one."""
+    sp: tuple[int, ...] | None = None
+    """Allowed sequence-parallel degrees q; None = 1, and from LONG_SEQUENCE_TOKENS on every degree DeepSpeed
+    Ulysses allows within a node (tuner/space.py sequence_degrees; docs/design.md, Tuner)."""
     workers: int = 1
     """Worker processes for the outer loop (spawned); results do not depend on it."""
     compare_baselines: bool = True
@@ -98,7 +101,7 @@ class TunerSpec:
         require(len(self.micro_batch_sizes) > 0 and all(b > 0 for b in self.micro_batch_sizes),
                 "tuner.micro_batch_sizes", list(self.micro_batch_sizes), "give one or more positive sizes")
         require_positive("tuner.max_tp", self.max_tp)
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "sp"):
             degrees = getattr(self, name)
             require(degrees is None or (len(degrees) > 0 and all(isinstance(k, int) and k > 0 for k in degrees)),
                     f"tuner.{name}", None if degrees is None else list(degrees),

@@ -85,7 +85,7 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: Executor
     p = nearest.point
     layout = degrees_text(p)
     rule = specs.tuner.host_memory
-    host = host_use(specs.cluster, rule, prediction.host_bytes_per_rank, p.tp * p.dp)
+    host = host_use(specs.cluster, rule, prediction.host_bytes_per_rank, p.stage_width)
     if need <= usable and host.fits:  # each stage position fits alone, never all of them at once
         return (f"no plan fits: every stage position of {layout} has an option within the {usable / GIB:.2f} GiB "
                 f"usable, but no split of the {specs.model.num_layers} layers lets every stage fit at once (the "
@@ -104,6 +104,8 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: Executor
     fixes = []
     if binding == "activations" or parts["activations"] > states:
         fixes.append("a smaller micro-batch (tuner.micro_batch_sizes=[1]) or a shorter model.seq_len")
+        if caps.sequence_parallel.priced and not any(r.point.sp > 1 for r in tried):
+            fixes.append("sequence parallelism, each rank holding 1 / sp of every sequence (tuner.sp=[1, 2, 4, 8])")
     fixes.append(f"more GPUs (cluster.nodes > {specs.cluster.nodes}): ZeRO and pipelines shard the model states")
     if not caps.offloads_fractions:
         fixes.append("a runtime with more offload (tuner.runtime=mist-paper prices what DeepSpeed cannot run)")

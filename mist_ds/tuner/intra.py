@@ -61,7 +61,7 @@ def position_classes(point: GlobalPoint, gpus_per_node: int) -> tuple[np.ndarray
     (first, last, previous boundary crosses nodes, next boundary crosses nodes) cost the same time."""
     S = point.pp
     positions = np.arange(S)
-    prev, nxt = stage_boundaries_cross_nodes(positions, point.tp * point.dp, gpus_per_node)
+    prev, nxt = stage_boundaries_cross_nodes(positions, point.stage_width, gpus_per_node)
     signature = np.stack([positions == 0, positions == S - 1, prev & (positions > 0), nxt & (positions < S - 1)],
                          axis=1).astype(np.int64) @ np.array([8, 4, 2, 1])
     unique, first_index, classes = np.unique(signature, return_index=True, return_inverse=True)
@@ -114,9 +114,9 @@ class PointPricer:
         """The options `pick` selects, [classes, picked], at each class's representative position."""
         point = self.point
         representatives = position_classes(point, self.hw.cluster.gpus_per_node)[1].astype(np.float64)[:, None]
-        return StageCandidates.of(b=point.micro_batch_size, s=self.costs.model.seq_len, t=point.tp, d=point.dp,
-                                  pp=point.pp, G=point.grad_accum, stage=representatives,
-                                  layers=priced.layers[None, pick],
+        return StageCandidates.of(b=point.micro_batch_size, s=self.costs.model.seq_len, t=point.tp,
+                                  d=point.data_group_size, q=point.sp, pp=point.pp, G=point.grad_accum,
+                                  stage=representatives, layers=priced.layers[None, pick],
                                   **{k: priced.options[k][None, pick] for k in OPTION_KEYS})
 
     def memory(self, priced: PricedOptions, pick: np.ndarray | None = None) -> PricedOptions:

@@ -148,9 +148,11 @@ def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoin
         return np.zeros(0)
     b = np.array([p.micro_batch_size for p in points], dtype=np.float64)
     t = np.array([p.tp for p in points], dtype=np.float64)
+    q = np.array([p.sp for p in points], dtype=np.float64)  # a rank's share of each sequence (its all-to-alls: >= 0)
     s = np.full_like(b, costs.model.seq_len)
     serial = [x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
-              for x in (layer_times(cost, hw, b, s, t, fused) for cost in (costs.embedding, costs.block, costs.head))]
+              for x in (layer_times(cost, hw, b, s, t, fused, q)
+                        for cost in (costs.embedding, costs.block, costs.head))]
     total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
     chunks = np.ones(len(points)) if max_chunks is None else np.asarray(max_chunks, dtype=np.float64)
     factor = np.array([(p.grad_accum + (p.pp - 1) / v) / p.pp for p, v in zip(points, chunks)])
@@ -190,7 +192,7 @@ def _stage_strategies(options: dict[str, np.ndarray], layers: list[int],
 
 def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...], chunks: int = 1) -> StrategySpec:
     par = Parallelism(tp=point.tp, pp=point.pp, dp=point.dp, micro_batch_size=point.micro_batch_size,
-                      grad_accum=point.grad_accum)
+                      grad_accum=point.grad_accum, sp=point.sp)
     return StrategySpec(runtime=runtime, parallelism=par, stages=stages,
                         schedule="interleaved" if chunks > 1 else "1f1b", virtual_stages=chunks)
 
@@ -198,7 +200,7 @@ def _strategy(runtime: str, point: GlobalPoint, stages: tuple[StageStrategy, ...
 def _host_limits(specs: Specs, point: GlobalPoint) -> tuple[np.ndarray, HostSharing | None]:
     """(the most host bytes one rank of each position may keep, the nodes whose stages share host memory):
     tuner.host_memory's rule on the point's placement (cost/host.py)."""
-    cluster, rule, width = specs.cluster, specs.tuner.host_memory, point.tp * point.dp
+    cluster, rule, width = specs.cluster, specs.tuner.host_memory, point.stage_width
     rows = shared_nodes(cluster, rule, point.pp, width)
     sharing = HostSharing(rows, cluster.cpu_memory_bytes) if rows else None
     return position_host_limits(cluster, rule, point.pp, width), sharing
@@ -316,7 +318,7 @@ def _free_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps: 
     uniform = partition_uniform(L, point.pp)
     least, nearest = _least_peak(priced, uniform)
     closest = _strategy(ctx.runtime, point, _stage_strategies(priced.options, list(uniform), nearest))
-    world = point.tp * point.pp * point.dp
+    world = point.num_gpus
     results = []
     for variant in variants:
         fronts, partition = solve(priced, variant)
@@ -366,14 +368,15 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
     specs = ctx.specs
     usable = specs.cluster.gpu.usable_memory_bytes
     S, L = point.pp, specs.model.num_layers
-    world = point.tp * S * point.dp
+    world = point.num_gpus
     best, closest, count = None, None, 0
     for layers, chunks in _partitions_and_chunks(ctx, caps, point):
         recompute, opts = _fixed_candidates(caps, ctx.space, option_grids(specs), layers, S > 1, ctx.target)
         if not len(recompute):
             continue
         column = {k: v[:, None] for k, v in opts.items()}
-        c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.dp, pp=S,
+        c = StageCandidates.of(b=point.micro_batch_size, s=specs.model.seq_len, t=point.tp, d=point.data_group_size,
+                               q=point.sp, pp=S,
                                G=point.grad_accum, stage=np.arange(S)[None, :], layers=np.array(layers)[None, :],
                                recompute=recompute, v=chunks, **column)
         times = stage_times(costs, hw, caps, specs.train, c)
@@ -387,7 +390,7 @@ def _fixed_point(ctx: SearchContext, costs: ModelCosts, hw: HardwareModel, caps:
         tail = tail_s(hw, specs.train, np.max(times.end_s, axis=1), world)
         total = iteration_time_s(times.stable_s, times.delta_s, point.grad_accum, tail, chunks)
         ok = np.all(memory.peak_bytes <= usable, axis=1) & host_fits(specs.cluster, specs.tuner.host_memory,
-                                                                      memory.host_bytes, point.tp * point.dp)
+                                                                      memory.host_bytes, point.stage_width)
         if ok.any():
             j = int(np.flatnonzero(ok)[np.argmin(total[ok])])
             if best is None or total[j] < best[0]:

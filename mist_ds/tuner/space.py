@@ -1,4 +1,4 @@
-"""The search space (docs/design.md, The strategy space): global points (t, S, d, b, G) and, per stage, option grids
+"""The search space (docs/design.md, The strategy space): global points (t, S, d, q, b, G) and, per stage, option grids
 (c, z, wo, go, oo, ao) that the runtime can execute and the space allows.
 
 Spaces:
@@ -26,35 +26,96 @@ OPTION_KEYS = ("recompute", "zero", "wo", "go", "oo", "ao")
 # Spaces whose stages are free (per-stage Pareto sets + the partition solver); the others fix the
 # partition and use one option for every stage.
 FREE_STAGE_SPACES = ("mist", "aceso")
+# Spaces that search sequence parallelism; the baselines' own (Megatron-LM's, DeepSpeed's autotuner's, Aceso's) do not
+# search DeepSpeed Ulysses.
+SEQUENCE_PARALLEL_SPACES = ("mist", "uniform")
+
+
+# Sequences from this length on are where sequence parallelism can matter: activations grow with s, and below it
+# they leave tp, recompute and offload enough room (docs/design.md, Tuner, Sequence parallelism); shorter ones are
+# searched at q = 1 unless tuner.sp asks, so the tuner's time there stays what it was.
+LONG_SEQUENCE_TOKENS = 16384
 
 
 @dataclass(frozen=True, order=True)
 class GlobalPoint:
-    """One global layout; d = GPUs / (t S), G = global batch / (b d)."""
+    """One global layout; d = GPUs / (t S q), G = global batch / (b d)."""
 
     tp: int
     pp: int
     dp: int
     micro_batch_size: int
     grad_accum: int
+    sp: int = 1
+
+    @property
+    def stage_width(self) -> int:
+        """Ranks per pipeline stage: t d q."""
+        return self.tp * self.dp * self.sp
+
+    @property
+    def data_group_size(self) -> int:
+        """Ranks that reduce each gradient and shard ZeRO's states: d q."""
+        return self.dp * self.sp
+
+    @property
+    def num_gpus(self) -> int:
+        return self.stage_width * self.pp
 
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _tp_ok(model: ModelSpec, t: int) -> bool:
+def _passes(check, degree: int) -> bool:
+    """Whether the model's rule `check` (ModelSpec.check_tensor_parallel, check_sequence_parallel) allows `degree`."""
     try:
-        model.check_tensor_parallel(t)
+        check(degree)
     except ConfigError:
         return False
     return True
 
 
+def _tp_ok(model: ModelSpec, t: int) -> bool:
+    return _passes(model.check_tensor_parallel, t)
+
+
+def _sp_ok(model: ModelSpec, q: int) -> bool:
+    return _passes(model.check_sequence_parallel, q)
+
+
+def sequence_degrees(model: ModelSpec, cluster: ClusterSpec, tuner: TunerSpec, caps: ExecutorCapabilities,
+                     space: str) -> list[int]:
+    """The sequence-parallel degrees q to search: tuner.sp's that DeepSpeed Ulysses allows for the model; by default
+    1, and from LONG_SEQUENCE_TOKENS on every divisor of a node's GPUs that Ulysses allows (q divides the heads and
+    the sequence, kv heads split or replicated; its all-to-alls stay on NVLink), where the executor prices it and
+    the target runs it (docs/design.md, Tuner, Sequence parallelism)."""
+    runs = caps.sequence_parallel.priced and tuner.target_row.sequence_parallel and space in SEQUENCE_PARALLEL_SPACES
+    if tuner.sp is not None:
+        allowed = [q for q in tuner.sp if q == 1 or (runs and _sp_ok(model, q))]
+        if not allowed:  # every degree asked for is refused: say why
+            if not runs:
+                raise ConfigError("tuner.sp", list(tuner.sp), f"executor {caps.name} with tuner.target="
+                                  f"{tuner.target_row.name} in space {space} does not run sequence parallelism: "
+                                  "add 1 (tuner.sp=[1]) or leave tuner.sp out")
+            model.check_sequence_parallel(tuner.sp[0], "tuner.sp")
+        return sorted(set(allowed))
+    if not runs or model.seq_len < LONG_SEQUENCE_TOKENS:
+        return [1]
+    return node_sequence_degrees(model, cluster)
+
+
+def node_sequence_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    """1 and every divisor of a node's GPUs that DeepSpeed Ulysses allows for the model (ModelSpec
+    .check_sequence_parallel): the degrees whose all-to-alls stay inside a node."""
+    return [q for q in divisors(cluster.gpus_per_node) if q == 1 or _sp_ok(model, q)]
+
+
 def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
                   space: str, caps: ExecutorCapabilities) -> list[GlobalPoint]:
-    """Every (t, S, d, b, G) the space, the runtime, the tuner's degree limits and its target allow, in a fixed
-    order. TP stays inside a node."""
+    """Every (t, S, d, q, b, G) the space, the runtime, the tuner's degree limits and its target allow, in a fixed
+    order (q = 1 first, as without sequence parallelism). TP stays inside a node; q > 1 where the executor runs it
+    (its SequenceParallel rules: pp and tp)."""
     gpus = cluster.num_gpus
     target = tuner.target_row
     check_target_tuning(target, tuner, caps, model)
@@ -64,6 +125,8 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
                                                       "tune it at pp 1 (tuner.pp=[1] or leave tuner.pp out)")
     if tuner.tp is not None and not any(_tp_ok(model, t) for t in tuner.tp):
         model.check_tensor_parallel(tuner.tp[0], "tuner.tp")  # every degree asked for is refused: say why
+    degrees = sequence_degrees(model, cluster, tuner, caps, space)
+    rules = caps.sequence_parallel
     points = []
     for t in divisors(cluster.gpus_per_node):
         if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:
@@ -77,11 +140,15 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
                 continue
             if space == "deepspeed" and (t > 1 or S > 1):
                 continue
-            d = gpus // (t * S)
-            for b in tuner.micro_batch_sizes:
-                if train.global_batch_size % (b * d):
+            for q in degrees:
+                if q > 1 and ((gpus // (t * S)) % q or (S > 1 and not rules.with_pipeline)
+                              or (t > 1 and not rules.with_tensor_parallel)):
                     continue
-                points.append(GlobalPoint(t, S, d, b, train.global_batch_size // (b * d)))
+                d = gpus // (t * S * q)
+                for b in tuner.micro_batch_sizes:
+                    if train.global_batch_size % (b * d):
+                        continue
+                    points.append(GlobalPoint(t, S, d, b, train.global_batch_size // (b * d), q))
     return points
 
 
