@@ -25,7 +25,8 @@ def zoo(group: str) -> list[str]:
 
 LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep",
                                "test_model_states", "test_measure", "test_profile", "test_user_script",
-                               "test_hf_pipeline", "test_hf_trainer_run", "test_zero_bubble_runtime"})
+                               "test_hf_pipeline", "test_hf_trainer_run", "test_zero_bubble_runtime",
+                               "test_sequence_parallel_runtime"})
 """Test modules that start DeepSpeed ranks (2-4 processes on loopback, each job's port picked free just before its
 ranks bind it): the engine lane (launch/test.sh runs it in one process, so no two launches run at once)."""
 

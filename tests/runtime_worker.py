@@ -63,13 +63,46 @@ def run_case(case: dict) -> dict:
         offload.reset_counts()
     _, census = count_step(planned, census_batches)
     result = {"case": case["name"], "losses": losses, "grad_norms": norms, "what_ran": did, "census": census,
-              "dp_rank": dp_rank, "param_sizes": param_sizes(planned)}
+              "dp_rank": dp_rank, "param_sizes": param_sizes(planned),
+              "sp_rank": planned.sequence.layers.rank if planned.sequence is not None else 0}
     if offload is not None:
         result["activations_offloaded"] = {"moved_bytes": offload.moved_bytes, "returned_bytes": offload.returned_bytes}
     if module is not None:  # an hf model's rotary tables, priced beside its weights
         result["module_buffer_bytes"] = sum(b.numel() * b.element_size() for b in planned.engine.module.buffers())
     planned.close()
     return result
+
+
+def reference_losses(specs, config: dict, steps: int, norms: list | None = None) -> list[float]:
+    """The plan's layers in one process, plain torch, fed what data-parallel rank 0 reads (the whole sequences): loss
+    / G backward per micro-batch, clipping to train.grad_clip (0: none; each step's norm appended to `norms`), AdamW
+    with the plan's settings (`config`'s optimizer block)."""
+    from mist_ds.models.tp import TensorParallel
+    from mist_ds.runtime.engine import PlannedModel
+    from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
+
+    model, par = specs.model, specs.strategy.parallelism
+    assert par.dp == 1, "the reference reads one data-parallel rank's samples"
+    recipes = layer_recipes(model, (0, model.num_layers), 0, True, True, 1, TensorParallel(), torch.float32, seed=0)
+    module = PlannedModel([PlannedLayer(r) for r in recipes], model.tie_embeddings)
+    settings = config["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(module.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]),
+                                  eps=settings["eps"], weight_decay=settings["weight_decay"])
+    loss_fn, losses = language_model_loss(TensorParallel()), []
+    for step in range(steps):
+        total = None
+        for tokens, labels in synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000):
+            loss = loss_fn(module(tokens), labels)
+            (loss / par.grad_accum).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if specs.train.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), specs.train.grad_clip)
+            if norms is not None:
+                norms.append(float(norm))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(total / par.grad_accum))
+    return losses
 
 
 def runtime_worker(rank: int, world_size: int, payload: dict) -> list[dict]:

@@ -35,14 +35,11 @@ import torch
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config, read_mist_block
-from mist_ds.models.tp import TensorParallel
 from mist_ds.observe.ranks import launch
-from mist_ds.runtime.engine import PlannedModel
-from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
 from mist_ds.specs import ConfigError, executor_capabilities
 from mist_ds.testing.model_states import assert_model_states_are_predicted
 from mist_ds.tuner import tune_specs
-from tests.runtime_worker import DATA_SEED, synthetic_batches
+from tests.runtime_worker import reference_losses
 
 WORKER = "tests.runtime_worker:runtime_worker"
 NUMERIC_STEPS = 5
@@ -215,30 +212,7 @@ def test_model_state_bytes_are_the_prediction(plans, ran, name):
 
 
 def _reference_losses(plan: Tuned, steps: int, norms: list | None = None) -> list[float]:
-    """The same layers in one process, plain torch: loss / G backward per micro-batch, clipping to the
-    plan's train.grad_clip (0: none), AdamW with the plan's settings."""
-    model, par = plan.specs.model, plan.specs.strategy.parallelism
-    assert par.dp == 1, "the reference reads one data-parallel rank's samples"
-    recipes = layer_recipes(model, (0, model.num_layers), 0, True, True, 1, TensorParallel(), torch.float32, seed=0)
-    module = PlannedModel([PlannedLayer(r) for r in recipes], model.tie_embeddings)
-    settings = plan.config["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(module.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]),
-                                  eps=settings["eps"], weight_decay=settings["weight_decay"])
-    loss_fn, losses = language_model_loss(TensorParallel()), []
-    for step in range(steps):
-        total = None
-        for tokens, labels in synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000):
-            loss = loss_fn(module(tokens), labels)
-            (loss / par.grad_accum).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        if plan.specs.train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), plan.specs.train.grad_clip)
-            if norms is not None:
-                norms.append(float(norm))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(total / par.grad_accum))
-    return losses
+    return reference_losses(plan.specs, plan.config, steps, norms)
 
 
 def test_pipeline_only_plan_is_bitwise_the_single_process_run(plans, ran):

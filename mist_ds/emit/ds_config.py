@@ -257,6 +257,10 @@ def ds_config(strategy: StrategySpec, train: TrainSpec, model: ModelSpec | None 
         # (mist_ds/specs/autotp.py). DeepSpeed's batch rule counts its t ranks as if data-parallel.
         config["tensor_parallel"] = {"autotp_size": par.tp}
         config["train_batch_size"] = par.global_batch_size * par.tp
+    if par.sp > 1:
+        # Read by DeepSpeedConfig where no mpu is given (deepspeed/runtime/config.py: its batch rule's world size is
+        # then the world / sequence_parallel_size, train_batch_size = b G d); mist_ds.runtime passes an mpu saying d.
+        config["sequence_parallel_size"] = par.sp
     if any(s.optimizer_offload > 0 for s in strategy.stages):
         # Offloaded states are stepped by torch's AdamW on the host (torch_adam: the config's optimizer
         # resolves to it before any CPUAdam, deepspeed/runtime/engine.py:2378). DeepSpeed refuses a

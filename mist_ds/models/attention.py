@@ -122,10 +122,12 @@ def causal_attention(q_BNSK: Tensor, k_BMSK: Tensor, v_BMSK: Tensor, dropout_p: 
     return torch.matmul(dropout(probs_BNSS, p, training), v_BNSK)
 
 
-def rotary_tables(seq: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos, sin of the rotary angles, each (S, K/2), computed in fp32 then cast to the model dtype."""
+def rotary_tables(seq: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                  start: int = 0) -> tuple[Tensor, Tensor]:
+    """cos, sin of the rotary angles of positions start .. start + seq - 1, each (S, K/2), computed in fp32 then
+    cast to the model dtype (a slice's rows equal the whole sequence's: integer positions are exact in fp32)."""
     inv_freq = ROTARY_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    angles_SK = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv_freq)
+    angles_SK = torch.outer(torch.arange(start, start + seq, dtype=torch.float32, device=device), inv_freq)
     return angles_SK.cos().to(dtype), angles_SK.sin().to(dtype)
 
 

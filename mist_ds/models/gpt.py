@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mist_ds.models.attention import causal_attention, dropout
+from mist_ds.models.attention import dropout
+from mist_ds.models.sequence import CausalSelfAttention
 from mist_ds.models.tp import ColumnParallelLinear, LayerSettings, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -18,14 +19,14 @@ class GptEmbedding(nn.Module):
         self.dropout_p = cfg.dropout
         self.tokens = VocabParallelEmbedding(cfg.sizes.vocab, cfg.sizes.hidden, cfg.tp, cfg.dtype)
         self.positions = nn.Embedding(cfg.sizes.max_positions, cfg.sizes.hidden, dtype=cfg.dtype)
+        self.sp = cfg.sp
 
     def reset_parameters(self) -> None:
         self.tokens.reset_parameters()
         nn.init.normal_(self.positions.weight, std=0.02)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        seq = tokens_BS.shape[1]
-        positions_S = torch.arange(seq, device=tokens_BS.device)
+        positions_S = self.sp.positions(tokens_BS.shape[1], tokens_BS.device)  # this rank's slice of the sequence
         x_BSD = self.tokens(tokens_BS) + self.positions(positions_S)
         return dropout(x_BSD, self.dropout_p, self.training)
 
@@ -35,7 +36,7 @@ class GptAttention(nn.Module):
         super().__init__()
         s = cfg.sizes
         self.heads, self.head_dim = s.heads, s.head_dim
-        self.dropout_p, self.fused = cfg.dropout, cfg.fused_attention
+        self.core = CausalSelfAttention(cfg.dropout, cfg.fused_attention, cfg.sp)
         self.qkv = ColumnParallelLinear(s.hidden, 3 * s.heads * s.head_dim, True, cfg.tp, cfg.dtype,
                                         segments=(s.heads * s.head_dim,) * 3)
         self.proj = RowParallelLinear(s.heads * s.head_dim, s.hidden, True, cfg.tp, dtype=cfg.dtype)
@@ -44,7 +45,7 @@ class GptAttention(nn.Module):
         b, s, _ = x_BSD.shape
         qkv_BS3NK = self.qkv(x_BSD).view(b, s, 3, self.heads, self.head_dim)
         q_BNSK, k_BNSK, v_BNSK = (qkv_BS3NK.select(2, i).transpose(1, 2) for i in range(3))
-        o_BNSK = causal_attention(q_BNSK, k_BNSK, v_BNSK, self.dropout_p, self.training, self.fused)
+        o_BNSK = self.core(q_BNSK, k_BNSK, v_BNSK)
         o_BSD = o_BNSK.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.proj(o_BSD)
 

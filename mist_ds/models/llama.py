@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mist_ds.models.attention import apply_rotary, causal_attention, dropout, rotary_tables
+from mist_ds.models.attention import apply_rotary, dropout, rotary_tables
+from mist_ds.models.sequence import CausalSelfAttention
 from mist_ds.models.tp import ColumnParallelLinear, LayerSettings, RowParallelLinear, VocabParallelEmbedding
 
 RMS_NORM_EPS = 1e-5  # Llama 2 `rms_norm_eps`
@@ -38,7 +39,8 @@ class GroupedQueryAttention(nn.Module):
         super().__init__()
         s = cfg.sizes
         self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, s.head_dim
-        self.dropout_p, self.fused = cfg.dropout, cfg.fused_attention
+        self.sp = cfg.sp
+        self.core = CausalSelfAttention(cfg.dropout, cfg.fused_attention, cfg.sp)
         qkv_width = (s.heads + 2 * s.kv_heads) * s.head_dim
         self.qkv = ColumnParallelLinear(s.hidden, qkv_width, False, cfg.tp, cfg.dtype, copy_input=copy_input,
                                         segments=(s.heads * s.head_dim, s.kv_heads * s.head_dim,
@@ -53,9 +55,10 @@ class GroupedQueryAttention(nn.Module):
         q_BNSK = qkv_BS_[..., : n * k].view(b, s, n, k).transpose(1, 2)
         k_BMSK = qkv_BS_[..., n * k: (n + m) * k].view(b, s, m, k).transpose(1, 2)
         v_BMSK = qkv_BS_[..., (n + m) * k:].view(b, s, m, k).transpose(1, 2)
-        cos_SK, sin_SK = rotary_tables(s, k, x_BSD.dtype, x_BSD.device)
+        # the angles of this rank's positions in the whole sequence (its slice under sequence parallelism)
+        cos_SK, sin_SK = rotary_tables(s, k, x_BSD.dtype, x_BSD.device, start=self.sp.rank * s)
         q_BNSK, k_BMSK = apply_rotary(q_BNSK, cos_SK, sin_SK), apply_rotary(k_BMSK, cos_SK, sin_SK)
-        o_BNSK = causal_attention(q_BNSK, k_BMSK, v_BMSK, self.dropout_p, self.training, self.fused)
+        o_BNSK = self.core(q_BNSK, k_BMSK, v_BMSK)
         return self.proj(o_BNSK.transpose(1, 2).reshape(b, s, n * k))
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mist_ds.models.sequence import SequenceParallel
 from mist_ds.specs import ModelSpec
 
 # Standard deviation of the normal init (GPT-2 / Megatron-LM `init_method_std`).
@@ -234,6 +235,8 @@ class LayerSettings:
     fused_attention: bool = True
     tp: TensorParallel = TensorParallel()
     dtype: torch.dtype | None = None
+    sp: SequenceParallel = SequenceParallel()
+    """The sequence group: each rank holds s / q tokens, attention exchanges heads (mist_ds/models/sequence.py)."""
 
     @property
     def output_init_std(self) -> float:

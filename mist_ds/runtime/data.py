@@ -95,3 +95,14 @@ def micro_batches(spec: DataSpec, step: int, dp_rank: int, micro_batch_size: int
         sequences = (_synthetic(spec, micro_batch_size, generator) if spec.kind == "synthetic"
                      else token_file.windows(spec, micro_batch_size, generator))
         yield sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+
+
+def sequence_slice(micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], index: int,
+                   q: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Slice `index` of s / q consecutive tokens of each (tokens [b, s], labels [b, s]) micro-batch: the q ranks of
+    a sequence group read the same sequences (their data index's) and each keeps its own slice (docs/design.md,
+    Glossary, sequence parallel); the labels, the next tokens, are sliced alike."""
+    for tokens_BS, labels_BS in micro_batches:
+        width = tokens_BS.shape[1] // q
+        window = slice(index * width, (index + 1) * width)
+        yield tokens_BS[:, window].contiguous(), labels_BS[:, window].contiguous()

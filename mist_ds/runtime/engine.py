@@ -39,7 +39,9 @@ import torch.nn as nn
 from mist_ds.emit import MistBlock, read_mist_block, stage_ds_config
 from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.host import check_host_memory, physical_memory_bytes, ranks_on_this_node
+from mist_ds.runtime.data import sequence_slice
 from mist_ds.runtime.layers import BLOCK, EMBEDDING, LayerSource, PlannedLayer, ZooLayers
+from mist_ds.runtime.sequence import SequenceGroups, SequenceParallelMpu, apply_sequence_parallel
 from mist_ds.runtime.versions import check_deepspeed_version
 from mist_ds.specs import (ConfigError, ModelSpec, check_executor, check_schedule_built, executor_capabilities,
                            grad_reduce_overlapped,
@@ -115,6 +117,9 @@ class PlannedEngine:
     weight_gather: Any = field(default=None, repr=False)
     """The ChunkedWeightGather (mist_ds/runtime/gather.py) whose post-step all-gather runs into the next
     first forward: the weights are whole only after `sync_weights`."""
+    sequence: SequenceGroups | None = field(default=None, repr=False)
+    """This rank's sequence-parallel groups (strategy.sp > 1; mist_ds/runtime/sequence.py): `train_batch` feeds it
+    its slice of each sequence and backpropagates its share of the loss."""
     observer: StepObserver | None = field(default=None, repr=False)
     """What watches this engine's steps (mist_ds.observe sets it; None: nothing). The runtime imports no
     observer: it only runs each step inside `observer.step(observed)`."""
@@ -125,7 +130,8 @@ class PlannedEngine:
 
     def train_batch(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]], observed: bool = True) -> float:
         """One optimizer step over G micro-batches of (tokens [b, s], labels [b, s]); the mean loss
-        (every rank gets it: the pipeline broadcasts it from the last stage). `observed`: whether the
+        (every rank gets it: the pipeline broadcasts it from the last stage). Under sequence parallelism every rank
+        of a sequence group is given the whole sequences and keeps its slice. `observed`: whether the
         observer, if any, counts this step (counting costs time: a timed step should not be an observed one)."""
         for layer in self.layers:
             layer.forward_passes = 0
@@ -138,11 +144,15 @@ class PlannedEngine:
         if self.pipelined:
             return float(self.engine.train_batch(data_iter=micro_batches))
         total = None
-        grad_accum, reducer = self.plan.strategy.parallelism.grad_accum, self.grad_reducer
+        grad_accum, reducer, sequence = self.plan.strategy.parallelism.grad_accum, self.grad_reducer, self.sequence
+        if sequence is not None:
+            micro_batches = sequence_slice(micro_batches, sequence.layers.rank, sequence.layers.size)
         for micro_batch in range(grad_accum):
             tokens, labels = next(micro_batches)
             device = self.engine.device
             loss = self.loss_fn(self.engine(tokens.to(device)), labels.to(device))
+            if sequence is not None:  # the slice's share of the whole sequence's mean (runtime/sequence.py)
+                loss = loss * sequence.loss_share
             boundary = reducer is not None and micro_batch == grad_accum - 1
             if boundary:  # the per-layer reduction during the boundary's backward (overlap.py)
                 reducer.arm()
@@ -156,12 +166,14 @@ class PlannedEngine:
             self.engine.step()
             total = loss.detach() if total is None else total + loss.detach()
         # The same aggregation as the pipeline's (pipe/engine.py _aggregate_total_loss): sum, / G, then
-        # the mean over the data-parallel ranks.
+        # the mean over the data-parallel ranks; under sequence parallelism the sum over the d q ranks adds each
+        # sequence group's shares into its sequences' mean first (the engine's sequence-data group: its data group
+        # without sequence parallelism), / d.
         loss = total / self.plan.strategy.parallelism.grad_accum
-        if self.engine.dp_world_size > 1:
+        if self.engine.seq_dp_world_size > 1:
             from deepspeed import comm as dist
 
-            dist.all_reduce(loss, group=self.engine.data_parallel_group)
+            dist.all_reduce(loss, group=self.engine.seq_data_parallel_group)
             loss /= self.engine.dp_world_size
         return float(loss)
 
@@ -267,6 +279,10 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module:
                           f"the plan's stages hold {sum(strategy.layers_per_stage)} blocks: give the model it was "
                           "tuned for")
     model.check_tensor_parallel(par.tp)
+    model.check_sequence_parallel(par.sp)
+    if par.sp > 1 and model.hf is not None:
+        raise ConfigError("strategy.sp", par.sp, "mist_ds.runtime runs sequence parallelism of the zoo's models; a "
+                          "Hugging Face model's is installed by mist_ds.initialize", rule="runtime.hf-sp")
 
 
 def free_port() -> int:
@@ -312,7 +328,8 @@ def _topology(plan: MistBlock):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     par = plan.strategy.parallelism
-    return PipeModelDataParallelTopology(num_pp=par.pp, num_mp=par.tp, num_dp=par.dp)
+    # the d q ranks of a stage's TP index are DeepSpeed's data axis, a sequence group q consecutive ones of them
+    return PipeModelDataParallelTopology(num_pp=par.pp, num_mp=par.tp, num_dp=par.data_group_size)
 
 
 def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed: int = 0,
@@ -334,7 +351,9 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     check_executable(plan, model, dist.get_world_size(), module, dtype)
     check_host_memory(plan, dist.get_rank(), ranks_on_this_node(dist.get_world_size()), physical_memory_bytes())
     check_precision(dtype)
-    stage = build_stage(plan, layer_source(plan, model, module, dtype), dtype, seed, dist.get_rank())
+    sequence = apply_sequence_parallel(plan.strategy.parallelism, dist.get_rank())
+    stage = build_stage(plan, layer_source(plan, model, module, dtype, sequence), dtype, seed, dist.get_rank(),
+                        sequence)
     stage_config = stage_ds_config(config, stage.coord.pipe)
     engine, _, _, _ = deepspeed.initialize(model=stage.module, config=stage_config, mpu=stage.mpu,
                                            model_parameters=[p for p in stage.module.parameters() if p.requires_grad])
@@ -344,15 +363,19 @@ def initialize(config: Mapping[str, Any] | str | Path, model: ModelSpec, *, seed
     engine = apply_split_backward(engine, plan, stage)
     ties = stage.module.planned_ties if plan.strategy.parallelism.pp > 1 else []
     tied = tuple(torch.distributed.get_process_group_ranks(ties[0][1])) if ties else ()
+    q = plan.strategy.parallelism.sp  # the data axis holds d q ranks: the data index is every q-th
     return PlannedEngine(engine=engine, plan=plan, stage=stage.coord.pipe, tp_rank=stage.coord.model,
-                         dp_rank=stage.coord.data, grid=stage.grid, tied_ranks=tied, layers=stage.layers,
-                         loss_fn=stage.loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather)
+                         dp_rank=stage.coord.data // q, grid=stage.grid, tied_ranks=tied, layers=stage.layers,
+                         loss_fn=stage.loss_fn, activation_offload=offload, grad_reducer=reducer, weight_gather=gather,
+                         sequence=sequence)
 
 
-def layer_source(plan: MistBlock, model: ModelSpec, module: nn.Module | None, dtype: torch.dtype) -> LayerSource:
-    """Where the stages' layers come from: the user's `module` cut into parts (family hf), else the zoo's."""
+def layer_source(plan: MistBlock, model: ModelSpec, module: nn.Module | None, dtype: torch.dtype,
+                 sequence: SequenceGroups | None = None) -> LayerSource:
+    """Where the stages' layers come from: the user's `module` cut into parts (family hf), else the zoo's (built over
+    `sequence`'s group under sequence parallelism)."""
     if module is None:
-        return ZooLayers(model)
+        return ZooLayers(model) if sequence is None else ZooLayers(model, sequence.layers)
     from mist_ds.runtime.hf import HfLayers
 
     return HfLayers(module, model, plan.strategy.parallelism.micro_batch_size, dtype)
@@ -377,9 +400,11 @@ class StageModule:
     """What `deepspeed.initialize` gets as its mpu (None: the pipeline module brings its own grid)."""
 
 
-def build_stage(plan: MistBlock, source: LayerSource, dtype: torch.dtype, seed: int, rank: int) -> StageModule:
+def build_stage(plan: MistBlock, source: LayerSource, dtype: torch.dtype, seed: int, rank: int,
+                sequence: SequenceGroups | None = None) -> StageModule:
     """Lay the ranks out as the cost model does and build this rank's stage from `source` (the zoo's layers,
-    or a user's model's parts): the plan's exact layer boundaries, the last c_i blocks of each stage recomputed."""
+    or a user's model's parts): the plan's exact layer boundaries, the last c_i blocks of each stage recomputed;
+    DeepSpeed given `sequence`'s groups where the plan is sequence parallel."""
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
     strategy, par = plan.strategy, plan.strategy.parallelism
@@ -404,7 +429,8 @@ def build_stage(plan: MistBlock, source: LayerSource, dtype: torch.dtype, seed: 
     layers = [PlannedLayer(r) for r in recipes[0]]
     # Always an mpu at pp = 1: DeepSpeed keeps the last engine's in a global (deepspeed/utils/groups.py `mpu`,
     # set at runtime/engine.py:2122 and never cleared by destroy()), which would else be read here.
-    return StageModule(PlannedModel(layers, source.tie_embeddings), layers, loss_fn, topology, grid, coord, mpu=grid)
+    mpu = grid if sequence is None else SequenceParallelMpu(grid, sequence)
+    return StageModule(PlannedModel(layers, source.tie_embeddings), layers, loss_fn, topology, grid, coord, mpu=mpu)
 
 
 def apply_grad_reduce_in_last_backward(engine, plan: MistBlock, stage: StageModule):

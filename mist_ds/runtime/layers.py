@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from mist_ds.models import build_layers
+from mist_ds.models import SequenceParallel, build_layers
 from mist_ds.models.tp import (ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
                                vocab_parallel_cross_entropy)
 from mist_ds.specs import ModelSpec
@@ -52,18 +52,21 @@ class LayerRecipe:
     """Run under activation checkpointing: keep only the input, recompute in backward (blocks only)."""
     tied: bool = False
     """A head whose LM-head weight starts as the embedding's token weight (model.tie_embeddings)."""
+    sp: SequenceParallel = SequenceParallel()
+    """The sequence group its attention exchanges heads over and its slice of the sequence (strategy.sp > 1)."""
 
     def build(self) -> nn.Module:
         """This rank's layer: its TP shard of the full-size layer initialized under its own seed."""
-        layer = _layer(self.model, self.kind, self.t, self.tp, self.dtype)
+        layer = _layer(self.model, self.kind, self.t, self.tp, self.dtype, self.sp)
         copy_shards(_full_size_initialized(self), layer, self.tp.rank, self.t)
         if self.tied:
             init_head_from_embedding(layer, self)
         return layer
 
 
-def _layer(model: ModelSpec, kind: str, t: int, tp: TensorParallel, dtype: torch.dtype) -> nn.Module:
-    layers = build_layers(model, t, tp, dtype, num_blocks=1 if kind == BLOCK else 0)
+def _layer(model: ModelSpec, kind: str, t: int, tp: TensorParallel, dtype: torch.dtype,
+           sp: SequenceParallel = SequenceParallel()) -> nn.Module:
+    layers = build_layers(model, t, tp, dtype, num_blocks=1 if kind == BLOCK else 0, sp=sp)
     return layers.blocks[0] if kind == BLOCK else getattr(layers, kind)
 
 
@@ -197,11 +200,12 @@ def language_model_loss(tp: TensorParallel):
 
 
 def layer_recipes(model: ModelSpec, layer_range: tuple[int, int], recompute_blocks: int, first: bool, last: bool,
-                  t: int, tp: TensorParallel, dtype: torch.dtype, seed: int) -> list[LayerRecipe]:
+                  t: int, tp: TensorParallel, dtype: torch.dtype, seed: int,
+                  sp: SequenceParallel = SequenceParallel()) -> list[LayerRecipe]:
     """One stage's layers in order: the embedding on the first stage, blocks [start, stop) of which the
     last `recompute_blocks` recompute, the head on the last stage."""
     start, stop = layer_range
-    common = dict(model=model, t=t, tp=tp, dtype=dtype, seed=seed)
+    common = dict(model=model, t=t, tp=tp, dtype=dtype, seed=seed, sp=sp)
     recipes = [LayerRecipe(kind=EMBEDDING, index=0, **common)] if first else []
     recipes += [LayerRecipe(kind=BLOCK, index=k + 1, recompute=k >= stop - recompute_blocks, **common)
                 for k in range(start, stop)]
@@ -231,13 +235,15 @@ class ZooLayers:
     """The zoo model's layers: LayerRecipes, built on the stage that holds them (module docstring)."""
 
     model: ModelSpec
+    sp: SequenceParallel = SequenceParallel()
+    """The sequence group the layers are built over (strategy.sp > 1)."""
 
     @property
     def tie_embeddings(self) -> bool:
         return self.model.tie_embeddings
 
     def stage_recipes(self, layer_range, recompute_blocks, first, last, t, tp, dtype, seed) -> list[LayerRecipe]:
-        return layer_recipes(self.model, layer_range, recompute_blocks, first, last, t, tp, dtype, seed)
+        return layer_recipes(self.model, layer_range, recompute_blocks, first, last, t, tp, dtype, seed, self.sp)
 
     def loss(self, tp: TensorParallel):
         return language_model_loss(tp)

@@ -184,8 +184,10 @@ def _deepspeed() -> ExecutorCapabilities:
         optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
         overlap=OverlapFeatures(), collectives="deepspeed", runs_on_stock_engine=True,
         # Ulysses' all-to-alls, the s / q slices and the d q data group (mist_ds/cost/sequence.py), at pp = 1 and
-        # tp = 1 only: DeepSpeed 0.19.8 runs it there (SequenceParallel's fields say why not elsewhere).
-        sequence_parallel=SequenceParallel(priced=True))
+        # tp = 1 only: DeepSpeed 0.19.8 runs it there (SequenceParallel's fields say why not elsewhere). Run on the
+        # zoo's models by mist_ds.runtime (mist_ds/runtime/sequence.py; tests/test_sequence_parallel_runtime.py: the
+        # census equals this pricing); a Hugging Face model's is mist_ds.initialize's (rule runtime.hf-sp there).
+        sequence_parallel=SequenceParallel(priced=True, built=True))
 
 
 def _executors() -> Mapping[str, ExecutorCapabilities]:
@@ -205,7 +207,10 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),
                    grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False, runs_on_stock_engine=False,
-                   activations_offload=True, activations_offload_whole_blocks=True)
+                   activations_offload=True, activations_offload_whole_blocks=True,
+                   # priced as deepspeed's, not run: its ZeRO-0 per-layer reducer (runtime/overlap.py) averages over
+                   # the d q ranks where DeepSpeed averages over d (the 1 / q a gradient clip would see)
+                   sequence_parallel=SequenceParallel(priced=True, built=False))
     mist_paper = ExecutorCapabilities(
         name="mist-paper", built=False, executes_on_deepspeed=False, model_states="zero-paper",
         zero3_overlaps_compute=True, fp32_grads_with_bf16=False, replicates_kv_heads=True,

@@ -411,14 +411,14 @@ def estimator_option(case: dict) -> str:
 def engine_facts(specs, config: dict, result: dict) -> Facts:
     """The Facts of one rank of a plan run by mist_ds.runtime (`result`: a runtime worker's, with
     `what_ran`, `dp_rank`, `param_sizes` and, where the module has buffers, `module_buffer_bytes` read from its
-    engine)."""
+    engine; under sequence parallelism `sp_rank`: ZeRO shards over the d q ranks, rank j q + m)."""
     from mist_ds.emit import read_mist_block, stage_ds_config
 
     strategy, stage = specs.strategy, result["what_ran"]["stage"]
     own, buckets = strategy.stages[stage], read_mist_block(config).buckets
     return Facts(zero=own.zero_stage, bf16=specs.train.precision == "bf16", offload=own.optimizer_offload > 0,
-                 pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.data_group_size,  # ZeRO shards d x sp
-                 rank=result["dp_rank"],
+                 pipeline=strategy.parallelism.pp > 1, d=strategy.parallelism.data_group_size,
+                 rank=result["dp_rank"] * strategy.parallelism.sp + result.get("sp_rank", 0),
                  sizes=tuple(result["param_sizes"]), bucket=buckets.reduce_bucket_elements,
                  threshold=buckets.stage3_persistence_threshold_elements, params_offload=own.weights_offload > 0,
                  micro_batches=strategy.parallelism.grad_accum,
