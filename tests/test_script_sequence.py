@@ -77,3 +77,27 @@ def test_each_ranks_loss_share_is_scaled_where_deepspeed_zero3_averages_the_sequ
     with pytest.raises(ConfigError) as refused:
         gradient_share_scale({"stage": 3, "reduce_scatter": False}, 2)
     assert refused.value.field == "zero_optimization.reduce_scatter"
+
+
+def test_the_plan_phase_holds_sp_to_1_for_data_that_cannot_be_sliced():
+    """A dataset of bare token ids: the tuner is told tuner.sp=[1] (a plan with sp > 1 would be refused when it
+    trains), and a user asking for more is refused naming the data; a dataset of dicts with positions, or a loop
+    drawing its own data, leaves the tuner free."""
+    from mist_ds.script.planning import SEQUENCE_HELD, sequence_overrides
+
+    tokens = torch.utils.data.TensorDataset(torch.zeros(4, 8))
+    assert sequence_overrides(["cluster=cpu"], tokens) == [SEQUENCE_HELD]
+    assert sequence_overrides(["tuner.sp=[1]"], tokens) == [SEQUENCE_HELD]
+    assert sequence_overrides([], Samples(("input_ids", "labels", "position_ids"))) == []
+    assert sequence_overrides([], None) == []
+    with pytest.raises(ConfigError) as refused:
+        sequence_overrides(["tuner.sp=[1,2]"], tokens)
+    assert refused.value.field == "tuner.sp" and "position_ids" in refused.value.fix
+
+
+def test_a_held_sp_composes_after_the_users_own():
+    from mist_ds.config import compose
+    from mist_ds.script.planning import SEQUENCE_HELD
+
+    specs = compose(["model=tiny", "cluster=cpu", "tuner.sp=[1]", SEQUENCE_HELD], with_strategy=False)
+    assert list(specs.tuner.sp) == [1]

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from mist_ds.script.apply import apply_batch_check, apply_recompute
 from mist_ds.script.planning import (hf_model_overrides, is_hf_model, pipeline_overrides, pipelines_held_because,
-                                     plan_model)
+                                     plan_model, sequence_overrides)
 from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_parallel_data, sequence_parallel_loader,
                                      sequence_parallel_rank)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
@@ -118,6 +118,7 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
             overrides += pipeline_overrides(overrides, pipeline,
                                             pipelines_held_because(hf, client_optimizer, client_scheduler))
+            overrides += sequence_overrides(overrides, deepspeed_args["training_data"])
             planned = plan_model(overrides, None if hf else model, loss, settings.plan_dir, user)
             from mist_ds.plan import load_plan
 
