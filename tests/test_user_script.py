@@ -324,3 +324,25 @@ def test_eager_attention_under_a_sequence_parallel_plan_is_refused_before_traini
     assert done.returncode == 2, done.stderr[-3000:]
     assert "mist_ds.initialize: error: model.attn_implementation='eager'" in done.stderr
     assert 'attn_implementation="sdpa"' in done.stderr and "loss " not in done.stdout
+
+
+def printed_steps(folder: Path, configs, *strategy: str) -> list[float]:
+    """Loss and gradient norm of each step the user's script prints, in turn, its loop drawing its own dict batches
+    through mist_ds.sequence_shards, under a given plan."""
+    given_plan(configs["llama"], folder / "plan", *SEQUENCE_PLAN, *strategy)
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(folder / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--own_batches"], folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [float(word) for line in done.stdout.splitlines() if line.startswith("loss ")
+            for word in line.split()[1::2]]
+
+
+@pytest.mark.slow  # two launches of 2 ranks
+def test_a_loop_drawing_its_own_batches_trains_sp2_as_sp1(configs, tmp_path):
+    """The lines docs/design.md gives a loop that draws its own data (mist_ds.data_parallel for the draws,
+    mist_ds.sequence_shards for the slices): sp 2 (each rank draws G / 2 = 2 batches a step, each run on both ranks)
+    gives the sp 1 run's losses and gradient norms (each rank 2 batches a step), within the tolerance of
+    test_a_sequence_parallel_plan_trains_as_sp1_does_and_as_priced."""
+    sp1 = printed_steps(tmp_path / "sp1", configs, "strategy.zero_stage=1")
+    sp2 = printed_steps(tmp_path / "sp2", configs, "strategy.sp=2", "strategy.zero_stage=1")
+    assert len(sp1) == 2 * 3 and sp2 == pytest.approx(sp1, rel=1e-5)

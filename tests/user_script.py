@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--training_data", action="store_true",
                         help="hand a dataset to mist_ds.initialize and step through the dataloader it returns")
     parser.add_argument("--no_position_ids", action="store_true", help="the dataset's samples lack position_ids")
+    parser.add_argument("--own_batches", action="store_true",
+                        help="the loop draws its own dict batches, sliced by mist_ds.sequence_shards")
     parser.add_argument("--attn", default=None, help="the HF model's attn_implementation (default: transformers')")
     parser.add_argument("--local_rank", type=int, default=-1)
     deepspeed.add_config_arguments(parser)
@@ -112,6 +114,21 @@ def main() -> None:
         grad_norms.append(float(engine.get_global_grad_norm()))
         return total / accum
 
+    def own_batches_step(seed: int) -> float:  # a loop drawing its own data: the lines docs/design.md gives
+        rank, size = mist_ds.data_parallel(engine)
+        draws = engine.train_batch_size() // (b * size)  # G / sp batches of the global b G d (G at sp 1)
+        positions = torch.arange(args.seq_len).repeat(b, 1)
+        batches = [{"input_ids": tokens, "labels": tokens, "position_ids": positions}
+                   for tokens in micro_batches(vocab, b, args.seq_len, draws, 100 * seed + rank)]
+        total = 0.0
+        for batch in mist_ds.sequence_shards(engine, batches):
+            loss = engine(**{key: value.to(engine.device) for key, value in batch.items()}).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        grad_norms.append(float(engine.get_global_grad_norm()))
+        return total / accum
+
     def loss_of(tokens: torch.Tensor) -> torch.Tensor:
         if args.model_config:
             return engine(input_ids=tokens, labels=tokens).loss
@@ -121,6 +138,8 @@ def main() -> None:
     def step(seed: int) -> float:
         if drawn is not None:
             return dataset_step()
+        if args.own_batches:
+            return own_batches_step(seed)
         batches = micro_batches(vocab, b, args.seq_len, accum, seed + dp_rank)
         if args.pipeline:
             return float(engine.train_batch(iter([(tokens, tokens) for tokens in batches])))
@@ -137,12 +156,12 @@ def main() -> None:
             if seed == 1 and torch.distributed.get_rank() == args.fail_on_rank:
                 raise RuntimeError(f"rank {args.fail_on_rank} fails in its second step, as the test asked")
             loss = step(seed)
-            if drawn is not None:  # the step's mean over every rank's micro-batches, and DeepSpeed's gradient norm
+            if grad_norms:  # the step's mean over every rank's micro-batches, and DeepSpeed's gradient norm
                 mean = torch.tensor(loss, dtype=torch.float64)
                 torch.distributed.all_reduce(mean)
                 loss = float(mean) / torch.distributed.get_world_size()
             if torch.distributed.get_rank() == 0:
-                norm = f" grad_norm {grad_norms[-1]!r}" if drawn is not None else ""
+                norm = f" grad_norm {grad_norms[-1]!r}" if grad_norms else ""
                 print(f"loss {loss!r}{norm}", flush=True)
         return
     from mist_ds.observe.steps import census_of_steps
