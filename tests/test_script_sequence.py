@@ -101,3 +101,10 @@ def test_a_held_sp_composes_after_the_users_own():
 
     specs = compose(["model=tiny", "cluster=cpu", "tuner.sp=[1]", SEQUENCE_HELD], with_strategy=False)
     assert list(specs.tuner.sp) == [1]
+
+
+def test_the_first_batch_check_counts_the_whole_sequence_from_a_slice():
+    from mist_ds.script.apply import batch_shape_mistake
+
+    assert batch_shape_mistake((1, 16), 1, 32, slices=2) is None  # a rank's slice of the priced 32 tokens
+    assert "sequences of 64 tokens" in batch_shape_mistake((1, 32), 1, 32, slices=2)

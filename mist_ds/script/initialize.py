@@ -237,7 +237,8 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     par = strategy.parallelism
     apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_model(model))
     apply_batch_check(model, par.micro_batch_size, spec.seq_len,
-                      lambda mistake: _leave(EXIT_BAD_INPUT, f"error: the first batch: {mistake}", together=False))
+                      lambda mistake: _leave(EXIT_BAD_INPUT, f"error: the first batch: {mistake}", together=False),
+                      par.sp)
     training_data = deepspeed_args["training_data"]
     if par.sp > 1:  # DeepSpeed's Ulysses; its dataloader is built below (deepspeed_io cannot split by its mpu)
         check_sequence_parallel_data(training_data)
