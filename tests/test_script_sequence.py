@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from mist_ds.script.planning import is_hf_model
 from mist_ds.script.sequence import (check_sequence_parallel_data, check_sequence_parallel_model,
                                      gradient_share_scale)
 from mist_ds.specs import ConfigError
@@ -21,9 +22,9 @@ def llama(attention: str, **fields) -> torch.nn.Module:
 
 
 def test_ulysses_runs_sdpa_and_refuses_eager_attention_with_the_fix():
-    check_sequence_parallel_model(llama("sdpa"), 2)
+    check_sequence_parallel_model(llama("sdpa"), 2, hf=True)
     with pytest.raises(ConfigError) as refused:
-        check_sequence_parallel_model(llama("eager"), 2)
+        check_sequence_parallel_model(llama("eager"), 2, hf=True)
     assert refused.value.rule == "hf.sp-eager" and refused.value.field == "model.attn_implementation"
     assert 'attn_implementation="sdpa"' in refused.value.fix
 
@@ -34,17 +35,19 @@ def test_ulysses_runs_sdpa_and_refuses_eager_attention_with_the_fix():
 ])
 def test_heads_the_sequence_group_cannot_split_are_refused_naming_them(q, fields, named):
     with pytest.raises(ConfigError) as refused:
-        check_sequence_parallel_model(llama("sdpa", **fields), q)
+        check_sequence_parallel_model(llama("sdpa", **fields), q, hf=True)
     assert refused.value.field == "strategy.sp" and refused.value.value == q and named in refused.value.fix
 
 
 def test_key_value_heads_fewer_than_the_group_are_replicated_not_refused():
-    check_sequence_parallel_model(llama("sdpa", num_key_value_heads=1), 2)  # Ulysses repeats each kv head q times
+    # Ulysses repeats each key-value head q times
+    check_sequence_parallel_model(llama("sdpa", num_key_value_heads=1), 2, hf=True)
 
 
 def test_a_plain_module_is_refused():
     with pytest.raises(ConfigError) as refused:
-        check_sequence_parallel_model(torch.nn.Linear(2, 2), 2)
+        module = torch.nn.Linear(2, 2)
+        check_sequence_parallel_model(module, 2, hf=is_hf_model(module))
     assert refused.value.rule == "script.sp-model"
 
 

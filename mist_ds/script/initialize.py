@@ -243,7 +243,7 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     if par.sp > 1:  # DeepSpeed's Ulysses; its dataloader is built below (deepspeed_io cannot split by its mpu)
         check_sequence_parallel_data(training_data)
         deepspeed_args = {**deepspeed_args, "training_data": None, "mpu": apply_sequence_parallel(
-            model, par.sp, par.micro_batch_size, config.get("zero_optimization", {}),
+            model, is_hf_model(model), par.sp, par.micro_batch_size, config.get("zero_optimization", {}),
             lambda mistake: _leave(EXIT_BAD_INPUT, f"error: a batch: {mistake}", together=False))}
     if dist.get_rank() == 0:
         log.info("%s; DeepSpeed config: %s", plan_json, "the plan's (AdamW, its precision)" if not user.given else

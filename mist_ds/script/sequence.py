@@ -40,12 +40,11 @@ BATCH_KEYS = ("input_ids", "labels", "position_ids")
 positions (Ulysses gathers them after the all-to-all: without them each slice would restart at position 0)."""
 
 
-def check_sequence_parallel_model(model: Any, q: int) -> None:
-    """ConfigError unless DeepSpeed's Ulysses can run `model` (an HF causal LM) over q ranks: an attention it wraps,
-    query heads divisible by q, key-value heads divisible by q or q by them (docs/design.md, Glossary)."""
-    from mist_ds.script.planning import is_hf_model
-
-    if not is_hf_model(model):
+def check_sequence_parallel_model(model: Any, q: int, hf: bool) -> None:
+    """ConfigError unless DeepSpeed's Ulysses can run `model` (`hf`: a transformers model, planning.is_hf_model) over
+    q ranks: an attention it wraps, query heads divisible by q, key-value heads divisible by q or q by them
+    (docs/design.md, Glossary)."""
+    if not hf:
         raise ConfigError("strategy.sp", q, f"sequence parallelism runs Hugging Face causal LMs (DeepSpeed Ulysses "
                                             f"wraps their attention), not a {type(model).__name__}: plan with "
                                             "strategy.sp=1", rule="script.sp-model")
@@ -153,14 +152,14 @@ def _whole_sequence_loss(group, share_scale: int):
     return hook
 
 
-def apply_sequence_parallel(model: Any, q: int, micro_batch: int, zero: dict[str, Any],
+def apply_sequence_parallel(model: Any, hf: bool, q: int, micro_batch: int, zero: dict[str, Any],
                             on_mistake: Callable[[str], None]) -> Any:
-    """Install DeepSpeed's Ulysses on `model` for q ranks of a sequence group (module docstring) and return its mpu
-    for deepspeed.initialize. `zero`: the merged config's zero_optimization block; `on_mistake(message)` ends the
-    run when a batch lacks position_ids."""
+    """Install DeepSpeed's Ulysses on `model` (`hf`: a transformers model) for q ranks of a sequence group (module
+    docstring) and return its mpu for deepspeed.initialize. `zero`: the merged config's zero_optimization block;
+    `on_mistake(message)` ends the run when a batch lacks position_ids."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    check_sequence_parallel_model(model, q)
+    check_sequence_parallel_model(model, q, hf)
     share_scale = gradient_share_scale(zero, q)
     attention = model.config._attn_implementation
     # the length may vary between batches (a loop may feed shorter sequences than the plan's): Ulysses reads it from
