@@ -102,6 +102,15 @@ def data_parallel(engine):
     return _data_parallel(engine)
 
 
+def sequence_shards(engine, batches):
+    """For a loop that draws its own data under sequence parallelism (strategy.sp > 1): `batches` (dicts of
+    input_ids, labels, position_ids) as this rank's slices, through DeepSpeed's UlyssesSPDataLoaderAdapter;
+    `batches` itself when the plan has sp 1 (mist_ds/script/sequence.py)."""
+    from mist_ds.script.sequence import sequence_shards as _sequence_shards
+
+    return _sequence_shards(engine, batches)
+
+
 def __getattr__(name: str):
     if name == "ConfigError":
         from mist_ds.specs import ConfigError
@@ -110,4 +119,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mist_ds' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "compose", "data_parallel", "initialize", "phase", "predict", "predict_many", "show", "tune"]
+__all__ = ["ConfigError", "compose", "data_parallel", "initialize", "phase", "predict", "predict_many",
+           "sequence_shards", "show", "tune"]

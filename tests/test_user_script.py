@@ -256,3 +256,93 @@ def test_a_loop_feeding_another_batch_size_than_the_plan_is_stopped_naming_it(co
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the first batch: a batch of 8 sequences, and the plan's micro-batch is 1" in done.stderr
     assert "loss " not in done.stdout
+
+
+SEQUENCE_PLAN = ("strategy.micro_batch_size=1", "train.precision=fp32", "train.grad_clip=0")
+"""The sequence-parallel cases' common strategy: one sequence per micro-batch, fp32 (losses compared across
+layouts), no clipping (the gradient norm DeepSpeed reports is the reduced gradient's own)."""
+
+
+def dataset_census(configs, folder: Path, *strategy: str) -> tuple[dict, list[dict], str]:
+    """The tiny Llama trained by the user's script from a dataset handed to mist_ds.initialize (its dataloader,
+    `engine(**batch).loss`) under a given plan, counted in the engine: (the plan, every rank's census, stderr)."""
+    planned = given_plan(configs["llama"], folder / "plan", *SEQUENCE_PLAN, *strategy)
+    census = folder / "census.json"
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(folder / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--training_data", "--census",
+                           str(census)], folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return planned, json.loads(census.read_text()), done.stderr
+
+
+def step_losses(results: list[dict]) -> list[float]:
+    """Each step's loss over every rank's micro-batches (the ranks' means averaged: each rank ran G of them)."""
+    return [sum(steps) / len(steps) for steps in zip(*(result["losses"] for result in results))]
+
+
+@pytest.fixture(scope="module")
+def sp1_dataset_run(configs, tmp_path_factory):
+    """The sp 1 run the sequence-parallel runs are compared with: d = 2, ZeRO-1, G = 2."""
+    from mist_ds.testing.given_plan import script_census_mismatches
+
+    planned, results, _ = dataset_census(configs, tmp_path_factory.mktemp("sp1"), "strategy.zero_stage=1")
+    assert not script_census_mismatches(planned, results, "sp1")
+    return results
+
+
+@pytest.mark.slow  # two launches of 2 ranks (the sp 1 run shared)
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_sequence_parallel_plan_trains_as_sp1_does_and_as_priced(configs, tmp_path, sp1_dataset_run, zero):
+    """sp 2 (d = 1, G = 4) of the tiny Llama (sdpa) through mist_ds.initialize, DeepSpeed's Ulysses installed, the
+    user's loop reading `.loss` from its dataloader's batches: in the engine, FLOPs, the all-to-alls and every other
+    collective by group, and the model states equal the plan's; each step's fp32 loss and DeepSpeed's gradient norm
+    equal the sp 1 run's (d = 2, G = 2: the same sequences each step) up to the order of fp32 sums. Each slice's
+    projections run on 16 rows instead of 32 and the loss is the sum of two slices' sums: a few ulps (1.2e-7) per op
+    over 4 blocks and 4 Adam steps (seen: 7e-8), so 1e-5 relative bounds it with room, while a share missing or
+    counted twice halves or doubles the gradient norm (Adam hides it from the losses: ZeRO-3's reduce-scatter
+    averaging over d q, uncompensated, moved them by 3e-7 only), and a wrong slice or position moves both by far
+    more."""
+    from mist_ds.testing.given_plan import script_census_mismatches
+
+    planned, results, stderr = dataset_census(configs, tmp_path, "strategy.sp=2", f"strategy.zero_stage={zero}")
+    assert "sequence parallel over 2 ranks (DeepSpeed Ulysses around sdpa attention)" in stderr
+    assert planned["prediction"]["comm_bytes_per_rank"][0]["all_to_all/sequence"] > 0
+    mismatches = script_census_mismatches(planned, results, f"sp2-zero{zero}")
+    assert not mismatches, mismatches
+    assert step_losses(results) == pytest.approx(step_losses(sp1_dataset_run), rel=1e-5)
+    assert results[0]["grad_norms"] == pytest.approx(sp1_dataset_run[0]["grad_norms"], rel=1e-5)
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_eager_attention_under_a_sequence_parallel_plan_is_refused_before_training(configs, tmp_path):
+    """The model handed over loads eager attention, the plan has sp 2: every rank exits 2 naming the attention and the
+    fix before DeepSpeed's engine is built; nothing trains."""
+    given_plan(configs["llama"], tmp_path / "plan", *SEQUENCE_PLAN, "strategy.sp=2", "strategy.zero_stage=1")
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--training_data", "--attn",
+                           "eager"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "mist_ds.initialize: error: model.attn_implementation='eager'" in done.stderr
+    assert 'attn_implementation="sdpa"' in done.stderr and "loss " not in done.stdout
+
+
+def printed_steps(folder: Path, configs, *strategy: str) -> list[float]:
+    """Loss and gradient norm of each step the user's script prints, in turn, its loop drawing its own dict batches
+    through mist_ds.sequence_shards, under a given plan."""
+    given_plan(configs["llama"], folder / "plan", *SEQUENCE_PLAN, *strategy)
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(folder / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--own_batches"], folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [float(word) for line in done.stdout.splitlines() if line.startswith("loss ")
+            for word in line.split()[1::2]]
+
+
+@pytest.mark.slow  # two launches of 2 ranks
+def test_a_loop_drawing_its_own_batches_trains_sp2_as_sp1(configs, tmp_path):
+    """The lines docs/design.md gives a loop that draws its own data (mist_ds.data_parallel for the draws,
+    mist_ds.sequence_shards for the slices): sp 2 (each rank draws G / 2 = 2 batches a step, each run on both ranks)
+    gives the sp 1 run's losses and gradient norms (each rank 2 batches a step), within the tolerance of
+    test_a_sequence_parallel_plan_trains_as_sp1_does_and_as_priced."""
+    sp1 = printed_steps(tmp_path / "sp1", configs, "strategy.zero_stage=1")
+    sp2 = printed_steps(tmp_path / "sp2", configs, "strategy.sp=2", "strategy.zero_stage=1")
+    assert len(sp1) == 2 * 3 and sp2 == pytest.approx(sp1, rel=1e-5)

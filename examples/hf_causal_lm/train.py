@@ -12,7 +12,8 @@
         train.py --model_config path/to/config.json --deepspeed --deepspeed_config my_ds_config.json
 
 --model_config: a config.json (or a folder holding one); the weights are random (from_config). Data: random
-token ids, as a stand-in for your dataset.
+token ids, as a stand-in for your dataset, each sample a dict as an HF data collator makes one (input_ids, labels,
+position_ids), so that a plan with sequence parallelism (sp > 1: DeepSpeed's Ulysses) runs it too.
 """
 import argparse
 
@@ -24,7 +25,8 @@ import mist_ds
 
 
 class RandomTokens(torch.utils.data.Dataset):
-    """`count` sequences of `seq_len` token ids below `vocab` (a fixed seed: every rank sees the same data)."""
+    """`count` sequences of `seq_len` token ids below `vocab` (a fixed seed: every rank sees the same data), with
+    their labels and positions."""
 
     def __init__(self, vocab: int, seq_len: int, count: int) -> None:
         self.tokens = torch.randint(0, vocab, (count, seq_len), generator=torch.Generator().manual_seed(0))
@@ -32,8 +34,9 @@ class RandomTokens(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.tokens[i]
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens = self.tokens[i]
+        return {"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(len(tokens))}
 
 
 def main() -> None:
@@ -52,8 +55,7 @@ def main() -> None:
                                               training_data=data)
     batches, printed = iter(loader), 0
     while engine.global_steps < args.steps:
-        tokens = next(batches).to(engine.device)
-        loss = engine(input_ids=tokens, labels=tokens).loss
+        loss = engine(**{key: value.to(engine.device) for key, value in next(batches).items()}).loss
         engine.backward(loss)
         engine.step()
         if engine.global_rank == 0 and engine.global_steps > printed:  # an optimizer step was taken

@@ -13,6 +13,9 @@ What DeepSpeed does):
   bytes of the tensors it hands all_to_all_single (it keeps 1 / q of each and sends the rest): per block and
   micro-batch q, k, v and the attention output in forward, their gradients in backward, a recomputed block's forward
   once more: G (2 l + c) (2 b (s / q) n + 2 b (s / q) max(kv, q)) K bytes, K the head dim times the dtype's bytes.
+  A Hugging Face model (Ulysses for HF models, in the user's script) also gathers on `sequence` the position ids at
+  each attention call and each drawn batch in DeepSpeed's adapter (cost/sequence.py hf_sequence_gather_bytes), and
+  all-reduces two fp32 per micro-batch for the whole sequence's loss (SEQUENCE_LOSS_BYTES).
 - Data parallel: every rule below over the stage's data group, d q ranks with sequence parallelism (DeepSpeed's
   sequence-data-parallel group, which reduces gradients and shards ZeRO's states).
 - Data parallel, by optimizer: ZeRO-0 all-reduces the gradients once per step (engine.py
@@ -43,7 +46,7 @@ import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates, stage_params, stage_trainable_params
 from mist_ds.cost.executors.deepspeed import PARTITION_META_BYTES, DataParallelTraffic, data_parallel_traffic
-from mist_ds.cost.sequence import block_all_to_all_bytes
+from mist_ds.cost.sequence import SEQUENCE_LOSS_BYTES, block_all_to_all_bytes, hf_sequence_gather_bytes
 from mist_ds.specs import ExecutorCapabilities, StrategySpec, TrainSpec
 from mist_ds.specs.groups import group_name, group_roles
 
@@ -134,6 +137,10 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
             exchanges = par.grad_accum * (2 * c.layers[i] + c.recompute[i])  # forward, backward, recomputed forward
             terms[("all_to_all", "sequence")] += float(exchanges * block_all_to_all_bytes(
                 model, par.micro_batch_size, model.seq_len, par.sp, dtype_bytes))
+            if model.hf is not None:  # Ulysses for HF models in the user's script: positions, batches, the loss
+                terms[("all_gather", "sequence")] += float(hf_sequence_gather_bytes(
+                    par.micro_batch_size, model.seq_len, par.sp, c.layers[i], c.recompute[i], par.grad_accum))
+                terms[("all_reduce", "sequence")] += float(par.grad_accum * SEQUENCE_LOSS_BYTES)
         if par.pp > 1:
             for key, value in _pipeline(c, i, float(activation[i]), par.tp, par.grad_accum).items():
                 terms[key] += value

@@ -70,3 +70,25 @@ def block_all_to_all_s(model: ModelSpec, hw, b, s, q, stride) -> np.ndarray:
     parts = all_to_all_bytes(model, b, s, q, hw.dtype_bytes)
     total = sum(group.all_to_all_time_s(nbytes) for nbytes in parts.values())
     return np.where(np.asarray(q) > 1, total, 0.0)
+
+
+POSITION_ID_BYTES = 8
+"""int64 position ids (torch.arange's default; transformers' and DeepSpeed's adapter keep them so)."""
+ADAPTER_BATCH_TENSORS = 3
+"""The tensors of each batch DeepSpeed's adapter gathers: input_ids, labels, position_ids (int64: POSITION_ID_BYTES
+each element); a batch with more (an attention_mask) moves more (docs/design.md, Your own script)."""
+SEQUENCE_LOSS_BYTES = 8
+"""mist_ds.initialize's whole-sequence loss: the slice's loss sum and valid-token count, two fp32, all-reduced over
+the sequence group once per micro-batch (mist_ds/script/sequence.py sequence_mean_loss)."""
+
+
+def hf_sequence_gather_bytes(b, s, q, blocks, recomputed, micro_batches) -> np.ndarray:
+    """A rank's all_gather payload over the sequence group per iteration that Ulysses for a Hugging Face model adds
+    beside its all-to-alls (ulysses_sp.py): UlyssesSPAttentionHF.forward gathers the slice's position ids (b, s / q)
+    at every attention call (each block's forward, a recomputed block's again), and UlyssesSPDataLoaderAdapter.refill
+    gathers every rank's drawn batch whole (ADAPTER_BATCH_TENSORS of (b, s)) and its length (one int64) once per q
+    micro-batches (G / q refills a step: the mean where q does not divide G)."""
+    positions = micro_batches * (blocks + recomputed) * b * (s / q) * POSITION_ID_BYTES
+    batches = micro_batches / q * (POSITION_ID_BYTES + ADAPTER_BATCH_TENSORS * b * s * POSITION_ID_BYTES)
+    return np.asarray(positions + batches, dtype=float)
+

@@ -52,6 +52,11 @@ FUNCTIONAL_KINDS = {
     "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "all_to_all_single": "all_to_all",
 }
+DEEPSPEED_KINDS = {"dim_zero_all_to_all": "all_to_all"}
+"""DeepSpeed's own collective ops: Ulysses for HF models (deepspeed/runtime/sequence_parallel/ulysses_sp.py) exchanges
+through the custom op deepspeed::dim_zero_all_to_all (deepspeed/sequence/layer.py), whose c10d call runs inside the op,
+where this mode does not see it; payload its whole input, group by its group_name."""
+KINDS = {"c10d": C10D_KINDS, "_c10d_functional": FUNCTIONAL_KINDS, "deepspeed": DEEPSPEED_KINDS}
 PAYLOAD_ARGUMENTS = ("input_tensors", "input_tensor", "inputs", "input_list", "input", "tensors")
 """Schema argument names that hold what a rank contributes, first match wins (barrier: none)."""
 
@@ -129,8 +134,8 @@ class StepCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        namespace = packet._qualified_op_name.split("::")[0]
-        if namespace in ("c10d", "_c10d_functional"):
+        namespace, name = packet._qualified_op_name.split("::")
+        if namespace in ("c10d", "_c10d_functional") or (namespace == "deepspeed" and name in DEEPSPEED_KINDS):
             key = self._collective(func, namespace, args, kwargs)
             if key is not None and torch._C._current_graph_task_id() != -1:
                 self.pending.append(key)
@@ -155,7 +160,7 @@ class StepCounter(TorchDispatchMode):
         import torch.distributed as dist
 
         name = func.overloadpacket._qualified_op_name.split("::")[1]
-        kind = (C10D_KINDS if namespace == "c10d" else FUNCTIONAL_KINDS).get(name)
+        kind = KINDS[namespace].get(name)
         if kind is None:
             return None  # wait_tensor and other bookkeeping ops move nothing
         bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs

@@ -30,7 +30,9 @@ def census_of_steps(engine: Any, par: Any, step: Callable[[int], float], name: s
     sizes = {trains: [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
                       if p.requires_grad == trains] for trains in (True, False)}
     buffer_bytes = sum(b.numel() * b.element_size() for b in engine.module.buffers())
-    return {"case": name, "losses": losses, "dp_rank": rank // par.tp, "param_sizes": sizes[True],
+    # rank = j (q t) + m t + k at pp 1 (mist_ds/specs/groups.py): data index j, sequence index m
+    return {"case": name, "losses": losses, "dp_rank": rank // (par.sp * par.tp), "sp_rank": rank // par.tp % par.sp,
+            "param_sizes": sizes[True],
             "frozen_param_sizes": sizes[False], "module_buffer_bytes": buffer_bytes,
             "census": counter.counts.to_dict(),
             "what_ran": {"rank": rank, "stage": 0, "engine": type(engine).__name__,

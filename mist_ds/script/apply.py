@@ -56,24 +56,26 @@ def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[i
     return chosen
 
 
-def batch_shape_mistake(shape: tuple[int, ...], micro_batch: int, seq_len: int) -> str | None:
+def batch_shape_mistake(shape: tuple[int, ...], micro_batch: int, seq_len: int, slices: int = 1) -> str | None:
     """What is wrong with a batch of token ids of `shape` for a plan priced at (micro_batch, seq_len), or None: the
     batch must be the plan's micro-batch (the engine's gradient accumulation and the priced memory assume it), its
-    sequence at most the priced length (a longer one needs more memory than the plan has)."""
+    sequence at most the priced length (a longer one needs more memory than the plan has). `slices`: the sequence
+    parallel degree, whose ranks each see one of that many slices of the sequence."""
     if len(shape) != 2:
         return f"token ids of shape {list(shape)}: the plan feeds (micro-batch, sequence) = ({micro_batch}, {seq_len})"
     if shape[0] != micro_batch:
         return (f"a batch of {shape[0]} sequences, and the plan's micro-batch is {micro_batch}: build the dataloader "
                 "after mist_ds.initialize with engine.train_micro_batch_size_per_gpu(), or use the one it returns")
-    if shape[1] > seq_len:
-        return (f"sequences of {shape[1]} tokens, and the plan was priced at model.seq_len={seq_len}: plan with "
-                f"--mist model.seq_len={shape[1]}")
+    if shape[1] * slices > seq_len:
+        return (f"sequences of {shape[1] * slices} tokens, and the plan was priced at model.seq_len={seq_len}: plan "
+                f"with --mist model.seq_len={shape[1] * slices}")
     return None
 
 
-def apply_batch_check(model: Any, micro_batch: int, seq_len: int, on_mistake) -> None:
-    """Check the first batch the loop feeds `model` (its token ids: `input_ids`, else the first tensor argument);
-    `on_mistake(message)` ends the run when it does not fit the plan. Removed after that first call."""
+def apply_batch_check(model: Any, micro_batch: int, seq_len: int, on_mistake, slices: int = 1) -> None:
+    """Check the first batch the loop feeds `model` (its token ids: `input_ids`, else the first tensor argument; under
+    sequence parallelism one of `slices` slices of each sequence); `on_mistake(message)` ends the run when it does
+    not fit the plan. Removed after that first call."""
     import torch
 
     def check(module, args, kwargs):
@@ -81,7 +83,7 @@ def apply_batch_check(model: Any, micro_batch: int, seq_len: int, on_mistake) ->
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        mistake = batch_shape_mistake(tuple(tokens.shape), micro_batch, seq_len) if tokens is not None else None
+        mistake = batch_shape_mistake(tuple(tokens.shape), micro_batch, seq_len, slices) if tokens is not None else None
         if mistake:
             on_mistake(mistake)
 

@@ -11,7 +11,9 @@ phase (mist_ds/script/settings.py): in the plan phase rank 0 plans the model han
 the verify and run phases the plan's config, merged with the user's (mist_ds/script/user_config.py), goes to
 DeepSpeed's engine with the plan's recompute applied to the model. pp = 1 returns DeepSpeed's own engine: ZeRO and
 offload from the config, tensor parallelism by DeepSpeed's AutoTP (which shards the model), the dataloader split by
-data-parallel rank (DeepSpeed's, over `training_data`).
+data-parallel rank (DeepSpeed's, over `training_data`). A plan with sequence parallelism (sp > 1) installs DeepSpeed's
+Ulysses for HF models on the model and its adapter around that dataloader, `.loss` the whole sequence's
+(mist_ds/script/sequence.py).
 
 A mistake in what the script hands over, or a plan for another model, is one line on stderr and exit 2 on every
 rank; a model nothing fits, exit 3.
@@ -28,7 +30,9 @@ from typing import Any, Callable
 
 from mist_ds.script.apply import apply_batch_check, apply_recompute
 from mist_ds.script.planning import (hf_model_overrides, is_hf_model, pipeline_overrides, pipelines_held_because,
-                                     plan_model)
+                                     plan_model, sequence_overrides)
+from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_parallel_data, sequence_parallel_loader,
+                                     sequence_parallel_rank)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
 from mist_ds.script.user_config import (UserConfig, check_priced_as_given, merged_config, planner_overrides,
@@ -110,6 +114,7 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
             overrides += pipeline_overrides(overrides, pipeline,
                                             pipelines_held_because(hf, client_optimizer, client_scheduler))
+            overrides += sequence_overrides(overrides, deepspeed_args["training_data"])
             planned = plan_model(overrides, None if hf else model, loss, settings.plan_dir, user)
             from mist_ds.plan import load_plan
 
@@ -225,13 +230,23 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     if strategy.parallelism.pp > 1:
         return _pipeline(settings, plan_json, model, spec, config, deepspeed_args)
     blocks = spec.read_model.blocks_attr
+    par = strategy.parallelism
     apply_recompute(model, model.get_submodule(blocks), strategy.stages[0].ckpt_layers, is_hf_model(model))
-    apply_batch_check(model, strategy.parallelism.micro_batch_size, spec.seq_len,
-                      lambda mistake: _leave(EXIT_BAD_INPUT, f"error: the first batch: {mistake}", together=False))
+    apply_batch_check(model, par.micro_batch_size, spec.seq_len,
+                      lambda mistake: _leave(EXIT_BAD_INPUT, f"error: the first batch: {mistake}", together=False),
+                      par.sp)
+    training_data = deepspeed_args["training_data"]
+    if par.sp > 1:  # DeepSpeed's Ulysses; its dataloader is built below (deepspeed_io cannot split by its mpu)
+        check_sequence_parallel_data(training_data)
+        deepspeed_args = {**deepspeed_args, "training_data": None, "mpu": apply_sequence_parallel(
+            model, is_hf_model(model), par.sp, par.micro_batch_size, config.get("zero_optimization", {}),
+            lambda mistake: _leave(EXIT_BAD_INPUT, f"error: a batch: {mistake}", together=False))}
     if dist.get_rank() == 0:
         log.info("%s; DeepSpeed config: %s", plan_json, "the plan's (AdamW, its precision)" if not user.given else
                  f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
     out = _initialize_deepspeed(deepspeed_args, model, config)
+    if par.sp > 1 and training_data is not None:
+        out = (out[0], out[1], sequence_parallel_loader(out[0], training_data, deepspeed_args["collate_fn"]), out[3])
     teardown = Teardown(out[0].destroy)
     atexit.register(teardown)
     if settings.phase == "verify":
@@ -303,7 +318,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
 def data_parallel(engine: Any) -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size) of a DeepSpeed engine, for a loop that draws its own
-    data: every rank of an AutoTP group gets the same samples (DeepSpeed's dataloader already splits this way)."""
+    data: every rank of an AutoTP group gets the same samples (DeepSpeed's dataloader already splits this way). Under
+    sequence parallelism every rank of the d x sp sequence-data group draws its own samples, which
+    mist_ds.sequence_shards hands to the ranks of its sequence group in turn."""
+    sequence = sequence_parallel_rank(engine)
+    if sequence is not None:
+        return sequence
     mpu = getattr(engine, "mpu", None)
     if mpu is not None:
         return mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()

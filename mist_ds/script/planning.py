@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 PIPELINE_HELD = "tuner.pp=[1]"
 PIPELINES_PLANNED = "tuner.pipeline_script=true"
+SEQUENCE_HELD = "tuner.sp=[1]"
 
 
 def is_hf_model(model: Any) -> bool:
@@ -53,12 +54,16 @@ def hf_model_overrides(model: Any, config_dir: Path) -> list[str]:
             f"model.frozen=[{','.join(frozen)}]"]
 
 
-def _tuner_pp(overrides: Sequence[str]) -> str | None:
+def _tuner_value(overrides: Sequence[str], field: str) -> str | None:
     for override in reversed(overrides):
         key, _, value = override.lstrip("+").partition("=")
-        if key == "tuner.pp":
+        if key == field:
             return value
     return None
+
+
+def _asks_more_than_one(value: str | None) -> bool:
+    return value is not None and value.strip("[] ") not in ("1", "")
 
 
 def pipeline_overrides(overrides: Sequence[str], pipeline: bool, held_because: str | None) -> list[str]:
@@ -70,11 +75,28 @@ def pipeline_overrides(overrides: Sequence[str], pipeline: bool, held_because: s
     why = held_because if pipeline else (
         "the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
         "(say so with mist_ds.initialize(..., pipeline=True))")
-    asked = _tuner_pp(overrides)
-    if asked is not None and asked.strip("[] ") not in ("1", ""):
+    asked = _tuner_value(overrides, "tuner.pp")
+    if _asks_more_than_one(asked):
         raise ConfigError("tuner.pp", asked, f"{why}; drop --mist tuner.pp or give tuner.pp=[1]")
     log.info("mist_ds: pipeline parallelism held to pp 1: %s", why)
     return [PIPELINE_HELD]
+
+
+def sequence_overrides(overrides: Sequence[str], training_data: Any) -> list[str]:
+    """What the planner is told of sequence parallelism: nothing where the script's `training_data` can be cut into
+    sequence slices (or the loop draws its own data); else tuner.sp held to [1], logged with the reason, and the
+    user's own tuner.sp asking for more refused with it (a plan the training launch would refuse)."""
+    from mist_ds.script.sequence import check_sequence_parallel_data
+
+    try:
+        check_sequence_parallel_data(training_data)
+    except ConfigError as error:
+        asked = _tuner_value(overrides, "tuner.sp")
+        if _asks_more_than_one(asked):
+            raise ConfigError("tuner.sp", asked, f"{error}; drop --mist tuner.sp or give tuner.sp=[1]") from error
+        log.info("mist_ds: sequence parallelism held to sp 1: %s", error)
+        return [SEQUENCE_HELD]
+    return []
 
 
 def pipelines_held_because(hf: bool, client_optimizer: Any, client_scheduler: Any) -> str | None:

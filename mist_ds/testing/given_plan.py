@@ -38,15 +38,18 @@ def script_census_mismatches(planned: dict[str, Any], results: list[dict], name:
     from mist_ds.testing.model_states import assert_model_states_are_predicted
     from mist_ds.testing.step_census import step_census_mismatches
 
+    from mist_ds.specs.groups import group_name, group_roles
+
     specs, prediction = planned["specs"], planned["prediction"]
     stage, micro_batches = specs.strategy.stages[0], specs.strategy.parallelism.grad_accum
+    gathers = f"all_gather/{group_name(group_roles(specs.strategy.parallelism, 0), 'data')}"  # `sequence` at d = 1
     found = []
     for result in results:
         where = f"{name} rank {result['what_ran']['rank']}"
         counted = result["census"]
         found += [f"{where}: {m}" for m in step_census_mismatches(
             counted["flops"], counted["comm_bytes"], prediction["flops_per_rank"][0],
-            prediction["comm_bytes_per_rank"][0], stage.zero_stage == 3)]
+            prediction["comm_bytes_per_rank"][0], stage.zero_stage == 3, gathers)]
         forwards = result["block_forwards"]
         expected = [micro_batches * (2 if i >= len(forwards) - stage.ckpt_layers else 1) for i in range(len(forwards))]
         if forwards != expected:
