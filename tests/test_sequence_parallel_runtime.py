@@ -4,10 +4,11 @@ group, each rank fed its half of every sequence, ZeRO sharding and gradient redu
 
 Numerics (fp32, clipping at train.grad_clip 1, dropout 0): the losses and the gradient norms clipping reads equal the
 sp 1 run of the same layers in one process (plain torch, tests/runtime_worker.py `reference_losses`) within RTOL
-(the norms at every ZeRO stage: ZeRO-3's reduce-scatter averages over d q, which the runtime's backward share undoes). Attention is the same computation per head (the
-all-to-alls move values, never add them), but every linear runs on s / 2 tokens per rank, so each weight gradient
-is two partial sums added by the reduction instead of one GEMM's sum over s, and the loss is the sum of two
-halves' means: fp32 roundings of split sums (relative 2^-24 per addition), far below RTOL over 3 Adam steps.
+(the norms at every ZeRO stage: ZeRO-3's reduce-scatter averages over d q, which the runtime's backward share
+undoes). Attention is the same computation per head (the all-to-alls move values, never add them), but every linear
+runs on s / 2 tokens per rank, so each weight gradient is two partial sums added by the reduction instead of one
+GEMM's sum over s, and the loss is the sum of two halves' means: fp32 roundings of split sums (relative 2^-24 per
+addition), far below RTOL over 3 Adam steps.
 
 The census (mist_ds/observe/counting.py), counted in the engine, equals the plan's prediction (mist_ds/cost/sequence.py
 and the accounting): the all-to-alls' bytes per rank on group `sequence` (four per block forward, recompute included,
