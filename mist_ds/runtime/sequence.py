@@ -49,7 +49,23 @@ class SequenceGroups:
     def backward_share(self, zero_stage: int) -> float:
         """What a rank's slice mean is scaled by before its backward: the loss share, times q under ZeRO-3, whose
         reduce-scatter averages over the d q ranks where the other stages average over d (module docstring)."""
-        return self.loss_share * (self.layers.size if zero_stage == 3 else 1)
+        import deepspeed
+
+        return self.loss_share * zero3_gradient_scale(zero_stage, self.layers.size, deepspeed.__version__)
+
+
+ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM = "0.20.2"
+"""The DeepSpeed version from which ZeRO-3's reduce-scatter divides by d, not d q, as its other paths do
+(deepspeedai/DeepSpeed#8854, as transformers' deepspeed_sp_compute_loss cites it; module docstring)."""
+
+
+def zero3_gradient_scale(zero_stage: int, q: int, deepspeed_version: str) -> int:
+    """What a sequence-parallel rank's loss share is multiplied by before its backward: q under ZeRO-3 of a DeepSpeed
+    before ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM (its reduce-scatter averages the gradients over d q), else 1."""
+    from packaging import version
+
+    fixed = version.parse(deepspeed_version) >= version.parse(ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM)
+    return q if zero_stage == 3 and not fixed else 1
 
 
 def sequence_rank_lists(par: Parallelism) -> list[list[int]]:

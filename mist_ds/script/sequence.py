@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
+from mist_ds.runtime.sequence import zero3_gradient_scale
 from mist_ds.specs.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -81,20 +82,14 @@ def check_sequence_parallel_data(data: Any) -> None:
                           "for unpacked sequences)", rule="script.sp-batch")
 
 
-ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM = "0.20.2"
-"""The DeepSpeed version from which ZeRO-3's reduce-scatter divides by d, not d q, as its other paths do
-(deepspeedai/DeepSpeed#8854, as transformers' deepspeed_sp_compute_loss cites it; module docstring)."""
-
-
 def gradient_share_scale(zero: dict[str, Any], q: int) -> int:
     """What each rank's share of the loss is scaled by so that DeepSpeed's reduction of the gradients over the d q
     ranks gives the whole sequence's (module docstring): q where the installed DeepSpeed's ZeRO-3 averages them over
-    d q, else 1. `zero`: the merged config's zero_optimization block (DeepSpeed's defaults where a key is absent)."""
+    d q, else 1 (mist_ds/runtime/sequence.py zero3_gradient_scale, the zoo's runtime's too). `zero`: the merged
+    config's zero_optimization block (DeepSpeed's defaults where a key is absent)."""
     import deepspeed
-    from packaging import version
 
-    if zero.get("stage", 0) != 3 or version.parse(deepspeed.__version__) >= version.parse(
-            ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM):
+    if zero3_gradient_scale(zero.get("stage", 0), q, deepspeed.__version__) == 1:
         return 1
     if not zero.get("reduce_scatter", True) and zero.get("contiguous_gradients", True):
         raise ConfigError("zero_optimization.reduce_scatter", False,
