@@ -123,6 +123,8 @@ BAD_INPUTS = [
     (["cluster.gpu.memory_gib=-24"], "cluster.gpu.memory_gib"),
     (["cluster.gpu.reserve_gib=30"], "cluster.gpu.reserve_gib"),
     (["cluster.gpu.host_dispatch_us=-1"], "cluster.gpu.host_dispatch_us"),
+    (["+cluster.gpu.per_precision.fp8.gemm_efficiency=0.5"], "cluster.gpu.per_precision.fp8"),
+    (["+cluster.gpu.per_precision.fp32.hbm_gbps=5"], "cluster.gpu.per_precision.fp32.hbm_gbps"),
     (["cluster.pcie_gbps=0"], "cluster.pcie_gbps"),
     (["cluster.nodes=2", "cluster.inter_node_gbps=0"], "cluster.inter_node_gbps"),
     (["cluster.interference.fallback=0.5"], "cluster.interference.fallback"),
@@ -183,3 +185,16 @@ def test_bad_interference_table_names_the_entry(factors, field):
     with pytest.raises(ConfigError) as caught:
         InterferenceSpec(fallback=1.0, factors=factors)
     assert caught.value.field == field
+
+
+def test_per_precision_gpu_fields_replace_the_files_for_that_precision_only():
+    """cluster.gpu.per_precision[precision] replaces the gpu fields for a run in that precision; another precision
+    keeps the file's values."""
+    from mist_ds.config import compose
+
+    given = ["cluster=cpu", "cluster.gpu.per_precision.fp32.kernel_overhead_us=77", "model=tiny",
+             "train.global_batch_size=8"]
+    fp32 = compose([*given, "train.precision=fp32"]).cluster.gpu
+    bf16 = compose([*given, "train.precision=bf16", "cluster.gpu.kernel_overhead_us=5"]).cluster.gpu
+    assert fp32.kernel_overhead_s == pytest.approx(77e-6)
+    assert bf16.kernel_overhead_s == pytest.approx(5e-6)

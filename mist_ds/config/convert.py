@@ -5,7 +5,7 @@ from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, Stra
 from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
                            TunerSpec, executor_capabilities)
 from mist_ds.specs.tuner import VerifySpec
-from mist_ds.specs.cluster import GB, GIB, GIGA, TERA
+from mist_ds.specs.cluster import DTYPES, GB, GIB, GIGA, TERA
 from mist_ds.specs.errors import require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
 from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
@@ -108,15 +108,35 @@ def module_model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
         tie_embeddings=source.tied, flash_attention=cfg.flash_attention, dropout=0.0, module=source)
 
 
-def cluster_spec(cfg: ClusterConfig) -> ClusterSpec:
+PER_PRECISION_FIELDS = ("gemm_efficiency", "gemm_half_gflop", "gemm_curve_exponent", "attention_efficiency",
+                        "memory_efficiency", "kernel_overhead_us", "host_dispatch_us")
+"""The gpu fields `cluster.gpu.per_precision` may replace for one training precision: the GEMM curve, attention and
+element-wise efficiency and per-kernel times differ by dtype on a CPU (oneDNN's bf16 path against fp32's)."""
+
+
+def gpu_fields(cfg: ClusterConfig, precision: str) -> dict:
+    """The gpu section's fields for `precision`: the file's, with `per_precision[precision]` in their place."""
+    fields = {name: getattr(cfg.gpu, name) for name in PER_PRECISION_FIELDS}
+    for dtype, values in cfg.gpu.per_precision.items():
+        require(dtype in DTYPES, f"cluster.gpu.per_precision.{dtype}", dtype, f"a precision: {list(DTYPES)}")
+        for name in values:
+            require(name in PER_PRECISION_FIELDS, f"cluster.gpu.per_precision.{dtype}.{name}", values[name],
+                    f"a field that differs by precision: {list(PER_PRECISION_FIELDS)}")
+    fields.update(cfg.gpu.per_precision.get(precision, {}))
+    return fields
+
+
+def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
+    """The cluster for training in `precision` (the gpu fields `cluster.gpu.per_precision` gives for it)."""
+    f = gpu_fields(cfg, precision)
     gpu = GpuSpec(
         name=cfg.gpu.name, memory_bytes=cfg.gpu.memory_gib * GIB,
         peak_flops_per_s={dtype: tflops * TERA for dtype, tflops in cfg.gpu.peak_tflops.items()},
         hbm_bytes_per_s=cfg.gpu.hbm_gbps * GB, reserve_bytes=cfg.gpu.reserve_gib * GIB,
-        gemm_efficiency=cfg.gpu.gemm_efficiency, gemm_half_flops=cfg.gpu.gemm_half_gflop * GIGA,
-        gemm_curve_exponent=cfg.gpu.gemm_curve_exponent,
-        attention_efficiency=cfg.gpu.attention_efficiency, memory_efficiency=cfg.gpu.memory_efficiency,
-        kernel_overhead_s=cfg.gpu.kernel_overhead_us * 1e-6, host_dispatch_s=cfg.gpu.host_dispatch_us * 1e-6)
+        gemm_efficiency=f["gemm_efficiency"], gemm_half_flops=f["gemm_half_gflop"] * GIGA,
+        gemm_curve_exponent=f["gemm_curve_exponent"],
+        attention_efficiency=f["attention_efficiency"], memory_efficiency=f["memory_efficiency"],
+        kernel_overhead_s=f["kernel_overhead_us"] * 1e-6, host_dispatch_s=f["host_dispatch_us"] * 1e-6)
     interference = InterferenceSpec(
         fallback=cfg.interference.fallback,
         factors={k: dict(v) for k, v in cfg.interference.factors.items()})
@@ -172,8 +192,8 @@ def strategy_spec(cfg: StrategyConfig, model: ModelSpec, cluster: ClusterSpec, t
 def to_specs(cfg: MistDsConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Validate and convert a whole config; raises ConfigError naming the first bad field. `module`, `loss`: a
     user's nn.Module and loss function handed to Python (model=module)."""
-    return specs_of(model_spec(cfg.model, module, loss), cluster_spec(cfg.cluster), train_spec(cfg.train),
-                    tuner_spec(cfg.tuner), cfg.strategy if with_strategy else None)
+    return specs_of(model_spec(cfg.model, module, loss), cluster_spec(cfg.cluster, cfg.train.precision),
+                    train_spec(cfg.train), tuner_spec(cfg.tuner), cfg.strategy if with_strategy else None)
 
 
 def specs_of(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,

@@ -195,6 +195,7 @@ def cluster_yaml(base: dict, name: str, db_path: Path, c: dict, dtype: str) -> s
 
     cluster = dict(base, name=name, profile_db=str(db_path))
     gpu = dict(cluster["gpu"])
+    gpu["per_precision"] = {k: v for k, v in (gpu.get("per_precision") or {}).items() if k != dtype}  # measured now
     gpu["peak_tflops"] = dict(gpu["peak_tflops"], **{dtype: _round(c["gemm"]["peak_flops_per_s"] / 1e12, 5)})
     gpu.update(gemm_efficiency=_round(c["gemm"]["efficiency"], 4),
                gemm_half_gflop=_round(c["gemm"]["half_flops"] / 1e9, 6),
