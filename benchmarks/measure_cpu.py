@@ -4,9 +4,9 @@
         > benchmarks/results/measure_cpu.md
 
 Each plan, a strategy given outright on the `tiny` model or a variant of it (hidden size, layers,
-micro-batch, ZeRO stage, pp 2 / dp 2 / tp 2, recompute, fp32 / bf16), runs the way `mist-ds measure`
-runs it: mist_ds.observe.measure's worker on 2 local ranks (mist_ds.observe.ranks.launch: one process
-per core of this 2-core machine, gloo over loopback, OMP_NUM_THREADS=1), warm-up steps, then timed
+micro-batch, ZeRO stage, optimizer offload, pp 2 / dp 2 / tp 2, recompute, fp32 / bf16), runs the way
+`mist-ds measure` runs it: mist_ds.observe.measure's worker on 2 local ranks (mist_ds.observe.ranks.launch: one
+process per core of this 2-core machine, gloo over loopback, OMP_NUM_THREADS=1), warm-up steps, then timed
 steps (the rank's median), then the census steps; mist_ds.report.measure.measure_record puts the
 prediction beside it. The prediction is recomputed here on cluster=cpu with gpus_per_node=2 and, as
 overrides, the constants benchmarks/cpu_constants.py measured on this machine by microbenchmarks
@@ -85,6 +85,8 @@ PLANS = {
     "tp2-bf16": ["model=tiny", "train.global_batch_size=8", "strategy.tp=2", "strategy.micro_batch_size=2"],
     "tp2-fp32-h256": ["model=tiny", "model.hidden_size=256", "train.precision=fp32", "train.global_batch_size=4",
                       "strategy.tp=2", "strategy.micro_batch_size=2"],
+    "dp2-z2-bf16-offload": ["model=tiny", "train.global_batch_size=8", "strategy.micro_batch_size=2",
+                            "strategy.zero_stage=2", "strategy.offload.optimizer=1.0", "strategy.offload.grads=1.0"],
 }
 
 
