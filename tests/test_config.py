@@ -125,6 +125,7 @@ BAD_INPUTS = [
     (["cluster.gpu.host_dispatch_us=-1"], "cluster.gpu.host_dispatch_us"),
     (["+cluster.gpu.per_precision.fp8.gemm_efficiency=0.5"], "cluster.gpu.per_precision.fp8"),
     (["+cluster.gpu.per_precision.fp32.hbm_gbps=5"], "cluster.gpu.per_precision.fp32.hbm_gbps"),
+    (["cluster.constants=guessed"], "cluster.constants"),
     (["cluster.pcie_gbps=0"], "cluster.pcie_gbps"),
     (["cluster.nodes=2", "cluster.inter_node_gbps=0"], "cluster.inter_node_gbps"),
     (["cluster.interference.fallback=0.5"], "cluster.interference.fallback"),
@@ -198,3 +199,22 @@ def test_per_precision_gpu_fields_replace_the_files_for_that_precision_only():
     bf16 = compose([*given, "train.precision=bf16", "cluster.gpu.kernel_overhead_us=5"]).cluster.gpu
     assert fp32.kernel_overhead_s == pytest.approx(77e-6)
     assert bf16.kernel_overhead_s == pytest.approx(5e-6)
+
+
+def test_cluster_constants_machine_reads_this_machines_figures_and_refuses_without_them(tmp_path, monkeypatch):
+    """cluster.constants=machine prices with what mist_ds/specs/machine.py keeps for this machine, its ranks and
+    the precision; with nothing kept it is a ConfigError naming the field (measuring is the CLI's, never compose's)."""
+    from mist_ds.specs.cache_root import CACHE_ENV
+    from mist_ds.specs.machine import write_constants
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    given = ["cluster=cpu", "cluster.constants=machine", "model=tiny", "train.global_batch_size=8"]
+    with pytest.raises(ConfigError, match="cluster.constants"):
+        compose(given)
+    write_constants("cpu-process", 2, "bf16", {"collective_latency_us": 55.0,
+                                               "gpu": {"kernel_overhead_us": 9.0, "peak_tflops": {"bf16": 2.0}}})
+    cluster = compose(given).cluster
+    assert cluster.collective_latency_s == pytest.approx(55e-6) and cluster.gpu.kernel_overhead_s == pytest.approx(9e-6)
+    assert cluster.gpu.peak_flops_per_s["bf16"] == pytest.approx(2e12)
+    with pytest.raises(ConfigError, match="cluster.constants"):  # measured for 2 ranks, not 4
+        compose([*given, "cluster.gpus_per_node=4"])

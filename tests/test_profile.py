@@ -18,6 +18,7 @@ from mist_ds.hardware.profile_db import SCHEMA, ProfileDB
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
 from mist_ds.specs import ConfigError
+from mist_ds.specs.cache_root import CACHE_ENV
 from tests.test_cli import mist_ds
 
 TINY = ["model=tiny", "model.hidden_size=64", "model.num_heads=4", "model.num_layers=2", "model.seq_len=32",
@@ -30,7 +31,8 @@ def profiled(tmp_path_factory):
     """One quick profile of the CPU ranks: (output folder, the composed overrides that use it)."""
     out = tmp_path_factory.mktemp("profile")
     run = mist_ds("profile", "cluster=cpu", *TINY, "profile.quick=true", "profile.name=mine", f"profile.out_dir={out}",
-                  "tuner.quiet=true", "json=true", cwd=out, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+                  "tuner.quiet=true", "json=true", cwd=out,
+                  env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", CACHE_ENV: str(out / "cache")})
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout)
     assert summary["cluster"] == "mine" and summary["db_rows"] > 0
@@ -46,6 +48,45 @@ def test_profile_writes_a_database_and_a_cluster_config_that_load(profiled):
     assert set(specs.cluster.interference.factors) == set(CONCURRENT_SETS)
     assert (out / "profile.json").is_file() and (out / "measurements.json").is_file()
     assert not (out / "outputs").exists()  # profile.out_dir given: Hydra made no run dir (issue 25, defect 10)
+
+
+def test_profile_keeps_this_machines_figures_for_cluster_constants_machine(profiled, monkeypatch):
+    """The profile's fitted figures are what `cluster=cpu cluster.constants=machine` prices with afterwards (cached
+    per machine, precision and ranks), without the file's per-precision figures."""
+    out, overrides = profiled
+    monkeypatch.setenv(CACHE_ENV, str(out / "cache"))
+    profiled_cluster = compose([*overrides, *STRATEGY]).cluster
+    machine = compose(["cluster=cpu", "cluster.constants=machine", *TINY, *STRATEGY]).cluster
+    assert machine.gpu.kernel_overhead_s == profiled_cluster.gpu.kernel_overhead_s
+    assert machine.gpu.gemm_efficiency == profiled_cluster.gpu.gemm_efficiency
+    assert machine.collective_latency_s == profiled_cluster.collective_latency_s
+    assert machine.interference == profiled_cluster.interference and machine.profile_db is None
+    with pytest.raises(ConfigError, match="cluster.constants"):  # measured in fp32 only
+        compose(["cluster=cpu", "cluster.constants=machine", *TINY, "train.precision=bf16", *STRATEGY])
+
+
+def test_the_cli_measures_the_machine_once_with_the_files_figures(tmp_path, monkeypatch):
+    """measure_machine_once (what a mist-ds command runs first under cluster.constants=machine) profiles quickly,
+    on the config with the file's figures, only while nothing is kept for this machine (the profile itself is
+    stood in for here: the fixture above runs a real one)."""
+    from mist_ds.config import compose_config
+    from mist_ds.profiling import run
+    from mist_ds.specs.machine import write_constants
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    calls = []
+
+    def profiled_here(specs, cluster, out_dir, name, quick, quiet):
+        calls.append((cluster["constants"], quick))
+        write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, specs.train.precision,
+                        {"gpu": {"kernel_overhead_us": 11.0}})
+
+    monkeypatch.setattr(run, "profile", profiled_here)
+    cfg = compose_config(["cluster=cpu", "cluster.constants=machine", *TINY])
+    assert run.measure_machine_once(cfg) and calls == [("file", True)]
+    assert not run.measure_machine_once(cfg) and len(calls) == 1  # kept: read from the cache from now on
+    assert not run.measure_machine_once(compose_config(["cluster=cpu", *TINY]))  # constants: file never measures
+    assert len(calls) == 1
 
 
 def test_the_database_sets_the_times_of_the_ops_it_holds(profiled):

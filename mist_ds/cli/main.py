@@ -272,6 +272,7 @@ def _profile(cfg: DictConfig) -> int:
     from mist_ds.profiling.run import profile
     from mist_ds.report.profile import render_profile
 
+    cfg = OmegaConf.merge(cfg, {"cluster": {"constants": "file"}})  # the file's figures are what a profile replaces
     specs = specs_from_config(cfg, with_strategy=False)
     settings = cfg.profile
     out = Path(to_absolute_path(settings.out_dir)) if settings.out_dir else Path(HydraConfig.get().runtime.output_dir)
@@ -457,6 +458,10 @@ class Jobs:
         try:
             if not command.reads_plan and OmegaConf.select(cfg, "plan") is not None:
                 raise ConfigError("plan", cfg.plan, f"only `{PROG} predict` reads a plan; drop plan=")
+            if self.command != "profile" and OmegaConf.select(cfg, "cluster.constants") == "machine":
+                from mist_ds.profiling.run import measure_machine_once
+
+                measure_machine_once(cfg)  # the first time on this machine: measured, then read from the cache
             status = command.run(cfg)
         except ConfigError as error:
             if self.full_error:

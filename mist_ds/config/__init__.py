@@ -19,6 +19,8 @@ from mist_ds.config.errors import as_config_error
 from mist_ds.config.schema import (ClusterConfig, MistDsConfig, ModelConfig, StrategyConfig, TrainConfig,
                                    TunerConfig)
 from mist_ds.specs import ConfigError, Specs, check_executor
+from mist_ds.specs.errors import require
+from mist_ds.specs.machine import read_constants
 
 CONFIG_MODULE = "mist_ds.conf"
 PRIMARY_CONFIG = "config"
@@ -121,12 +123,36 @@ def job_overrides(exclude_keys: Sequence[str]) -> list[str]:
     return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in exclude_keys]
 
 
+CLUSTER_CONSTANTS = ("file", "machine")
+"""cluster.constants: the cluster file's figures, or those measured on this machine."""
+
+
+def with_machine_constants(cfg: DictConfig) -> DictConfig:
+    """`cfg` with the figures measured on this machine in the cluster's place where `cluster.constants=machine`
+    (mist_ds/specs/machine.py; docs/design.md, Profiling); else `cfg` itself."""
+    constants = OmegaConf.select(cfg, "cluster.constants", default="file")
+    require(constants in CLUSTER_CONSTANTS, "cluster.constants", constants, f"one of {list(CLUSTER_CONSTANTS)}")
+    if constants == "file":
+        return cfg
+    precision, gpus = cfg.train.precision, cfg.cluster.gpus_per_node
+    measured = read_constants(cfg.cluster.gpu.name, gpus, precision)
+    require(measured is not None, "cluster.constants", constants,
+            f"nothing measured on this machine for {gpus} ranks in {precision} yet: any mist-ds command measures "
+            f"it the first time, or run `mist-ds profile cluster={cfg.cluster.name} train.precision={precision} "
+            "profile.quick=true ...`; cluster.constants=file prices with the file's figures")
+    merged = OmegaConf.merge(cfg, {"cluster": {key: value for key, value in measured.items() if key != "gpu"}})
+    merged.cluster.gpu = OmegaConf.merge(cfg.cluster.gpu, measured["gpu"])
+    merged.cluster.gpu.per_precision = {}  # measured for this precision: the file's per-precision figures are moot
+    return merged
+
+
 def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Validate a composed config into frozen SI specs (ConfigError names the first bad field).
 
     with_strategy=False skips the `strategy` group (the tuner chooses the strategy itself). `module`, `loss`: your
     own nn.Module and loss function, from Python (model=module; docs/design.md, Your own model).
     """
+    cfg = with_machine_constants(cfg)
     try:
         schema: MistDsConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except Exception as error:

@@ -86,6 +86,8 @@ class ClusterConfig:
     collective_latency_us: float = 10.0  # per p2p message and gloo ring step (GPUs: NCCL's own), microseconds
     interference: InterferenceConfig = field(default_factory=InterferenceConfig)
     profile_db: Optional[str] = None  # SQLite file of measured op times (mist-ds profile); null = roofline only
+    constants: str = "file"  # file | machine: machine = the figures a quick mist-ds profile measured on this
+    #                          machine (the CLI measures them the first time; cached, profile refreshes them)
     price_per_gpu_hour: Optional[float] = None  # USD per GPU-hour; null = unknown
 
 

@@ -28,6 +28,7 @@ from mist_ds.profiling.interference import fit_factors
 from mist_ds.profiling.microbench import fit_alpha_beta, fit_gemm
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
+from mist_ds.specs.machine import read_constants, write_constants
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRIDS = {
@@ -189,29 +190,35 @@ def _round(value, digits: int) -> float:
     return round(float(value), digits)
 
 
-def cluster_yaml(base: dict, name: str, db_path: Path, c: dict, dtype: str) -> str:
-    """The composed cluster config with the measured constants in (datasheet units), as a cluster/*.yaml."""
-    from omegaconf import OmegaConf
-
-    cluster = dict(base, name=name, profile_db=str(db_path))
-    gpu = dict(cluster["gpu"])
-    gpu["per_precision"] = {k: v for k, v in (gpu.get("per_precision") or {}).items() if k != dtype}  # measured now
-    gpu["peak_tflops"] = dict(gpu["peak_tflops"], **{dtype: _round(c["gemm"]["peak_flops_per_s"] / 1e12, 5)})
-    gpu.update(gemm_efficiency=_round(c["gemm"]["efficiency"], 4),
-               gemm_half_gflop=_round(c["gemm"]["half_flops"] / 1e9, 6),
-               gemm_curve_exponent=_round(c["gemm"]["exponent"], 3))
+def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
+    """The cluster fields the measurements set (datasheet units, mist_ds/specs/machine.py's MEASURED_FIELDS), the
+    gpu section's under `gpu`."""
+    gpu = {"peak_tflops": dict(base_gpu["peak_tflops"], **{dtype: _round(c["gemm"]["peak_flops_per_s"] / 1e12, 5)}),
+           "gemm_efficiency": _round(c["gemm"]["efficiency"], 4),
+           "gemm_half_gflop": _round(c["gemm"]["half_flops"] / 1e9, 6),
+           "gemm_curve_exponent": _round(c["gemm"]["exponent"], 3)}
     if "attention_efficiency" in c:
         gpu["attention_efficiency"] = _round(c["attention_efficiency"], 4)
     if "hbm_bytes_per_s" in c:
         gpu.update(hbm_gbps=_round(c["hbm_bytes_per_s"] / 1e9, 3), memory_efficiency=_round(c["memory_efficiency"], 4),
                    kernel_overhead_us=_round(c["kernel_overhead_s"] * 1e6, 3),
                    host_dispatch_us=_round(c["host_dispatch_s"] * 1e6, 3))
+    return {"gpu": gpu, "intra_node_gbps": _round(c["collectives"]["bytes_per_s"] / 1e9, 4),
+            "collective_latency_us": _round(c["collectives"]["latency_s"] * 1e6, 2),
+            "pcie_gbps": _round(c["pcie_bytes_per_s"] / 1e9, 3),
+            "cpu_adam_gparams_per_s": _round(c["cpu_adam_params_per_s"] / 1e9, 4),
+            "interference": {"fallback": 1.0, "factors": c["interference"].as_config()}}
+
+
+def cluster_yaml(base: dict, name: str, db_path: Path, measured: dict, dtype: str) -> str:
+    """The composed cluster config with the `measured` fields in (measured_fields), as a cluster/*.yaml."""
+    from omegaconf import OmegaConf
+
+    cluster = dict(base, name=name, profile_db=str(db_path), constants="file",
+                   **{k: v for k, v in measured.items() if k != "gpu"})
+    gpu = dict(cluster["gpu"], **measured["gpu"])
+    gpu["per_precision"] = {k: v for k, v in (gpu.get("per_precision") or {}).items() if k != dtype}  # measured now
     cluster["gpu"] = gpu
-    cluster.update(intra_node_gbps=_round(c["collectives"]["bytes_per_s"] / 1e9, 4),
-                   collective_latency_us=_round(c["collectives"]["latency_s"] * 1e6, 2),
-                   pcie_gbps=_round(c["pcie_bytes_per_s"] / 1e9, 3),
-                   cpu_adam_gparams_per_s=_round(c["cpu_adam_params_per_s"] / 1e9, 4),
-                   interference={"fallback": 1.0, "factors": c["interference"].as_config()})
     header = (f"# Written by `mist-ds profile` (train.precision={dtype}): the constants measured on this machine;\n"
               f"# use with `-cd <this file's parent folder's parent> cluster={name}`.\n"
               "defaults:\n  - base_cluster\n  - _self_\n")
@@ -269,13 +276,37 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     db_path = (out_dir / "profile.db").resolve()
     rows = db_rows(measured, shapes)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
-    yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml",
-                             cluster_yaml(cluster_config, name, db_path, constants, dtype))
+    fields = measured_fields(cluster_config["gpu"], constants, dtype)
+    yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
+                                                                                dtype))
+    # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile
+    write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, dtype, fields)
     summary = {"cluster": name, "cluster_yaml": str(yaml_path), "profile_db": str(db_path), "device": device,
                "ranks": len(per_rank), "dtype": dtype, "quick": raw["quick"], "points_bt": points,
                "db_rows": len(rows), "seconds": raw["seconds"], "constants": _jsonable(constants)}
     write_json_atomic(out_dir / "profile.json", summary)
     return summary
+
+
+def measure_machine_once(cfg) -> bool:
+    """Where `cfg` (a composed DictConfig) prices its cluster with `cluster.constants=machine` and nothing is measured
+    on this machine for its ranks and precision yet: a quick profile (the config's model and batch, a scratch
+    folder), which keeps the figures (write_profile); True when it ran. Later calls read them from the cache."""
+    from omegaconf import OmegaConf
+
+    from mist_ds.config import specs_from_config
+
+    cluster = cfg.cluster
+    if OmegaConf.select(cfg, "cluster.constants", default="file") != "machine" or read_constants(
+            cluster.gpu.name, cluster.gpus_per_node, cfg.train.precision) is not None:
+        return False
+    as_file = OmegaConf.merge(cfg, {"cluster": {"constants": "file"}})
+    print(f"cluster.constants=machine: measuring this machine for {cluster.gpus_per_node} ranks in "
+          f"{cfg.train.precision} (a quick profile, once; `mist-ds profile` refreshes it)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="mist_ds_machine_") as tmp:
+        profile(specs_from_config(as_file, with_strategy=False), OmegaConf.to_container(as_file.cluster, resolve=True),
+                Path(tmp), None, quick=True, quiet=bool(OmegaConf.select(cfg, "tuner.quiet", default=False)))
+    return True
 
 
 def _jsonable(value):

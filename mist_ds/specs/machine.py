@@ -1,0 +1,71 @@
+"""The cluster figures measured on this machine (`cluster.constants=machine`, docs/design.md, Profiling): what the
+last quick `mist-ds profile` of a cluster fitted, per training precision, kept in the cache (cache_root.py) under a
+key naming the machine, so that a cluster of CPU ranks is priced as the machine it runs on."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+from mist_ds.specs.cache_root import cache_root
+
+MACHINE_FOLDER = "machine"
+MEASURED_FIELDS = ("intra_node_gbps", "collective_latency_us", "pcie_gbps", "cpu_adam_gparams_per_s", "interference")
+"""The cluster-level fields a profile measures (besides the gpu section's, MEASURED_GPU_FIELDS)."""
+MEASURED_GPU_FIELDS = ("peak_tflops", "hbm_gbps", "gemm_efficiency", "gemm_half_gflop", "gemm_curve_exponent",
+                       "attention_efficiency", "memory_efficiency", "kernel_overhead_us", "host_dispatch_us")
+
+
+def _processor() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(device_name: str, ranks: int) -> dict:
+    """What the figures depend on: this host, its processor and cores, torch's version, the device the ranks run on
+    and how many ranks share the machine (they share cores, memory bandwidth and loopback)."""
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "none"
+    return {"host": platform.node(), "processor": _processor(), "cores": os.cpu_count(), "torch": torch_version,
+            "device": device_name, "ranks": ranks}
+
+
+def constants_path(device_name: str, ranks: int) -> Path:
+    """The cache file of this machine's measured figures for `ranks` ranks on `device_name`."""
+    key = json.dumps(machine_key(device_name, ranks), sort_keys=True)
+    return cache_root() / MACHINE_FOLDER / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def read_constants(device_name: str, ranks: int, precision: str) -> dict | None:
+    """The cluster fields measured here for `precision` ({field: value, gpu: {...}}, config units), or None when
+    none were measured (or the file is damaged)."""
+    try:
+        return json.loads(constants_path(device_name, ranks).read_text())["precisions"][precision]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_constants(device_name: str, ranks: int, precision: str, fields: dict) -> Path:
+    """Keep `fields` as this machine's figures for `precision` (other precisions' stay), atomically."""
+    path = constants_path(device_name, ranks)
+    try:
+        held = json.loads(path.read_text())["precisions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        held = {}
+    record = {"machine": machine_key(device_name, ranks), "precisions": {**held, precision: fields}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(temporary, path)
+    return path
