@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mist_ds.config.convert import to_specs
 from mist_ds.config.errors import as_config_error
@@ -140,9 +140,11 @@ def with_machine_constants(cfg: DictConfig) -> DictConfig:
             f"nothing measured on this machine for {gpus} ranks in {precision} yet: any mist-ds command measures "
             f"it the first time, or run `mist-ds profile cluster={cfg.cluster.name} train.precision={precision} "
             "profile.quick=true ...`; cluster.constants=file prices with the file's figures")
-    merged = OmegaConf.merge(cfg, {"cluster": {key: value for key, value in measured.items() if key != "gpu"}})
-    merged.cluster.gpu = OmegaConf.merge(cfg.cluster.gpu, measured["gpu"])
-    merged.cluster.gpu.per_precision = {}  # measured for this precision: the file's per-precision figures are moot
+    merged = cfg.copy()
+    with open_dict(merged):  # the measured interference sets are keys the file's factors may lack
+        merged.cluster.merge_with({key: value for key, value in measured.items() if key != "gpu"})
+        merged.cluster.gpu.merge_with(measured.get("gpu", {}))
+        merged.cluster.gpu.per_precision = {}  # measured for this precision: the file's per-precision ones are moot
     return merged
 
 
