@@ -30,7 +30,7 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                                                               r"[\d.]+, fitted ([\d.]+)"),),
     "closed_loop_cpu.md": (("median |error| profiled", r"\| profiled \(`mist-ds profile`, quick\), this run \| "
                                                        + PERCENT),
-                           ("with cpu_constants", r"\| cpu_constants\.md constants, this run \| " + PERCENT)),
+                           ("zoo cpu", r"\| zoo `cpu` \(cpu_constants\.md constants\), this run \| " + PERCENT)),
     "cost_speed.md": (("10^6 candidates, deepspeed, median s", r"runtime deepspeed: time \+ memory \| ([\d.]+)"),
                       ("mist-paper", r"runtime mist-paper: time \+ memory \| ([\d.]+)")),
     "cpu_constants.md": (("peak fp32 TFLOP/s", r"\| peak_tflops\.fp32 \| ([\d.]+)"),
