@@ -23,6 +23,15 @@ def zoo(group: str) -> list[str]:
                   and p.stem not in NOT_ZOO)
 
 
+SLOW_DEVICE = ["cluster.gpu.peak_tflops.bf16=0.01", "cluster.gpu.gemm_efficiency=0.8",
+               "cluster.gpu.gemm_half_gflop=1.0", "cluster.gpu.gemm_curve_exponent=1.0",
+               "cluster.gpu.attention_efficiency=0.5",
+               "cluster.gpu.memory_efficiency=0.7", "cluster.gpu.kernel_overhead_us=4", "cluster.gpu.hbm_gbps=10",
+               "cluster.collective_latency_us=10", "cluster.cpu_adam_gparams_per_s=0.1"]
+"""Overrides of `cluster=cpu`: its rough figures before they were measured (compute 100x slower than this
+machine's, little per-op time): a GEMM-bound device, on which recomputing a layer costs more than offloading a fine
+fraction of a stage and a backward's weight-gradient GEMMs are a large part of it, as on a GPU."""
+
 LAUNCHING_MODULES = frozenset({"test_runtime", "test_mist_runtime", "test_train", "test_train_sweep",
                                "test_model_states", "test_measure", "test_profile", "test_user_script",
                                "test_hf_pipeline", "test_hf_trainer_run", "test_zero_bubble_runtime",

@@ -26,6 +26,7 @@ from mist_ds.specs.executor_rules import allowed_stage_options
 from mist_ds.tuner import NoPlanFits, tune_specs
 from mist_ds.tuner.search import SearchContext, lower_bound_s, option_grids, price_points, search
 from mist_ds.tuner.space import OPTION_KEYS, fixed_partitions, global_points, layer_counts, stage_option_grid
+from tests.conftest import SLOW_DEVICE
 
 # A 7-layer tiny GPT on 3 "GPUs" (processes) of the cpu cluster: S = 3 is possible, and the grids are
 # small enough to enumerate every (partition, option per stage) combination.
@@ -371,14 +372,6 @@ def test_per_node_plans_predict_and_explain_with_the_same_accounting():
         tune_specs(compose(small_gpu, with_strategy=False), progress=False)
     text = str(reason.value)
     assert "host memory on node 0" in text and "cluster.cpu_memory_gib" in text, text
-
-
-SLOW_DEVICE = ["cluster.gpu.peak_tflops.bf16=0.01", "cluster.gpu.gemm_efficiency=0.8", "cluster.gpu.gemm_half_gflop=1.0",
-               "cluster.gpu.gemm_curve_exponent=1.0", "cluster.gpu.attention_efficiency=0.5",
-               "cluster.gpu.memory_efficiency=0.7", "cluster.gpu.kernel_overhead_us=4", "cluster.gpu.hbm_gbps=10",
-               "cluster.collective_latency_us=10", "cluster.cpu_adam_gparams_per_s=0.1"]
-"""The `cpu` cluster's rough figures before they were measured (100x slower compute than this machine's): a
-device on which recomputing a layer costs more than offloading a fine fraction of a stage."""
 
 
 def _fine_grid_case() -> list[str]:

@@ -15,9 +15,11 @@ from mist_ds.hardware import hardware_model
 from mist_ds.specs import ConfigError
 from mist_ds.specs.pipeline_order import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, deferred_weight_passes,
                                           zb_h1_order)
+from tests.conftest import SLOW_DEVICE
 
-TINY_PP8 = ["cluster=cpu", "cluster.gpus_per_node=8", "model=tiny", "strategy.pp=8", "strategy.runtime=mist",
-            "strategy.zero_stage=0", "train.global_batch_size=32", "strategy.micro_batch_size=1"]
+TINY_PP8 = ["cluster=cpu", *SLOW_DEVICE, "cluster.gpus_per_node=8", "model=tiny", "strategy.pp=8",
+            "strategy.runtime=mist", "strategy.zero_stage=0", "train.global_batch_size=32",
+            "strategy.micro_batch_size=1"]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (8, 16), (8, 32), (4, 4)])
