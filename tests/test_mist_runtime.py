@@ -334,8 +334,8 @@ def test_zero1_without_a_pipeline_emits_overlap_comm_with_one_block_buckets_and_
     model counts the second bucket at that size and moves the reduction out of the tail."""
     # one block and a small vocabulary on 8 ranks: the buckets, not the step's fp32 gradient partition, peak; a
     # device where compute, not gloo's 0.18 ms per ring step, bounds the many one-block buckets (SLOW_DEVICE)
-    base = ["cluster=cpu", *SLOW_DEVICE, "cluster.gpus_per_node=8", "model=tiny", "model.num_layers=1", "model.vocab_size=512",
-            "train.global_batch_size=8", "strategy.pp=1", "strategy.zero_stage=1"]
+    base = ["cluster=cpu", *SLOW_DEVICE, "cluster.gpus_per_node=8", "model=tiny", "model.num_layers=1",
+            "model.vocab_size=512", "train.global_batch_size=8", "strategy.pp=1", "strategy.zero_stage=1"]
     stock_specs, mist_specs = (compose([*base, f"strategy.runtime={r}"]) for r in ("deepspeed", "mist"))
     block = mist_specs.model.block_params(1)
     zero = ds_config(mist_specs.strategy, mist_specs.train, mist_specs.model)["zero_optimization"]
