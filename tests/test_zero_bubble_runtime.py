@@ -2,8 +2,8 @@
 with real DeepSpeed, fp32 losses bitwise equal to the same plan at 1F1B over 5 steps (ZeRO-0 with the per-layer
 reducer, with recompute, ZeRO-1); the instruction stream each rank ran is specs/pipeline_order.py's; observed
 independently (a post-accumulate-grad hook per parameter), the linears' weight gradients accumulate only inside W
-instructions and the rest only inside B; the step census and the model states' census (bf16: no module .grad under
-bf16.immediate_grad_update) equal the prediction. Without a launch: the schedule's
+instructions and the rest only inside B; the step census and, in fp32 and bf16, the model states' census (bf16: no
+module .grad under bf16.immediate_grad_update) equal the prediction. Without a launch: the schedule's
 instructions, and what the emitter and the runtime refuse, each with its rule."""
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def run(pp: int, features: dict[str, tuple[str, ...]], ranks: int | None = None,
                           "model": dataclasses.asdict(specs.model), "steps": STEPS})
     by_rank = launch(WORKER, ranks or pp, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
     results = {key: (specs_of[key], [rank_results[i] for rank_results in by_rank]) for i, key in enumerate(keys)}
-    for (key, (specs, ranks_ran)), case in zip(results.items(), cases):
-        check_model_states(specs, case["config"], ranks_ran, case["name"])
+    if precision != "fp16":  # the harness's Facts count bf16 and fp32 engines (mist_ds/testing/model_states.py)
+        for (key, (specs, ranks_ran)), case in zip(results.items(), cases):
+            check_model_states(specs, case["config"], ranks_ran, case["name"])
     return results
 
 
