@@ -77,6 +77,23 @@ def test_a_pp8_plan_s_zb_h1_bubble_is_at_most_half_its_1f1b_bubble():
     assert np.isclose(sum(zb.flops_per_rank), sum(one_f_one_b.flops_per_rank))
 
 
+@pytest.mark.parametrize("extra", [("strategy.zero_stage=1",), ("train.precision=fp16",), ("train.precision=fp32",)])
+def test_only_bf16_optimizer_drops_its_gradients_under_zb_h1(extra):
+    """bf16.immediate_grad_update is written for bf16 only and read by BF16_Optimizer only (bf16 ZeRO-0 pipelines):
+    ZeRO-1's optimizer, fp16's and fp32's hold the same gradients under both schedules; `show` (model states per
+    ZeRO stage) agrees, and in bf16 prices the drop at ZeRO-0 only."""
+    from mist_ds.report.show import show_facts
+
+    one_f_one_b, zb = (compose([*TINY_PP8, *extra, f"strategy.schedule={s}"]) for s in ("1f1b", "zb-h1"))
+    assert [m["grads"] for m in predict(zb).model_state_bytes] == \
+        [m["grads"] for m in predict(one_f_one_b).model_state_bytes]
+    shown, shown_1f1b = (show_facts(s)["model_state_bytes_per_gpu"] for s in (zb, one_f_one_b))
+    dropped = zb.train.precision == "bf16"
+    assert {z: b for z, b in shown.items() if z != "0" or not dropped} == \
+        {z: b for z, b in shown_1f1b.items() if z != "0" or not dropped}
+    assert (shown["0"] < shown_1f1b["0"]) == dropped
+
+
 def test_zb_h1_is_emitted_on_mist_and_refused_where_it_is_not_priced():
     """Executor mist runs zb-h1 in fp32 (tests/test_zero_bubble_runtime.py); an executor that does not price it
     refuses it."""
