@@ -87,7 +87,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "zero_bubble.md": (("own precision, pipelines: searched plan over 1F1B (geomean)",
                         r"^- At the cases' own precision: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)"),
                        ("zb-h1 picked on", r"^- At the cases' own precision: .*? picks zb-h1 on (\d+ of them)"),
-                       ("fp32", r"^- At fp32: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)")),
+                       ("fp32", r"^- At fp32: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)"),
+                       ("bf16", r"^- At bf16: .*?over the 1F1B plan on those \d+: ([\d.]+x|none)")),
 }
 
 

@@ -5,7 +5,7 @@ same plan re-priced with the zb-h1 order, and the best plan when it searches bot
     nice -n 5 .venv/bin/python -m benchmarks.zero_bubble gpt3-7B 22b   # some cases, for development
 
 Cases: the Mist paper's 20 (benchmarks/plan_quality.py `cases`, fp16) and the 22b and 175b cases of
-benchmarks/tune_speed.py (bf16), each at its own precision and at fp32. Each is tuned on executor `mist`
+benchmarks/tune_speed.py (bf16), each at its own precision, at fp32 and at bf16. Each is tuned on executor `mist`
 (tuner.runtime=mist, baselines off) twice: tuner.schedules=[1f1b], then [1f1b,zb-h1], which searches zb-h1 at each
 pipeline point it composes with (tp 1, no activation offload) with the memory of its deferred W's. Where the 1F1B
 plan is a pipeline, it is also re-priced with strategy.schedule=zb-h1 (`predict_specs`, after `check_schedule_built`):
@@ -85,6 +85,7 @@ class Row:
     speedup: float | None  # 1F1B s / the searched plan's s
     repriced: float | None = None  # 1F1B s / its plan re-priced with zb-h1, where it runs and fits
     chose_zb: bool = False  # the searched plan is a zb-h1 plan
+    bubble_free: float | None = None  # 1F1B s / (1F1B s - its bubble), where zb-h1 composes with the 1F1B plan
 
 
 def repriced_cells(result) -> tuple[list, float | None]:
@@ -117,7 +118,10 @@ def row(case: Case, precision: str | None) -> Row:
                     != "1f1b" else "the 1F1B plan" if searched.strategy == one.strategy else
                     plan_text(searched.search.best), f"{q.iteration_time_s:.3f}", f"{q.bubble_s:.3f}",
                     memory_text(q), f"{speedup:.4f}x"]
-    return Row(cells, one.strategy.parallelism.pp > 1, speedup, repriced, searched.strategy.schedule == SCHEDULE)
+    bubble_free = None if again[0].startswith(("not a pipeline", "refused")) else \
+        p.iteration_time_s / (p.iteration_time_s - p.bubble_s)
+    return Row(cells, one.strategy.parallelism.pp > 1, speedup, repriced, searched.strategy.schedule == SCHEDULE,
+               bubble_free)
 
 
 HEADER = ["case", "cluster", "GPUs", "precision", "best plan, tuner.schedules=[1f1b]", "1F1B s", "1F1B bubble s",
@@ -133,6 +137,7 @@ def summary_lines(label: str, rows: list[Row]) -> list[str]:
     pipelines = [r for r in rows if r.pipeline]
     chose = [r for r in pipelines if r.chose_zb]
     repriced = [r.repriced for r in pipelines if r.repriced is not None]
+    free = [r.bubble_free for r in pipelines if r.bubble_free is not None]
     return [f"{label}: {len(pipelines)} of {len(rows)} cases' best 1F1B plans are pipelines; the search with "
             f"tuner.schedules=[1f1b,zb-h1] picks zb-h1 on {len(chose)} of them; geometric-mean predicted speedup of "
             f"the searched plan over the 1F1B plan on those {len(pipelines)}: "
@@ -140,13 +145,18 @@ def summary_lines(label: str, rows: list[Row]) -> list[str]:
             f"{mean_text([r.speedup for r in chose])}.",
             f"{label}, the 1F1B plan re-priced with zb-h1 (what a search without the schedule would hand over) "
             f"still fits on {len(repriced)} of the {len(pipelines)} pipelines; geometric-mean speedup there: "
-            f"{mean_text(repriced)}."]
+            f"{mean_text(repriced)}.",
+            f"{label}, the ceiling: the 1F1B plan with its whole bubble removed at no cost, on the "
+            f"{len(free)} pipelines zb-h1 composes with (1F1B s / (1F1B s - 1F1B bubble s)): geometric mean "
+            f"{mean_text(free)}."]
 
 
 def main(only: tuple[str, ...]) -> None:
     start, at_start = time.perf_counter(), run_start()
     sections = [("At the cases' own precision", "the paper's fp16; 22b and 175b bf16", None),
-                ("At fp32", "", "fp32")]
+                ("At fp32", "", "fp32"),
+                ("At bf16", "BF16_Optimizer at ZeRO-0 pipelines, under zb-h1 with bf16.immediate_grad_update: no "
+                 "module .grad", "bf16")]
     tables, summary = [], []
     for label, note, precision in sections:
         rows = [row(case, precision) for case in all_cases(only)]
@@ -154,7 +164,7 @@ def main(only: tuple[str, ...]) -> None:
         summary += summary_lines(label, rows)
     lines = [results_header("ZB-H1 against 1F1B on executor `mist`: plans searched with the schedule (predicted)",
                             COMMAND, "none: predicted plans only, no measurement", started=at_start),
-             "Each case is tuned on executor `mist` twice, at its own precision and at fp32: with "
+             "Each case is tuned on executor `mist` twice, at its own precision, at fp32 and at bf16: with "
              "tuner.schedules=[1f1b] and with [1f1b,zb-h1], where the search tries zb-h1 at every pipeline point it "
              "composes with (tp 1, no activation offload; rules `mist.split-tp`, `mist.split-activation-offload`), "
              "the deferred W's operands in each stage's memory, and keeps whichever plan is faster. The 1F1B plan "

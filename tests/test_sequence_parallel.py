@@ -215,3 +215,15 @@ def test_explain_names_sp_when_it_binds():
     without = facts["without_sp"]
     assert without is not None and without["iteration_time_s"] > facts["iteration_time_s"]
     assert "sequence parallelism binds: sp 2" in render_explain(facts)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_config_has_deepspeed_reduce_gradients_in_the_priced_type(precision):
+    """At sp > 1 DeepSpeed's engine reduces gradients in seq_parallel_communication_data_type (fp32 unless told:
+    deepspeed/runtime/engine.py, runtime/constants.py); the plan prices them in the training type."""
+    from mist_ds.emit import ds_config
+
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "strategy.sp=2",
+                     f"train.precision={precision}"])
+    config = ds_config(specs.strategy, specs.train, specs.model)
+    assert config["sequence_parallel_size"] == 2 and config["seq_parallel_communication_data_type"] == precision

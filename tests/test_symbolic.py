@@ -151,13 +151,14 @@ def test_korthikanti_activation_formula(cache_dir):
     """Korthikanti et al. 2022, no flash attention, dropout on: s b h (34 + 5 a s / h) bytes without TP,
     s b h (10 + 24/t + 5 a s / (h t)) with TP. Residual: the LayerNorm statistics, mean and rstd per
     token, 2 LayerNorms x 2 x 2 bytes (the CPU / meta kernels keep them in bf16; CUDA uses fp32)."""
-    spec = model("gpt3-1.3b", flash_attention=False, dropout=0.1)
+    # the layers test_saved_and_peaks_match_a_real_cpu_run[gpt-False-0.1] traces: one trace for both
+    spec = model("tiny", flash_attention=False, dropout=0.1)
     saved = expr(analyze_model(spec, "bf16", cache_dir=cache_dir)["block"], "saved_bytes")
     h, a = spec.hidden_size, spec.num_heads
     layer_norm_stats = 2 * 2 * 2 * s_ * b_
     assert sympy.simplify(saved.subs(t_, 1) - s_ * b_ * h * (34 + 5 * a * s_ / h) - layer_norm_stats) == 0
     with_tp = s_ * b_ * h * (10 + 24 / t_ + 5 * a * s_ / (h * t_)) + layer_norm_stats
-    for t in (2, 4, 8):
+    for t in (2, 4):  # every t that divides tiny's 4 heads
         assert sympy.simplify(saved.subs(t_, t) - with_tp.subs(t_, t)) == 0
 
 

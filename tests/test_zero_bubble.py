@@ -65,11 +65,35 @@ def test_a_pp8_plan_s_zb_h1_bubble_is_at_most_half_its_1f1b_bubble():
     zb = predict(compose([*TINY_PP8, "strategy.schedule=zb-h1"]))
     assert zb.bubble_s <= 0.5 * one_f_one_b.bubble_s
     assert zb.iteration_time_s < one_f_one_b.iteration_time_s
-    # the same work; deferred W's hold their operands: never less memory, stage 0 (no W deferred) the same
-    assert zb.peak_memory_bytes[0] == one_f_one_b.peak_memory_bytes[0]
-    assert all(z >= o for z, o in zip(zb.peak_memory_bytes, one_f_one_b.peak_memory_bytes))
+    # bf16 at ZeRO-0: BF16_Optimizer under the emitted bf16.immediate_grad_update keeps no module .grad, only
+    # its flat accumulation buffer, padded as the flat weights are (cost/memory.py)
+    assert compose(TINY_PP8).train.precision == "bf16"
+    dropped = [o["grads"] - z["grads"] for z, o in zip(zb.model_state_bytes, one_f_one_b.model_state_bytes)]
+    assert all(z["grads"] == z["weights"] for z in zb.model_state_bytes)
+    assert all(d > 0 for d in dropped)
+    # the same work; deferred W's hold their operands: stage 0 (no W deferred) holds what 1F1B does but the
+    # dropped gradients, the others more activations
+    assert zb.peak_memory_bytes[0] == one_f_one_b.peak_memory_bytes[0] - dropped[0]
+    assert all(z + d >= o for z, d, o in zip(zb.peak_memory_bytes, dropped, one_f_one_b.peak_memory_bytes))
     assert zb.peak_memory_bytes[-1] > one_f_one_b.peak_memory_bytes[-1]
     assert np.isclose(sum(zb.flops_per_rank), sum(one_f_one_b.flops_per_rank))
+
+
+@pytest.mark.parametrize("extra", [("strategy.zero_stage=1",), ("train.precision=fp16",), ("train.precision=fp32",)])
+def test_only_bf16_optimizer_drops_its_gradients_under_zb_h1(extra):
+    """bf16.immediate_grad_update is written for bf16 only and read by BF16_Optimizer only (bf16 ZeRO-0 pipelines):
+    ZeRO-1's optimizer, fp16's and fp32's hold the same gradients under both schedules; `show` (model states per
+    ZeRO stage) agrees, and in bf16 prices the drop at ZeRO-0 only."""
+    from mist_ds.report.show import show_facts
+
+    one_f_one_b, zb = (compose([*TINY_PP8, *extra, f"strategy.schedule={s}"]) for s in ("1f1b", "zb-h1"))
+    assert [m["grads"] for m in predict(zb).model_state_bytes] == \
+        [m["grads"] for m in predict(one_f_one_b).model_state_bytes]
+    shown, shown_1f1b = (show_facts(s)["model_state_bytes_per_gpu"] for s in (zb, one_f_one_b))
+    dropped = zb.train.precision == "bf16"
+    assert {z: b for z, b in shown.items() if z != "0" or not dropped} == \
+        {z: b for z, b in shown_1f1b.items() if z != "0" or not dropped}
+    assert (shown["0"] < shown_1f1b["0"]) == dropped
 
 
 def test_zb_h1_is_emitted_on_mist_and_refused_where_it_is_not_priced():
@@ -173,7 +197,8 @@ def test_zb_h1_is_searched_only_where_it_composes(extra, tp, expected):
 
 def test_explain_shows_w_within_compute_and_the_deferred_w_memory_predict_adds():
     """explain's zb-h1 facts: each stage's W seconds are part of its compute (time_breakdown), and its deferred W's
-    bytes are what predict's peak under zb-h1 holds beyond the same plan's 1F1B peak."""
+    bytes are what predict's peak under zb-h1 holds beyond the same plan's 1F1B peak, less the bf16 gradients
+    BF16_Optimizer drops under zb-h1 (bf16.immediate_grad_update)."""
     from mist_ds.report.explain import split_backward_facts, time_breakdown
 
     specs = compose([*TINY_PP8, "strategy.schedule=zb-h1"])
@@ -182,6 +207,7 @@ def test_explain_shows_w_within_compute_and_the_deferred_w_memory_predict_adds()
     zb, one_f_one_b = predict(specs), predict(compose([*TINY_PP8, "strategy.schedule=1f1b"]))
     for i, row in enumerate(time_breakdown(specs, zb)):
         assert 0 < facts["weight_gradient_s"][i] < row["compute_s"]
+        dropped = one_f_one_b.model_state_bytes[i]["grads"] - zb.model_state_bytes[i]["grads"]
         assert np.isclose(facts["deferred_weight_bytes"][i],
-                          zb.peak_memory_bytes[i] - one_f_one_b.peak_memory_bytes[i], rtol=1e-12, atol=0)
+                          zb.peak_memory_bytes[i] - one_f_one_b.peak_memory_bytes[i] + dropped, rtol=1e-12, atol=0)
     assert split_backward_facts(compose([*TINY_PP8, "strategy.schedule=1f1b"]), costs, hw) is None

@@ -2,7 +2,8 @@
 with real DeepSpeed, fp32 losses bitwise equal to the same plan at 1F1B over 5 steps (ZeRO-0 with the per-layer
 reducer, with recompute, ZeRO-1); the instruction stream each rank ran is specs/pipeline_order.py's; observed
 independently (a post-accumulate-grad hook per parameter), the linears' weight gradients accumulate only inside W
-instructions and the rest only inside B; the step census equals the prediction. Without a launch: the schedule's
+instructions and the rest only inside B; the step census and, in fp32 and bf16, the model states' census (bf16: no
+module .grad under bf16.immediate_grad_update) equal the prediction. Without a launch: the schedule's
 instructions, and what the emitter and the runtime refuse, each with its rule."""
 from __future__ import annotations
 
@@ -48,7 +49,19 @@ def run(pp: int, features: dict[str, tuple[str, ...]], ranks: int | None = None,
             cases.append({"name": f"{feature}-{schedule}", "config": config,
                           "model": dataclasses.asdict(specs.model), "steps": STEPS})
     by_rank = launch(WORKER, ranks or pp, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
-    return {key: (specs_of[key], [rank_results[i] for rank_results in by_rank]) for i, key in enumerate(keys)}
+    results = {key: (specs_of[key], [rank_results[i] for rank_results in by_rank]) for i, key in enumerate(keys)}
+    if precision != "fp16":  # the harness's Facts count bf16 and fp32 engines (mist_ds/testing/model_states.py)
+        for (key, (specs, ranks_ran)), case in zip(results.items(), cases):
+            check_model_states(specs, case["config"], ranks_ran, case["name"])
+    return results
+
+
+def check_model_states(specs, config: dict, results: list[dict], name: str) -> None:
+    """Each rank's model states, counted in the engine, equal the prediction field by field (1F1B and zb-h1 alike;
+    mist_ds/testing/model_states.py)."""
+    from mist_ds.testing.model_states import assert_model_states_are_predicted
+
+    assert_model_states_are_predicted(specs, config, predict(specs).to_dict(), results, name)
 
 
 def check_zb_h1(results, feature: str) -> None:

@@ -1,16 +1,18 @@
-"""Rank side of tests/test_zero_bubble_runtime.py: train a plan for a few steps; record the instruction stream the
-engine ran in its last step and, independently of mist_ds/runtime/zero_bubble.py, during which instruction each
-parameter's gradient accumulated (a post-accumulate-grad hook per parameter, installed after the runtime's own);
-then one step under the step census."""
+"""Rank side of tests/test_zero_bubble_runtime.py: train a plan for a few steps, the model states counted in the
+second (mist_ds/observe watch_model_states); record the instruction stream the engine ran in its last step and,
+independently of mist_ds/runtime/zero_bubble.py, during which instruction each parameter's gradient accumulated (a
+post-accumulate-grad hook per parameter, installed after the runtime's own); then one step under the step census."""
 from __future__ import annotations
 
 import torch
 
 from mist_ds.models.tp import ColumnParallelLinear, RowParallelLinear
-from mist_ds.observe import count_step
+from mist_ds.observe import count_step, watch_model_states, what_ran
 from mist_ds.observe.ranks import run_cases_on_cpu_ranks
 from mist_ds.specs import ModelSpec
-from tests.runtime_worker import DATA_SEED, synthetic_batches
+from tests.runtime_worker import DATA_SEED, param_sizes, synthetic_batches
+
+COUNTED_STEP = 1  # the model states' census: a step after the first, whose optimizer states exist
 
 
 def linear_weights(planned) -> set[int]:
@@ -27,10 +29,11 @@ def run_case(case: dict) -> dict:
     par = planned.plan.strategy.parallelism
     engine = planned.engine
     losses = []
+    watch_model_states(planned)
     for step in range(case["steps"]):
         batches = synthetic_batches(model, par.micro_batch_size, par.grad_accum,
                                     DATA_SEED + step * 1000 + planned.dp_rank)
-        losses.append(planned.train_batch(batches, observed=False))
+        losses.append(planned.train_batch(batches, observed=step == COUNTED_STEP))
     executed = [list(i) for i in getattr(engine, "executed", [])]
     weights = linear_weights(planned)
     accumulated: list[list] = []  # [instruction running (kind, micro-batch) or None, whether a linear's weight]
@@ -49,7 +52,8 @@ def run_case(case: dict) -> dict:
     result = {"case": case["name"], "losses": losses, "stage": planned.stage, "engine": type(engine).__name__,
               "executed": executed, "accumulated": accumulated, "census": census,
               "split_linears": getattr(getattr(engine, "weight_gradients", None), "split_linears", 0),
-              "peak_held_bytes": getattr(getattr(engine, "weight_gradients", None), "peak_held_bytes", 0)}
+              "peak_held_bytes": getattr(getattr(engine, "weight_gradients", None), "peak_held_bytes", 0),
+              "what_ran": what_ran(planned), "dp_rank": planned.dp_rank, "param_sizes": param_sizes(planned)}
     planned.close()
     return result
 

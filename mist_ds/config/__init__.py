@@ -28,6 +28,8 @@ MODULE_OPTION = "model=module"
 """The model option of a module handed to Python (conf/model/module.yaml)."""
 LOGGING_OPTION = "mist_ds"
 """The option of `hydra/job_logging` and `hydra/hydra_logging` that conf/config.yaml selects."""
+PROVIDER = "mist_ds"
+"""The provider of what register_configs stores in Hydra's ConfigStore."""
 
 
 def _stderr_logging(line_format: str, logger: str) -> dict[str, Any]:
@@ -44,16 +46,31 @@ def _stderr_logging(line_format: str, logger: str) -> dict[str, Any]:
 
 def register_configs() -> None:
     """Store the schemas the YAML files extend (`base_model`, `base_cluster`, ...) and the logging
-    options conf/config.yaml selects. Idempotent."""
+    options conf/config.yaml selects. Idempotent: what is stored already (by mist_ds, the provider) is kept, since
+    storing converts each dataclass again (a fifth of a compose, which calls this twice: here and in the
+    search-path plugin)."""
     store = ConfigStore.instance()
-    store.store(name="mist_ds_schema", node=MistDsConfig)
-    for group, node in (("model", ModelConfig), ("cluster", ClusterConfig), ("train", TrainConfig),
-                        ("strategy", StrategyConfig), ("tuner", TunerConfig)):
-        store.store(group=group, name=f"base_{group}", node=node)
-    store.store(group="hydra/job_logging", name=LOGGING_OPTION, provider="mist_ds",
-                node=_stderr_logging("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s", "mist_ds"))
-    store.store(group="hydra/hydra_logging", name=LOGGING_OPTION, provider="mist_ds",
-                node=_stderr_logging("[%(asctime)s][HYDRA] %(message)s", "hydra"))
+    entries = [(None, "mist_ds_schema", MistDsConfig)]
+    entries += [(group, f"base_{group}", node) for group, node in (
+        ("model", ModelConfig), ("cluster", ClusterConfig), ("train", TrainConfig), ("strategy", StrategyConfig),
+        ("tuner", TunerConfig))]
+    entries += [("hydra/job_logging", LOGGING_OPTION,
+                 _stderr_logging("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s", "mist_ds")),
+                ("hydra/hydra_logging", LOGGING_OPTION, _stderr_logging("[%(asctime)s][HYDRA] %(message)s", "hydra"))]
+    for group, name, node in entries:
+        if not _stored(store, group, name):
+            store.store(group=group, name=name, node=node, provider=PROVIDER)
+
+
+def _stored(store: ConfigStore, group: str | None, name: str) -> bool:
+    """Whether mist_ds stored `name` in `group` already."""
+    folder = store.repo
+    for part in group.split("/") if group else ():
+        folder = folder.get(part)
+        if not isinstance(folder, dict):
+            return False
+    entry = folder.get(f"{name}.yaml")
+    return entry is not None and entry.provider == PROVIDER
 
 
 @contextlib.contextmanager

@@ -41,11 +41,14 @@ class StageCandidates:
     """Model chunks per stage (interleaved 1F1B; 1 otherwise)."""
     q: np.ndarray
     """Sequence-parallel degree: each rank holds s / q tokens of every sequence (cost/sequence.py; 1 = none)."""
+    split: np.ndarray
+    """1 where the strategy's schedule splits the backward into B and W (pipeline_order.SPLIT_SCHEDULES), else 0."""
 
     @classmethod
     def of(cls, **values) -> "StageCandidates":
-        """Arrays broadcast together; `v` defaults to 1 (no interleaving), `q` to 1 (no sequence parallelism)."""
-        values = {"v": 1, "q": 1, **values}
+        """Arrays broadcast together; `v` defaults to 1 (no interleaving), `q` to 1 (no sequence parallelism),
+        `split` to 0 (an unsplit backward)."""
+        values = {"v": 1, "q": 1, "split": 0, **values}
         arrays = np.broadcast_arrays(*(np.asarray(values[f.name], dtype=np.float64) for f in fields(cls)))
         return cls(*arrays)
 

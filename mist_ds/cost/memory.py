@@ -19,7 +19,11 @@ the pipeline row. ZeRO keeps an fp32 master partition in fp32 training too (12 b
   fp32 master + Adam 12P, gradients bP, buffers 4P (an fp32 copy of the gradients while stepping).
 - ZeRO 0 in a pipeline, bf16: BF16_Optimizer: flat weights b Pa, gradients b Pa + bP (an
   accumulation buffer beside the module's .grad), fp32 master + Adam 12 ps, buffers 4 ps (the fp32
-  gradient partition while stepping).
+  gradient partition while stepping). With `bf16.immediate_grad_update` (what mist_ds/emit writes for a
+  schedule that splits the backward, executor_rules.immediate_grad_update) a hook adds each gradient to the
+  buffer as autograd lands it and drops the .grad (bf16_optimizer.py accumulate_hp_grads_and_remove_lp):
+  gradients b Pa (one parameter's .grad between its landing and its hook is the layer's backward transient,
+  cost/stage_memory.py).
 - ZeRO 0, fp32, with or without a pipeline: torch AdamW: weights 4P, gradients 4P, Adam 8P.
 - ZeRO 1 and 2: weights b Pa, fp32 master + Adam 12 ps, buffers max(k b R, 4 ps): the bucket is
   allocated whole whatever P and released before the fp32 gradient partition of the step exists.
@@ -125,6 +129,8 @@ class ModelStateShape:
     """DeepSpeed's overlap_comm at ZeRO-1/2: a second bucket (setup_buckets in stage_1_and_2.py)."""
     oversized_param_elements: Any = None
     """O: elements of the tensors larger than R (None = unknown; read by ZeRO-1 with overlap_comm at G = 1)."""
+    immediate_grad_update: Any = False
+    """bf16.immediate_grad_update is set (executor_rules.immediate_grad_update): BF16_Optimizer keeps no .grad."""
 
 
 def _padded(params, dp):
@@ -181,8 +187,9 @@ def deepspeed_model_states(shape: ModelStateShape) -> ModelStateBytes:
     weights = b * np.select([z == 3, torch_optimizer], [p3, p], default=padded)
     weights = weights + b * np.where(z == 3, np.ceil(frozen / d), frozen)
     zero2_partitions = np.where(np.asarray(shape.grad_accum) > 1, 2.0, 1.0)
+    module_grads = np.where(np.asarray(shape.immediate_grad_update, dtype=bool), 0.0, p)  # BF16_Optimizer's .grad
     grads = b * np.select([torch_optimizer, bf16_optimizer, z == 1, z == 2, z == 3],
-                          [p, padded + p, np.maximum(p, touch), zero2_partitions * touch, p3])
+                          [p, padded + module_grads, np.maximum(p, touch), zero2_partitions * touch, p3])
     grads = np.where(offloaded & (z >= 2), 0.0, grads)  # no device partition: gradients go to the host
     if shape.oversized_param_elements is not None:  # ZeRO-1, overlap_comm, G = 1: no full .grad (module docstring)
         whole = np.asarray(shape.oversized_param_elements, dtype=np.float64) + np.where(offloaded, 0.0, touch)

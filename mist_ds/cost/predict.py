@@ -87,7 +87,8 @@ def stage_candidates(strategy: StrategySpec, seq_len: int) -> StageCandidates:
         b=par.micro_batch_size, s=seq_len, t=par.tp, d=par.data_group_size, q=par.sp, pp=par.pp, G=par.grad_accum,
         stage=np.arange(par.pp), layers=per_stage("layers"), recompute=per_stage("ckpt_layers"),
         zero=per_stage("zero_stage"), wo=per_stage("weights_offload"), go=per_stage("grads_offload"),
-        oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages)
+        oo=per_stage("optimizer_offload"), ao=per_stage("activations_offload"), v=strategy.virtual_stages,
+        split=strategy.schedule in SPLIT_SCHEDULES)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from mist_ds.cost.candidates import ModelCosts, ShapeIndex, StageCandidates, sta
 from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import ModelSpec, ExecutorCapabilities, TrainSpec, weight_gather_overlapped
-from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs.executor_rules import immediate_grad_update, reduce_bucket_elements_of, reduced_by_deepspeed_hooks
 
 
 @dataclass(frozen=True)
@@ -124,12 +124,13 @@ def stage_memory(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilitie
     bucket = reduce_bucket_elements_of(caps, caps.overlap, c.pp, c.zero, ev(costs.block, "params"))
     deepspeed = caps.model_states == "deepspeed"  # only DeepSpeed's engines size buffers by their tensors
     oversized = oversized_tensors(costs.model, c, bucket) if deepspeed else None
+    bf16 = train.precision == "bf16"
     states = model_state_bytes(caps.model_states, ModelStateShape(
-        params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision, bf16=train.precision == "bf16", pipeline=c.pp > 1,
+        params, c.d, c.zero, hw.dtype_bytes, train.mixed_precision, bf16=bf16, pipeline=c.pp > 1,
         weights_offload=c.wo, grads_offload=c.go, optimizer_offload=c.oo,
         trainable_params=stage_trainable_params(costs, c, ev), grad_accum=c.G, reduce_bucket_elements=bucket,
         largest_param_elements=largest_tensor(costs.model, c) if deepspeed else 0.0, overlap_comm=hooked,
-        oversized_param_elements=oversized))
+        oversized_param_elements=oversized, immediate_grad_update=immediate_grad_update(c.split, bf16)))
     in_flight = in_flight_micro_batches(c.stage, c.pp, c.G, c.v)
     saved, saved_offloaded = saved_bytes(costs, c, ev, caps)
     activations = (saved - saved_offloaded) * in_flight

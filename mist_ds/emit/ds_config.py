@@ -27,8 +27,8 @@ from mist_ds.specs import (EXECUTORS, ConfigError, ExecutorCapabilities, ModelSp
 from mist_ds.specs.buckets import BucketSizes, bucket_sizes
 from mist_ds.specs.executors import OverlapFeatures, capabilities_of
 from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
-from mist_ds.specs.executor_rules import (check_executor, check_schedule_built, reduce_bucket_elements_of,
-                                         reduced_by_deepspeed_hooks)
+from mist_ds.specs.executor_rules import (check_executor, check_schedule_built, immediate_grad_update,
+                                         reduce_bucket_elements_of, reduced_by_deepspeed_hooks)
 from mist_ds.specs.strategy import strategy_from_dict
 
 MIST_BLOCK_VERSION = 2
@@ -81,7 +81,8 @@ def precision_block(precision: str, split_backward: bool = False) -> dict[str, A
     deferred W's included; otherwise it accumulates after each backward and clears the bf16 gradients before the
     next (pipe/engine.py _exec_backward_pass), which loses every W run in between."""
     if precision == "bf16":
-        return {"bf16": {"enabled": True, **({"immediate_grad_update": True} if split_backward else {})}}
+        immediate = bool(immediate_grad_update(split_backward, bf16=True))  # what cost/memory.py prices
+        return {"bf16": {"enabled": True, **({"immediate_grad_update": True} if immediate else {})}}
     if precision == "fp16":
         return {"fp16": {"enabled": True, **FP16_DYNAMIC_LOSS_SCALE}}
     return {}

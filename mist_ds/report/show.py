@@ -5,7 +5,8 @@ from typing import Any
 
 from mist_ds.cost.memory import ModelStateShape, model_state_bytes
 from mist_ds.specs import Specs, executor_capabilities
-from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs.executor_rules import immediate_grad_update, reduce_bucket_elements_of, reduced_by_deepspeed_hooks
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.strategy import degrees_text
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -39,12 +40,14 @@ def show_facts(specs: Specs) -> dict[str, Any]:
     largest = max(model.largest_block_tensor(par.tp), model.vocab_tensor(par.tp) if trained_vocab else 0)
     caps = executor_capabilities(strategy.runtime)
     block = model.block_params(par.tp)
+    split = strategy.schedule in SPLIT_SCHEDULES  # bf16 drops its .grad there (executor_rules)
 
     def states_at(zero: int) -> float:  # the runtime's reduce buckets at that ZeRO stage (specs.executor_rules)
         return float(model_state_bytes(caps.model_states, ModelStateShape(
             heaviest, par.data_group_size, zero, train.dtype_bytes, train.mixed_precision, pipeline=par.pp > 1,
             bf16=train.precision == "bf16", largest_param_elements=largest,
             overlap_comm=reduced_by_deepspeed_hooks(caps, caps.overlap, par.pp, zero),
+            immediate_grad_update=immediate_grad_update(split, train.precision == "bf16"),
             reduce_bucket_elements=reduce_bucket_elements_of(caps, caps.overlap, par.pp, zero, block),
             trainable_params=trained)).gpu_total)
 

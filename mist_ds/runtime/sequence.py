@@ -24,6 +24,7 @@ import torch
 
 from mist_ds.models.sequence import SequenceParallel
 from mist_ds.specs.strategy import Parallelism
+from mist_ds.specs.versions import release
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,7 @@ ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM = "0.20.2"
 def zero3_gradient_scale(zero_stage: int, q: int, deepspeed_version: str) -> int:
     """What a sequence-parallel rank's loss share is multiplied by before its backward: q under ZeRO-3 of a DeepSpeed
     before ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM (its reduce-scatter averages the gradients over d q), else 1."""
-    from packaging import version
-
-    fixed = version.parse(deepspeed_version) >= version.parse(ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM)
+    fixed = release(deepspeed_version) >= release(ZERO3_SUMS_SEQUENCE_GRADIENTS_FROM)
     return q if zero_stage == 3 and not fixed else 1
 
 

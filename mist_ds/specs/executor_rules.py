@@ -32,6 +32,16 @@ def runs_bf16_optimizer(zero, pipeline, bf16: bool) -> np.ndarray:
     return (np.asarray(zero) == 0) & (np.asarray(pipeline) > 0) & bool(bf16)
 
 
+def immediate_grad_update(split_backward, bf16: bool) -> np.ndarray:
+    """True where mist_ds's ds_config sets `bf16.immediate_grad_update`: bf16 under a schedule that splits the
+    backward (`split_backward`: pipeline_order.SPLIT_SCHEDULES holds the strategy's schedule), so that
+    BF16_Optimizer accumulates each deferred W's gradient as autograd lands it (mist_ds/emit precision_block).
+    Where BF16_Optimizer runs (`runs_bf16_optimizer`) it then drops each bf16 gradient once its hook has added it
+    to the accumulation buffer (bf16_optimizer.py accumulate_hp_grads_and_remove_lp): cost/memory.py prices its
+    gradients without the module's .grad. Arrays broadcast."""
+    return (np.asarray(split_backward) > 0) & bool(bf16)
+
+
 def weight_gather_overlapped(overlap: OverlapFeatures, pp, zero, d, bf16: bool) -> np.ndarray:
     """True where a stage's post-step all-gather of the updated weights runs in chunks during the next
     first forward (overlap.gather_weights_in_first_forward, the plan's): built for BF16_Optimizer, whose

@@ -22,6 +22,8 @@ from mist_ds.observe.census import storage_keys
 from mist_ds.observe.moments import MomentRecorder, field_peaks
 from mist_ds.observe.ranks import close_cpu_distributed, init_cpu_distributed
 from mist_ds.specs.buckets import DEFAULT_REDUCE_BUCKET_ELEMENTS
+from mist_ds.specs.executor_rules import immediate_grad_update
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 
 WORKER = "mist_ds.testing.model_states:model_states_worker"
 FIELDS = ("weights", "grads", "optimizer", "buffers", "host")
@@ -232,7 +234,8 @@ class Facts:
     params_offload: bool = False  # ZeRO-3 offload_param: the parameter partitions live on the host
     micro_batches: int = 1  # G per step: ZeRO-2 keeps two gradient partitions with more than one
     overlap_comm: bool = False  # ZeRO-1/2 with overlap_comm: a second reduce bucket
-    immediate_grad_update: bool = False  # bf16.immediate_grad_update, which mist_ds's emitter never writes
+    immediate_grad_update: bool = False  # the engine ran with bf16.immediate_grad_update (its ds_config's)
+    split_backward: bool = False  # the plan's schedule splits the backward: the emitter writes the setting in bf16
     module_buffer_bytes: int = 0  # the module's buffers (rotary tables), whole on every rank, beside the weights
     frozen_sizes: tuple[int, ...] = ()  # n_i of the frozen parameters (requires_grad off): weights only
 
@@ -319,7 +322,8 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
         f.P + f.F, f.d, f.zero, f.b, f.bf16, bf16=f.bf16, pipeline=f.pipeline,
         weights_offload=1.0 if f.params_offload else 0.0, optimizer_offload=1.0 if f.offload else 0.0,
         trainable_params=f.P, grad_accum=f.micro_batches, reduce_bucket_elements=f.bucket, largest_param_elements=f.L,
-        persistent_param_elements=f.persistent, overlap_comm=f.overlap_comm, oversized_param_elements=f.oversized))
+        persistent_param_elements=f.persistent, overlap_comm=f.overlap_comm, oversized_param_elements=f.oversized,
+        immediate_grad_update=immediate_grad_update(f.split_backward, f.bf16)))
     held = {field: float(getattr(states, field)) for field in FIELDS}
     return {**held, "weights": held["weights"] + f.module_buffer_bytes}
 
@@ -327,11 +331,12 @@ def predicted_bytes(f: Facts) -> dict[str, float]:
 def residual_bytes(f: Facts, field: str) -> tuple[int, str]:
     """Held minus memory.py where memory.py is right up to a named term: (bytes, formula)."""
     touch_bound = int(partition_touch_elements(f.P, f.d, f.L))  # U
-    if f.zero == 0 and f.pipeline and f.bf16 and f.immediate_grad_update and field == "grads":
+    edited = f.immediate_grad_update and not bool(immediate_grad_update(f.split_backward, f.bf16))
+    if f.zero == 0 and f.pipeline and f.bf16 and edited and field == "grads":
         return -f.b * f.P, (
-            "-b P: BF16_Optimizer with bf16.immediate_grad_update drops each bf16 gradient once its hook has "
-            "accumulated it (deepspeed/runtime/bf16_optimizer.py:707-716), leaving the accumulation buffer b Pa; "
-            "memory.py prices the configs mist_ds emits, without it")
+            "-b P: a ds_config given bf16.immediate_grad_update by hand under an unsplit schedule (mist_ds/emit "
+            "writes it for a split one only, where memory.py prices it): BF16_Optimizer drops each bf16 gradient "
+            "once its hook has accumulated it (deepspeed/runtime/bf16_optimizer.py:707-716)")
     if f.zero == 1 and field == "grads" and f.overlap_comm and f.micro_batches == 1:
         partition, bound = (0, 0) if f.offload else (f.touch, touch_bound)
         held = min(max(f.P, f.touch), partition + f.oversized - f.oversized_cleared)
@@ -425,6 +430,7 @@ def engine_facts(specs, config: dict, result: dict) -> Facts:
                  overlap_comm=own.zero_stage in (1, 2) and bool(
                      stage_ds_config(config, stage)["zero_optimization"].get("overlap_comm")),
                  immediate_grad_update=bool(config.get("bf16", {}).get("immediate_grad_update")),
+                 split_backward=strategy.schedule in SPLIT_SCHEDULES,
                  module_buffer_bytes=result.get("module_buffer_bytes", 0),
                  frozen_sizes=tuple(result.get("frozen_param_sizes", ())))
 

@@ -20,6 +20,7 @@ from mist_ds.cost.stage import stage_boundaries_cross_nodes, stage_times
 from mist_ds.cost.stage_memory import in_flight_micro_batches, stage_memory
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs import ExecutorCapabilities, TrainSpec
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
 from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities
 from mist_ds.tuner.partition_model import StageOptions, front_of_sorted, pareto_columns, pareto_front
 from mist_ds.tuner.space import OPTION_KEYS, GlobalPoint, OptionGrids, stage_option_grid
@@ -126,6 +127,7 @@ class PointPricer:
         return StageCandidates.of(b=point.micro_batch_size, s=self.costs.model.seq_len, t=point.tp,
                                   d=point.data_group_size, q=point.sp, pp=point.pp, G=point.grad_accum,
                                   stage=representatives, layers=priced.layers[None, pick],
+                                  split=self.schedule in SPLIT_SCHEDULES,
                                   **{k: priced.options[k][None, pick] for k in OPTION_KEYS})
 
     def memory(self, priced: PricedOptions, pick: np.ndarray | None = None) -> PricedOptions:
