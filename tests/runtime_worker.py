@@ -2,10 +2,13 @@
 its losses and what the engine did (mist_ds.observe, read from the live engine)."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable, Mapping
+
 import torch
 
 from mist_ds.observe import count_step, watch_model_states, what_ran
-from mist_ds.observe.ranks import run_cases_on_cpu_ranks
+from mist_ds.observe.ranks import launch, run_cases_on_cpu_ranks
 from mist_ds.specs import ModelSpec
 
 DATA_SEED = 1234
@@ -108,3 +111,17 @@ def reference_losses(specs, config: dict, steps: int, norms: list | None = None)
 def runtime_worker(rank: int, world_size: int, payload: dict) -> list[dict]:
     return run_cases_on_cpu_ranks(run_case, payload["cases"])
 
+
+def run_by_world_size(plans: Mapping[str, tuple[int, Any]], steps_of: Callable[[str], int],
+                      timeout_s: float) -> dict[str, list[dict]]:
+    """Every case of `plans` (name -> (ranks, a plan with .config and .specs)) run by `runtime_worker` for
+    steps_of(name) steps, one launch per world size; its results by case name, then rank."""
+    results: dict[str, list[dict]] = {}
+    for ranks in sorted({r for r, _ in plans.values()}):
+        names = [n for n, (r, _) in plans.items() if r == ranks]
+        cases = [{"name": n, "config": plans[n][1].config, "model": dataclasses.asdict(plans[n][1].specs.model),
+                  "steps": steps_of(n)} for n in names]
+        by_rank = launch(f"{__name__}:{runtime_worker.__name__}", ranks, {"cases": cases}, timeout_s=timeout_s)
+        for i, n in enumerate(names):
+            results[n] = [rank_results[i] for rank_results in by_rank]
+    return results

@@ -35,13 +35,11 @@ import torch
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config, read_mist_block
-from mist_ds.observe.ranks import launch
 from mist_ds.specs import ConfigError, executor_capabilities
 from mist_ds.testing.model_states import assert_model_states_are_predicted
 from mist_ds.tuner import tune_specs
-from tests.runtime_worker import reference_losses
+from tests.runtime_worker import reference_losses, run_by_world_size
 
-WORKER = "tests.runtime_worker:runtime_worker"
 NUMERIC_STEPS = 5
 RTOL = 1e-5
 CLIP = 0.05  # below every measured norm of these runs (checked): clipping always binds
@@ -143,15 +141,8 @@ def plans() -> dict[str, Tuned]:
 @pytest.fixture(scope="module")
 def ran(plans) -> dict[str, list[dict]]:
     """Every case run; results by case name, then rank (one launch per world size)."""
-    results: dict[str, list[dict]] = {}
-    for ranks in sorted({r for r, _ in ALL.values()}):
-        names = [n for n, (r, _) in ALL.items() if r == ranks]
-        cases = [{"name": n, "config": plans[n].config, "model": dataclasses.asdict(plans[n].specs.model),
-                  "steps": NUMERIC_STEPS if n in NUMERIC_CASES else 3} for n in names]
-        by_rank = launch(WORKER, ranks, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
-        for i, n in enumerate(names):
-            results[n] = [rank_results[i] for rank_results in by_rank]
-    return results
+    by_name = {name: (ranks, plans[name]) for name, (ranks, _) in ALL.items()}
+    return run_by_world_size(by_name, lambda name: NUMERIC_STEPS if name in NUMERIC_CASES else 3, LAUNCH_TIMEOUT_S)
 
 
 def test_the_tuner_picked_each_case_s_shape(plans):
@@ -338,16 +329,10 @@ def test_random_tuned_plans_run_as_planned():
     """Plans drawn from the tuner over random settings each run a step: none refused, none hangs (the
     launch's hard timeout), each matches its plan and its predicted model states."""
     drawn = random_plans()
-    for ranks in sorted({r for r, _ in drawn.values()}):
-        names = [n for n, (r, _) in drawn.items() if r == ranks]
-        cases = [{"name": n, "config": drawn[n][1].config, "model": dataclasses.asdict(drawn[n][1].specs.model),
-                  "steps": 2} for n in names]
-        by_rank = launch(WORKER, ranks, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
-        for i, n in enumerate(names):
-            results = [rank_results[i] for rank_results in by_rank]
-            assert_ran_the_plan(drawn[n][1], results)
-            plan = drawn[n][1]
-            assert_model_states_are_predicted(plan.specs, plan.config, plan.prediction, results, n)
+    for n, results in run_by_world_size(drawn, lambda name: 2, LAUNCH_TIMEOUT_S).items():
+        plan = drawn[n][1]
+        assert_ran_the_plan(plan, results)
+        assert_model_states_are_predicted(plan.specs, plan.config, plan.prediction, results, n)
 
 
 def test_a_precision_the_accelerator_lacks_is_refused_by_name(monkeypatch):

@@ -24,12 +24,10 @@ import pytest
 from mist_ds.config import compose
 from mist_ds.cost.predict import predict
 from mist_ds.emit import ds_config
-from mist_ds.observe.ranks import launch
 from mist_ds.testing.model_states import assert_model_states_are_predicted
 from mist_ds.testing.step_census import step_census_mismatches
-from tests.runtime_worker import reference_losses
+from tests.runtime_worker import reference_losses, run_by_world_size
 
-WORKER = "tests.runtime_worker:runtime_worker"
 STEPS = 3
 RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 300.0
@@ -62,15 +60,8 @@ def plans() -> dict[str, Plan]:
 
 @pytest.fixture(scope="module")
 def ran(plans) -> dict[str, list[dict]]:
-    results: dict[str, list[dict]] = {}
-    for ranks in sorted({r for r, _ in CASES.values()}):
-        names = [n for n, (r, _) in CASES.items() if r == ranks]
-        cases = [{"name": n, "config": plans[n].config, "model": dataclasses.asdict(plans[n].specs.model),
-                  "steps": STEPS} for n in names]
-        by_rank = launch(WORKER, ranks, {"cases": cases}, timeout_s=LAUNCH_TIMEOUT_S)
-        for i, n in enumerate(names):
-            results[n] = [rank_results[i] for rank_results in by_rank]
-    return results
+    by_name = {name: (ranks, plans[name]) for name, (ranks, _) in CASES.items()}
+    return run_by_world_size(by_name, lambda name: STEPS, LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", list(CASES))
