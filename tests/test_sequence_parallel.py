@@ -187,6 +187,17 @@ def test_sp_is_searched_by_default_only_for_long_sequences_and_where_deepspeed_r
     assert {p.sp for p in _points("model.seq_len=16384", "tuner.sp=[1,2]", runtime="mist")} == {1, 2}
 
 
+def test_tuner_sp_leaves_the_baseline_spaces_as_their_systems_run():
+    """tuner.sp asks the user's space for degrees; the baselines compared beside it (megatron, deepspeed, aceso) are
+    searched as their systems run, without sequence parallelism, rather than refusing the whole tune."""
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=4", "train.global_batch_size=8",
+                     "tuner.sp=[2]"])
+    for space in ("megatron", "deepspeed", "aceso"):
+        caps = capabilities_of("deepspeed")
+        points = global_points(specs.model, specs.cluster, specs.train, specs.tuner, space, caps)
+        assert points and {p.sp for p in points} == {1}, space
+
+
 @pytest.mark.parametrize("overrides, runtime, words", [
     (["tuner.sp=[3]"], "deepspeed", "model.num_heads=4"),
     (["tuner.sp=[2]"], "megatron", "does not run sequence parallelism"),

@@ -91,6 +91,8 @@ def sequence_degrees(model: ModelSpec, cluster: ClusterSpec, tuner: TunerSpec, c
     the sequence, kv heads split or replicated; its all-to-alls stay on NVLink), where the executor prices it and
     the target runs it (docs/design.md, Tuner, Sequence parallelism)."""
     runs = plans_sequence_parallel(caps, tuner, space)
+    if space != tuner.space and space not in SEQUENCE_PARALLEL_SPACES:
+        return [1]  # a baseline space (megatron, deepspeed, aceso) compared as its system runs: tuner.sp is not its
     if tuner.sp is not None:
         allowed = [q for q in tuner.sp if q == 1 or (runs and _sp_ok(model, q))]
         if not allowed:  # every degree asked for is refused: say why
