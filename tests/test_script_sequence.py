@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from mist_ds.script.planning import is_hf_model
-from mist_ds.script.sequence import (check_sequence_parallel_data, check_sequence_parallel_model,
-                                     gradient_share_scale)
+from mist_ds.script.sequence import (_labels_from_shift_labels, check_sequence_parallel_data,
+                                     check_sequence_parallel_model, gradient_share_scale)
 from mist_ds.specs import ConfigError
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -111,3 +111,17 @@ def test_the_first_batch_check_counts_the_whole_sequence_from_a_slice():
 
     assert batch_shape_mistake((1, 16), 1, 32, slices=2) is None  # a rank's slice of the priced 32 tokens
     assert "sequences of 64 tokens" in batch_shape_mistake((1, 32), 1, 32, slices=2)
+
+
+def test_a_slice_of_several_sequences_reaches_the_models_loss_as_labels():
+    """DeepSpeed's adapter hands shift_labels as a slice along the sequence of a [b, s] batch, not contiguous for
+    b > 1; the pre-hook passes them (and the labels made of them) so that the causal LM's own loss takes them."""
+    model = llama("sdpa")
+    model.register_forward_pre_hook(_labels_from_shift_labels(pytest.fail), with_kwargs=True)
+    tokens = torch.randint(0, LLAMA["vocab_size"], (2, 16))
+    shift_labels = torch.randint(0, LLAMA["vocab_size"], (2, 16))[:, 8:]  # rank 1's half of 2 sequences
+    assert not shift_labels.is_contiguous()
+    out = model(input_ids=tokens[:, 8:], position_ids=torch.arange(8, 16).expand(2, 8), shift_labels=shift_labels)
+    expected = torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, LLAMA["vocab_size"]),
+                                                 shift_labels.reshape(-1))
+    assert torch.allclose(out.loss, expected)

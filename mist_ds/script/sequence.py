@@ -119,15 +119,20 @@ def sequence_mean_loss(loss: Any, shift_labels: Any, group: Any, share_scale: in
 
 def _labels_from_shift_labels(on_mistake: Callable[[str], None]):
     """A forward pre-hook: the adapter's `shift_labels` handed to the model as its labels too (the causal-LM loss
-    takes shift_labels as already shifted), and a batch without position_ids refused before Ulysses' assert."""
+    takes shift_labels as already shifted), and a batch without position_ids refused before Ulysses' assert. The
+    adapter's slice of a [b, s] batch along s is not contiguous for b > 1, and transformers' ForCausalLMLoss views
+    shift_labels flat: it is handed over contiguous."""
 
     def hook(module, args, kwargs):
         if "position_ids" not in kwargs:
             on_mistake("the model was called without position_ids, which sequence parallelism needs (DeepSpeed "
                        "Ulysses gathers them so that each slice keeps its place): pass the batch's position_ids "
                        "(engine(**batch))")
-        if kwargs.get("shift_labels") is not None and kwargs.get("labels") is None:
-            kwargs = {**kwargs, "labels": kwargs["shift_labels"]}
+        if kwargs.get("shift_labels") is not None:
+            shift_labels = kwargs["shift_labels"].contiguous()
+            kwargs = {**kwargs, "shift_labels": shift_labels}
+            if kwargs.get("labels") is None:
+                kwargs["labels"] = shift_labels
         return args, kwargs
 
     return hook
