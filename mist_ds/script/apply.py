@@ -51,7 +51,7 @@ def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[i
             elif i < first and wrapped:
                 del block.forward  # the class's forward again
     chosen = list(range(first, len(blocks)))
-    log.info("mist_ds: recompute %d of %d blocks (%s)", recompute, len(blocks),
+    log.info("recompute %d of %d blocks (%s)", recompute, len(blocks),
              f"blocks {first}..{len(blocks) - 1}" if recompute else "none")
     return chosen
 

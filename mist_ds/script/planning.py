@@ -78,7 +78,7 @@ def pipeline_overrides(overrides: Sequence[str], pipeline: bool, held_because: s
     asked = _tuner_value(overrides, "tuner.pp")
     if _asks_more_than_one(asked):
         raise ConfigError("tuner.pp", asked, f"{why}; drop --mist tuner.pp or give tuner.pp=[1]")
-    log.info("mist_ds: pipeline parallelism held to pp 1: %s", why)
+    log.info("pipeline parallelism held to pp 1: %s", why)
     return [PIPELINE_HELD]
 
 
@@ -94,7 +94,7 @@ def sequence_overrides(overrides: Sequence[str], training_data: Any) -> list[str
         asked = _tuner_value(overrides, "tuner.sp")
         if _asks_more_than_one(asked):
             raise ConfigError("tuner.sp", asked, f"{error}; drop --mist tuner.sp or give tuner.sp=[1]") from error
-        log.info("mist_ds: sequence parallelism held to sp 1: %s", error)
+        log.info("sequence parallelism held to sp 1: %s", error)
         return [SEQUENCE_HELD]
     return []
 
@@ -157,5 +157,5 @@ def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, pla
     if written:
         write_atomic(plan_dir / CANDIDATES_DIR / VERIFY_FILE,
                      json.dumps(dataclasses.asdict(specs.tuner.verify), indent=1) + "\n")
-    log.info("mist_ds: planned %s into %s", " ".join(overrides), plan_dir)
+    log.info("planned %s into %s", " ".join(overrides), plan_dir)
     return Planned(plan_dir / "plan.json", tuple(written))

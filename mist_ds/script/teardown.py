@@ -44,7 +44,7 @@ class Teardown:
             try:
                 self.close()
             except Exception as error:  # noqa: BLE001 (the script may have destroyed the engine already)
-                log.debug("mist_ds: engine teardown at exit: %s", error)
+                log.debug("engine teardown at exit: %s", error)
             self.close = lambda: None  # the engine may go now
             gc.collect()
         finally:
