@@ -188,7 +188,8 @@ def test_the_example_is_what_its_docstring_says():
 
 def test_a_plan_is_refused_for_another_model_naming_what_differs_not_how_it_was_loaded(tmp_path):
     """The training launch's identity check: loading in bf16 or switching the cache off (what a fine-tuning script
-    does) changes nothing priced, and passes; another FFN width is refused naming config.intermediate_size."""
+    does) changes nothing priced, and passes; another FFN width is refused naming config.intermediate_size, eager
+    attention where sdpa was planned naming the attention."""
     import types
 
     import torch
@@ -211,6 +212,9 @@ def test_a_plan_is_refused_for_another_model_naming_what_differs_not_how_it_was_
     with pytest.raises(ConfigError, match="differs in config.intermediate_size") as error:
         check_plan_is_for(plan, tmp_path / "plan.json", wider, None, tmp_path / "b")
     assert error.value.rule == "plan.model-source"
+    eager = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes, attn_implementation="eager"))
+    with pytest.raises(ConfigError, match=r"differs in attention \(sdpa planned, eager here\)"):
+        check_plan_is_for(plan, tmp_path / "plan.json", eager, None, tmp_path / "c")
 
 
 def test_the_first_batch_is_checked_against_the_priced_shape():

@@ -153,21 +153,26 @@ RUNTIME_ONLY_FIELDS = frozenset({"dtype", "torch_dtype", "use_cache", "architect
 train.precision; the cache, unused in training; bookkeeping save_pretrained writes)."""
 
 
-def _config_fields_that_differ(plan, spec) -> list[str]:
-    """The priced fields of the planned HF config that the handed model's config changes (RUNTIME_ONLY_FIELDS aside);
-    the planned config read where the plan says it was (its own folder for a plan made in the script)."""
+def _hf_fields_that_differ(plan, spec) -> list[str]:
+    """The priced fields of the planned HF model that the handed model changes: its config's (RUNTIME_ONLY_FIELDS
+    aside), and the attention implementation (eager keeps the s x s scores the plan did not price; save_pretrained
+    does not write it, so the config's hash cannot show it). The planned config read where the plan says it was (its
+    own folder for a plan made in the script)."""
     from mist_ds.config import compose
 
-    planned = json.loads(compose(plan.user_overrides, with_strategy=False).model.hf.config_json)
-    here = json.loads(spec.hf.config_json)
-    return sorted(key for key in set(planned) | set(here)
-                  if key not in RUNTIME_ONLY_FIELDS and planned.get(key) != here.get(key))
+    planned_hf = compose(plan.user_overrides, with_strategy=False).model.hf
+    planned, here = json.loads(planned_hf.config_json), json.loads(spec.hf.config_json)
+    differ = [f"config.{key}" for key in sorted(set(planned) | set(here))
+              if key not in RUNTIME_ONLY_FIELDS and planned.get(key) != here.get(key)]
+    if planned_hf.attn_implementation != spec.hf.attn_implementation:
+        differ.append(f"attention ({planned_hf.attn_implementation} planned, {spec.hf.attn_implementation} here)")
+    return differ
 
 
 def check_plan_is_for(plan, plan_json: Path, model: Any, loss: Callable | None, scratch: Path) -> Any:
     """The handed model's spec, once it is the model the plan was tuned for (ConfigError naming what differs): the
-    same class (and for an HF model the same config fields that are priced, and frozen parameters; a module the same
-    structure hash)."""
+    same class (and for an HF model the same config fields that are priced, attention and frozen parameters; a module
+    the same structure hash)."""
     from mist_ds.plan import model_source_of
 
     spec = _handed_model_spec(plan, model, loss, scratch)
@@ -176,8 +181,8 @@ def check_plan_is_for(plan, plan_json: Path, model: Any, loss: Callable | None, 
     differ = [k for k in keys.get(here["kind"], ()) if planned.get(k) != here.get(k)]
     if planned.get("kind") != here["kind"]:
         differ = ["kind"]
-    elif here["kind"] == "hf" and planned.get("config_sha256") != here["config_sha256"]:
-        differ += [f"config.{key}" for key in _config_fields_that_differ(plan, spec)]
+    elif here["kind"] == "hf":
+        differ += _hf_fields_that_differ(plan, spec)
     if differ:
         raise ConfigError("plan", str(plan_json), f"a plan for {planned}, and the model the script hands over differs "
                                                   f"in {', '.join(differ)}: tune for this model (drop --plan)",
