@@ -40,6 +40,24 @@ def param_sizes(planned) -> list[int]:
     return [p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in planned.engine.module.parameters()]
 
 
+def record_stepped_norms(planned) -> list[float]:
+    """The norm of the gradients the optimizer steps with, appended each step, where that is the whole gradient's and
+    unclipped: DeepSpeed's fp32 ZeRO-0 path reports no norm, and there every rank of one stage without TP holds the
+    whole reduced gradient (an empty list elsewhere)."""
+    engine, par = planned.engine, planned.plan.strategy.parallelism
+    seen: list[float] = []
+    whole = par.tp == 1 and par.pp == 1 and planned.plan.strategy.stages[0].zero_stage == 0
+    if not whole or engine.gradient_clipping() > 0 or not isinstance(engine.optimizer, torch.optim.Optimizer):
+        return seen
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    engine.optimizer.register_step_pre_hook(record)
+    return seen
+
+
 def run_case(case: dict) -> dict:
     from mist_ds.runtime import initialize
 
@@ -50,6 +68,7 @@ def run_case(case: dict) -> dict:
         watch_model_states(planned)
     par = planned.plan.strategy.parallelism
     dp_rank = planned.dp_rank
+    stepped_norms = record_stepped_norms(planned)
     losses, norms, steps = [], [], case.get("steps", 3)
     for step in range(steps):
         # Each data-parallel rank reads its own shard of the step's samples.
@@ -57,6 +76,8 @@ def run_case(case: dict) -> dict:
         # model states counted in the last step (Adam's states exist from the first step on)
         losses.append(planned.train_batch(batches, observed=step == steps - 1))
         norm = planned.engine.get_global_grad_norm()  # what clipping used (None when clipping is off)
+        if norm is None and stepped_norms:
+            norm = stepped_norms[-1]
         norms.append(None if norm is None else float(norm))
     did = what_ran(planned)
     # One more step under the step census (never a timed or a model-state-counted step).
@@ -77,15 +98,15 @@ def run_case(case: dict) -> dict:
 
 
 def reference_losses(specs, config: dict, steps: int, norms: list | None = None) -> list[float]:
-    """The plan's layers in one process, plain torch, fed what data-parallel rank 0 reads (the whole sequences): loss
-    / G backward per micro-batch, clipping to train.grad_clip (0: none; each step's norm appended to `norms`), AdamW
-    with the plan's settings (`config`'s optimizer block)."""
+    """The plan's layers in one process, plain torch, fed what every data-parallel rank reads (the whole sequences):
+    loss / (G d) backward per micro-batch, clipping to train.grad_clip (0: none; each step's gradient norm appended to
+    `norms` either way), AdamW with the plan's settings (`config`'s optimizer block). Each step's loss as the runtime
+    reports it: the mean over the d ranks' micro-batches."""
     from mist_ds.models.tp import TensorParallel
     from mist_ds.runtime.engine import PlannedModel
     from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
 
     model, par = specs.model, specs.strategy.parallelism
-    assert par.dp == 1, "the reference reads one data-parallel rank's samples"
     recipes = layer_recipes(model, (0, model.num_layers), 0, True, True, 1, TensorParallel(), torch.float32, seed=0)
     module = PlannedModel([PlannedLayer(r) for r in recipes], model.tie_embeddings)
     settings = config["optimizer"]["params"]
@@ -94,17 +115,21 @@ def reference_losses(specs, config: dict, steps: int, norms: list | None = None)
     loss_fn, losses = language_model_loss(TensorParallel()), []
     for step in range(steps):
         total = None
-        for tokens, labels in synthetic_batches(model, par.micro_batch_size, par.grad_accum, DATA_SEED + step * 1000):
-            loss = loss_fn(module(tokens), labels)
-            (loss / par.grad_accum).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+        for reader in range(par.dp):
+            for tokens, labels in synthetic_batches(model, par.micro_batch_size, par.grad_accum,
+                                                    DATA_SEED + step * 1000 + reader):
+                loss = loss_fn(module(tokens), labels)
+                (loss / (par.grad_accum * par.dp)).backward()
+                total = loss.detach() if total is None else total + loss.detach()
         if specs.train.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), specs.train.grad_clip)
-            if norms is not None:
-                norms.append(float(norm))
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None])
+        if norms is not None:
+            norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(total / par.grad_accum))
+        losses.append(float(total / (par.grad_accum * par.dp)))
     return losses
 
 

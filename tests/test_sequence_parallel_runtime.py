@@ -3,9 +3,10 @@ zoo's tiny model on real DeepSpeed (CPU ranks, gloo), its attention DeepSpeed's 
 group, each rank fed its half of every sequence, ZeRO sharding and gradient reduction over the d q ranks.
 
 Numerics (fp32, clipping at train.grad_clip 1, dropout 0): the losses and the gradient norms clipping reads equal the
-sp 1 run of the same layers in one process (plain torch, tests/runtime_worker.py `reference_losses`) within RTOL
-(the norms at every ZeRO stage: ZeRO-3's reduce-scatter averages over d q, which the runtime's backward share
-undoes). Attention is the same computation per head (the all-to-alls move values, never add them), but every linear
+sp 1 run of the same layers in one process (plain torch, tests/runtime_worker.py `reference_losses`, every data-parallel
+rank's samples) within RTOL (the norms at every ZeRO stage: ZeRO-3's reduce-scatter averages over d q, which the
+runtime's backward share undoes; ZeRO-0's fp32 path reports none, so that case runs unclipped and the worker reads the
+norm of the gradients the optimizer steps with). The slow lane adds ZeRO-0 and d 2 x sp 2 on 4 ranks (ZeRO-2). Attention is the same computation per head (the all-to-alls move values, never add them), but every linear
 runs on s / 2 tokens per rank, so each weight gradient is two partial sums added by the reduction instead of one
 GEMM's sum over s, and the loss is the sum of two halves' means: fp32 roundings of split sums (relative 2^-24 per
 addition), far below RTOL over 3 Adam steps.
@@ -32,6 +33,8 @@ STEPS = 3
 RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 300.0
 FP32 = ["model=tiny", "train.precision=fp32", "train.grad_clip=1.0", "strategy.micro_batch_size=2"]
+# DeepSpeed's fp32 ZeRO-0 path clips without reporting the norm: unclipped, the worker reads the stepped gradients'
+UNCLIPPED = [*FP32[:2], "train.grad_clip=0", *FP32[3:]]
 
 # name -> (ranks, overrides)
 CASES = {
@@ -39,6 +42,15 @@ CASES = {
                                 "strategy.ckpt_layers=2"]),
     "sp2-zero3": (2, [*FP32, "train.global_batch_size=4", "strategy.sp=2", "strategy.zero_stage=3"]),
 }
+# the slow lane's: ZeRO-0 (the plain all-reduce over d q) and d > 1 beside sp (4 ranks: two sequence groups, each
+# reading its own samples, ZeRO-2's reduce-scatter over all four)
+SLOW_CASES = {
+    "sp2-zero0": (2, [*UNCLIPPED, "train.global_batch_size=4", "strategy.sp=2", "strategy.zero_stage=0"]),
+    "dp2-sp2-zero2": (4, [*FP32, "train.global_batch_size=8", "strategy.sp=2", "strategy.dp=2",
+                          "strategy.zero_stage=2"]),
+}
+ALL_CASES = {**CASES, **SLOW_CASES}
+NAMES = [*CASES, *(pytest.param(name, marks=pytest.mark.slow) for name in SLOW_CASES)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +67,33 @@ def plan_of(ranks: int, overrides: list[str]) -> Plan:
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
-    return {name: plan_of(ranks, overrides) for name, (ranks, overrides) in CASES.items()}
+    return {name: plan_of(ranks, overrides) for name, (ranks, overrides) in ALL_CASES.items()}
+
+
+def _run(cases: dict, plans: dict[str, Plan]) -> dict[str, list[dict]]:
+    return run_by_world_size({name: (ranks, plans[name]) for name, (ranks, _) in cases.items()}, lambda name: STEPS,
+                             LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def ran(plans) -> dict[str, list[dict]]:
-    by_name = {name: (ranks, plans[name]) for name, (ranks, _) in CASES.items()}
-    return run_by_world_size(by_name, lambda name: STEPS, LAUNCH_TIMEOUT_S)
+def ran_fast(plans) -> dict[str, list[dict]]:
+    return _run(CASES, plans)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.fixture(scope="module")
+def ran_slow(plans) -> dict[str, list[dict]]:
+    return _run(SLOW_CASES, plans)
+
+
+@pytest.fixture
+def ran(request, name) -> dict[str, list[dict]]:
+    """The launch that ran case `name` (the slow cases' only when a slow test asks)."""
+    return request.getfixturevalue("ran_slow" if name in SLOW_CASES else "ran_fast")
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_sp2_losses_are_the_sp1_run_s(plans, ran, name):
-    plan = plans[name]
-    norms: list[float] = []
+    plan, norms = plans[name], []
     reference = reference_losses(plan.specs, plan.config, STEPS, norms)
     for result in ran[name]:
         assert result["losses"] == pytest.approx(reference, rel=RTOL), f"{name} rank {result['what_ran']['rank']}"
@@ -77,16 +103,18 @@ def test_sp2_losses_are_the_sp1_run_s(plans, ran, name):
 def test_the_config_names_the_sequence_parallel_size(plans):
     """DeepSpeedConfig reads it where no mpu says d (deepspeed/runtime/config.py, the batch rule's world size)."""
     assert all(plan.config["sequence_parallel_size"] == 2 for plan in plans.values())
+    assert plans["dp2-sp2-zero2"].specs.strategy.parallelism.dp == 2
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_each_rank_held_its_slice_and_deepspeed_the_groups(ran, name):
-    """Every rank of the sequence group read the same samples (data index 0) and kept its own half."""
-    assert sorted(r["sp_rank"] for r in ran[name]) == [0, 1]
-    assert {r["dp_rank"] for r in ran[name]} == {0}
+    """Every rank of a sequence group read the same samples (its group's data index) and kept its own half."""
+    ranks = ALL_CASES[name][0]
+    assert sorted(r["sp_rank"] for r in ran[name]) == sorted([0, 1] * (ranks // 2))
+    assert sorted(r["dp_rank"] for r in ran[name]) == sorted(list(range(ranks // 2)) * 2)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_the_step_census_is_the_accounting(plans, ran, name):
     plan = plans[name]
     for result in ran[name]:
@@ -98,7 +126,7 @@ def test_the_step_census_is_the_accounting(plans, ran, name):
         assert not mismatches, f"{name} rank {result['what_ran']['rank']}: {mismatches}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_model_states_are_the_prediction(plans, ran, name):
     plan = plans[name]
     assert_model_states_are_predicted(plan.specs, plan.config, plan.prediction, ran[name], name)
