@@ -54,7 +54,12 @@ CASES = {  # name -> strategy (tests/test_user_script.py's cases)
                       "strategy.offload.grads=1", "strategy.micro_batch_size=2"),
     "pp2-uneven-fp32": ("strategy.pp=2", "strategy.layers_per_stage=[3,1]", "strategy.ckpt_layers=[1,0]",
                         "strategy.micro_batch_size=2", "train.precision=fp32", "train.grad_clip=0"),
+    "sp2-zero1": ("strategy.sp=2", "strategy.zero_stage=1", "strategy.micro_batch_size=1"),
+    "sp2-zero3": ("strategy.sp=2", "strategy.zero_stage=3", "strategy.micro_batch_size=1"),
 }
+SCRIPT_FLAGS = {"sp2-zero1": ("--training_data",), "sp2-zero3": ("--training_data",)}
+"""The script's own flags per case: under sp the script hands its dataset to mist_ds.initialize, whose dataloader
+DeepSpeed's Ulysses adapter slices (tests/test_user_script.py's sequence-parallel cases)."""
 
 
 @dataclasses.dataclass
@@ -70,7 +75,8 @@ def launch(name: str, plan_json: Path, folder: Path, work: Path) -> tuple[int | 
     census.unlink(missing_ok=True)
     command = [sys.executable, "-m", "mist_ds.cli.deepspeed_launcher", "--master_port", str(free_port()),
                "--autotune-mist", "run", "--plan", str(plan_json), "--num_gpus", "2", str(USER_SCRIPT),
-               "--model_config", str(folder), *(["--pipeline"] if pipeline else ["--census", str(census)])]
+               "--model_config", str(folder), *SCRIPT_FLAGS.get(name, ()),
+               *(["--pipeline"] if pipeline else ["--census", str(census)])]
     try:
         done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
                               env={**os.environ, **CPU_ENV}, start_new_session=True)

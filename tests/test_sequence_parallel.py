@@ -69,6 +69,18 @@ def test_an_executor_not_priced_with_sp_refuses_it_by_rule():
     assert err.value.rule == "megatron.sp" and "strategy.sp=1" in str(err.value)
 
 
+@pytest.mark.parametrize("zero, reduced_bytes_per_element", [(0, 2), (1, 4), (2, 4), (3, 2)])
+def test_zero_1_and_2_reduce_bf16_gradients_in_fp32_under_sp(zero, reduced_bytes_per_element):
+    """DeepSpeed's ZeRO-1/2 bucket all-reduce casts to fp32 whenever sequence_parallel_size > 1, whatever the config
+    says (zero/stage_1_and_2.py allreduce_bucket); ZeRO-0 and ZeRO-3 reduce in the configured bf16. Counted in the
+    engine: tests/test_sequence_parallel_runtime.py's bf16 case."""
+    specs, priced = _priced("strategy.sp=2", f"strategy.zero_stage={zero}", "train.precision=bf16")
+    kind = "reduce_scatter" if zero == 3 else "all_reduce"
+    params = priced.model_state_bytes[0]["weights"] / 2 * (2 if zero == 3 else 1)  # ZeRO-3 shards the weights
+    micro_batches = specs.strategy.parallelism.grad_accum if zero >= 2 else 1  # ZeRO-2/3 reduce every micro-batch
+    assert priced.comm_bytes_per_rank[0][f"{kind}/sequence"] == micro_batches * reduced_bytes_per_element * params
+
+
 def _priced(*overrides: str):
     specs = compose(["model=tiny", "cluster=cpu", "train.global_batch_size=4", "strategy.micro_batch_size=1",
                      *overrides])

@@ -38,6 +38,20 @@ def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_
     assert set(PLAN_KEYS) >= {"train_batch_size", "tensor_parallel"}
 
 
+def test_a_users_config_takes_the_plans_sequence_parallel_settings():
+    """Under sp the reduction type is priced as the plan writes it: a user's config without it would leave DeepSpeed
+    reducing in its default fp32, and a user's other value is replaced and said."""
+    plan = {**PLAN_CONFIG, "sequence_parallel_size": 2, "seq_parallel_communication_data_type": "bf16"}
+    user = read_user_config(None, {"optimizer": {"type": "AdamW"}, "bf16": {"enabled": True}})
+    merged, replaced = merged_config(user, plan, client_optimizer=False)
+    assert merged["sequence_parallel_size"] == 2 and merged["seq_parallel_communication_data_type"] == "bf16"
+    assert replaced == []
+    user = read_user_config(None, {"bf16": {"enabled": True}, "seq_parallel_communication_data_type": "fp32"})
+    merged, replaced = merged_config(user, plan, client_optimizer=True)
+    assert merged["seq_parallel_communication_data_type"] == "bf16"
+    assert replaced == ["seq_parallel_communication_data_type"]
+
+
 def test_without_a_users_config_the_plans_own_is_used_and_said():
     user = read_user_config(argparse.Namespace(deepspeed_config=None), None)
     assert not user.given and planner_overrides(user) == []

@@ -129,7 +129,8 @@ def comm_bytes(costs: ModelCosts, strategy: StrategySpec, train: TrainSpec, caps
         tied_vocab = vocab_shard if model.tie_embeddings and par.pp == 1 else 0.0
         traffic = data_parallel_traffic(stage.zero_stage, par.pp > 1, train.precision == "bf16",
                                         dtype_bytes * float(params[i]), dtype_bytes * tied_vocab,
-                                        trained_bytes=dtype_bytes * float(trained[i]))
+                                        trained_bytes=dtype_bytes * float(trained[i]), dtype_bytes=dtype_bytes,
+                                        q=par.sp)
         for key, value in _data_parallel(traffic, dtype_bytes, float(trained[i]), par.data_group_size,
                                          par.grad_accum).items():
             terms[key] += value

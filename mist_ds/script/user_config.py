@@ -16,8 +16,11 @@ from typing import Any, Mapping
 from mist_ds.specs.errors import ConfigError
 
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "tensor_parallel", "zero_force_ds_cpu_optimizer", "pipeline", "mist")
-"""Keys of a DeepSpeed config the plan decides: the user's values of them are replaced (and said)."""
+             "tensor_parallel", "sequence_parallel_size", "seq_parallel_communication_data_type",
+             "zero_force_ds_cpu_optimizer", "pipeline", "mist")
+"""Keys of a DeepSpeed config the plan decides: the user's values of them are replaced (and said). The reduction type
+under sequence parallelism is the plan's too: DeepSpeed reduces in fp32 there unless told (its default), and the plan
+prices the type it writes."""
 ZERO_KEY = "zero_optimization"
 OFFLOAD_KEYS = ("offload_param", "offload_optimizer")
 """zero_optimization's offload sections: the plan says whether and where (`device`); the user's other settings of a

@@ -32,6 +32,16 @@ def runs_bf16_optimizer(zero, pipeline, bf16: bool) -> np.ndarray:
     return (np.asarray(zero) == 0) & (np.asarray(pipeline) > 0) & bool(bf16)
 
 
+def reduces_gradients_in_fp32(zero, q) -> np.ndarray:
+    """True where DeepSpeed 0.19.8 reduces a stage's gradients in fp32 whatever the training type: ZeRO-1/2 under
+    sequence parallelism (q > 1), whose bucket all-reduce casts to fp32 then (zero/stage_1_and_2.py allreduce_bucket:
+    `if pg_correctness_test or self.sequence_parallel_size > 1: communication_data_type = torch.float32`, ignoring
+    seq_parallel_communication_data_type, which ZeRO-0 and ZeRO-3 follow; ZeRO-1/2 reach it through reduce_scatter,
+    on by default and in the emitted config: average_tensor -> allreduce_and_scatter / allreduce_no_retain). Arrays
+    broadcast."""
+    return np.isin(np.asarray(zero), (1, 2)) & (np.asarray(q) > 1)
+
+
 def immediate_grad_update(split_backward, bf16: bool) -> np.ndarray:
     """True where mist_ds's ds_config sets `bf16.immediate_grad_update`: bf16 under a schedule that splits the
     backward (`split_backward`: pipeline_order.SPLIT_SCHEDULES holds the strategy's schedule), so that

@@ -11,7 +11,7 @@ from mist_ds.cost.candidates import vocab_shard_elements
 from mist_ds.cost.executors.interface import StageInputs, StageMoves
 from mist_ds.cost.executors.mist import layerwise_reduce
 from mist_ds.cost.memory import FP32_BYTES
-from mist_ds.specs.executor_rules import reduce_bucket_elements_of, runs_bf16_optimizer
+from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduces_gradients_in_fp32, runs_bf16_optimizer
 
 # torch's AdamW as DeepSpeed runs it with `torch_adam: true` (foreach on a GPU, torch/optim/adam.py
 # _multi_tensor_adam; the single-tensor loop elsewhere does the same passes): eight passes over fp32
@@ -66,24 +66,28 @@ class DataParallelTraffic:
 
 
 def data_parallel_traffic(zero, pipeline, bf16: bool, weight_bytes, shared_weight_bytes=0.0,
-                          trained_bytes=None) -> DataParallelTraffic:
+                          trained_bytes=None, dtype_bytes=None, q=1) -> DataParallelTraffic:
     """What DeepSpeed's optimizer for ZeRO stage `zero` moves over the data-parallel group for a stage of
-    `weight_bytes` (model dtype); BF16_Optimizer runs bf16 pipelines with ZeRO-0. `shared_weight_bytes`:
-    a weight two modules of the stage use (ZeRO-3 gathers it for each). `trained_bytes` (None: all the
-    weights): those with requires_grad, the only ones reduced and, in ZeRO-1/2's and BF16_Optimizer's flat
-    groups, gathered after the step; ZeRO-3 gathers frozen weights too."""
+    `weight_bytes` (model dtype, `dtype_bytes` per element); BF16_Optimizer runs bf16 pipelines with ZeRO-0.
+    `shared_weight_bytes`: a weight two modules of the stage use (ZeRO-3 gathers it for each). `trained_bytes`
+    (None: all the weights): those with requires_grad, the only ones reduced and, in ZeRO-1/2's and BF16_Optimizer's
+    flat groups, gathered after the step; ZeRO-3 gathers frozen weights too. `q`: the sequence-parallel degree,
+    under which ZeRO-1/2 reduce in fp32 (reduces_gradients_in_fp32; `dtype_bytes` needed there)."""
     trained_bytes = weight_bytes if trained_bytes is None else trained_bytes
     zero, pipeline, weight_bytes, trained_bytes = np.broadcast_arrays(*(
         np.asarray(x, dtype=np.float64) for x in (zero, pipeline, weight_bytes, trained_bytes)))
     bf16_optimizer = runs_bf16_optimizer(zero, pipeline, bf16)
     none = np.zeros_like(weight_bytes)
     zero3 = zero == 3
+    fp32_reduction = reduces_gradients_in_fp32(zero, q)
+    reduced_bytes = (np.where(fp32_reduction, trained_bytes * FP32_BYTES / dtype_bytes, trained_bytes)
+                     if fp32_reduction.any() else trained_bytes)
     return DataParallelTraffic(
-        micro_all_reduce=np.where(zero == 2, trained_bytes, none),
+        micro_all_reduce=np.where(zero == 2, reduced_bytes, none),
         micro_reduce_scatter=np.where(zero3, trained_bytes, none),
         micro_gather_fwd=np.where(zero3, weight_bytes + shared_weight_bytes, none),
         micro_gather_bwd=np.where(zero3, weight_bytes, none),
-        step_all_reduce=np.where(zero <= 1, trained_bytes, none),
+        step_all_reduce=np.where(zero <= 1, reduced_bytes, none),
         step_all_gather=np.where((zero == 1) | (zero == 2) | bf16_optimizer, trained_bytes, none),
         partitioned_step=(zero >= 1) | bf16_optimizer)
 
@@ -112,7 +116,7 @@ def moves(inputs: StageInputs) -> StageMoves:
     model = costs.model
     shared = np.where((c.pp == 1) & model.tie_embeddings, b_w * vocab_shard_elements(model, c), 0.0)
     traffic = data_parallel_traffic(c.zero, c.pp > 1, train.precision == "bf16", weight_bytes, shared,
-                                    trained_bytes=b_w * params)
+                                    trained_bytes=b_w * params, dtype_bytes=b_w, q=c.q)
     layer_bytes = b_w * ev(costs.block, "params")
     layer_trained_bytes = b_w * ev(costs.block, "trainable_params")
     zero3 = c.zero == 3
