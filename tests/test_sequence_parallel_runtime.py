@@ -8,9 +8,10 @@ rank's samples) within RTOL (the norms at every ZeRO stage: ZeRO-3's reduce-scat
 runtime's backward share undoes; ZeRO-0's fp32 path reports none, so that case runs unclipped and the worker reads the
 norm of the gradients the optimizer steps with). The slow lane adds ZeRO-0, d 2 x sp 2 on 4 ranks (ZeRO-2), a llama
 shape with one kv head (replicated), and bf16 ZeRO-2 (census only: it reduces in fp32 under sp). Attention is the same
-computation per head (the all-to-alls move values, never add them), but every linear runs on s / 2 tokens per rank, so each weight gradient is two partial sums added by the reduction instead of one
-GEMM's sum over s, and the loss is the sum of two halves' means: fp32 roundings of split sums (relative 2^-24 per
-addition), far below RTOL over 3 Adam steps.
+computation per head (the all-to-alls move values, never add them), but every linear runs on s / 2 tokens per rank,
+so each weight gradient is two partial sums added by the reduction instead of one GEMM's sum over s, and the loss is
+the sum of two halves' means: fp32 roundings of split sums (relative 2^-24 per addition), far below RTOL over 3 Adam
+steps.
 
 The census (mist_ds/observe/counting.py), counted in the engine, equals the plan's prediction (mist_ds/cost/sequence.py
 and the accounting): the all-to-alls' bytes per rank on group `sequence` (four per block forward, recompute included,
