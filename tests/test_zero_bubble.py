@@ -79,6 +79,35 @@ def test_a_pp8_plan_s_zb_h1_bubble_is_at_most_half_its_1f1b_bubble():
     assert np.isclose(sum(zb.flops_per_rank), sum(one_f_one_b.flops_per_rank))
 
 
+def test_at_tp2_w_is_the_local_weight_gradients_and_b_carries_the_tp_collectives():
+    """Priced as the runtime splits it at t = 2 (tests/test_zero_bubble_runtime.py observes it): each W span lasts
+    its stage's weight-gradient GEMMs at t = 2, a rank's own shards, with no collective; each B span the rest of the
+    stage's backward, the TP all-reduces of its blocks' backward and the re-assembly of the partitioned pipeline
+    tensors included."""
+    from mist_ds.cost.executors.zero_bubble import stage_weight_gradient_s
+    from mist_ds.cost.layer_time import layer_times
+    from mist_ds.cost.predict import simulate_iteration, stage_candidates
+    from mist_ds.cost.stage import stage_times
+    from mist_ds.specs.executors import capabilities_of
+
+    specs = compose([*TINY_PP8, "strategy.pp=2", "strategy.tp=2", "cluster.gpus_per_node=4",
+                     "train.global_batch_size=8", "strategy.schedule=zb-h1"])
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    times = stage_times(costs, hw, capabilities_of("mist"), specs.train, c)
+    w = stage_weight_gradient_s(costs, hw, c)
+    block_tp_s = float(layer_times(costs.block, hw, 1, specs.model.seq_len, 2).bwd_tp_s)
+    assert block_tp_s > 0 and np.all(w > 0)
+    spans = simulate_iteration(specs).spans
+    for span in spans:
+        length = span.end_s - span.start_s
+        if span.kind == BACKWARD_WEIGHT:
+            assert np.isclose(length, w[span.stage], rtol=1e-12)
+        elif span.kind == BACKWARD_INPUT:
+            assert np.isclose(length, times.bwd_s[span.stage] - w[span.stage], rtol=1e-12)
+            assert length > c.layers[span.stage] * block_tp_s
+
+
 @pytest.mark.parametrize("extra", [("strategy.zero_stage=1",), ("train.precision=fp16",), ("train.precision=fp32",)])
 def test_only_bf16_optimizer_drops_its_gradients_under_zb_h1(extra):
     """bf16.immediate_grad_update is written for bf16 only and read by BF16_Optimizer only (bf16 ZeRO-0 pipelines):
@@ -180,10 +209,10 @@ def repriced_strategy(result):
 
 @pytest.mark.parametrize("extra,tp,expected", [([], 1, ("1f1b", "zb-h1")),
                                                (["train.precision=fp16"], 1, ("1f1b", "zb-h1")),
-                                               ([], 2, ("1f1b",)), (["tuner.runtime=deepspeed"], 1, ("1f1b",))])
+                                               ([], 2, ("1f1b", "zb-h1")), (["tuner.runtime=deepspeed"], 1, ("1f1b",))])
 def test_zb_h1_is_searched_only_where_it_composes(extra, tp, expected):
-    """The schedules of a pp 4 point: zb-h1 on executor mist (at tp 2 rule split-tp refuses it); an executor that does
-    not run it searches 1F1B alone; a single stage has no order to choose."""
+    """The schedules of a pp 4 point: zb-h1 on executor mist, with TP too; an executor that does not run it searches
+    1F1B alone; a single stage has no order to choose."""
     from mist_ds.specs.executors import capabilities_of
     from mist_ds.tuner.search import point_schedules
     from mist_ds.tuner.space import GlobalPoint, tuner_executor
