@@ -33,6 +33,25 @@ def test_equal_passes_leave_the_papers_bubble(stages, micro_batches):
     assert one_f_one_b == 3 * (micro_batches + stages - 1)
 
 
+@pytest.mark.parametrize("forward,backward,weight",
+                         [(1.0, 1.0, 1.0), (1.0, 1.5, 0.8), (1.0, 3.0, 0.9), (0.7, 0.7, 0.3)])
+def test_zb_h1_s_closed_form_is_the_simulation_of_equal_stages(forward, backward, weight):
+    """The partition solvers' objective under zb-h1 (tuner/partition.py; derived in docs/design.md, The `zb-h1`
+    schedule) is the event simulation's iteration on equal stages whose W is at most their F (every G, G < S
+    included); where W exceeds F the simulation is longer (the derivation's bound on the warm-up)."""
+    from mist_ds.tuner.partition_model import partition_objective
+
+    for stages in (2, 3, 4, 8):
+        for micro_batches in (1, 2, 3, stages, 2 * stages, 5 * stages):
+            zeros, T = [0.0] * stages, forward + backward + weight
+            simulated, _ = simulate_split([forward] * stages, [backward] * stages, [weight] * stages, zeros, zeros,
+                                          micro_batches, zeros)
+            closed = partition_objective([T] * stages, zeros, zeros, micro_batches, weight_s=[weight] * stages)
+            assert np.isclose(closed, simulated, rtol=1e-12)
+    longer, _ = simulate_split([0.5] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 4, [0.0] * 4, 8, [0.0] * 4)
+    assert longer > partition_objective([2.5] * 4, [0.0] * 4, [0.0] * 4, 8, weight_s=[1.0] * 4)
+
+
 @pytest.mark.parametrize("stages,micro_batches", [(1, 3), (2, 1), (3, 2), (4, 8), (8, 3)])
 def test_every_stage_runs_each_pass_once_in_micro_batch_order(stages, micro_batches):
     """W's run in micro-batch order (their gradients accumulate as 1F1B's do), each after its B; stage i defers at
@@ -155,15 +174,12 @@ def _with_usable_bytes(overrides, usable_bytes):
 
 
 def test_the_search_picks_zb_h1_where_it_is_faster_and_prices_its_memory_as_predict_does():
-    """With room to spare the searched plan is the 1F1B plan in the zb-h1 order (faster: the simulated bubble), its
-    predicted peaks those of the stages as the search priced them (deferred W's on the later stages)."""
+    """With room to spare the searched plan is a zb-h1 plan (faster: the simulated bubble), its predicted peaks those
+    of the stages as the search priced them (deferred W's on the later stages)."""
     one = _tuned([*TUNE_PP4, "tuner.schedules=[1f1b]"])
     both = _tuned([*TUNE_PP4, "tuner.schedules=[1f1b,zb-h1]"])
     assert one.strategy.schedule == "1f1b" and both.strategy.schedule == "zb-h1"
     assert both.prediction.iteration_time_s < one.prediction.iteration_time_s
-    assert both.strategy.stages == one.strategy.stages
-    assert both.prediction.peak_memory_bytes[-1] > one.prediction.peak_memory_bytes[-1]
-    assert both.prediction.peak_memory_bytes[0] == one.prediction.peak_memory_bytes[0]
     from mist_ds.tuner.intra import PointPricer, position_memory
     from mist_ds.tuner.search import option_grids
     from mist_ds.tuner.space import GlobalPoint
@@ -181,6 +197,36 @@ def test_the_search_picks_zb_h1_where_it_is_faster_and_prices_its_memory_as_pred
                 & (priced.options["go"] == 0) & (priced.options["oo"] == 0))
         peak, _ = position_memory(priced, i, same)
         assert np.allclose(peak, both.prediction.peak_memory_bytes[i], rtol=1e-12)
+
+
+def closed_forms_s(specs, strategy) -> tuple[float, float]:
+    """(1F1B's closed form, ZB-H1's) of `strategy`'s stages (tuner/partition.py), seconds."""
+    from mist_ds.cost.executors.zero_bubble import stage_weight_gradient_s
+    from mist_ds.cost.predict import stage_candidates
+    from mist_ds.cost.stage import stage_times
+    from mist_ds.specs.executors import capabilities_of
+    from mist_ds.tuner.partition_model import partition_objective
+
+    costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
+    c = stage_candidates(strategy, specs.model.seq_len)
+    times = stage_times(costs, hw, capabilities_of(strategy.runtime), specs.train, c)
+    terms = [list(times.stable_s), list(times.delta_s), list(times.end_s), strategy.parallelism.grad_accum]
+    weight = list(stage_weight_gradient_s(costs, hw, c))
+    return partition_objective(*terms), partition_objective(*terms, weight_s=weight)
+
+
+def test_a_zb_h1_point_s_split_minimizes_zb_h1_s_closed_form():
+    """At a pp 4 point with G = S = 4 the solvers' zb-h1 split (ZeRO-0) is not the 1F1B one: each minimizes its
+    schedule's closed form (tuner/partition.py), each pricing its own split below the other's."""
+    from mist_ds.tuner.search import search
+
+    specs = compose([*TUNE_PP4, "tuner.schedules=[1f1b,zb-h1]"], with_strategy=False)
+    plans = {p.variant: p.strategy for p in search(specs).points
+             if p.strategy is not None and p.point.micro_batch_size == 4 and p.point.pp == 4}
+    one_f_one_b, zb = plans[("zero", 0),], plans[("zero", 0), ("schedule", "zb-h1")]
+    assert zb.stages != one_f_one_b.stages
+    (one_in_1f1b, one_in_zb), (zb_in_1f1b, zb_in_zb) = (closed_forms_s(specs, s) for s in (one_f_one_b, zb))
+    assert zb_in_zb < one_in_zb and one_in_1f1b < zb_in_1f1b
 
 
 def test_a_searched_zb_h1_plan_fits_where_the_1f1b_plan_re_priced_does_not():
