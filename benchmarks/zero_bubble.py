@@ -7,7 +7,7 @@ same plan re-priced with the zb-h1 order, and the best plan when it searches bot
 Cases: the Mist paper's 20 (benchmarks/plan_quality.py `cases`, fp16) and the 22b and 175b cases of
 benchmarks/tune_speed.py (bf16), each at its own precision, at fp32 and at bf16. Each is tuned on executor `mist`
 (tuner.runtime=mist, baselines off) twice: tuner.schedules=[1f1b], then [1f1b,zb-h1], which searches zb-h1 at each
-pipeline point it composes with (tp 1, no activation offload) with the memory of its deferred W's. Where the 1F1B
+pipeline point it composes with (no activation offload) with the memory of its deferred W's. Where the 1F1B
 plan is a pipeline, it is also re-priced with strategy.schedule=zb-h1 (`predict_specs`, after `check_schedule_built`):
 the plan a search without the schedule would hand over.
 """
@@ -166,7 +166,7 @@ def main(only: tuple[str, ...]) -> None:
                             COMMAND, "none: predicted plans only, no measurement", started=at_start),
              "Each case is tuned on executor `mist` twice, at its own precision, at fp32 and at bf16: with "
              "tuner.schedules=[1f1b] and with [1f1b,zb-h1], where the search tries zb-h1 at every pipeline point it "
-             "composes with (tp 1, no activation offload; rules `mist.split-tp`, `mist.split-activation-offload`), "
+             "composes with (any tp, no activation offload: rule `mist.split-activation-offload`), "
              "the deferred W's operands in each stage's memory, and keeps whichever plan is faster. The 1F1B plan "
              "is also re-priced with strategy.schedule=zb-h1: the plan a search without "
              "the schedule hands over, often too large once its later stages hold deferred W's.", "",

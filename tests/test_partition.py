@@ -20,10 +20,12 @@ MILP_REL_TOL = 1e-6  # CBC works to feasibility tolerances, on costs scaled to a
 
 
 def brute_force_partition(options: list[StageOptions], S: int, L: int, G: int, imbalance: bool = True,
-                          host: HostSharing | None = None):
+                          host: HostSharing | None = None, split: bool = False):
     """(objective_s, layers, option) of the best split by enumeration, with the objective written the
     way docs/design.md (Tuner) states it (prefix sums), not through the DP's recurrence; None when nothing fits.
-    host: each node's ranks of each stage times the stage's host bytes, summed, within its capacity."""
+    host: each node's ranks of each stage times the stage's host bytes, summed, within its capacity. split:
+    ZB-H1's closed form as tuner/partition.py states it (the sums over T - W, stage 0 keeping its W at G = 1; the
+    maximum over (G - 1) T - (min(S, G) - 2) W), not through partition_model.split_terms."""
     table = {(o.position, o.layers): o for o in options if o.stable_s.size}
     best = None
     for layers in itertools.product(range(1, L + 1), repeat=S):
@@ -37,9 +39,14 @@ def brute_force_partition(options: list[StageOptions], S: int, L: int, G: int, i
             t = np.array([o.stable_s[k] for o, k in zip(picked, option)])
             d = np.array([o.delta_s[k] for o, k in zip(picked, option)])
             e = np.array([o.end_s[k] for o, k in zip(picked, option)])
-            prefix = np.concatenate([[0.0], np.cumsum(t)[:-1]])
+            f, most = t, (G - 1) * t.max()
+            if split:
+                w = np.array([o.weight_s for o in picked])
+                f = t - w * ((np.arange(S) > 0) | (G > 1))
+                most = float(np.max((G - 1) * t - (min(S, G) - 2) * w)) if G > 1 else 0.0
+            prefix = np.concatenate([[0.0], np.cumsum(f)[:-1]])
             deficit = max(0.0, float(np.max(d - prefix))) if imbalance else 0.0
-            objective = float(t.sum() + (G - 1) * t.max() + deficit + e.max())
+            objective = float(f.sum() + most + deficit + e.max())
             if best is None or objective < best[0]:
                 best = (objective, layers, option)
     return best
@@ -49,13 +56,15 @@ def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
 
 
-def _check_consistent(p: Partition, options: list[StageOptions], L: int, G: int, imbalance: bool) -> None:
+def _check_consistent(p: Partition, options: list[StageOptions], L: int, G: int, imbalance: bool,
+                      split: bool = False) -> None:
     """A returned split is well formed and its objective_s is what its choice costs."""
     table = {(o.position, o.layers): o for o in options}
     assert sum(p.layers) == L and len(p.layers) == len(p.option)
     picked = [(table[i, l], k) for i, (l, k) in enumerate(zip(p.layers, p.option))]
     assert p.objective_s == partition_objective([o.stable_s[k] for o, k in picked], [o.delta_s[k] for o, k in picked],
-                                                [o.end_s[k] for o, k in picked], G, imbalance)
+                                                [o.end_s[k] for o, k in picked], G, imbalance,
+                                                [o.weight_s for o, _ in picked] if split else None)
     assert p.bound_s <= p.objective_s
 
 
@@ -91,6 +100,35 @@ def test_dp_and_milp_match_brute_force(case):
     assert _close(milp.objective_s, expected[0], MILP_REL_TOL)
     _check_consistent(dp, options, L, G, imbalance)
     _check_consistent(milp, options, L, G, imbalance)
+
+
+@st.composite
+def split_instances(draw):
+    """instances() with a W per (stage, layers), at most its least stable time (ZB-H1's deferrable weight
+    gradients)."""
+    options, S, L, G, imbalance = draw(instances())
+    weighted = [StageOptions(o.position, o.layers, o.stable_s, o.delta_s, o.end_s, None,
+                             float(o.stable_s.min()) * draw(st.sampled_from([0.0, 0.25, 0.4, 0.5])) if o.stable_s.size
+                             else 0.0) for o in options]
+    return weighted, S, L, G, imbalance
+
+
+@settings(derandomize=True, deadline=None, max_examples=50)
+@given(split_instances())
+def test_dp_and_milp_match_brute_force_in_zb_h1_s_closed_form(case):
+    """Under a split schedule (ZB-H1's closed form, tuner/partition.py) both solvers find the enumeration's optimum
+    and agree."""
+    options, S, L, G, imbalance = case
+    expected = brute_force_partition(options, S, L, G, imbalance, split=True)
+    dp = solve_partition(options, S, L, G, imbalance, method="dp", split=True)
+    milp = solve_partition(options, S, L, G, imbalance, method="milp", split=True)
+    if expected is None:
+        assert dp is None and milp is None
+        return
+    assert dp.gap == 0.0 and milp.gap == 0.0
+    assert _close(dp.objective_s, expected[0], REL_TOL) and _close(milp.objective_s, expected[0], MILP_REL_TOL)
+    _check_consistent(dp, options, L, G, imbalance, split=True)
+    _check_consistent(milp, options, L, G, imbalance, split=True)
 
 
 @st.composite
@@ -143,9 +181,11 @@ def test_shared_host_memory_binds_and_beats_the_per_gpu_share():
     assert solve_partition(options, 2, 2, 4, host=roomy).solver == "dp"
 
 
-def _random_pareto_options(S: int, per_stage: int, K: int, seed: int, end_levels: int | None = 1):
+def _random_pareto_options(S: int, per_stage: int, K: int, seed: int, end_levels: int | None = 1,
+                           weights: bool = False):
     """Stages of per_stage +- 2 layers with K options on a (stable, delta) trade-off, stage 0's delta largest;
-    end_levels distinct tails (1: none), None for a continuous tail. Returns (options, L)."""
+    end_levels distinct tails (1: none), None for a continuous tail; `weights`: a W of 0.03 s a layer (and 0.01 s
+    more on the last stage, the head's), below every option's stable time. Returns (options, L)."""
     rng = np.random.default_rng(seed)
     options = []
     for i in range(S):
@@ -153,17 +193,21 @@ def _random_pareto_options(S: int, per_stage: int, K: int, seed: int, end_levels
             stable = np.sort(l * (0.1 + 0.05 * rng.random(K)) + 0.02 * (i == S - 1))
             delta = np.sort(rng.random(K) * 0.5 * l * (S - i) / S)[::-1]
             end = rng.random(K) * 0.3 if end_levels is None else rng.integers(0, end_levels, K) * 0.01
-            options.append(StageOptions(i, l, stable, delta, end))
+            weight = (0.03 * l + 0.01 * (i == S - 1)) * weights
+            options.append(StageOptions(i, l, stable, delta, end, weight_s=weight))
     return options, S * per_stage
 
 
-@pytest.mark.parametrize("G, imbalance, end_levels",
-                         [(1, True, 1), (4, True, 3), (16, False, 1), (64, True, 2), (8, True, None)])
-def test_milp_equals_dp_on_mid_size(G, imbalance, end_levels):
-    options, L = _random_pareto_options(6, 3, 6, seed=G, end_levels=end_levels)
-    dp = solve_partition_dp(options, 6, L, G, imbalance)
-    milp = solve_partition_milp(options, 6, L, G, imbalance)
+@pytest.mark.parametrize("G, imbalance, end_levels, split",
+                         [(1, True, 1, False), (4, True, 3, False), (16, False, 1, False), (64, True, 2, False),
+                          (8, True, None, False), (1, True, 1, True), (4, True, 3, True), (16, False, 1, True),
+                          (64, True, 2, True), (8, True, None, True)])
+def test_milp_equals_dp_on_mid_size(G, imbalance, end_levels, split):
+    options, L = _random_pareto_options(6, 3, 6, seed=G, end_levels=end_levels, weights=split)
+    dp = solve_partition_dp(options, 6, L, G, imbalance, split=split)
+    milp = solve_partition_milp(options, 6, L, G, imbalance, split=split)
     assert milp.gap == 0.0 and _close(dp.objective_s, milp.objective_s, MILP_REL_TOL)
+    _check_consistent(dp, options, L, G, imbalance, split)
 
 
 def test_uneven_layers_are_optimal():
@@ -276,13 +320,15 @@ def test_dp_scale(S):
         _check_consistent(p, options, L, G, True)
 
 
-@pytest.mark.parametrize("G, imbalance", [(16, False), (1, True), (4, True)])
-def test_milp_scale_cross_check(G, imbalance):
+@pytest.mark.parametrize("G, imbalance, split", [(16, False, False), (1, True, False), (4, True, False),
+                                                 (32, True, True)])
+def test_milp_scale_cross_check(G, imbalance, split):
     """S = 16, 20 options per (stage, layers): CBC proves the DP's optimum, the imbalance term with G > 1
-    included (it took ~20 s before the bound pruning and min-max floors of tuner/milp.py)."""
-    options, L = _random_pareto_options(16, 4, 20, seed=1600 + G, end_levels=1)
-    dp = solve_partition_dp(options, 16, L, G, imbalance)
-    milp = solve_partition_milp(options, 16, L, G, imbalance, time_limit_s=120)
+    included (it took ~20 s before the bound pruning and min-max floors of tuner/milp.py), and in ZB-H1's closed
+    form."""
+    options, L = _random_pareto_options(16, 4, 20, seed=1600 + G, end_levels=1, weights=split)
+    dp = solve_partition_dp(options, 16, L, G, imbalance, split=split)
+    milp = solve_partition_milp(options, 16, L, G, imbalance, time_limit_s=120, split=split)
     assert milp.gap == 0.0 and _close(dp.objective_s, milp.objective_s, MILP_REL_TOL)
 
 

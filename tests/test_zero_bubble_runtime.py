@@ -1,6 +1,7 @@
 """ZB-H1 run on executor `mist` (mist_ds/runtime/zero_bubble.py; docs/design.md, The `zb-h1` schedule): on CPU ranks
 with real DeepSpeed, fp32 losses bitwise equal to the same plan at 1F1B over 5 steps (ZeRO-0 with the per-layer
-reducer, with recompute, ZeRO-1); the instruction stream each rank ran is specs/pipeline_order.py's; observed
+reducer, with recompute, ZeRO-1; at pp 2, pp 4, pp 2 x d 2 and tp 2 x pp 2, where the TP group's collectives of the
+backward run in B only); the instruction stream each rank ran is specs/pipeline_order.py's; observed
 independently (a post-accumulate-grad hook per parameter), the linears' weight gradients accumulate only inside W
 instructions and the rest only inside B; the step census and, in fp32 and bf16, the model states' census (bf16: no
 module .grad under bf16.immediate_grad_update) equal the prediction. Without a launch: the schedule's
@@ -8,6 +9,7 @@ instructions, and what the emitter and the runtime refuse, each with its rule.""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -99,6 +101,25 @@ def check_zb_h1(results, feature: str) -> None:
             assert 1 <= sum(census["calls_in_backward"].values()) <= stock_calls
 
 
+def check_tp_collectives_in_b(results, feature: str) -> None:
+    """At t > 1, observed per instruction by the worker's own census of collectives: the TP group's collectives of the
+    backward (the column-parallel linears' input-gradient all-reduces, the re-assembly of the pipeline's partitioned
+    gradient and output, a recompute's forward all-reduces) all run in B, the same calls as 1F1B's backward; a W
+    runs none of them (only the per-layer reducer's data-parallel reduction, in the last W)."""
+    (_, stock), (_, zb) = results[(feature, "1f1b")], results[(feature, "zb-h1")]
+
+    def tensor_calls(ran, instruction) -> Counter:
+        return Counter(key for name, key in ran["collectives_by_instruction"]
+                       if name is not None and instruction(name) and key.endswith("/tensor"))
+
+    for ran_1f1b, ran in zip(stock, zb):
+        in_b = tensor_calls(ran, lambda name: name == "BackwardInput")
+        assert in_b["all_reduce/tensor"] > 0, (feature, ran["stage"])
+        assert in_b == tensor_calls(ran_1f1b, lambda name: "Backward" in name), (feature, ran["stage"])
+        in_w = {key.split("/")[1] for name, key in ran["collectives_by_instruction"] if name == "BackwardWeight"}
+        assert in_w <= {"data", "self"}, (feature, ran["stage"], in_w)
+
+
 def predicted_deferred_bytes(specs) -> list[int]:
     """Per stage, the bytes the cost model prices for the deferred W's at the stage's peak."""
     from mist_ds.cost.executors.zero_bubble import deferred_weight_bytes
@@ -144,6 +165,18 @@ def test_zb_h1_trains_bitwise_like_1f1b_at_pp2_dp2_where_the_reduction_sums_over
         check_zb_h1(results, feature)
 
 
+@pytest.mark.slow
+def test_zb_h1_trains_bitwise_like_1f1b_at_tp2_pp2_with_tp_collectives_in_b():
+    """t = 2 (4 ranks): DeepSpeed partitions what the pipeline sends over the TP ranks (pipe_partitioned /
+    grad_partitioned), which the asynchronous gradient sends carry as its own do; TP's backward collectives stay in B,
+    W computes the local weight gradients only."""
+    features = {feature: ("strategy.tp=2", *extra) for feature, extra in FEATURES.items()}
+    results = run(2, features, ranks=4)
+    for feature in features:
+        check_zb_h1(results, feature)
+        check_tp_collectives_in_b(results, feature)
+
+
 def test_the_schedule_is_the_order_with_the_reductions_after_the_last_w():
     from deepspeed.runtime.pipe import schedule
 
@@ -162,7 +195,6 @@ def test_the_schedule_is_the_order_with_the_reductions_after_the_last_w():
 
 @pytest.mark.parametrize("pp,extra,precision,rule,field", [
     (1, (), "fp32", "mist.split-pipeline", "strategy.pp"),
-    (2, ("strategy.tp=2",), "fp32", "mist.split-tp", "strategy.tp"),
     (2, ("strategy.offload.activations=0.5",), "fp32", "mist.split-activation-offload", "strategy.offload.activations"),
 ])
 def test_what_zb_h1_does_not_compose_with_is_refused_with_its_rule(pp, extra, precision, rule, field):
@@ -173,6 +205,22 @@ def test_what_zb_h1_does_not_compose_with_is_refused_with_its_rule(pp, extra, pr
     assert refused.value.rule == rule and field in str(refused.value) and "1f1b" in str(refused.value)
 
 
+def test_an_executor_whose_split_does_not_compose_with_tp_refuses_it_with_its_rule():
+    """The capability, not the executor's name, decides: executor mist's row without `split_backward.tensor_parallel`
+    refuses a tp 2 zb-h1 plan (`split-tp`), as it did before t = 2 ran."""
+    from mist_ds.specs.executor_rules import check_schedule_built
+    from mist_ds.specs.executors import capabilities_of
+
+    mist = capabilities_of("mist")
+    without_tp = dataclasses.replace(mist, split_backward=dataclasses.replace(mist.split_backward,
+                                                                              tensor_parallel=False))
+    specs = compose(tiny(2, "strategy.schedule=zb-h1", "strategy.tp=2", ranks=4))
+    check_schedule_built(specs.strategy, mist)
+    with pytest.raises(ConfigError) as refused:
+        check_schedule_built(specs.strategy, without_tp)
+    assert refused.value.rule == "mist.split-tp" and "strategy.tp" in str(refused.value)
+
+
 def test_zb_h1_is_emitted_and_accepted_by_the_runtime_where_it_composes():
     from mist_ds.runtime.engine import check_executable
 
@@ -180,6 +228,9 @@ def test_zb_h1_is_emitted_and_accepted_by_the_runtime_where_it_composes():
     plan = read_mist_block(ds_config(specs.strategy, specs.train, specs.model))
     check_executable(plan, specs.model, 2, dtype=torch.float32)
     check_executable(plan, specs.model, 2, dtype=torch.bfloat16)
+    with_tp = compose(tiny(2, "strategy.schedule=zb-h1", "strategy.tp=2", ranks=4))
+    check_executable(read_mist_block(ds_config(with_tp.strategy, with_tp.train, with_tp.model)), with_tp.model, 4,
+                     dtype=torch.float32)
     bf16 = compose(tiny(2, "strategy.schedule=zb-h1", precision="bf16"))
     assert ds_config(bf16.strategy, bf16.train, bf16.model)["bf16"] == {"enabled": True, "immediate_grad_update": True}
     one_f_one_b = compose(tiny(2, "strategy.schedule=1f1b", precision="bf16"))

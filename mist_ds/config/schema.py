@@ -155,7 +155,7 @@ class TunerConfig:
     verify_num_warmup_steps: int = 2  # verify: untimed optimizer steps first (allocation; ZeRO-3 traces 2 steps)
     verify_timeout_s: float = 600.0  # verify: a candidate launch running longer is stopped and recorded as a hang
     schedules: List[str] = field(default_factory=lambda: ["1f1b"])  # pipeline orders searched per plan, 1f1b among
-    #                        them: e.g. [1f1b,zb-h1] also tries zb-h1 where it composes (executor mist, tp 1, no
+    #                        them: e.g. [1f1b,zb-h1] also tries zb-h1 where it composes (executor mist, no
     #                        activation offload), its deferred W's in the memory
     pipeline_script: bool = False  # your script steps with engine.train_batch: an hf model may be planned at pp > 1
     write_top_n: bool = False  # your script: also write cmd.txt and ds_config.json of each runner-up (plan/candidates)

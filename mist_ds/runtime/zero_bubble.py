@@ -21,6 +21,13 @@ block (DeepSpeed's own), sends are `isend`s whose work handles are kept with the
 message in micro-batch order, so gloo's in-order matching pairs them. A received gradient lands in a buffer of its
 own (DeepSpeed reuses one): a deferred W may still read it as its output gradient.
 
+Tensor parallelism. The TP collectives are autograd nodes of their own around the linears (models/tp.py: the
+column-parallel input's all-reduce in backward, the row-parallel output's in forward), outside `_SplitLinear`, so
+B runs them and a W runs a rank's own weight-gradient GEMM only. With t > 1 DeepSpeed sends each TP rank's 1 / t of
+the pipeline's activation and gradient after its partition's meta (pipe_partitioned / grad_partitioned) and
+re-assembles them with a TP all-gather in the forward and in the backward it runs for B; the asynchronous gradient
+send partitions as its `_exec_send_grads` does (`_grads_to_send`), the activation goes as its forward left it.
+
 End of the iteration: after the last W (the stage's last gradient) the sends are waited for, then the tied sum and
 the data-parallel reduction as the engine otherwise runs them (ReduceTiedGrads + ReduceGrads, or, with the
 per-layer reducer of runtime/overlap.py, `WaitReducedGrads`), then the optimizer step. The reducer is armed only
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.utils import PartitionedTensor
 from torch.overrides import TorchFunctionMode
 
 from mist_ds.runtime.overlap import MistPipelineEngine, WaitReducedGrads
@@ -266,10 +274,21 @@ def _exec_async_send_activations(self, buffer_id):
         _send(self, tensor, self.next_stage)
 
 
+def _grads_to_send(self, inputs) -> list[torch.Tensor]:
+    """What DeepSpeed's `_exec_send_grads` sends for a stage's `inputs`, in its order: with t > 1
+    (`is_grad_partitioned`) this TP rank's 1 / t slice of the first input's gradient after its partition's meta
+    (the previous stage all-gathers it over the TP group in its B), else each floating input's gradient."""
+    if not self.is_grad_partitioned:
+        return [tensor.grad for tensor in _floating(inputs)]
+    first = inputs if isinstance(inputs, torch.Tensor) else inputs[0]
+    part = PartitionedTensor(tensor=first.grad, group=self.grid.get_slice_parallel_group())
+    return [part.to_meta(), part.data()]  # DeepSpeed sends no other input's gradient when it partitions
+
+
 def _exec_async_send_grads(self, buffer_id):
     self.executed.append((SEND_GRAD, self.micro_batch_of_buffer(buffer_id)))
-    for tensor in _floating(self.pipe_buffers['inputs'][buffer_id]):
-        _send(self, tensor.grad, self.prev_stage)
+    for tensor in _grads_to_send(self, self.pipe_buffers['inputs'][buffer_id]):
+        _send(self, tensor, self.prev_stage)
     self.pipe_buffers['inputs'][buffer_id] = None
 
 

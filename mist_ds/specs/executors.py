@@ -43,7 +43,9 @@ class SplitBackward:
     executor_rules.check_schedule_built). The ZeRO stages are `zero_stages_with_pipeline`'s."""
 
     tensor_parallel: bool = False
-    """t > 1: the TP collectives would stay in B, but no run has checked it."""
+    """t > 1: TP's collectives of the backward stay in B and a W computes a rank's own weight-gradient shard only;
+    the pipeline's sends, split over the TP ranks (DeepSpeed's pipe_partitioned / grad_partitioned), go out as
+    DeepSpeed's own do. Checked on CPU ranks at tp 2 x pp 2 (tests/test_zero_bubble_runtime.py)."""
     activations_offload: bool = False
     """ao > 0: the offload's pack hooks would also save the deferred W's operands, which its one-block-ahead
     prefetch in backward does not know about."""
@@ -202,10 +204,10 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     # checked on gloo only, so tuner.runtime stays `deepspeed` by default until a GPU (NCCL) run has
     # checked it.
     # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it and runs (mist_ds/runtime/zero_bubble.py) in
-    # fp32, bf16 and fp16 on the zoo's models without TP or activation offload (SplitBackward says why not there).
+    # fp32, bf16 and fp16 on the zoo's models, with TP, without activation offload (SplitBackward says why not).
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist", "zb-h1"),
                    built_schedules=("1f1b", "mist", "zb-h1"),
-                   split_backward=SplitBackward(precisions=("fp32", "bf16", "fp16")),
+                   split_backward=SplitBackward(tensor_parallel=True, precisions=("fp32", "bf16", "fp16")),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),
                    grad_reduce_overlap_zero_stages_in_pipeline=(0,), checked_on_gpu=False, runs_on_stock_engine=False,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
-from mist_ds.cost.executors.zero_bubble import held_weight_passes, stage_weight_operand_bytes
+from mist_ds.cost.executors.zero_bubble import held_weight_passes, stage_weight_gradient_s, stage_weight_operand_bytes
 from mist_ds.cost.stage import stage_boundaries_cross_nodes, stage_times
 from mist_ds.cost.stage_memory import in_flight_micro_batches, stage_memory
 from mist_ds.hardware import HardwareModel
@@ -51,6 +51,9 @@ class PricedOptions:
     """[classes, n] the bytes one deferred W keeps (0 where the schedule does not split the backward)."""
     position_deferred: np.ndarray
     """[S] the deferred W's each position holds at its peak beyond 1F1B's (zero_bubble.held_weight_passes)."""
+    weight_s: np.ndarray
+    """[classes, n] seconds of W per micro-batch (zero_bubble.stage_weight_gradient_s: the layers' weight-gradient
+    GEMMs, the same for every option of one layer count) where the schedule splits the backward, else 0."""
     fits: np.ndarray
     """[n] fits at some position (GPU peak and host bytes); only these can be in a plan."""
     sized: np.ndarray
@@ -111,14 +114,19 @@ class PointPricer:
         position_class, representatives = position_classes(point, self.hw.cluster.gpus_per_node)
         shape = (representatives.size, layers.size)
         inf = {k: np.full(shape, np.inf) for k in ("stable_s", "delta_s", "end_s", "peak_bytes", "host_bytes")}
-        return PricedOptions(
+        priced = PricedOptions(
             layers=layers, options={k: np.concatenate([g[k] for g in grids_by_l]) for k in OPTION_KEYS}, **inf,
             activations=np.zeros(shape), host_activations=np.zeros(shape), deferred_bytes=np.zeros(shape),
+            weight_s=np.zeros(shape),
             position_deferred=held_weight_passes(self.schedule, np.arange(point.pp), point.pp, point.grad_accum),
             class_in_flight=in_flight_micro_batches(representatives, point.pp, point.grad_accum)[:, None],
             position_class=position_class, fits=np.zeros(layers.size, dtype=bool),
             sized=np.zeros(layers.size, dtype=bool), timed=np.zeros(layers.size, dtype=bool),
             position_in_flight=in_flight_micro_batches(np.arange(point.pp), point.pp, point.grad_accum))
+        if self.schedule in SPLIT_SCHEDULES:
+            priced.weight_s[:] = stage_weight_gradient_s(self.costs, self.hw,
+                                                         self._candidates(priced, np.ones(layers.size, dtype=bool)))
+        return priced
 
     def _candidates(self, priced: PricedOptions, pick: np.ndarray) -> StageCandidates:
         """The options `pick` selects, [classes, picked], at each class's representative position."""
@@ -270,5 +278,5 @@ def stage_fronts(priced: PricedOptions, usable_bytes: float, host_limits_bytes: 
             indices[(i, l)] = chosen
             options[(i, l)] = StageOptions(position=i, layers=l, stable_s=priced.stable_s[k, chosen],
                                            delta_s=priced.delta_s[k, chosen], end_s=priced.end_s[k, chosen],
-                                           host_bytes=host[chosen])
+                                           host_bytes=host[chosen], weight_s=float(priced.weight_s[k, chosen[0]]))
     return StageFronts(options=options, indices=indices)

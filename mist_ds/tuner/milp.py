@@ -5,17 +5,19 @@ Variables, for stage i, layer count l, option k of the (i, l) front and u layers
 - a[i, u, l] binary: one unit of flow from node (0, 0) to node (S, L); the arc gives stage i layers
   u+1..u+l (a path polytope: the layer part of the LP relaxation is integral);
 - y[i, l, k] binary with sum_k y[i, l, k] = sum_u a[i, u, l]: the option stage i runs;
-- T_i = sum T[i, l, k] y[i, l, k], and D_i, E_i, H_i likewise (linear in y);
+- T_i = sum T[i, l, k] y[i, l, k], and D_i, E_i, H_i and F_i likewise (linear in y); F is what the sums take, T
+  what the maximum takes (both the stable time under 1F1B; under a split schedule ZB-H1's closed form,
+  partition.py and partition_model.Choice);
 - max T = tau_0 + sum_h (tau_h - tau_{h-1}) v_h over the distinct T levels tau_h above the floor tau_0,
   v_h binary, v_h >= v_{h+1}, v_h >= (the share of stage i on options with T >= tau_h) for every i;
   max E alike;
-- dmax >= D_i - sum_{j<i} T_j, dmax >= 0 (the imbalance term);
+- dmax >= D_i - sum_{j<i} F_j, dmax >= 0 (the imbalance term);
 - sum_i c[n, i] H_i <= M for each node n holding c[n, i] ranks of several stages (HostSharing).
-Objective: sum_i T_i + (G - 1) max T + dmax + max E.
+Objective: sum_i F_i + (G - 1) max T + dmax + max E.
 
 What keeps it tight (the LP bound near the optimum, so CBC proves it in few nodes):
 1. Bound pruning against the incumbent U (the MIP start). Any split using arc (i, u, l) with option k
-   costs at least [least sum of T to reach (i, u)] + T_k + [least sum of T from (i + 1, u + l) to the
+   costs at least [least sum of F to reach (i, u)] + F_k + [least sum of F from (i + 1, u + l) to the
    end] + (G - 1) max(least max T of a path to (i, u), T_k, least max T from (i + 1, u + l)) +
    max(E_k and the same min-max bounds of E) + (D_k on stage 0, else stage 0's least D), each term a
    lower bound of its own part of the objective (sums and min-max bounds by a pass over the flow
@@ -115,7 +117,8 @@ def _prune(space: _Space, L: int, G: int, upper_s: float) -> _Space:
     """Drop the options and arcs no split costing at most `upper_s` uses (module docstring, 1)."""
     limit = upper_s + MILP_REL_GAP * abs(upper_s) + MILP_ABS_GAP
     for _ in range(PRUNE_ROUNDS):
-        F, Fm, B, Bm = _path_bounds(space, L, "stable_s")
+        F, _, B, _ = _path_bounds(space, L, "fill_s")
+        _, Fm, _, Bm = _path_bounds(space, L, "stable_s")
         _, Em, _, EBm = _path_bounds(space, L, "end_s")
         least_first_delta = max(0.0, min(float(c.delta_s.min()) for c in space.stages[0]))
         arcs, index, stages, changed = [], [], [], False
@@ -128,7 +131,7 @@ def _prune(space: _Space, L: int, G: int, upper_s: float) -> _Space:
                 most_t = np.maximum(Fm[i, behind], Bm[i + 1, ahead])
                 most_e = np.maximum(Em[i, behind], EBm[i + 1, ahead])
                 imbalance = np.maximum(c.delta_s, 0.0) if i == 0 else np.full(c.stable_s.size, least_first_delta)
-                bound = (sums[:, None] + c.stable_s[None, :] + imbalance[None, :]
+                bound = (sums[:, None] + c.fill_s[None, :] + imbalance[None, :]
                          + (G - 1) * np.maximum(most_t[:, None], c.stable_s[None, :])
                          + np.maximum(most_e[:, None], c.end_s[None, :]))  # [arcs, options]
                 ok = bound <= limit
@@ -144,7 +147,7 @@ def _prune(space: _Space, L: int, G: int, upper_s: float) -> _Space:
     return space
 
 
-_COSTS = ("stable_s", "delta_s", "end_s", "host_bytes")
+_COSTS = ("stable_s", "delta_s", "end_s", "host_bytes", "fill_s")
 
 
 def _new_model() -> mip.Model:
@@ -207,22 +210,22 @@ def _build(space: _Space, L: int, G: int, scale: float, host: HostSharing | None
         return [(float(cost) / scale, var) for c in space.stages[i]
                 for cost, var in zip(getattr(c, field), y[i, c.layers])]
 
-    stage_t = [mip.xsum(cost * var for cost, var in picked(i, "stable_s")) for i in range(S)]
+    stage_f = [mip.xsum(cost * var for cost, var in picked(i, "fill_s")) for i in range(S)]
     floor_t = _path_bounds(space, L, "stable_s")[1][S, L] / scale
     floor_e = _path_bounds(space, L, "end_s")[1][S, L] / scale
     max_e, levels_e, v_e = _max_by_levels(model, [picked(i, "end_s") for i in range(S)], floor_e)
-    objective = mip.xsum(stage_t) + max_e
+    objective = mip.xsum(stage_f) + max_e
     levels = [(levels_e, v_e, "end_s")]
     if G > 1:
         max_t, levels_t, v_t = _max_by_levels(model, [picked(i, "stable_s") for i in range(S)], floor_t)
         objective = objective + (G - 1) * max_t
         levels.append((levels_t, v_t, "stable_s"))
-    before = _path_bounds(space, L, "stable_s")[0].min(axis=1)  # least P_i over the nodes left
+    before = _path_bounds(space, L, "fill_s")[0].min(axis=1)  # least P_i over the nodes left
     deficits = [i for i, s in enumerate(space.stages) if max(float(c.delta_s.max()) for c in s) > before[i]]
     if deficits:
         d_max = model.add_var(lb=0.0)
         for i in deficits:
-            model += d_max >= mip.xsum(cost * var for cost, var in picked(i, "delta_s")) - mip.xsum(stage_t[:i])
+            model += d_max >= mip.xsum(cost * var for cost, var in picked(i, "delta_s")) - mip.xsum(stage_f[:i])
         objective = objective + d_max
     for row in (host.ranks if host is not None else ()):
         most = sum(count * max(float(c.host_bytes.max()) for c in space.stages[i])
@@ -265,21 +268,24 @@ def _read(built: _Model, space: _Space) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 def _start(options: Options, S: int, L: int, G: int, imbalance: bool, time_limit_s: float, layer_bounds,
-           host: HostSharing | None) -> Partition | None:
+           host: HostSharing | None, split: bool) -> Partition | None:
     """A feasible split to start from: the DP's optimum, within each rank's share when stages share a
     node's host memory (the DP's optimum without the sharing is checked first: if it fits, it is optimal)."""
-    best = solve_partition_dp(options, S, L, G, imbalance, time_limit_s=time_limit_s, layer_bounds=layer_bounds)
+    best = solve_partition_dp(options, S, L, G, imbalance, time_limit_s=time_limit_s, layer_bounds=layer_bounds,
+                              split=split)
     if host is None or best is None or host.fits(host_of(options, best)):
         return best
     within, index = restricted(options, lambda opt: np.flatnonzero(opt.host_bytes <= host.share_bytes))
     return mapped(solve_partition_dp(within, S, L, G, imbalance, time_limit_s=time_limit_s,
-                                     layer_bounds=layer_bounds), index)
+                                     layer_bounds=layer_bounds, split=split), index)
 
 
 def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bool = True,
                          time_limit_s: float = 60.0, layer_bounds: Sequence[tuple[int, int]] | None = None,
-                         host: HostSharing | None = None, lower_bound_s: float = 0.0) -> Partition | None:
+                         host: HostSharing | None = None, lower_bound_s: float = 0.0,
+                         split: bool = False) -> Partition | None:
     """The MILP of the module docstring on CBC (one thread, fixed seed). None when proven infeasible.
+    `split`: ZB-H1's closed form (partition.py), each option's two terms in partition_model.Choice.
 
     host: the host memory stages on one node share (None: options fit on their own). lower_bound_s: a
     bound already known (e.g. the DP's optimum without the sharing), reported if CBC's is weaker. Raises
@@ -287,17 +293,18 @@ def solve_partition_milp(options: Options, S: int, L: int, G: int, imbalance: bo
     """
     check_sizes(S, L, G, layer_bounds)
     begin = time.perf_counter()
-    stages = by_stage(options, S, L, imbalance, layer_bounds)
+    stages = by_stage(options, S, L, imbalance, layer_bounds, G, split)
     if any(not s for s in stages):
         return None
     space = _initial_space(stages, L)
     if any(not s for s in space.stages):
         return None  # no split of L layers exists: CBC would be handed an empty or trivial model
-    start = _start(options, S, L, G, imbalance, time_limit_s, layer_bounds, host)
+    start = _start(options, S, L, G, imbalance, time_limit_s, layer_bounds, host, split)
     before = space.size()
     if start is not None:  # pruned by the start's own cost, recomputed: the MILP stays a check of the DP
         space = _prune(space, L, G, evaluate(stages, start.layers, start.option, G))
-    scale = max(max(float(max(c.stable_s.max(), c.delta_s.max(), c.end_s.max())) for c in s) for s in space.stages)
+    scale = max(max(float(max(c.stable_s.max(), c.fill_s.max(), c.delta_s.max(), c.end_s.max())) for c in s)
+                for s in space.stages)
     scale = scale if scale > 0 else 1.0
     built = _build(space, L, G, scale, host)
     if start is not None:

@@ -9,7 +9,20 @@ the iteration time is (docs/design.md, Tuner)
     sum_i T_i + (G - 1) max_i T_i + max(0, max_i (D_i - P_i)) + max_i E_i,   P_i = sum_{j<i} T_j.
 
 The first two terms are the 1F1B pipeline, the third the inter-micro-batch imbalance (switched off for
-the Aceso baseline space), the last the tail. With host memory shared per node (`HostSharing`), the
+the Aceso baseline space), the last the tail.
+
+Under a schedule that splits the backward (`split`: ZB-H1, whose stage i has W_i seconds of deferrable weight
+gradients per micro-batch, StageOptions.weight_s) the pipeline's terms are ZB-H1's closed form, derived from the
+order the event simulator replays (docs/design.md, The `zb-h1` schedule): with m = min(S, G) - 1,
+
+    sum_i (T_i - W_i) + max_i ((G - 1) T_i - (m - 1) W_i)      (G >= 2),
+    sum_i (T_i - W_i) + W_0                                    (G = 1: the stages in turn, stage 0's W last),
+
+the imbalance and the tail as above with P_i = sum_{j<i} (T_j - W_j). For equal stages (G >= S) it is
+G T + (S - 1)(T - 2 W), the simulator's and the paper's. Both solvers take it in the same shape as 1F1B's: the sums
+over F_i = T_i - W_i (stage 0 at G = 1: T_0), the maximum over T'_i = T_i - (m - 1) W_i / (G - 1)
+(partition_model.split_terms); within one (stage, layers) W is the same for every option, so the Pareto fronts in
+(T, D, E) are fronts in (T', F, D, E). With host memory shared per node (`HostSharing`), the
 stages whose ranks share a node must fit in its host memory together: sum_i c[n, i] H_i <= M for node n
 holding c[n, i] ranks of stage i.
 
@@ -62,7 +75,7 @@ def host_can_bind(options: Options, S: int, host: HostSharing | None) -> bool:
 def solve_partition(options: Options, S: int, L: int, G: int, imbalance: bool = True,
                     method: Literal["auto", "dp", "milp"] = "auto", time_limit_s: float = 60.0,
                     layer_bounds: Sequence[tuple[int, int]] | None = None,
-                    host: HostSharing | None = None) -> Partition | None:
+                    host: HostSharing | None = None, split: bool = False) -> Partition | None:
     """Best split of L layers over S stages and one option per stage; None when nothing fits.
 
     options: StageOptions (or a mapping (position, layers) -> StageOptions); a missing or empty
@@ -70,7 +83,7 @@ def solve_partition(options: Options, S: int, L: int, G: int, imbalance: bool = 
     host: the host memory the stages of a node share (None: each option already fits on its own).
     "auto" takes the DP, exact for this objective (module docstring), unless the shared host memory can
     bind: then the DP's optimum without it, if it fits, else the MILP. "dp" refuses a host memory that
-    can bind (the DP cannot couple stages); "milp" always runs CBC.
+    can bind (the DP cannot couple stages); "milp" always runs CBC. split: ZB-H1's closed form (module docstring).
     """
     if method not in METHODS:
         raise ValueError(f"solve_partition: method {method!r} is not one of {', '.join(map(repr, METHODS))}")
@@ -82,18 +95,18 @@ def solve_partition(options: Options, S: int, L: int, G: int, imbalance: bool = 
         from mist_ds.tuner.milp import solve_partition_milp  # loads CBC only when asked for
 
         return solve_partition_milp(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
-                                    layer_bounds=layer_bounds, host=host if coupled else None)
+                                    layer_bounds=layer_bounds, host=host if coupled else None, split=split)
     if host is not None and not coupled:
         fronts, index = restricted(options, _time_front)
         return mapped(solve_partition_dp(fronts, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
-                                         layer_bounds=layer_bounds), index)
+                                         layer_bounds=layer_bounds, split=split), index)
     relaxed = solve_partition_dp(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
-                                 layer_bounds=layer_bounds)
+                                 layer_bounds=layer_bounds, split=split)
     if not coupled or relaxed is None or host.fits(host_of(options, relaxed)):
         return relaxed  # the optimum without the coupling fits it: optimal with it too
     from mist_ds.tuner.milp import solve_partition_milp
 
     return solve_partition_milp(options, S, L, G, imbalance=imbalance, time_limit_s=time_limit_s,
-                                layer_bounds=layer_bounds, host=host, lower_bound_s=relaxed.bound_s)
+                                layer_bounds=layer_bounds, host=host, lower_bound_s=relaxed.bound_s, split=split)
 
 

@@ -24,18 +24,19 @@ MAX_CHUNK_PAIRS = 4096
 
 
 def _transition(q: np.ndarray, c: Choice, tau: np.ndarray, eps: np.ndarray) -> np.ndarray:
-    """min_k T_k + max(q, D_k) over options with T_k <= tau and E_k <= eps; q (P, U), tau and eps (P, 1).
+    """min_k F_k + max(q, D_k) over options with T_k <= tau and E_k <= eps; q (P, U), tau and eps (P, 1). T is
+    the maximum's term of an option, F its sums' (both its stable time under 1F1B; Choice).
 
-    Split at q: options with D_k <= q cost q + T_k (prefix minimum of T in D order), the others
-    T_k + D_k (suffix minimum). Both are the same float operations as T_k + max(q, D_k).
+    Split at q: options with D_k <= q cost q + F_k (prefix minimum of F in D order), the others
+    F_k + D_k (suffix minimum). Both are the same float operations as F_k + max(q, D_k).
     """
     by_d = np.argsort(c.delta_s, kind="stable")
-    t, d, e = c.stable_s[by_d], c.delta_s[by_d], c.end_s[by_d]
+    t, f, d, e = c.stable_s[by_d], c.fill_s[by_d], c.delta_s[by_d], c.end_s[by_d]
     ok = (t[None, :] <= tau) & (e[None, :] <= eps)  # (P, K)
     pre = np.full((ok.shape[0], len(t) + 1), np.inf)
-    pre[:, 1:] = np.minimum.accumulate(np.where(ok, t, np.inf), axis=1)
+    pre[:, 1:] = np.minimum.accumulate(np.where(ok, f, np.inf), axis=1)
     suf = np.full_like(pre, np.inf)
-    suf[:, :-1] = np.minimum.accumulate(np.where(ok, t + d, np.inf)[:, ::-1], axis=1)[:, ::-1]
+    suf[:, :-1] = np.minimum.accumulate(np.where(ok, f + d, np.inf)[:, ::-1], axis=1)[:, ::-1]
     idx = np.searchsorted(d, q, side="right")  # options with D_k <= q
     return np.minimum(q + np.take_along_axis(pre, idx, axis=1), np.take_along_axis(suf, idx, axis=1))
 
@@ -67,7 +68,7 @@ def _dp_assignment(stages: list[list[Choice]], L: int, tau: float, eps: float):
             if c.layers > used or not np.isfinite(before[used - c.layers]):
                 continue
             q = before[used - c.layers]
-            cost = np.where((c.stable_s <= tau) & (c.end_s <= eps), c.stable_s + np.maximum(q, c.delta_s), np.inf)
+            cost = np.where((c.stable_s <= tau) & (c.end_s <= eps), c.fill_s + np.maximum(q, c.delta_s), np.inf)
             k = int(np.argmin(cost))
             if cost[k] == values[i][used]:
                 layers.append(c.layers)
@@ -130,15 +131,16 @@ def _search_thresholds(stages, L: int, G: int, best: float, deadline: float):
 
 
 def solve_partition_dp(options: Options, S: int, L: int, G: int, imbalance: bool = True,
-                       time_limit_s: float = 60.0,
-                       layer_bounds: Sequence[tuple[int, int]] | None = None) -> Partition | None:
-    """Exact threshold DP (module docstring). None when no split fits.
+                       time_limit_s: float = 60.0, layer_bounds: Sequence[tuple[int, int]] | None = None,
+                       split: bool = False) -> Partition | None:
+    """Exact threshold DP (module docstring). None when no split fits. `split`: ZB-H1's closed form
+    (partition.py), each option's two terms in Choice.
 
     After `time_limit_s` the best split so far comes back with bound_s = the smallest bound of the
     threshold boxes not yet settled.
     """
     check_sizes(S, L, G, layer_bounds)
-    stages = by_stage(options, S, L, imbalance, layer_bounds)
+    stages = by_stage(options, S, L, imbalance, layer_bounds, G, split)
     if any(not s for s in stages):
         return None
     start = time.perf_counter()

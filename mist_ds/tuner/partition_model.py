@@ -27,6 +27,9 @@ class StageOptions:
     end_s: np.ndarray | None = None  # None: no tail (all zeros)
     host_bytes: np.ndarray | None = None
     """Host bytes one rank of the stage keeps; read only when host memory is shared (None: all zeros)."""
+    weight_s: float = 0.0
+    """Seconds per micro-batch of the stage's W (its deferrable weight gradients, part of every option's stable time,
+    the same for all of them: cost/executors/zero_bubble.py); read only when a split schedule is priced (`split`)."""
 
     def __post_init__(self) -> None:
         stable = np.array(self.stable_s, dtype=np.float64).reshape(-1)
@@ -42,6 +45,9 @@ class StageOptions:
                                  f"and >= 0, got {arr}")
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
+        if not 0.0 <= self.weight_s <= (float(self.stable_s.min()) if self.stable_s.size else math.inf):
+            raise ValueError(f"StageOptions({self.position}, {self.layers}).weight_s: {self.weight_s} s, outside "
+                             "[0, the least stable_s]: W is part of every option's stable time")
         if self.position < 0 or self.layers < 1:
             raise ValueError(f"StageOptions: position {self.position} must be >= 0 and layers {self.layers} >= 1")
 
@@ -92,13 +98,16 @@ class HostSharing:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """Options of one (stage, layer count) after normalization; `delta_s` is zero when imbalance is off."""
+    """Options of one (stage, layer count) after normalization; `delta_s` is zero when imbalance is off. The
+    objective's two uses of a stage's time apart (`split_terms`): `stable_s` what its maximum takes, `fill_s` what
+    its sums take (both the stable time under 1F1B)."""
 
     layers: int
     stable_s: np.ndarray
     delta_s: np.ndarray
     end_s: np.ndarray
     host_bytes: np.ndarray
+    fill_s: np.ndarray
 
 
 Options = Mapping[tuple[int, int], StageOptions] | Iterable[StageOptions]
@@ -154,18 +163,41 @@ def front_of_sorted(columns: list[np.ndarray], order: np.ndarray) -> np.ndarray:
     return np.concatenate(kept).astype(np.int64) if kept else np.empty(0, dtype=np.int64)
 
 
+def split_terms(stable_s, weight_s, position: int, S: int, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the term of the maximum, the term of the sums) of options of stable time T (`stable_s`) whose stage at
+    `position` of S has W seconds (`weight_s`) per micro-batch, in ZB-H1's closed form (partition.py; the
+    derivation: docs/design.md, The `zb-h1` schedule): the sums take T - W (a stage's W's fill its waits, off the
+    fill and drain), the maximum T - (m - 1) W / (G - 1) with m = min(S, G) - 1 (the bottleneck's W's that fill
+    its own fill and drain). G = 1 has no maximum: the stages run once in turn, the first stage's W last."""
+    stable, weight = np.asarray(stable_s, dtype=np.float64), np.asarray(weight_s, dtype=np.float64)
+    if G == 1:
+        return stable, stable - weight * (position > 0)
+    return stable - (min(S, G) - 2) / (G - 1) * weight, stable - weight
+
+
 def partition_objective(stable_s: Sequence[float], delta_s: Sequence[float], end_s: Sequence[float],
-                        G: int, imbalance: bool = True) -> float:
-    """Iteration time (seconds) of per-stage costs, via Q_i = T_i + max(Q_{i-1}, D_i) (module docstring)."""
+                        G: int, imbalance: bool = True, weight_s: Sequence[float] | None = None) -> float:
+    """Iteration time (seconds) of per-stage costs, via Q_i = T_i + max(Q_{i-1}, D_i) (module docstring);
+    `weight_s`: per stage, W's seconds per micro-batch of a split schedule (ZB-H1's closed form, `split_terms`)."""
+    if weight_s is None:
+        return _objective(stable_s, stable_s, delta_s, end_s, G, imbalance)
+    S = len(stable_s)
+    terms = [split_terms(t, w, i, S, G) for i, (t, w) in enumerate(zip(stable_s, weight_s))]
+    return _objective([float(p) for p, _ in terms], [float(f) for _, f in terms], delta_s, end_s, G, imbalance)
+
+
+def _objective(peak_s, fill_s, delta_s, end_s, G: int, imbalance: bool) -> float:
+    """sum of `fill_s` with the imbalance (Q_i = F_i + max(Q_{i-1}, D_i)) + (G - 1) max `peak_s` + max `end_s`."""
     q = 0.0
-    for t, d in zip(stable_s, delta_s):
-        q = t + max(q, d if imbalance else 0.0)
-    return q + (G - 1) * max(stable_s) + max(end_s)
+    for f, d in zip(fill_s, delta_s):
+        q = f + max(q, d if imbalance else 0.0)
+    return q + (G - 1) * max(peak_s) + max(end_s)
 
 
-def by_stage(options: Options, S: int, L: int, imbalance: bool,
-              layer_bounds: Sequence[tuple[int, int]] | None) -> list[list[Choice]]:
-    """Options grouped per stage, sorted by layer count, empty sets and out-of-range counts dropped."""
+def by_stage(options: Options, S: int, L: int, imbalance: bool, layer_bounds: Sequence[tuple[int, int]] | None,
+             G: int = 1, split: bool = False) -> list[list[Choice]]:
+    """Options grouped per stage, sorted by layer count, empty sets and out-of-range counts dropped; `split`: their
+    terms in ZB-H1's closed form (`split_terms`, at G micro-batches), else 1F1B's."""
     if isinstance(options, Mapping):
         for key, opt in options.items():
             if tuple(key) != (opt.position, opt.layers):
@@ -181,7 +213,8 @@ def by_stage(options: Options, S: int, L: int, imbalance: bool,
         if opt.layers in stages[opt.position]:
             raise ValueError(f"options: stage {opt.position} with {opt.layers} layers given twice")
         delta = opt.delta_s if imbalance else np.zeros_like(opt.stable_s)
-        stages[opt.position][opt.layers] = Choice(opt.layers, opt.stable_s, delta, opt.end_s, opt.host_bytes)
+        peak, fill = split_terms(opt.stable_s, opt.weight_s, opt.position, S, G) if split else (opt.stable_s,) * 2
+        stages[opt.position][opt.layers] = Choice(opt.layers, peak, delta, opt.end_s, opt.host_bytes, fill)
     return [[s[l] for l in sorted(s)] for s in stages]
 
 
@@ -196,9 +229,9 @@ def check_sizes(S: int, L: int, G: int, layer_bounds) -> None:
 def evaluate(stages, layers, option, G: int) -> float:
     """objective_s of an assignment; stages already carry zero deltas when imbalance is off."""
     picked = [next(c for c in stages[i] if c.layers == l) for i, l in enumerate(layers)]
-    return partition_objective([c.stable_s[k] for c, k in zip(picked, option)],
-                               [c.delta_s[k] for c, k in zip(picked, option)],
-                               [c.end_s[k] for c, k in zip(picked, option)], G)
+    return _objective([c.stable_s[k] for c, k in zip(picked, option)], [c.fill_s[k] for c, k in zip(picked, option)],
+                      [c.delta_s[k] for c, k in zip(picked, option)], [c.end_s[k] for c, k in zip(picked, option)],
+                      G, True)
 
 
 
@@ -213,7 +246,7 @@ def restricted(options: Options, keep) -> tuple[list[StageOptions], dict[tuple[i
     for opt in option_list(options):
         k = np.asarray(keep(opt), dtype=np.int64)
         out.append(StageOptions(opt.position, opt.layers, opt.stable_s[k], opt.delta_s[k], opt.end_s[k],
-                                opt.host_bytes[k]))
+                                opt.host_bytes[k], opt.weight_s))
         index[opt.position, opt.layers] = k
     return out, index
 

@@ -7,9 +7,10 @@ and, at each point, which fine options are priced at all (_price_by_bound).
 Schedules (tuner.schedules): a pipeline point of a free-stage space is searched once per listed schedule its
 executor runs and that composes with the point (1f1b always; zb-h1 where executor_rules.check_schedule_built lets
 it); a split schedule prices its options' memory with their deferred W's and leaves out what it does not compose
-with (activation offload), so the plan it finds fits as ZB-H1 runs it. The partition solvers minimize the 1F1B closed
-form; a zb-h1 plan's objective is that closed form less the bubble the event simulation says ZB-H1 saves on its
-stages (`_split_saving_s`), so both schedules' plans compete in one frame (docs/design.md, Tuner, Schedules).
+with (activation offload), so the plan it finds fits as ZB-H1 runs it. The partition solvers minimize the schedule's
+closed form (1F1B's, or ZB-H1's: tuner/partition.py); a zb-h1 plan's objective is its split's 1F1B closed form less
+the bubble the event simulation says ZB-H1 saves on its stages (`_split_saving_s`), so both schedules' plans compete
+in one frame (docs/design.md, Tuner, Schedules).
 
 Determinism: points are priced in fixed rounds of fixed chunks, whatever the worker count; a point is
 pruned only when its bound is strictly above the best time, so pruning never changes the optimum, and
@@ -50,7 +51,7 @@ from mist_ds.specs.tuner import DEFAULT_OFFLOAD_RATIOS
 from mist_ds.tuner.intra import (PointPricer, coarse_options, floor_stable_s, most_host_bytes, position_memory,
                                  stage_fronts)
 from mist_ds.tuner.partition import solve_partition
-from mist_ds.tuner.partition_model import HostSharing, host_of
+from mist_ds.tuner.partition_model import HostSharing, Partition, host_of, partition_objective, split_terms
 from mist_ds.tuner.space import (FREE_STAGE_SPACES, OPTION_KEYS, GlobalPoint, OptionGrids, fixed_partitions,
                                  global_points, layer_counts, stage_option_grid, tuner_executor)
 
@@ -252,6 +253,13 @@ def _split_saving_s(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Ex
     return one_f_one_b - split
 
 
+def _one_f_one_b_closed_form_s(options, partition: Partition, G: int, imbalance: bool) -> float:
+    """The 1F1B closed form (seconds, tuner/partition.py) of a split the solver chose in another schedule's."""
+    picked = [(options[i, l], k) for i, (l, k) in enumerate(zip(partition.layers, partition.option))]
+    return partition_objective(*([getattr(o, name)[k] for o, k in picked] for name in ("stable_s", "delta_s", "end_s")),
+                               G, imbalance)
+
+
 def _host_limits(specs: Specs, point: GlobalPoint) -> tuple[np.ndarray, HostSharing | None]:
     """(the most host bytes one rank of each position may keep, the nodes whose stages share host memory):
     tuner.host_memory's rule on the point's placement (cost/host.py)."""
@@ -288,12 +296,13 @@ def _solve_variant(ctx: SearchContext, point: GlobalPoint, host_limits: np.ndarr
             continue
         allowed &= priced.options[name] == value
     usable = specs.cluster.gpu.usable_memory_bytes
+    split = any(name == "schedule" and value in SPLIT_SCHEDULES for name, value in variant)
 
     def solve(fronts, method, host):
         try:
             return solve_partition(fronts.options, point.pp, specs.model.num_layers, point.grad_accum,
                                    imbalance=ctx.space != "aceso", method=method,
-                                   time_limit_s=specs.tuner.milp_time_limit_s, host=host)
+                                   time_limit_s=specs.tuner.milp_time_limit_s, host=host, split=split)
         except TimeoutError as timeout:
             raise ConfigError("tuner.milp_time_limit_s", specs.tuner.milp_time_limit_s,
                               f"the partition MILP found no split of {degrees_text(point)} within it: raise it, or use "
@@ -318,14 +327,22 @@ def _price_by_bound(pricer: PointPricer, priced, coarse: np.ndarray, coarse_plan
     incumbent) `incumbent_s`: call the smaller U. An option's stable time is at least its floor's
     (floor_stable_s), so only the options whose bound with the floor is within U are priced further
     (docs/design.md, Tuner, Grids). A point that cannot beat the incumbent keeps a plan no better than
-    its own best, never a faster one."""
+    its own best, never a faster one. Under a split schedule the coarse plans' objectives are ZB-H1's closed
+    form (partition.py), and so is the bound: the option's terms of its maximum and its sums with the floor's
+    stable time and the most W of its layer count, and the other S - 1 stages' least term of the sums."""
     priced = pricer.times(pricer.memory(priced, coarse), coarse)
     upper = min(incumbent_s, max(math.inf if s is None else s for s in coarse_plans(priced)))
     bounding = _monotone_times(pricer, priced, coarse)
     floor = floor_stable_s(bounding, DEFAULT_OFFLOAD_RATIOS, grids)
-    # The other S - 1 stages take at least the least stable time of all: an option without offload.
-    others = (pricer.point.pp - 1) * float(np.min(bounding.stable_s[:, coarse]))
-    fast = pricer.point.grad_accum * floor + others <= upper * (1 + PRUNE_TOLERANCE)
+    S, G = pricer.point.pp, pricer.point.grad_accum
+    if pricer.schedule in SPLIT_SCHEDULES:  # position 1: the least terms wherever the stage is (split_terms)
+        peak, fill = split_terms(floor, np.max(priced.weight_s, axis=0), 1, S, G)
+        least_fill = split_terms(bounding.stable_s[:, coarse], bounding.weight_s[:, coarse], 1, S, G)[1]
+        least = (G - 1) * peak + fill + (S - 1) * float(np.min(least_fill))
+    else:
+        # The other S - 1 stages take at least the least stable time of all: an option without offload.
+        least = G * floor + (S - 1) * float(np.min(bounding.stable_s[:, coarse]))
+    fast = least <= upper * (1 + PRUNE_TOLERANCE)
     priced = pricer.memory(priced, fast)
     return pricer.times(priced, priced.fits & fast)
 
@@ -397,7 +414,10 @@ def _free_point_scheduled(ctx: SearchContext, costs: ModelCosts, hw: HardwareMod
                              schedule=schedule)
         # The partition's objective holds the slowest end work; the tail adds the norm sync after it.
         end_max = max(float(priced.end_s[priced.position_class[i], j]) for i, j in enumerate(chosen))
-        objective = partition.objective_s - end_max + float(tail_s(hw, specs.train, end_max, world))
+        closed = partition.objective_s
+        if schedule in SPLIT_SCHEDULES:  # solved in ZB-H1's closed form, ranked in 1F1B's frame (module docstring)
+            closed = _one_f_one_b_closed_form_s(fronts.options, partition, point.grad_accum, ctx.space != "aceso")
+        objective = closed - end_max + float(tail_s(hw, specs.train, end_max, world))
         if schedule in SPLIT_SCHEDULES:
             objective -= _split_saving_s(specs, costs, hw, caps, strategy)
         results.append(PointResult(point, variant, bound, objective, strategy, priced.count, gap=partition.gap,
@@ -529,8 +549,9 @@ def search(specs: Specs, space: str | None = None, runtime: str | ExecutorCapabi
         # Its best plan with the default grid, a part of this one, bounds the search (docs/design.md, Tuner, Grids).
         warm = search(_default_grid(specs), space, caps, cache_dir, progress=False)
         incumbent = warm.best.objective_s if warm.best is not None else math.inf
-        # A split schedule's objective is below its partition's closed form, no bound for the fine options: those
-        # points are bounded by their coarse plans' closed form, solved again (_coarse_plans).
+        # A split schedule's plan objective (1F1B's frame less the simulated saving) is no bound of its partition's
+        # (ZB-H1's closed form): those points are bounded by their coarse plans' closed form, solved again
+        # (_coarse_plans).
         coarse = {(p.point, p.variant): p.objective_s for p in warm.points
                   if not any(name == "schedule" for name, _ in p.variant)}
     ctx = SearchContext(specs=specs, space=space, caps=caps, cache_dir=cache_dir, incumbent_s=incumbent,
