@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping
 
 from mist_ds.specs.errors import ConfigError
+from mist_ds.specs.pipeline_order import V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,22 @@ class SplitBackward:
     own_models: bool = False
     """A Hugging Face or user's model (family hf / module): their GEMM modules (GPT-2's Conv1D calls addmm) are not
     all `F.linear`, which is what the runtime splits, so W would not be what the cost model prices."""
+
+
+@dataclass(frozen=True)
+class DualPipeV:
+    """Where an executor's pricing holds DeepSpeed's DualPipeV (`dualpipev`, specs/pipeline_order.py V_SCHEDULES):
+    two chunks per rank in a V. executor_rules.check_executor refuses `dualpipev` before pricing where `priced` is
+    False (`<name>.dualpipev`), and where it is True what DeepSpeed 0.19.8's DualPipeVEngine asserts against
+    (`<name>.dualpipev-*`); `built_schedules` says whether the executor's engines run it."""
+
+    priced: bool = False
+    """Its cost model cuts the layers into 2S chunks, rank r holding chunks r and 2S - 1 - r (each with its F, B and
+    memory, W inside B as DeepSpeed runs it), and the event simulator replays DualPipeVSchedule's stream. False:
+    its partition model places S stages, one per rank, and simulates streams of one chunk per rank only."""
+    tensor_parallel: bool = False
+    """t > 1. DeepSpeed splits the pipeline's sends over the TP ranks whenever t > 1 (pipe_partitioned /
+    grad_partitioned), which DualPipeVEngine refuses (`<name>.dualpipev-tp`)."""
 
 
 @dataclass(frozen=True)
@@ -160,12 +177,22 @@ class ExecutorCapabilities:
     emitter and the runtime (`<name>.schedule-not-built`)."""
     split_backward: SplitBackward = SplitBackward()
     """Where a built schedule splits the backward (zb-h1): what it composes with."""
+    dual_pipe_v: DualPipeV = DualPipeV()
+    """Whether it prices DeepSpeed's DualPipeV (`dualpipev`: two chunks per rank in a V) and what it composes with."""
     sequence_parallel: SequenceParallel = SequenceParallel()
     """Where sequence parallelism (sp > 1) composes with its plans."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
     (tuner.runtime names it)."""
+
+    def __post_init__(self) -> None:
+        # One truth for "priced": `schedules` lists what the cost model prices, so an ablation that prices dualpipev
+        # must say so in both places or the rules and the simulator would disagree.
+        priced = any(s in V_SCHEDULES for s in self.schedules)
+        if priced != self.dual_pipe_v.priced:
+            raise ValueError(f"executor {self.name}: dual_pipe_v.priced={self.dual_pipe_v.priced} but schedules "
+                             f"{self.schedules} {'list' if priced else 'do not list'} {', '.join(V_SCHEDULES)}")
 
     @property
     def offloads_fractions(self) -> bool:

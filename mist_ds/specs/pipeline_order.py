@@ -21,6 +21,11 @@ FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "W"
 COMPUTE = (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 SPLIT_SCHEDULES = ("zb-h1",)
 """Schedules that split the backward into B and W."""
+V_SCHEDULES = ("dualpipev",)
+"""Schedules that cut the layers into 2S chunks and place two on each of the S pipeline ranks in a V (DeepSpeed
+0.19.8's DualPipeV, deepspeed/runtime/pipe/dualpipev.py: rank r holds chunk r, phase 0, on the way out and chunk
+2S - 1 - r, phase 1, on the way back, so rank 0 loads the data and computes the loss; docs/design.md, The
+`dualpipev` schedule)."""
 
 Instruction = tuple[str, int]
 
