@@ -211,7 +211,10 @@ def _deepspeed() -> ExecutorCapabilities:
         uniform_zero=True, uniform_recompute=False,
         # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
         recompute_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
-        optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
+        optimizer_offload="whole", activations_offload=False,
+        # DualPipeV is priced on the engine it would run on, DeepSpeed's own (DualPipeVEngine subclasses
+        # PipelineEngine), and not run: mist_ds.runtime builds no DualPipeVModule from a plan's layers yet
+        schedules=("1f1b", "dualpipev"), built_schedules=("1f1b",), dual_pipe_v=DualPipeV(priced=True),
         overlap=OverlapFeatures(), collectives="deepspeed", runs_on_stock_engine=True,
         # Ulysses' all-to-alls, the s / q slices and the d q data group (mist_ds/cost/sequence.py), at pp = 1 and
         # tp = 1 only: DeepSpeed 0.19.8 runs it there (SequenceParallel's fields say why not elsewhere). Run on the
@@ -232,8 +235,9 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     # checked it.
     # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it and runs (mist_ds/runtime/zero_bubble.py) in
     # fp32, bf16 and fp16 on the zoo's models, with TP, without activation offload (SplitBackward says why not).
+    # DualPipeV would run on DeepSpeed's DualPipeVEngine, not on executor mist's MistPipelineEngine: not priced here
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist", "zb-h1"),
-                   built_schedules=("1f1b", "mist", "zb-h1"),
+                   built_schedules=("1f1b", "mist", "zb-h1"), dual_pipe_v=DualPipeV(),
                    split_backward=SplitBackward(tensor_parallel=True, precisions=("fp32", "bf16", "fp16")),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),

@@ -148,3 +148,16 @@ def dualpipev_order(rank: int, ranks: int, micro_batches: int) -> list[VInstruct
     for _ in range(waiting):
         out += commit + backward_chunk(0)
     return out + commit * (rank + 1) + commit
+
+
+def held_micro_batches(rank: int, ranks: int, micro_batches: int) -> list[tuple[int, int]]:
+    """Under dualpipev_order, the micro-batches whose activations rank `rank` holds in phase 0 and in phase 1 right
+    after each of its forwards (a forward saves them, the backward of the same phase frees them): the candidates for
+    the rank's peak, whichever of its two chunks saves more per micro-batch."""
+    held, out = [0, 0], []
+    for kind, phase, _ in dualpipev_order(rank, ranks, micro_batches):
+        if kind in (FORWARD, BACKWARD):
+            held[phase] += 1 if kind == FORWARD else -1
+            if kind == FORWARD:
+                out.append((held[0], held[1]))
+    return out
