@@ -113,6 +113,7 @@ def test_the_tuner_does_not_search_it():
     with pytest.raises(ConfigError) as refused:
         TunerSpec(schedules=("1f1b", "dualpipev"))
     assert refused.value.field == "tuner.schedules"
+    assert "dualpipev is priced by predict, not searched" in str(refused.value)
 
 
 # --- the order and its simulation (specs/pipeline_order.py dualpipev_order, cost/executors/dual_pipe_v.py) ---------
