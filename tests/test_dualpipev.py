@@ -61,6 +61,7 @@ def test_an_executor_that_does_not_price_it_refuses_it_by_its_rule_naming_why_an
     message = str(error)
     assert error.rule == f"{name}.dualpipev" and error.field == "strategy.schedule"
     assert "'dualpipev'" in message and "2 x pp chunks" in message and "one per rank" in message
+    assert "strategy.runtime=deepspeed" in message
     assert "strategy.schedule=1f1b" in message and all(s in message for s in caps.built_schedules
                                                        if caps.built and s in caps.schedules)
 

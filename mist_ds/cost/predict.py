@@ -185,8 +185,8 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
 
 def _dual_pipe_v_prediction(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                             caps: ExecutorCapabilities) -> Prediction:
-    """A dualpipev strategy (cost/executors/dual_pipe_v.py): its 2S chunks priced as the stages of a 2S-stage
-    pipeline, each rank the sum of its two; the per-stage lists of the Prediction are per rank."""
+    """A dualpipev strategy (cost/executors/dual_pipe_v.py): its 2S chunks priced as stages placed on their ranks,
+    each rank the sum of its two; the per-stage lists of the Prediction are per rank."""
     chunks = chunk_candidates(specs.strategy, specs.model.seq_len)
     chunk_times = stage_times(costs, hw, caps, specs.train, chunks)
     memory = rank_memory(stage_memory(costs, hw, caps, specs.train, chunks), specs.strategy.parallelism.grad_accum)

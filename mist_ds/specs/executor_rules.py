@@ -9,7 +9,8 @@ import numpy as np
 
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs.errors import ConfigError
-from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, SequenceParallel, capabilities_of
+from mist_ds.specs.executors import (EXECUTORS, ExecutorCapabilities, OverlapFeatures, SequenceParallel,
+                                     capabilities_of)
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES, V_SCHEDULES
 from mist_ds.specs.strategy import Parallelism, StrategySpec
@@ -189,11 +190,14 @@ def _check_dual_pipe_v(strategy: StrategySpec, caps: ExecutorCapabilities) -> No
           f"{', '.join(runnable)})"
     rules = caps.dual_pipe_v
     if not rules.priced:
+        pricing = [n for n, row in EXECUTORS.items() if row.dual_pipe_v.priced]
+        elsewhere = (f", or price it on executor {' or '.join(pricing)} (strategy.runtime={pricing[0]})"
+                     if pricing else "")
         raise _refuse(f"{name}.dualpipev", "strategy.schedule", schedule,
                       f"executor {name} does not price {schedule}: DeepSpeed's DualPipeV cuts the layers into 2 x pp "
                       "chunks and places two on each pipeline rank in a V (rank r: chunks r and 2 pp - 1 - r; at tp 1, "
-                      "with at least 2 x pp micro-batches, W inside the backward), while mist_ds's partition model "
-                      f"places pp stages, one per rank, and its event simulator replays one chunk per rank; {fix}")
+                      "with at least 2 x pp micro-batches, W inside the backward), while this executor's pricing "
+                      f"places pp stages, one per rank, and its engine runs one chunk per rank; {fix}{elsewhere}")
     if par.pp < 2:
         raise _refuse(f"{name}.dualpipev-pipeline", "strategy.pp", par.pp,
                       f"{schedule} places a pipeline's chunks on two or more ranks: use strategy.pp >= 2, or {fix}")
