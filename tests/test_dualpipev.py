@@ -253,3 +253,11 @@ def test_it_is_priced_but_not_emitted_or_run():
     with pytest.raises(ConfigError) as refused:
         ds_config(specs.strategy, specs.train, specs.model)
     assert refused.value.rule == "deepspeed.schedule-not-built" and "strategy.schedule=1f1b" in str(refused.value)
+
+
+def test_predict_many_prices_it_as_predict_does():
+    from mist_ds.cost.batch import predict_specs_many
+
+    many = [compose([*TINY_PP4, "strategy.runtime=deepspeed", f"strategy.schedule={s}"])
+            for s in ("dualpipev", "1f1b", "dualpipev")]
+    assert [p.to_dict() for p in predict_specs_many(many)] == [predict(s).to_dict() for s in many]
