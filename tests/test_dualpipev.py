@@ -261,3 +261,13 @@ def test_predict_many_prices_it_as_predict_does():
     many = [compose([*TINY_PP4, "strategy.runtime=deepspeed", f"strategy.schedule={s}"])
             for s in ("dualpipev", "1f1b", "dualpipev")]
     assert [p.to_dict() for p in predict_specs_many(many)] == [predict(s).to_dict() for s in many]
+
+
+def test_explain_breaks_down_the_ranks_predict_priced():
+    from mist_ds.report.explain import time_breakdown
+
+    _, v, specs = _both()
+    rows = time_breakdown(specs, v)
+    assert [sum(row.values()) for row in rows] == pytest.approx([v.iteration_time_s] * len(rows), rel=1e-12)
+    # the imbalance is against the slowest rank, rank 0 (both ends of the model)
+    assert rows[0]["imbalance_s"] == 0 and rows[0]["compute_s"] == max(row["compute_s"] for row in rows)

@@ -183,6 +183,15 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
     return prediction_of(specs, costs, hw, caps, c, times, memory, stage_work(costs, c))
 
 
+def strategy_stage_times(specs: Specs, costs: ModelCosts, hw: HardwareModel,
+                         caps: ExecutorCapabilities) -> StageTimes:
+    """specs.strategy's times per stage as predict prices them: under a V schedule per rank, its two chunks'."""
+    if specs.strategy.schedule in V_SCHEDULES:
+        return rank_times(stage_times(costs, hw, caps, specs.train,
+                                      chunk_candidates(specs.strategy, specs.model.seq_len)))
+    return stage_times(costs, hw, caps, specs.train, stage_candidates(specs.strategy, specs.model.seq_len))
+
+
 def _dual_pipe_v_prediction(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                             caps: ExecutorCapabilities) -> Prediction:
     """A dualpipev strategy (cost/executors/dual_pipe_v.py): its 2S chunks priced as stages placed on their ranks,
