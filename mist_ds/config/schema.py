@@ -120,7 +120,8 @@ class StrategyConfig:
     ckpt_layers: Any = "none"  # recomputed blocks per stage (the last ones): full | none | count | list
     zero_stage: Any = 0  # ZeRO stage 0-3: one value or one per stage
     offload: OffloadConfig = field(default_factory=OffloadConfig)
-    schedule: str = "1f1b"  # 1f1b | mist (1F1B's order) | interleaved (Megatron's) | zb-h1
+    schedule: str = "1f1b"  # 1f1b | mist (1F1B's order) | interleaved (Megatron's) | zb-h1 | dualpipev (DeepSpeed's
+    #                        DualPipeV: 2 pp chunks, two per rank in a V; priced on executor deepspeed, not run)
     virtual_stages: int = 1  # model chunks per stage for the interleaved schedule (1 otherwise)
     allow_cross_node_tp: bool = False  # permit tp > gpus_per_node (TP traffic over the network)
 

@@ -18,13 +18,15 @@ from typing import Sequence
 
 import numpy as np
 
-from mist_ds.cost.predict import Prediction, checked_caps, model_costs, prediction_of, stage_candidates, stage_work
+from mist_ds.cost.predict import (Prediction, checked_caps, model_costs, prediction_of, predict_strategy,
+                                  stage_candidates, stage_work)
 from mist_ds.cost.candidates import StageCandidates
 from mist_ds.cost.stage import stage_times
 from mist_ds.cost.stage_memory import stage_memory
 from mist_ds.hardware import hardware_model
 from mist_ds.specs import ExecutorCapabilities, Specs
 from mist_ds.specs.errors import noting_case
+from mist_ds.specs.pipeline_order import V_SCHEDULES
 
 
 def _stacked(candidates: Sequence[StageCandidates]) -> StageCandidates:
@@ -41,10 +43,12 @@ def _rows(priced, start: int, stop: int):
 def _stack_key(specs: Specs, caps: ExecutorCapabilities) -> tuple:
     """What stacked strategies must share. Stage pricing reads the training setup's precision,
     optimizer and clipping, never its global batch (each candidate's G carries that); interleaved and
-    plain schedules take different branches of the pricing, so they are never stacked together. A
+    plain schedules take different branches of the pricing, so they are never stacked together, and a V schedule's
+    strategies are priced one by one (predict_strategy). A
     cluster (its GPU's peaks are a dict) and capabilities are keyed by their repr, which holds every field."""
     train = dataclasses.replace(specs.train, global_batch_size=1)
-    return (specs.model, repr(specs.cluster), train, repr(caps), specs.strategy.virtual_stages > 1)
+    return (specs.model, repr(specs.cluster), train, repr(caps), specs.strategy.virtual_stages > 1,
+            specs.strategy.schedule in V_SCHEDULES)
 
 
 def predict_specs_many(many: Sequence[Specs], caps: ExecutorCapabilities | None = None,
@@ -68,6 +72,11 @@ def predict_specs_many(many: Sequence[Specs], caps: ExecutorCapabilities | None 
         row_costs = costs[first.model, first.train.precision]
         hw = hardware[repr(first.cluster), first.train.precision]
         row_caps = checked[rows[0]]
+        if first.strategy.schedule in V_SCHEDULES:
+            # a V's stages are its chunks, folded into ranks after pricing (cost/executors/dual_pipe_v.py): alone
+            for i in rows:
+                out[i] = predict_strategy(many[i], row_costs, hw, row_caps)
+            continue
         candidates = [stage_candidates(many[i].strategy, many[i].model.seq_len) for i in rows]
         stacked = _stacked(candidates)
         times = stage_times(row_costs, hw, row_caps, first.train, stacked)

@@ -61,6 +61,28 @@ class StageCandidates:
     def last(self) -> np.ndarray:
         return (self.stage == self.pp - 1).astype(np.float64)
 
+    # Where the stage sits among the ranks, apart from where it sits in the model: the same for a stage of one chunk
+    # per rank, not for a V schedule's chunks (cost/executors/dual_pipe_v.py ChunkCandidates).
+    @cached_property
+    def sends_to_next_rank(self) -> np.ndarray:
+        """1 where activations or gradients cross the boundary to the next rank position (`stage` + 1)."""
+        return 1.0 - self.last
+
+    @cached_property
+    def sends_to_previous_rank(self) -> np.ndarray:
+        """1 where activations or gradients cross the boundary to the previous rank position (`stage` - 1)."""
+        return 1.0 - self.first
+
+    @cached_property
+    def shares_vocab(self) -> np.ndarray:
+        """1 where the stage's head would use the vocabulary matrix its rank already counts, if tied: S = 1."""
+        return (self.pp == 1).astype(np.float64)
+
+    @cached_property
+    def ties_across_ranks(self) -> np.ndarray:
+        """1 where a tied vocabulary matrix sits on two ranks, whose gradients the step all-reduces: S > 1."""
+        return (self.pp > 1).astype(np.float64)
+
     @cached_property
     def shapes(self) -> "ShapeIndex":
         return ShapeIndex(self)
@@ -134,7 +156,7 @@ def _stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex, key: st
     count (where `counts_vocab`) once at S = 1."""
     params = (c.layers * ev(costs.block, key) + c.first * ev(costs.embedding, key) + c.last * ev(costs.head, key))
     if costs.model.tie_embeddings and counts_vocab:
-        params = params - np.where((c.pp == 1), vocab_shard_elements(costs.model, c), 0.0)
+        params = params - np.where(c.shares_vocab > 0, vocab_shard_elements(costs.model, c), 0.0)
     return params
 
 

@@ -11,6 +11,8 @@ from mist_ds.cost.accounting import comm_bytes, stage_flops
 from mist_ds.cost.host import host_use
 from mist_ds.cost.iteration import bubble_s, iteration_time_s
 from mist_ds.cost.layer_time import profile_sources
+from mist_ds.cost.executors.dual_pipe_v import (VSpan, chunk_candidates, per_rank, rank_memory, rank_times,
+                                                simulate_dualpipev)
 from mist_ds.cost.executors.zero_bubble import (SplitSpan, deferred_weight_bytes, pipeline_bubble_s, simulate_split,
                                                 stage_weight_gradient_s)
 from mist_ds.cost.sequence import on_rank
@@ -22,7 +24,7 @@ from mist_ds.hardware import HardwareModel, hardware_model
 from mist_ds.specs import ExecutorCapabilities, Specs, StrategySpec, check_executor
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.specs.cluster import GIB
-from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES, V_SCHEDULES
 from mist_ds.specs.placement import node_host_bytes
 from mist_ds.symbolic import analyze_model
 
@@ -96,7 +98,7 @@ class SimulatedIteration:
     """One iteration as the event simulator runs it (seconds from its start): what the timeline picture
     draws (report/pictures.py) and where predict's iteration time comes from."""
 
-    spans: list[Span] | list[SplitSpan]
+    spans: list[Span] | list[SplitSpan] | list[VSpan]
     """Every forward and backward instruction per stage; a stage's last backward includes its extra
     (the span ends when the stage is free), a stage's first forward starts after its extra."""
     first_fwd_extra_s: list[float]
@@ -117,13 +119,19 @@ class SimulatedIteration:
 
 
 def _simulated_iteration(specs: Specs, hw: HardwareModel, times: StageTimes,
-                         weight_grad_s: np.ndarray | None = None) -> SimulatedIteration:
+                         weight_grad_s: np.ndarray | None = None,
+                         chunk_times: StageTimes | None = None) -> SimulatedIteration:
     """Run the event simulator on specs.strategy's stage times, its tail from cost/stage.py's tail_s;
-    `weight_grad_s`: per stage, the W of a schedule that splits the backward (seconds per micro-batch)."""
+    `weight_grad_s`: per stage, the W of a schedule that splits the backward (seconds per micro-batch);
+    `chunk_times`: under a V schedule, its 2S chunks' (`times` then its ranks')."""
     par = specs.strategy.parallelism
     micro_batches, chunks = par.grad_accum, specs.strategy.virtual_stages
     tail = float(tail_s(hw, specs.train, np.max(times.end_s), par.num_gpus))
-    if specs.strategy.schedule in SPLIT_SCHEDULES:
+    if specs.strategy.schedule in V_SCHEDULES:
+        simulated, spans = simulate_dualpipev(chunk_times.fwd_s, chunk_times.bwd_s, micro_batches,
+                                              end_s=list(times.last_bwd_extra_s + times.end_s),
+                                              start_s=list(times.first_fwd_extra_s))
+    elif specs.strategy.schedule in SPLIT_SCHEDULES:
         simulated, spans = simulate_split(times.fwd_s, times.bwd_s - weight_grad_s, weight_grad_s,
                                           times.first_fwd_extra_s, times.last_bwd_extra_s, micro_batches,
                                           end_s=list(times.end_s))
@@ -150,6 +158,9 @@ def simulate_iteration(specs: Specs, caps: ExecutorCapabilities | None = None,
     """The event simulation behind predict(specs).iteration_time_s, every instruction's span kept."""
     costs, hw = model_costs(specs, cache_dir), hardware_model(specs.cluster, specs.train.precision)
     caps = checked_caps(specs, caps)
+    if specs.strategy.schedule in V_SCHEDULES:
+        chunk_times = stage_times(costs, hw, caps, specs.train, chunk_candidates(specs.strategy, specs.model.seq_len))
+        return _simulated_iteration(specs, hw, rank_times(chunk_times), chunk_times=chunk_times)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
     return _simulated_iteration(specs, hw, stage_times(costs, hw, caps, specs.train, c),
                                 _weight_grad_s(specs, costs, hw, c))
@@ -164,10 +175,33 @@ def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
                      caps: ExecutorCapabilities | None = None) -> Prediction:
     """Price specs.strategy on `caps` (default: the capabilities of the executor it names)."""
     caps = checked_caps(specs, caps)
+    if specs.strategy.schedule in V_SCHEDULES:
+        return _dual_pipe_v_prediction(specs, costs, hw, caps)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
     times = stage_times(costs, hw, caps, specs.train, c)
     memory = stage_memory(costs, hw, caps, specs.train, c)
     return prediction_of(specs, costs, hw, caps, c, times, memory, stage_work(costs, c))
+
+
+def strategy_stage_times(specs: Specs, costs: ModelCosts, hw: HardwareModel,
+                         caps: ExecutorCapabilities) -> StageTimes:
+    """specs.strategy's times per stage as predict prices them: under a V schedule per rank, its two chunks'."""
+    if specs.strategy.schedule in V_SCHEDULES:
+        return rank_times(stage_times(costs, hw, caps, specs.train,
+                                      chunk_candidates(specs.strategy, specs.model.seq_len)))
+    return stage_times(costs, hw, caps, specs.train, stage_candidates(specs.strategy, specs.model.seq_len))
+
+
+def _dual_pipe_v_prediction(specs: Specs, costs: ModelCosts, hw: HardwareModel,
+                            caps: ExecutorCapabilities) -> Prediction:
+    """A dualpipev strategy (cost/executors/dual_pipe_v.py): its 2S chunks priced as stages placed on their ranks,
+    each rank the sum of its two; the per-stage lists of the Prediction are per rank."""
+    chunks = chunk_candidates(specs.strategy, specs.model.seq_len)
+    chunk_times = stage_times(costs, hw, caps, specs.train, chunks)
+    memory = rank_memory(stage_memory(costs, hw, caps, specs.train, chunks), specs.strategy.parallelism.grad_accum)
+    work = stage_work(costs, chunks)
+    work = StageWork(flops_per_rank=per_rank(work.flops_per_rank), recompute_flops=per_rank(work.recompute_flops))
+    return prediction_of(specs, costs, hw, caps, chunks, rank_times(chunk_times), memory, work, chunk_times)
 
 
 def checked_caps(specs: Specs, caps: ExecutorCapabilities | None) -> ExecutorCapabilities:
@@ -194,8 +228,10 @@ def stage_work(costs: ModelCosts, c: StageCandidates) -> StageWork:
 
 
 def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilities,
-                  c: StageCandidates, times: StageTimes, memory: StageMemory, work: StageWork) -> Prediction:
-    """The Prediction of specs.strategy from its stages' priced times, memory and work (`c`: its stages, [S])."""
+                  c: StageCandidates, times: StageTimes, memory: StageMemory, work: StageWork,
+                  chunk_times: StageTimes | None = None) -> Prediction:
+    """The Prediction of specs.strategy from its stages' priced times, memory and work (`c`: its stages, [S]; under a
+    V schedule `c` and `chunk_times` are its 2S chunks', the rest its ranks')."""
     strategy = specs.strategy
     par = strategy.parallelism
     world = par.num_gpus
@@ -203,9 +239,12 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
     if strategy.schedule in SPLIT_SCHEDULES:  # deferred W's keep their operands (cost/executors/zero_bubble.py)
         held = deferred_weight_bytes(costs, hw, c, strategy.schedule)
         memory = replace(memory, activations=memory.activations + held, peak_bytes=memory.peak_bytes + held)
-    simulation = _simulated_iteration(specs, hw, times, _weight_grad_s(specs, costs, hw, c))
+    v_schedule = strategy.schedule in V_SCHEDULES
+    simulation = _simulated_iteration(specs, hw, times, _weight_grad_s(specs, costs, hw, c), chunk_times)
     simulated, tail = simulation.iteration_time_s, simulation.tail_s
-    closed = float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum, tail, chunks))
+    # DualPipeV has no closed form here (the tuner does not search it): its simulation stands in
+    closed = simulated if v_schedule else float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum,
+                                                                  tail, chunks))
     tokens = par.global_batch_size * specs.model.seq_len
     model_flops = specs.model.training_flops_per_token() * tokens
     recompute_flops = float(np.sum(work.recompute_flops)) * par.grad_accum * par.dp
@@ -228,7 +267,7 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         mfu=model_flops / (simulated * world * peak), hfu=(model_flops + recompute_flops) / (simulated * world * peak),
         stage_stable_s=[float(x) for x in times.stable_s], stage_delta_s=[float(x) for x in times.delta_s],
         bubble_s=(pipeline_bubble_s(simulation.spans, times.stable_s, par.grad_accum)
-                  if strategy.schedule in SPLIT_SCHEDULES else float(bubble_s(times.stable_s, chunks))),
+                  if strategy.schedule in SPLIT_SCHEDULES or v_schedule else float(bubble_s(times.stable_s, chunks))),
         optimizer_s=float(np.max(times.optimizer_s)), tail_s=tail,
         peak_memory_bytes=[float(x) for x in memory.peak_bytes], memory_breakdown=breakdown,
         fits=not warnings,
@@ -239,7 +278,9 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
         host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,
         flops_per_rank=[float(x) for x in work.flops_per_rank],
-        comm_bytes_per_rank=comm_bytes(costs, strategy, specs.train, caps, c, hw.dtype_bytes))
+        # the census of a V's collectives (two chunks per rank, the tied embedding shared on rank 0) is not written
+        comm_bytes_per_rank=None if v_schedule else comm_bytes(costs, strategy, specs.train, caps, c,
+                                                                hw.dtype_bytes))
 
 
 def predict(specs: Specs, cache_dir: Path | None = None, caps: ExecutorCapabilities | None = None) -> Prediction:

@@ -88,8 +88,8 @@ def _p2p_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates, ev: ShapeIn
 
     # np.where, not a product: a single node has no inter-node bandwidth (infinite time) and the first
     # stage has no previous boundary at all.
-    to_next = np.where(c.last > 0, 0.0, send(cross_next & (c.last == 0)))
-    from_prev = np.where(c.first > 0, 0.0, send(cross_prev & (c.first == 0)))
+    to_next = np.where(c.sends_to_next_rank == 0, 0.0, send(cross_next & (c.sends_to_next_rank > 0)))
+    from_prev = np.where(c.sends_to_previous_rank == 0, 0.0, send(cross_prev & (c.sends_to_previous_rank > 0)))
     # Interleaved: every chunk crosses each boundary, and v - 1 chunks wrap from the last stage to
     # the first (the same node only when the whole pipeline fits in one).
     if not np.any(c.v > 1):
@@ -204,7 +204,7 @@ def optimizer_step(inputs: StageInputs, moves: StageMoves) -> OptimizerStep:
     gpu_step = hw.memory_bound_time_s((step_bytes + b_w) * partition * (1 - c.oo))
     cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(moves.step_host_bytes_per_param
                                                                           * partition * c.oo)
-    tied = np.where((c.pp > 1) & costs.model.tie_embeddings & ((c.first + c.last) > 0),
+    tied = np.where((c.ties_across_ranks > 0) & costs.model.tie_embeddings & ((c.first + c.last) > 0),
                     hw.all_reduce_time_s(b_w * vocab_shard_elements(costs.model, c), 2,
                                          c.t * c.d * (c.pp - 1)), 0.0)
     return OptimizerStep(gpu_s=gpu_step, total_s=gpu_step + cpu_step + moves.step_copies_s, partition=partition,

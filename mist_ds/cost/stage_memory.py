@@ -108,7 +108,7 @@ def oversized_tensors(model: ModelSpec, c: StageCandidates, bucket_elements) -> 
     block = ev.spread(np.array([model.largest_block_tensor(int(t)) for t in ev.t], dtype=np.float64))
     positions = float(model.seq_len * model.hidden_size if model.family == "gpt" else 0)
     first, last = _trained_vocab(model, c)
-    head_of_its_own = last & ~((c.first > 0) & model.tie_embeddings)
+    head_of_its_own = last & ~((c.shares_vocab > 0) & model.tie_embeddings)
     ends = (np.where(first & (vocab > bucket_elements), vocab, 0.0)
             + c.first * np.where(positions > bucket_elements, positions, 0.0))
     ends = ends + np.where(head_of_its_own & (vocab > bucket_elements), vocab, 0.0)

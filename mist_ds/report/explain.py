@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mist_ds.cost.executors.zero_bubble import deferred_weight_bytes, stage_weight_gradient_s
-from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy, stage_candidates
-from mist_ds.cost.stage import stage_times
+from mist_ds.cost.predict import (MEMORY_PARTS, Prediction, model_costs, predict_strategy, stage_candidates,
+                                  strategy_stage_times)
 from mist_ds.hardware import hardware_model
 from mist_ds.plan import Plan
 from mist_ds.specs import ConfigError, Specs, StrategySpec, check_executor
@@ -122,7 +122,7 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
     strategy = specs.strategy
     caps = capabilities_of(strategy.runtime)
     costs, hw = model_costs(specs), hardware_model(specs.cluster, specs.train.precision)
-    times = stage_times(costs, hw, caps, specs.train, stage_candidates(strategy, specs.model.seq_len))
+    times = strategy_stage_times(specs, costs, hw, caps)
     G, total = strategy.parallelism.grad_accum, prediction.iteration_time_s
     # Never below 0 but by rounding (the overlap model prices a phase at least its compute); the bubble,
     # the rest, keeps each row's sum exact.

@@ -9,9 +9,10 @@ import numpy as np
 
 from mist_ds.specs.buckets import PLANNED_REDUCE_BUCKET_ELEMENTS
 from mist_ds.specs.errors import ConfigError
-from mist_ds.specs.executors import ExecutorCapabilities, OverlapFeatures, SequenceParallel, capabilities_of
+from mist_ds.specs.executors import (EXECUTORS, ExecutorCapabilities, OverlapFeatures, SequenceParallel,
+                                     capabilities_of)
 from mist_ds.specs.model import ModelSpec
-from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES
+from mist_ds.specs.pipeline_order import SPLIT_SCHEDULES, V_SCHEDULES
 from mist_ds.specs.strategy import Parallelism, StrategySpec
 from mist_ds.specs.target_rules import recompute_allowed
 from mist_ds.specs.targets import DEFAULT_TARGET, TargetCapabilities, target_capabilities
@@ -130,6 +131,7 @@ def check_executor(strategy: StrategySpec, caps: ExecutorCapabilities | None = N
                       f"executor {name} splits KV heads over TP ranks and does not replicate them: tp must "
                       f"divide model.num_kv_heads={model.num_kv_heads}")
     _check_sequence_parallel(name, caps.sequence_parallel, strategy.parallelism)
+    _check_dual_pipe_v(strategy, caps)
     if strategy.schedule not in caps.schedules:
         raise _refuse(f"{name}.schedule", "strategy.schedule", strategy.schedule,
                       f"executor {name} runs {', '.join(caps.schedules)}")
@@ -170,6 +172,43 @@ def _check_sequence_parallel(name: str, rules: SequenceParallel, par: Parallelis
         raise _refuse(f"{name}.sp-tp", "strategy.sp", par.sp,
                       f"executor {name} does not run sequence parallelism with tensor parallelism (Ulysses' groups "
                       f"and AutoTP's clash): use strategy.sp=1 or strategy.tp=1 (tp is {par.tp})")
+
+
+def _runnable_schedules(caps: ExecutorCapabilities) -> tuple[str, ...]:
+    """The schedules a refusal may point to: those the executor prices and runs (where it runs any), else prices."""
+    return tuple(s for s in caps.schedules if s in caps.built_schedules) if caps.built else caps.schedules
+
+
+def _check_dual_pipe_v(strategy: StrategySpec, caps: ExecutorCapabilities) -> None:
+    """DeepSpeed's DualPipeV (V_SCHEDULES): refused where the executor's pricing cannot hold two chunks per rank,
+    and where it can, what DualPipeVEngine asserts against (deepspeed/runtime/pipe/dualpipev.py)."""
+    schedule, par, name = strategy.schedule, strategy.parallelism, caps.name
+    if schedule not in V_SCHEDULES:
+        return
+    runnable = _runnable_schedules(caps)
+    fix = f"use strategy.schedule={runnable[0]} (executor {name} {'runs' if caps.built else 'prices'} " \
+          f"{', '.join(runnable)})"
+    rules = caps.dual_pipe_v
+    if not rules.priced:
+        pricing = [n for n, row in EXECUTORS.items() if row.dual_pipe_v.priced]
+        elsewhere = (f", or price it on executor {' or '.join(pricing)} (strategy.runtime={pricing[0]})"
+                     if pricing else "")
+        raise _refuse(f"{name}.dualpipev", "strategy.schedule", schedule,
+                      f"executor {name} does not price {schedule}: DeepSpeed's DualPipeV cuts the layers into 2 x pp "
+                      "chunks and places two on each pipeline rank in a V (rank r: chunks r and 2 pp - 1 - r; at tp 1, "
+                      "with at least 2 x pp micro-batches, W inside the backward), while this executor's pricing "
+                      f"places pp stages, one per rank, and its engine runs one chunk per rank; {fix}{elsewhere}")
+    if par.pp < 2:
+        raise _refuse(f"{name}.dualpipev-pipeline", "strategy.pp", par.pp,
+                      f"{schedule} places a pipeline's chunks on two or more ranks: use strategy.pp >= 2, or {fix}")
+    if par.tp > 1 and not rules.tensor_parallel:
+        raise _refuse(f"{name}.dualpipev-tp", "strategy.tp", par.tp,
+                      f"DeepSpeed splits pipeline sends over the TP ranks at tp > 1 (pipe_partitioned), which "
+                      f"DualPipeV refuses: strategy.tp=1, or {fix}")
+    if par.grad_accum < 2 * par.pp:
+        raise _refuse(f"{name}.dualpipev-micro-batches", "strategy.grad_accum", par.grad_accum,
+                      f"DualPipeV needs at least 2 x pp = {2 * par.pp} micro-batches (each rank's two chunks fill "
+                      f"its warm-up): raise train.global_batch_size or lower strategy.micro_batch_size, or {fix}")
 
 
 def check_sequence_parallel_built(strategy: StrategySpec, caps: ExecutorCapabilities) -> None:

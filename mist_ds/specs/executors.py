@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Literal, Mapping
 
 from mist_ds.specs.errors import ConfigError
+from mist_ds.specs.pipeline_order import V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,22 @@ class SplitBackward:
     own_models: bool = False
     """A Hugging Face or user's model (family hf / module): their GEMM modules (GPT-2's Conv1D calls addmm) are not
     all `F.linear`, which is what the runtime splits, so W would not be what the cost model prices."""
+
+
+@dataclass(frozen=True)
+class DualPipeV:
+    """Where an executor's pricing holds DeepSpeed's DualPipeV (`dualpipev`, specs/pipeline_order.py V_SCHEDULES):
+    two chunks per rank in a V. executor_rules.check_executor refuses `dualpipev` before pricing where `priced` is
+    False (`<name>.dualpipev`), and where it is True what DeepSpeed 0.19.8's DualPipeVEngine asserts against
+    (`<name>.dualpipev-*`); `built_schedules` says whether the executor's engines run it."""
+
+    priced: bool = False
+    """Its cost model cuts the layers into 2S chunks, rank r holding chunks r and 2S - 1 - r (each with its F, B and
+    memory, W inside B as DeepSpeed runs it), and the event simulator replays DualPipeVSchedule's stream. False:
+    its partition model places S stages, one per rank, and simulates streams of one chunk per rank only."""
+    tensor_parallel: bool = False
+    """t > 1. DeepSpeed splits the pipeline's sends over the TP ranks whenever t > 1 (pipe_partitioned /
+    grad_partitioned), which DualPipeVEngine refuses (`<name>.dualpipev-tp`)."""
 
 
 @dataclass(frozen=True)
@@ -160,12 +177,22 @@ class ExecutorCapabilities:
     emitter and the runtime (`<name>.schedule-not-built`)."""
     split_backward: SplitBackward = SplitBackward()
     """Where a built schedule splits the backward (zb-h1): what it composes with."""
+    dual_pipe_v: DualPipeV = DualPipeV()
+    """Whether it prices DeepSpeed's DualPipeV (`dualpipev`: two chunks per rank in a V) and what it composes with."""
     sequence_parallel: SequenceParallel = SequenceParallel()
     """Where sequence parallelism (sp > 1) composes with its plans."""
     checked_on_gpu: bool = True
     """Its schedule has run on a GPU. False: its features were checked on CPU ranks (gloo) only, where
     concurrent communicators are safe; NCCL warns against them, so the tuner does not pick it by default
     (tuner.runtime names it)."""
+
+    def __post_init__(self) -> None:
+        # One truth for "priced": `schedules` lists what the cost model prices, so an ablation that prices dualpipev
+        # must say so in both places or the rules and the simulator would disagree.
+        priced = any(s in V_SCHEDULES for s in self.schedules)
+        if priced != self.dual_pipe_v.priced:
+            raise ValueError(f"executor {self.name}: dual_pipe_v.priced={self.dual_pipe_v.priced} but schedules "
+                             f"{self.schedules} {'list' if priced else 'do not list'} {', '.join(V_SCHEDULES)}")
 
     @property
     def offloads_fractions(self) -> bool:
@@ -184,7 +211,10 @@ def _deepspeed() -> ExecutorCapabilities:
         uniform_zero=True, uniform_recompute=False,
         # mist_ds.runtime recomputes exactly the last c blocks of a stage, one block at a time
         recompute_whole_stage_only=False, weights_offload="zero3-all", grads_offload="with-optimizer",
-        optimizer_offload="whole", activations_offload=False, schedules=("1f1b",),
+        optimizer_offload="whole", activations_offload=False,
+        # DualPipeV is priced on the engine it would run on, DeepSpeed's own (DualPipeVEngine subclasses
+        # PipelineEngine), and not run: mist_ds.runtime builds no DualPipeVModule from a plan's layers yet
+        schedules=("1f1b", "dualpipev"), built_schedules=("1f1b",), dual_pipe_v=DualPipeV(priced=True),
         overlap=OverlapFeatures(), collectives="deepspeed", runs_on_stock_engine=True,
         # Ulysses' all-to-alls, the s / q slices and the d q data group (mist_ds/cost/sequence.py), at pp = 1 and
         # tp = 1 only: DeepSpeed 0.19.8 runs it there (SequenceParallel's fields say why not elsewhere). Run on the
@@ -205,8 +235,9 @@ def _executors() -> Mapping[str, ExecutorCapabilities]:
     # checked it.
     # ZB-H1 (mist_ds/cost/executors/zero_bubble.py) is priced on it and runs (mist_ds/runtime/zero_bubble.py) in
     # fp32, bf16 and fp16 on the zoo's models, with TP, without activation offload (SplitBackward says why not).
+    # DualPipeV would run on DeepSpeed's DualPipeVEngine, not on executor mist's MistPipelineEngine: not priced here
     mist = replace(deepspeed, name="mist", built=True, schedules=("1f1b", "mist", "zb-h1"),
-                   built_schedules=("1f1b", "mist", "zb-h1"),
+                   built_schedules=("1f1b", "mist", "zb-h1"), dual_pipe_v=DualPipeV(),
                    split_backward=SplitBackward(tensor_parallel=True, precisions=("fp32", "bf16", "fp16")),
                    overlap=OverlapFeatures(overlap_grad_reduce=True, gather_weights_in_first_forward=True),
                    grad_reduce_overlap_zero_stages=(0, 1),

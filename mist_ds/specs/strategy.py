@@ -19,9 +19,10 @@ from mist_ds.specs.errors import ConfigError, require, require_positive
 from mist_ds.specs.model import ModelSpec
 from mist_ds.specs.train import TrainSpec
 
-SCHEDULES: tuple[str, ...] = ("1f1b", "mist", "interleaved", "zb-h1")
+SCHEDULES: tuple[str, ...] = ("1f1b", "mist", "interleaved", "zb-h1", "dualpipev")
 """The order of a pipeline's work (docs/design.md, Glossary): `mist` is 1F1B's order, the spelling kept from
-when executor `mist`'s overlap features were called a schedule (they are capabilities of the executor)."""
+when executor `mist`'s overlap features were called a schedule (they are capabilities of the executor); which
+executor prices and runs each is its capability row's (specs/executors.py `schedules`, `built_schedules`)."""
 OFFLOAD_KINDS: tuple[str, ...] = ("weights", "grads", "optimizer", "activations")
 
 

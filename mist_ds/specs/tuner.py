@@ -132,7 +132,7 @@ class TunerSpec:
                 and len(set(self.schedules)) == len(self.schedules) and "1f1b" in self.schedules,
                 "tuner.schedules", list(self.schedules),
                 f"list distinct schedules of {', '.join(SEARCHED_SCHEDULES)}, 1f1b among them (the order of every "
-                "point where no other composes), e.g. [1f1b,zb-h1]")
+                "point where no other composes), e.g. [1f1b,zb-h1] (dualpipev is priced by predict, not searched)")
         require(self.grid in GRIDS, "tuner.grid", self.grid, f"use one of {', '.join(GRIDS)}")
         for kind in OFFLOAD_KINDS:
             name = f"{kind}_offload_ratios"
