@@ -80,7 +80,8 @@ def report(chains: dict, fits: dict, other_cores: float, wall_s: float, machine:
              "and reuse off. Per pass: (ZeRO-3 - plain - the reduce-scatter as priced) / 2 = calls x hook + "
              "fetching calls x (fetch + the all-gather as priced).", "",
              "## Figures", "",
-             "| precision | zero3_hook_us | zero3_fetch_us | a fetch in all, us | of which the all-gather as priced, us |",
+             "| precision | zero3_hook_us | zero3_fetch_us | a fetch in all, us | of which the all-gather as priced, "
+             "us |",
              "|---|---|---|---|---|"]
     for dtype, fit in fits.items():
         lines.append(f"| {dtype} | {fit['hook_s'] * 1e6:.1f} | {fit['fetch_s'] * 1e6:.1f} | "
