@@ -82,6 +82,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "vtrain.md": (("8-GPU rows, out of the fit: MAPE", r"^- held-out rows \(\d+\): MAPE " + PERCENT),
                   ("Spearman", r"^- held-out rows .*?mean Spearman ([\d.]+)"),
                   ("top-1 regret", r"^- held-out rows .*?mean top-1 regret " + PERCENT)),
+    "zero3_cpu.md": (("zero3_fetch_us, bf16", r"^\| bf16 \| [\d.]+ \| ([\d.]+) \|"),
+                     ("zero3_hook_us", r"^\| bf16 \| ([\d.]+) \|")),
     "zero_bubble_cpu.md": (("idle zb-h1 / 1F1B, measured", r"^- Idle time .*?zb-h1 / 1F1B: measured ([\d.]+)"),
                            ("simulated", r"^- Idle time .*?, simulated ([\d.]+)\.$")),
     "zero_bubble.md": (("own precision, pipelines: searched plan over 1F1B (geomean)",

@@ -550,6 +550,29 @@ def test_zero3_first_gather_and_last_reduce_scatter_are_exposed(costs_13b):
     assert float(deepspeed.stable_s[0]) >= float(deepspeed.compute_s[0] + deepspeed.recompute_s[0]) + exposed
 
 
+def test_zero3_pays_its_coordinators_host_time_per_module_call_and_fetch(costs_13b):
+    """ZeRO-3's hooks run on every module call of each pass and its fetch on every call of a module holding
+    parameters (GPT's block: 9 calls, 6 of them fetching: two norms, four linears), serial with the pass, the
+    recomputed forward again; other ZeRO stages pay none, nor do clusters that leave the figures at 0."""
+    assert (costs_13b.block("module_calls", 1, 2048, 1), costs_13b.block("fetching_calls", 1, 2048, 1)) == (9, 6)
+    hook_us, fetch_us = 30.0, 200.0
+    figures = [f"cluster.gpu.zero3_hook_us={hook_us}", f"cluster.gpu.zero3_fetch_us={fetch_us}"]
+    for stage, recompute in ((3, 0), (3, 24), (1, 0)):
+        strategy = [f"strategy.zero_stage={stage}", "strategy.dp=8", f"strategy.ckpt_layers={recompute}"]
+        priced, _ = _times(specs_of(*strategy, *figures), costs_13b)
+        free, _ = _times(specs_of(*strategy), costs_13b)
+        per_layer = {kind: 1e-6 * (hook_us * layer("module_calls", 1, 2048, 1)
+                                   + fetch_us * layer("fetching_calls", 1, 2048, 1))
+                     for kind, layer in (("emb", costs_13b.embedding), ("block", costs_13b.block),
+                                         ("head", costs_13b.head))}
+        once = 24 * per_layer["block"] + per_layer["emb"] + per_layer["head"]
+        expected = (2 * once + recompute * per_layer["block"]) if stage == 3 else 0.0
+        assert float(priced.host_s[0]) == pytest.approx(expected)
+        assert float(priced.stable_s[0] - free.stable_s[0]) == pytest.approx(expected)
+    gpu = compose(BASE).cluster.gpu
+    assert gpu.zero3_fetch_s == gpu.zero3_hook_s == 0.0  # GPU clusters: not measured
+
+
 def test_zero3_gathers_once_per_submodule_each_paying_its_latency(costs_13b):
     """GPT's block holds four linears (attention.qkv, attention.proj, fc_in, fc_out; mist_ds/models/gpt.py):
     DeepSpeed's ZeRO-3 gathers each in its own call, so a stage's gathers cost 4 l + 2 latencies (embedding,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import sqlite3
 
 import numpy as np
@@ -15,6 +16,7 @@ from mist_ds.config import compose
 from mist_ds.cost.predict import model_costs, predict
 from mist_ds.hardware import hardware_model
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB
+from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_gemm, fit_zero3
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
 from mist_ds.specs import ConfigError
@@ -113,6 +115,81 @@ def test_a_shape_the_database_lacks_is_priced_by_the_roofline(profiled):
     assert prediction.sources["gemm"] == prediction.sources["attention"] == "roofline"
     partly = predict(compose([*overrides, *STRATEGY, "strategy.tp=2"]))  # t = 2 was profiled: its GEMMs are held
     assert partly.sources["gemm"] == "profile"
+
+
+def test_the_profile_measures_zero3s_host_cost_and_prices_it(profiled):
+    """The quick profile runs DeepSpeed's ZeRO-3 on both chains (microbench.zero3_sweep), fits the host figures
+    (never negative) into the cluster file, and the profiled cluster prices a ZeRO-3 plan with them."""
+    out, overrides = profiled
+    summary = json.loads((out / "profile.json").read_text())
+    zero3 = summary["constants"]["zero3"]
+    assert zero3["hook_s"] >= 0 and zero3["fetch_s"] >= 0 and zero3["fetch_total_s"] >= zero3["fetch_s"]
+    chains = json.loads((out / "measurements.json").read_text())["per_rank"][0]["zero3"]
+    assert [(c["chain"], c["calls"], c["fetching"]) for c in chains] == [
+        ("fetch", ZERO3_FETCHES + 1, ZERO3_FETCHES), ("hooks", ZERO3_HOOKS + 2, 1)]
+    assert all(c["zero3_s"] > c["plain_s"] > 0 for c in chains)
+    gpu = compose([*overrides, *STRATEGY]).cluster.gpu
+    assert gpu.zero3_fetch_s == pytest.approx(zero3["fetch_s"], abs=1e-8)
+    assert gpu.zero3_hook_s == pytest.approx(zero3["hook_s"], abs=1e-8)
+    zero3_plan = ["strategy.micro_batch_size=2", "strategy.zero_stage=3"]
+    priced = predict(compose([*overrides, *zero3_plan])).iteration_time_s
+    free = predict(compose([*overrides, *zero3_plan, "cluster.gpu.zero3_fetch_us=0", "cluster.gpu.zero3_hook_us=0"]))
+    assert priced > free.iteration_time_s or zero3["fetch_s"] == zero3["hook_s"] == 0
+
+
+def _zero3_chains(hook_s: float, fetch_s: float, gather_s, scatter_s) -> list[dict]:
+    """zero3_sweep's rows as a coordinator of known costs would time them (per pass: calls x hook + fetching x
+    (fetch + its all-gather), twice, plus the backward's reduce-scatter)."""
+    rows = []
+    for chain, calls, fetching in (("fetch", 17, 16), ("hooks", 34, 1)):
+        grad_bytes = 544 * fetching
+        zero3 = 2 * (calls * hook_s + fetching * (fetch_s + gather_s(544))) + scatter_s(grad_bytes) + 1e-3
+        rows.append({"chain": chain, "calls": calls, "fetching": fetching, "fetch_bytes": 544,
+                     "grad_bytes": grad_bytes, "zero3_s": zero3, "plain_s": 1e-3})
+    return rows
+
+
+def test_the_zero3_fit_recovers_known_host_costs():
+    gather = (lambda m: 1e-4 + m / 1e9)
+    scatter = (lambda m: 1e-4 + m / 2e9)
+    fit = fit_zero3(_zero3_chains(50e-6, 700e-6, gather, scatter), gather, scatter)
+    assert fit["hook_s"] == pytest.approx(50e-6) and fit["fetch_s"] == pytest.approx(700e-6)
+    assert fit["fetch_total_s"] == pytest.approx(700e-6 + gather(544))
+    # noise that would make the hooks' cost negative: none, and the fetch chain alone sets the fetch
+    rows = _zero3_chains(0.0, 700e-6, gather, scatter)
+    rows[1]["zero3_s"] -= 2e-3
+    fit = fit_zero3(rows, gather, scatter)
+    assert fit["hook_s"] == 0.0 and fit["fetch_s"] > 0
+
+
+def _gemm_rows(seconds_of) -> list[dict]:
+    """A sweep from 0.5 MFLOP to 8.6 GFLOP, each GEMM's seconds_of(m, n, k)."""
+    shapes = [(m, n, k) for m in (64, 128, 256, 512, 1024) for n, k in ((m, m), (4 * m, m), (m, 4 * m))]
+    return [{"dtype": "fp32", "m": m, "n": n, "k": k, "s": seconds_of(m, n, k)} for m, n, k in shapes]
+
+
+def test_the_gemm_fit_recovers_a_knee_the_sweep_spans():
+    """GEMMs timed as the cost model's own curve would (its peak above the best the sweep sees by 0.1%)."""
+    from mist_ds.hardware.compute import gemm_time_s
+
+    rows = _gemm_rows(lambda m, n, k: float(gemm_time_s(1, m, n, k, 4, 1e12, math.inf, 0.8, 5e7, 1.3)))
+    fit = fit_gemm(rows, "fp32", math.inf, fit_rows=None)
+    assert fit["curve"] == "saturating" and fit["rms_log"] < 0.01
+    assert fit["half_flops"] == pytest.approx(5e7, rel=0.05) and fit["exponent"] == pytest.approx(1.3, rel=0.05)
+
+
+@pytest.mark.parametrize("slowed", [1.0, 3.0])
+def test_the_gemm_fit_is_flat_where_the_sweep_locates_no_knee(slowed):
+    """A flat sweep (fp32 on a CPU core), or one whose large GEMMs another job slowed (3x: time falling behind
+    size), identifies no half size or exponent: the fit says so and keeps one efficiency for every size, that of
+    the bulk of the GEMMs, not a degenerate curve (the quick profile's half 1.7e-05 GFLOP, exponent 5.3)."""
+    rng = np.random.default_rng(0)
+    rate = 1.5e11
+    rows = _gemm_rows(lambda m, n, k: 2.0 * m * n * k / rate * (slowed if m * n * k > 1e9 else 1.0)
+                      * rng.uniform(0.97, 1.03))
+    fit = fit_gemm(rows, "fp32", math.inf, fit_rows=None)
+    assert fit["curve"] == "flat" and fit["half_flops"] == 0.0 and fit["exponent"] == 1.0
+    assert fit["efficiency"] * fit["peak_flops_per_s"] == pytest.approx(rate, rel=0.05)
 
 
 def test_a_bad_profile_database_is_a_config_error_naming_the_field(tmp_path):

@@ -147,6 +147,28 @@ def test_params_equal_instantiated_modules(cache_dir):
                 assert costs[kind]("params", 1, 1, t) == sum(p.numel() for p in layer.parameters()), (name, kind, t)
 
 
+def test_module_calls_equal_a_forward_of_the_instantiated_layers(cache_dir):
+    """What ZeRO-3's hooks and fetches run on (cost/executors/deepspeed.py zero3_host_s): every module call of a
+    layer's forward, and those of modules holding parameters of their own, as a real forward makes them."""
+    for name in FAST_ZOO:
+        spec = model(name)
+        costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
+        with FakeTensorMode():
+            layers = build_layers(spec, 1, dtype=torch.bfloat16, num_blocks=1)
+            for kind, layer in (("embedding", layers.embedding), ("block", layers.blocks[0]), ("head", layers.head)):
+                calls = []
+                counting = torch.nn.modules.module.register_module_forward_pre_hook(
+                    lambda module, _args: calls.append(next(module.parameters(recurse=False), None) is not None))
+                try:
+                    x = (torch.zeros(1, 8, dtype=torch.int64) if kind == "embedding"
+                         else torch.empty(1, 8, spec.hidden_size, dtype=torch.bfloat16))
+                    layer(x)
+                finally:
+                    counting.remove()
+                assert costs[kind]("module_calls", 1, 8, 1) == len(calls), (name, kind)
+                assert costs[kind]("fetching_calls", 1, 8, 1) == sum(calls), (name, kind)
+
+
 def test_korthikanti_activation_formula(cache_dir):
     """Korthikanti et al. 2022, no flash attention, dropout on: s b h (34 + 5 a s / h) bytes without TP,
     s b h (10 + 24/t + 5 a s / (h t)) with TP. Residual: the LayerNorm statistics, mean and rstd per

@@ -62,6 +62,9 @@ class GpuConfig:
     memory_efficiency: float = 0.7  # fraction of HBM bandwidth element-wise ops reach
     kernel_overhead_us: float = 4.0  # fixed time per GPU kernel (launch, minimum duration), microseconds
     host_dispatch_us: float = 0.0  # host time to issue one kernel (framework + launch); 0 = the GPU never waits
+    zero3_fetch_us: float = 0.0  # ZeRO-3: host time of one submodule's parameter fetch and release per pass, beyond
+    #                              its all-gather, microseconds; 0 = not measured (mist-ds profile measures it)
+    zero3_hook_us: float = 0.0  # ZeRO-3: host time of its hooks on one module call per pass, microseconds; 0 = none
     per_precision: Dict[str, Dict[str, float]] = field(default_factory=dict)  # per train.precision, fields above
     #                                            replaced for it, e.g. {fp32: {gemm_efficiency: 0.9}}; {} = none
 

@@ -50,6 +50,8 @@ class StageTimes:
     p2p_s: np.ndarray
     dp_comm_s: np.ndarray
     swap_s: np.ndarray
+    host_s: np.ndarray
+    """The executor's host work of one micro-batch, both passes, serial with them (ZeRO-3's coordinator)."""
     optimizer_s: np.ndarray
     grad_reduce_s: np.ndarray
 
@@ -192,6 +194,8 @@ def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassP
         bwd_phase = (np.where(g2g_overlapped & (c.zero == 3),
                               hw.overlapped_time_s(bwd_compute + recompute, bwd_hidden, 0, 0) + moves.bwd_exposed,
                               bwd_compute + recompute + bwd_g2g) + bwd_h2d + bwd_d2h)
+    # The executor's host work (ZeRO-3's hooks and fetches) runs between the modules' kernels: serial.
+    fwd_phase, bwd_phase = fwd_phase + moves.fwd_host, bwd_phase + moves.bwd_host
     return PassPhases(fwd_phase=fwd_phase, bwd_phase=bwd_phase,
                       stable=fwd_phase + bwd_phase + work.tp + work.sp + work.p2p)
 
@@ -222,6 +226,7 @@ def _stage_times_of(work: PassWork, phases: PassPhases, moves: StageMoves, step:
                       sp_s=work.sp,
                       p2p_s=work.p2p, dp_comm_s=moves.fwd_g2g + moves.bwd_g2g,
                       swap_s=moves.fwd_h2d + moves.fwd_d2h + moves.bwd_h2d + moves.bwd_d2h,
+                      host_s=moves.fwd_host + moves.bwd_host,
                       optimizer_s=step.total_s, grad_reduce_s=end.grad_reduce)
 
 

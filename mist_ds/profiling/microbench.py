@@ -19,7 +19,7 @@ ROUNDS = 3  # every section this many times, in turn; the median of the rounds
 MIN_REPEATS = 5
 MIN_TIMED_S = 0.05  # each median over at least this much repeated work
 DTYPES = ("fp32", "bf16")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # (m, n, k) of [m x k] @ [k x n]: the tiny family's layer GEMMs (m = b s, n and k from h, 3h, 4h, V) and
 # larger ones for the curve's top.
 GEMM_ROWS = (128, 256, 512)  # b s for b = 1, 2, 4 at s = 128
@@ -35,6 +35,12 @@ ADAM_ELEMENTS = (2**20, 2**22)
 INTERLEAVED_BYTES = 2**16  # a TP all-reduce of the tiny family: b s h x 2 bytes
 INTERLEAVED_REPEATS = 40
 INTERLEAVED_GEMMS = 4  # compute between two all-reduces: 4 GEMMs of [256 x 512] @ [512 x 512], about 3 ms
+# ZeRO-3's coordinator (zero3_sweep): a chain of ZERO3_FETCHES linears of ZERO3_WIDTH x ZERO3_WIDTH, each a fetch
+# (weight and bias, as the models' linears hold), and one linear followed by ZERO3_HOOKS modules without
+# parameters, each a hooked call and no fetch. So small that their arithmetic and bytes are nothing beside the host.
+ZERO3_FETCHES = 16
+ZERO3_HOOKS = 32
+ZERO3_WIDTH = 16
 
 # --- rank side ---------------------------------------------------------------------------------------
 
@@ -285,6 +291,87 @@ def collective_sweep(rank: int, sizes=COLLECTIVE_BYTES, interleaved: bool = True
     return out
 
 
+def _zero3_config(dtype: str) -> dict:
+    """The ZeRO-3 config mist_ds emits (emit/ds_config.py zero_block: no persistent parameters, overlap_comm,
+    the planned reduce bucket; torch's AdamW), with prefetching and reuse off, so that every fetch gathers its own
+    module's parameters and every release frees them: one all-gather per fetch, as the sweep counts them."""
+    from mist_ds.emit.ds_config import optimizer_block, precision_block, zero_block
+    from mist_ds.specs import StageStrategy, TrainSpec
+    from mist_ds.specs.buckets import BucketSizes
+
+    buckets = BucketSizes(stage3_prefetch_bucket_elements=0, stage3_max_live_elements=10**9,
+                          stage3_max_reuse_distance_elements=0)
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "wall_clock_breakdown": False, **precision_block(dtype, False),
+            "optimizer": optimizer_block(TrainSpec(global_batch_size=1, precision=dtype, optimizer="adamw",
+                                                   grad_clip=0)),
+            "zero_optimization": zero_block(StageStrategy(layers=1, ckpt_layers=0, zero_stage=3), False, buckets)}
+
+
+def zero3_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
+    """DeepSpeed's ZeRO-3 coordinator on the ranks (all at once, gloo or NCCL): forward + backward seconds of two
+    chains of tiny modules under a ZeRO-3 engine, each beside the same chain in plain torch (interleaved, each
+    after a barrier, as a step starts): `fetch`, ZERO3_FETCHES linears (a fetch and a release of each per pass),
+    and `hooks`, one linear then ZERO3_HOOKS modules without parameters (hooked calls that fetch nothing). Per
+    chain its module calls (the chain itself included), the calls that fetch, the bytes a fetch gathers and the
+    gradient bytes the backward reduce-scatters."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    w = ZERO3_WIDTH
+
+    def chain(name: str) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        if name == "fetch":
+            return torch.nn.Sequential(*(torch.nn.Linear(w, w) for _ in range(ZERO3_FETCHES)))
+        return torch.nn.Sequential(torch.nn.Linear(w, w), *(torch.nn.Identity() for _ in range(ZERO3_HOOKS)))
+
+    out = []
+    for name in ("fetch", "hooks"):
+        plain = chain(name).to(device=device, dtype=kind)
+        module = chain(name)
+        engine, *_ = deepspeed.initialize(model=module, config=_zero3_config(dtype),
+                                          model_parameters=list(module.parameters()))
+        x = torch.randn(1, w, dtype=kind, device=device)
+
+        def zero3():
+            engine.backward(engine(x).float().sum())
+
+        def torch_only():
+            plain(x).float().sum().backward()
+
+        times: dict[str, list[float]] = {"zero3_s": [], "plain_s": []}
+        for _ in range(2):  # warm-up: the coordinator records its module trace in the first pass
+            zero3()
+            torch_only()
+        for _ in range(repeats):
+            for key, fn in (("zero3_s", zero3), ("plain_s", torch_only)):
+                dist.barrier()
+                _sync(device)
+                start = time.perf_counter()
+                fn()
+                _sync(device)
+                times[key].append(time.perf_counter() - start)
+        linear_elements = w * w + w
+        out.append({"chain": name, "calls": len(list(plain.modules())),
+                    "fetching": sum(1 for m in plain.modules() if next(m.parameters(recurse=False), None) is not None),
+                    "fetch_bytes": linear_elements * DTYPE_BYTES[dtype],
+                    "grad_bytes": sum(p.numel() for p in plain.parameters()) * DTYPE_BYTES[dtype],
+                    **{key: statistics.median(values) for key, values in times.items()}})
+        engine.destroy()
+        del engine, module
+    return out
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def combine_tree(trees: list, combine=statistics.median):
     """`combine` (the median) of the float leaves (seconds) of results of the same shape, leaf by leaf
     (rounds, or ranks); every other leaf from the first."""
@@ -299,9 +386,25 @@ def combine_tree(trees: list, combine=statistics.median):
 
 # --- fits ----------------------------------------------------------------------------------------------
 
+GEMM_CURVE_GAIN = 0.1
+"""The saturating curve is kept only where it lowers the fit's cost by more than this fraction below the flat
+efficiency's: with less, the sweep (flat, or falling with size where load struck its larger GEMMs) does not
+locate a knee, and its half size and exponent would be whatever the optimizer stopped at."""
+GEMM_HALF_RANGE = 4.0
+"""The half size stays within [smallest GEMM / this, largest x this] of the sweep: beyond, no GEMM measured
+sees the knee (below: all of them run at the top; above: only x^k / half^k is seen, not each)."""
+GEMM_EXPONENT_BOUNDS = (0.5, 4.0)
+GEMM_LOSS_SCALE = 0.1
+"""Residuals in log time beyond about this are weighed less (scipy's soft_l1): a GEMM slowed by another job's
+burst moves the fit less than squares would let it."""
+
+
 def fit_gemm(rows: list[dict], dtype: str, hbm_bytes_per_s: float, fit_rows=GEMM_ROWS) -> dict:
-    """Peak := the best throughput of the sweep; efficiency_max, half size and exponent by log least
-    squares of mist_ds.hardware.compute.gemm_time_s against the measured times."""
+    """Peak := the best throughput of the sweep; then mist_ds.hardware.compute.gemm_time_s fitted to the measured
+    times in log space (robust loss, GEMM_LOSS_SCALE): the saturating curve (efficiency_max, half size within
+    GEMM_HALF_RANGE of the sweep, exponent within GEMM_EXPONENT_BOUNDS) where it beats the flat efficiency by
+    GEMM_CURVE_GAIN, else the flat efficiency (half size 0, exponent 1: every GEMM at efficiency_max). `curve`
+    says which; both fits' RMS log errors are kept."""
     from scipy.optimize import least_squares
 
     from mist_ds.hardware.compute import gemm_time_s
@@ -311,19 +414,44 @@ def fit_gemm(rows: list[dict], dtype: str, hbm_bytes_per_s: float, fit_rows=GEMM
     rows = [r for r in rows if fit_rows is None or r["m"] in fit_rows]  # the fit: the layer GEMMs (None: all)
     m, n, k = (np.array([r[x] for r in rows], dtype=float) for x in "mnk")
     measured = np.array([r["s"] for r in rows])
+    flops = 2 * m * n * k
 
-    def residual(theta):
-        eff, log_half, exponent = theta
-        modelled = gemm_time_s(1, m, n, k, DTYPE_BYTES[dtype], peak, hbm_bytes_per_s, eff, math.exp(log_half),
-                               exponent)
+    def residual(eff, half, exponent):
+        modelled = gemm_time_s(1, m, n, k, DTYPE_BYTES[dtype], peak, hbm_bytes_per_s, eff, half, exponent)
         return np.log(modelled / measured)
 
-    fit = least_squares(residual, x0=[0.9, math.log(1e7), 1.0], bounds=([0.05, math.log(1e3), 0.3], [1.0, 30, 8.0]))
-    eff, log_half, exponent = fit.x
-    errors = np.exp(residual(fit.x)) - 1
-    return {"peak_flops_per_s": peak, "efficiency": float(eff), "half_flops": math.exp(log_half),
-            "exponent": float(exponent), "rms_log": float(np.sqrt(np.mean(fit.fun ** 2))),
-            "max_abs_error": float(np.max(np.abs(errors))), "rows": len(rows)}
+    robust = {"loss": "soft_l1", "f_scale": GEMM_LOSS_SCALE}
+    low, high = math.log(flops.min() / GEMM_HALF_RANGE), math.log(flops.max() * GEMM_HALF_RANGE)
+    curve = least_squares(lambda th: residual(th[0], math.exp(th[1]), th[2]), x0=[0.9, (low + high) / 2, 1.0],
+                          bounds=([0.05, low, GEMM_EXPONENT_BOUNDS[0]], [1.0, high, GEMM_EXPONENT_BOUNDS[1]]), **robust)
+    flat = least_squares(lambda th: residual(th[0], 0.0, 1.0), x0=[0.9], bounds=([0.05], [1.0]), **robust)
+    saturating = curve.cost < (1 - GEMM_CURVE_GAIN) * flat.cost
+    eff, half, exponent = (curve.x[0], math.exp(curve.x[1]), curve.x[2]) if saturating else (flat.x[0], 0.0, 1.0)
+    fun = residual(eff, half, exponent)
+    return {"peak_flops_per_s": peak, "efficiency": float(eff), "half_flops": half, "exponent": float(exponent),
+            "curve": "saturating" if saturating else "flat", "rms_log": float(np.sqrt(np.mean(fun ** 2))),
+            "curve_rms_log": float(np.sqrt(np.mean(curve.fun ** 2))),
+            "flat_rms_log": float(np.sqrt(np.mean(flat.fun ** 2))),
+            "max_abs_error": float(np.max(np.abs(np.exp(fun) - 1))), "rows": len(rows),
+            "flops_range": [float(flops.min()), float(flops.max())]}
+
+
+def fit_zero3(rows: list[dict], all_gather_s, reduce_scatter_s) -> dict:
+    """ZeRO-3's host seconds per pass (zero3_sweep's chains): per hooked module call and, per call that fetches,
+    beyond the all-gather of its parameters as the collectives price it (`all_gather_s(bytes)`). A chain's excess
+    over plain torch, less its backward's reduce-scatter (`reduce_scatter_s(bytes)`, priced by the collectives
+    too), is per pass calls x hook + fetching calls x fetch: two chains, two unknowns, each at least 0."""
+    by_chain = {r["chain"]: r for r in rows}
+    fetch, hooks = by_chain["fetch"], by_chain["hooks"]
+    per_pass = {name: (r["zero3_s"] - r["plain_s"] - float(reduce_scatter_s(r["grad_bytes"]))) / 2
+                for name, r in by_chain.items()}
+    design = np.array([[fetch["calls"], fetch["fetching"]], [hooks["calls"], hooks["fetching"]]], dtype=float)
+    hook_s, fetch_total_s = np.linalg.solve(design, np.array([per_pass["fetch"], per_pass["hooks"]]))
+    if hook_s < 0:  # noise: the hooks cost nothing measurable; the fetch chain alone sets the fetch
+        hook_s, fetch_total_s = 0.0, per_pass["fetch"] / fetch["fetching"]
+    gather_s = float(all_gather_s(fetch["fetch_bytes"]))
+    return {"hook_s": float(hook_s), "fetch_s": max(float(fetch_total_s) - gather_s, 0.0),
+            "fetch_total_s": float(fetch_total_s), "all_gather_s": gather_s, "per_pass_s": per_pass}
 
 
 def fit_alpha_beta(points: list[dict], steps: float, max_bytes: float) -> tuple[float, float, float]:

@@ -25,21 +25,24 @@ import numpy as np
 
 from mist_ds.files import write_atomic, write_json_atomic
 from mist_ds.profiling.interference import fit_factors
-from mist_ds.profiling.microbench import fit_alpha_beta, fit_gemm
+from mist_ds.profiling.microbench import fit_alpha_beta, fit_gemm, fit_zero3
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.machine import read_constants, write_constants
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRIDS = {
-    # quick: one round, few sizes; full: three rounds (the median), the sizes of benchmarks/cpu_constants.py
-    True: {"rounds": 1, "curve_shapes": [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024)],
+    # quick: one round, few sizes; full: three rounds (the median), the sizes of benchmarks/cpu_constants.py. The
+    # curve's sizes reach below the small models' GEMMs (128^3: 4 MFLOP) so that the sweep spans a knee where
+    # there is one (microbench.fit_gemm); zero3_repeats: interleaved repeats of microbench.zero3_sweep.
+    True: {"rounds": 1, "curve_shapes": [(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)],
            "copy_bytes": [2**18, 2**20, 2**22], "collective_bytes": [8, 2**10, 2**16, 2**20, 2**22],
-           "adam_elements": [2**20], "activations": [(256, 128)]},
+           "adam_elements": [2**20], "activations": [(256, 128)], "zero3_repeats": 10},
     False: {"rounds": 3, "curve_shapes": [(m, n, k) for m in (128, 512, 2048) for n, k in
                                           ((128, 128), (512, 128), (128, 512), (1024, 1024))],
             "copy_bytes": [2**16, 2**18, 2**20, 2**22, 2**24], "collective_bytes": [8 * 4**i for i in range(12)],
-            "adam_elements": [2**20, 2**22], "activations": [(256, 128), (512, 128), (512, 256)]},
+            "adam_elements": [2**20, 2**22], "activations": [(256, 128), (512, 128), (512, 256)],
+            "zero3_repeats": 20},
 }
 LAUNCH_TIMEOUT_S = 1800.0
 HOST_COPY_FIT_BYTES = 2**20
@@ -172,6 +175,13 @@ def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int
               for p in r["all_reduce"] if p["s"] > 0]
     bandwidth, latency, rms = fit_alpha_beta(points, 2, math.inf)
     out["collectives"] = {"bytes_per_s": bandwidth, "latency_s": max(latency, 0.0), "rms_relative": rms}
+    if r.get("zero3"):
+        from mist_ds.hardware.network import RingGroup
+
+        # the collectives as the cost model prices them on these ranks (NCCL's model on a GPU, one node)
+        group = RingGroup.of(ranks, 1, ranks, bandwidth, 0.0, out["collectives"]["latency_s"],
+                             intra_link=None if device == "cpu" else "nvlink")
+        out["zero3"] = fit_zero3(r["zero3"], group.all_gather_time_s, group.reduce_scatter_time_s)
     out["cpu_adam_params_per_s"] = ranks * statistics.median(f["elements"] / f["s"] for f in r["adam"]["flat"])
     out["interference"] = fit_factors(r["interference"])
     return out
@@ -199,6 +209,9 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
            "gemm_curve_exponent": _round(c["gemm"]["exponent"], 3)}
     if "attention_efficiency" in c:
         gpu["attention_efficiency"] = _round(c["attention_efficiency"], 4)
+    if "zero3" in c:
+        gpu.update(zero3_fetch_us=_round(c["zero3"]["fetch_s"] * 1e6, 2),
+                   zero3_hook_us=_round(c["zero3"]["hook_s"] * 1e6, 2))
     if "hbm_bytes_per_s" in c:
         gpu.update(hbm_gbps=_round(c["hbm_bytes_per_s"] / 1e9, 3), memory_efficiency=_round(c["memory_efficiency"], 4),
                    kernel_overhead_us=_round(c["kernel_overhead_s"] * 1e6, 3),
@@ -210,8 +223,17 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
             "interference": {"fallback": 1.0, "factors": c["interference"].as_config()}}
 
 
-def cluster_yaml(base: dict, name: str, db_path: Path, measured: dict, dtype: str) -> str:
-    """The composed cluster config with the `measured` fields in (measured_fields), as a cluster/*.yaml."""
+def gemm_note(gemm: dict) -> str:
+    """How the GEMM efficiency was fitted, for the cluster file's header (microbench.fit_gemm)."""
+    if gemm.get("curve") == "flat":
+        return (f"GEMM efficiency flat ({gemm['efficiency']:.3f} of peak, gemm_half_gflop 0): the sweep located no "
+                "knee, so the curve's half size and exponent are not identified by it")
+    return f"GEMM efficiency curve fitted over {gemm['rows']} GEMMs (RMS log error {gemm['rms_log']:.3f})"
+
+
+def cluster_yaml(base: dict, name: str, db_path: Path, measured: dict, dtype: str, note: str = "") -> str:
+    """The composed cluster config with the `measured` fields in (measured_fields), as a cluster/*.yaml; `note`: a
+    line of the header saying how a figure was fitted."""
     from omegaconf import OmegaConf
 
     cluster = dict(base, name=name, profile_db=str(db_path), constants="file",
@@ -221,6 +243,7 @@ def cluster_yaml(base: dict, name: str, db_path: Path, measured: dict, dtype: st
     cluster["gpu"] = gpu
     header = (f"# Written by `mist-ds profile` (train.precision={dtype}): the constants measured on this machine;\n"
               f"# use with `-cd <this file's parent folder's parent> cluster={name}`.\n"
+              + (f"# {note}.\n" if note else "") +
               "defaults:\n  - base_cluster\n  - _self_\n")
     return header + OmegaConf.to_yaml(OmegaConf.create(cluster))
 
@@ -278,7 +301,7 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
     fields = measured_fields(cluster_config["gpu"], constants, dtype)
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
-                                                                                dtype))
+                                                                                dtype, gemm_note(constants["gemm"])))
     # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile
     write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, dtype, fields)
     summary = {"cluster": name, "cluster_yaml": str(yaml_path), "profile_db": str(db_path), "device": device,

@@ -7,7 +7,8 @@ Time, per stage, in seconds of one iteration; each stage's parts add up to the i
                               ZeRO / data-parallel traffic no compute hides) + the gradient reduction no
                               backward hides (the last
                               micro-batch's extra, or after it where the runtime does not overlap it)
-    exposed host transfers    G x the swaps (offloaded states and activations) no compute hides
+    exposed host transfers    G x the swaps (offloaded states and activations) no compute hides, and the
+                              executor's host work serial with the passes (ZeRO-3's hooks and fetches)
     imbalance                 (G - 1) x (the slowest stage's stable time - this stage's): steady-state waits
     optimizer                 the step (inside the first forward, or at the end), the norm sync after
                               every stage's end
@@ -127,7 +128,7 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
     # Never below 0 but by rounding (the overlap model prices a phase at least its compute); the bubble,
     # the rest, keeps each row's sum exact.
     serial = times.tp_s + times.sp_s + times.p2p_s  # collectives compute waits for, and blocking sends
-    hidden = np.maximum(times.stable_s - times.compute_s - times.recompute_s - serial, 0.0)
+    hidden = np.maximum(times.stable_s - times.compute_s - times.recompute_s - serial - times.host_s, 0.0)
     # The gradient reduction is communication: after the last backward where the runtime does not
     # overlap it (part of end_s), else what of it the last backward does not hide (its extra).
     overlap = caps.overlap
@@ -144,7 +145,7 @@ def time_breakdown(specs: Specs, prediction: Prediction) -> list[dict[str, float
         row = {"compute_s": G * float(times.compute_s[i]), "recompute_s": G * float(times.recompute_s[i]),
                "exposed_comm_s": G * float(serial[i] + hidden[i] * comm_share[i])
                + float(times.last_bwd_extra_s[i] + end_comm[i] + first_comm[i]),
-               "exposed_host_s": G * float(hidden[i] * (1 - comm_share[i])),
+               "exposed_host_s": G * float(hidden[i] * (1 - comm_share[i]) + times.host_s[i]),
                "imbalance_s": (G - 1) * float(np.max(times.stable_s) - times.stable_s[i]),
                "optimizer_s": float(times.first_fwd_extra_s[i] - first_comm[i] + times.end_s[i] - end_comm[i])
                + norm_sync}

@@ -82,6 +82,12 @@ class GpuSpec:
     """Host time to issue one kernel (the framework's dispatch and the launch call): a layer's pass
     takes at least its kernel count times this, however little work each kernel does (0: never
     host-bound)."""
+    zero3_fetch_s: float = 0.0
+    """ZeRO-3's host time per pass for one submodule holding parameters: its coordinator's fetch (the coalesced
+    all-gather issued, its handle waited on before the module runs) and release, beyond the all-gather as the
+    collectives are priced (seconds; 0: not measured)."""
+    zero3_hook_s: float = 0.0
+    """ZeRO-3's host time per pass for its hooks on one module call (seconds; 0: none)."""
 
     def __post_init__(self) -> None:
         require_positive("cluster.gpu.memory_gib", self.memory_bytes / GIB)
@@ -101,6 +107,8 @@ class GpuSpec:
                 "must be >= 0")
         require(self.host_dispatch_s >= 0, "cluster.gpu.host_dispatch_us", self.host_dispatch_s * 1e6,
                 "must be >= 0 (0 = the GPU never waits for the host)")
+        for name in ("zero3_fetch_s", "zero3_hook_s"):
+            require(getattr(self, name) >= 0, f"cluster.gpu.{name[:-2]}_us", getattr(self, name) * 1e6, "must be >= 0")
         require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
                 "must be >= 0 (0 = every GEMM at gemm_efficiency)")
         require(0 < self.gemm_curve_exponent <= 8, "cluster.gpu.gemm_curve_exponent", self.gemm_curve_exponent,

@@ -19,7 +19,7 @@ EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", 
               "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels",
               "fwd_fused_memory_bytes", "bwd_fused_memory_bytes", "fwd_fused_kernels", "bwd_fused_kernels",
               "saved_bytes_fused", "tp_gather_bytes_fwd", "tp_gather_bytes_bwd", "tp_gathers_fwd", "tp_gathers_bwd",
-              "trainable_params")
+              "trainable_params", "module_calls", "fetching_calls")
 
 
 def _compile(source: str) -> dict[str, Callable]:
@@ -44,7 +44,9 @@ class LayerCost:
     fwd_fused_kernels / bwd_fused_kernels (the same with each run of memory-bound ops fused into one
     kernel: aggregate.fused_memory_traffic), saved_bytes_fused (saved_bytes less what a fused
     kernel recomputes: aggregate.fused_saved_bytes), tp_gather_bytes_fwd / _bwd and tp_gathers_fwd / _bwd (TP
-    all-gathers: the bytes this rank contributes, and their count; an AutoTP LM head with gathered output).
+    all-gathers: the bytes this rank contributes, and their count; an AutoTP LM head with gathered output),
+    module_calls / fetching_calls (nn.Module calls of the forward, and those of modules holding parameters of
+    their own: what ZeRO-3's hooks run on, and fetch for).
     `gemms`: (phase, batch, m, n, k) expressions of each GEMM, for size-dependent efficiency.
     """
 

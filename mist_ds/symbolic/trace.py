@@ -80,6 +80,12 @@ class Trace:
     output_bytes: sympy.Expr = sympy.Integer(0)
     input_bytes: sympy.Expr = sympy.Integer(0)
     guards: list[str] = field(default_factory=list)
+    module_calls: int = 0
+    """nn.Module calls of the recorded forward (the layer's own included): ZeRO-3 hooks every one of them
+    (deepspeed/runtime/zero/parameter_offload.py _register_deepspeed_module)."""
+    fetching_calls: int = 0
+    """Of module_calls, the calls of modules holding parameters of their own: each a ZeRO-3 fetch and release
+    in forward and again in backward (partitioned_param_coordinator.py fetch_sub_module, release_sub_module)."""
 
 
 def _drop_grad(param: torch.Tensor) -> None:
@@ -234,11 +240,21 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
                 trace.saved.add(recorder.track(tensor, len(trace.ops) - 1))
             return tensor
 
-        with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            output = module(*inputs)
-            if recorder.waiting_for is not None:
-                raise RuntimeError(f"the layer's forward never ran {record_from}: nothing was recorded")
-            target = loss_of(output, inputs) if loss_of else output
+        def count_call(called: torch.nn.Module, _args) -> None:
+            if recorder.waiting_for is None:
+                trace.module_calls += 1
+                trace.fetching_calls += next(called.parameters(recurse=False), None) is not None
+
+        counting = torch.nn.modules.module.register_module_forward_pre_hook(count_call)
+        try:
+            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                output = module(*inputs)
+                counting.remove()  # the loss's modules are no part of the layer
+                if recorder.waiting_for is not None:
+                    raise RuntimeError(f"the layer's forward never ran {record_from}: nothing was recorded")
+                target = loss_of(output, inputs) if loss_of else output
+        finally:
+            counting.remove()
         trace.output_storages = {recorder.track(output, len(trace.ops) - 1)}
         trace.output_bytes = tensor_info(output).nbytes
         trace.backward_start = len(trace.ops)

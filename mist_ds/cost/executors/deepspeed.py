@@ -42,6 +42,31 @@ def zero3_gathers_per_block(costs) -> int:
     return max(sum(1 for gemm in costs.block.gemms if gemm[0] == "fwd"), 1)
 
 
+def zero3_host_s(costs, hw, c) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) host seconds of ZeRO-3's coordinator for one micro-batch of a stage: its hooks on every
+    module call (deepspeed/runtime/zero/parameter_offload.py _register_deepspeed_module: pre- and post-forward
+    hooks, and autograd functions on each call's inputs and outputs whose backward runs the pre- and post-backward
+    hooks), and for each call of a module holding parameters one fetch and one release per pass
+    (partitioned_param_coordinator.py fetch_sub_module: the coalesced all-gather issued and its handle waited on
+    before the module runs, :364-409; release_sub_module, :492): cluster.gpu.zero3_hook_us and zero3_fetch_us per
+    call, the latter beyond the all-gather the collectives price. The recomputed forward runs them again. Serial
+    with the pass: on CPU ranks the host is the device; on a GPU the host may run ahead of the kernels, so this is
+    an upper bound there (GPU clusters leave both at 0: not measured). Calls of the runtime's wrappers around each
+    layer are not counted."""
+    gpu, ev = hw.cluster.gpu, c.shapes
+    if gpu.zero3_fetch_s == 0 and gpu.zero3_hook_s == 0:  # no work on the (many) candidates
+        none = np.zeros(np.broadcast(c.zero, c.layers).shape)
+        return none, none
+
+    def per_call(layer):
+        return gpu.zero3_hook_s * ev(layer, "module_calls") + gpu.zero3_fetch_s * ev(layer, "fetching_calls")
+
+    block = per_call(costs.block)
+    once = c.layers * block + c.first * per_call(costs.embedding) + c.last * per_call(costs.head)
+    zero3 = c.zero == 3
+    return np.where(zero3, once, 0.0), np.where(zero3, once + c.recompute * block, 0.0)
+
+
 @dataclass(frozen=True)
 class DataParallelTraffic:
     """The data-parallel collectives DeepSpeed 0.19.8 runs for one stage, as full message bytes (what an
@@ -108,7 +133,8 @@ def moves(inputs: StageInputs) -> StageMoves:
     - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned;
     - offloaded activations (executor `mist`) go down in forward and come back in backward, copies that
       add to the pass (offload_overlapped is off);
-    - with the reduction in the last backward (executor `mist`): executors/mist.py layerwise_reduce.
+    - with the reduction in the last backward (executor `mist`): executors/mist.py layerwise_reduce;
+    - ZeRO-3's coordinator on the host, serial with each pass: zero3_host_s.
     """
     costs, hw, train, c, data_parallel = inputs.costs, inputs.hw, inputs.train, inputs.c, inputs.data_parallel
     weight_bytes, params, saved_offloaded = inputs.weight_bytes, inputs.trained, inputs.saved_offloaded
@@ -143,6 +169,8 @@ def moves(inputs: StageInputs) -> StageMoves:
     rebuild = np.where((c.pp > 1) & (c.t > 1), hw.all_gather_time_s(activation, c.t, 1), 0.0)
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
 
+    fwd_host, bwd_host = zero3_host_s(costs, hw, c)
+
     def ran(collective, message, count=1.0):  # a collective DeepSpeed does not run costs nothing, latency included
         return np.where(message > 0, in_pieces(collective, message, count), 0.0)
 
@@ -155,7 +183,7 @@ def moves(inputs: StageInputs) -> StageMoves:
         fwd_h2d=weight_in, fwd_d2h=none + activations_copy,
         bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0) + activations_copy,
         bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
-        fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild,
+        fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild, fwd_host=fwd_host, bwd_host=bwd_host,
         step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce, buffers)
                      + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
         step_params=np.where(traffic.partitioned_step, params / c.d, params),

@@ -24,11 +24,13 @@ def end_of_iteration(inputs: StageInputs, work: PassWork, phases: PassPhases, mo
                             [data_parallel.all_reduce_time_s(grad_bytes * trained),
                              data_parallel.reduce_scatter_time_s(grad_bytes * trained)], default=0.0)
     step_gather = np.where((c.zero == 1) | (c.zero == 2), data_parallel.all_gather_time_s(b_w * trained), 0.0)
+    # the executor's host work is serial with each pass (stage.pass_phases)
     first_fwd = hw.overlapped_time_s(work.fwd_compute + step.gpu_s, moves.fwd_g2g + step_gather,
                                      moves.fwd_h2d + hw.host_copy_time_s(b_w * partition * c.oo),
                                      moves.fwd_d2h + hw.host_copy_time_s(FP32_BYTES * partition * c.oo))
+    first_fwd = first_fwd + moves.fwd_host
     last_bwd = hw.overlapped_time_s(work.bwd_compute + work.recompute, moves.bwd_g2g + step_reduce, moves.bwd_h2d,
-                                    moves.bwd_d2h)
+                                    moves.bwd_d2h) + moves.bwd_host
     first_extra = np.maximum(first_fwd - phases.fwd_phase, hw.cpu_adam_time_s(partition * c.oo))
     return EndOfIteration(first_fwd_extra=first_extra, last_bwd_extra=last_bwd - phases.bwd_phase + step.tied_s,
                           end=np.zeros_like(phases.stable), grad_reduce=step_reduce)

@@ -36,7 +36,7 @@ def moves(inputs: StageInputs) -> StageMoves:
         fwd_exposed=none, bwd_exposed=none,
         fwd_h2d=fwd_h2d, fwd_d2h=hw.host_copy_time_s(saved_offloaded),
         bwd_h2d=hw.host_copy_time_s(c.wo * weight_bytes + saved_offloaded + c.go * trained_bytes),
-        bwd_d2h=hw.host_copy_time_s(c.go * trained_bytes), fwd_tp=none, bwd_tp=none,
+        bwd_d2h=hw.host_copy_time_s(c.go * trained_bytes), fwd_tp=none, bwd_tp=none, fwd_host=none, bwd_host=none,
         step_reduce=step_reduce,
         step_params=np.where(c.zero >= 1, params / c.d, params),
         step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,

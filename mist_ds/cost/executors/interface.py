@@ -59,6 +59,9 @@ class StageMoves:
     fwd_tp: np.ndarray
     bwd_tp: np.ndarray
     """TP-group collectives the executor adds to the layers' own (re-assembling partitioned sends)."""
+    fwd_host: np.ndarray
+    bwd_host: np.ndarray
+    """Host work of the executor serial with each pass (seconds): ZeRO-3's coordinator, its hooks and fetches."""
     step_reduce: np.ndarray
     """Data-parallel collectives of the step: the gradient reduction and the updated weights' gather."""
     step_params: np.ndarray
