@@ -218,3 +218,24 @@ def test_cluster_constants_machine_reads_this_machines_figures_and_refuses_witho
     assert cluster.gpu.peak_flops_per_s["bf16"] == pytest.approx(2e12)
     with pytest.raises(ConfigError, match="cluster.constants"):  # measured for 2 ranks, not 4
         compose([*given, "cluster.gpus_per_node=4"])
+
+
+def test_each_compose_hands_out_its_own_config():
+    """Hydra composes a list once per process (mist_ds/config/__init__.py, _composed_once): what a caller changes
+    in its config is not what the next compose of the list gives."""
+    from mist_ds.config import compose_config
+
+    first = compose_config(["model=tiny"])
+    first.model.hidden_size = 1
+    assert compose_config(["model=tiny"]).model.hidden_size == compose(["model=tiny"]).model.hidden_size != 1
+
+
+def test_a_users_config_dir_is_read_at_every_compose(tmp_path):
+    """A list with hydra.searchpath reads the user's files again: a file changed between composes is read as it is
+    now."""
+    (tmp_path / "cluster").mkdir()
+    mine = tmp_path / "cluster" / "mine.yaml"
+    overrides = [f"hydra.searchpath=[file://{tmp_path}]", "cluster=mine", "model=tiny"]
+    for gpus in (1, 3):
+        mine.write_text(f"defaults:\n  - cpu\n  - _self_\nname: mine\ngpus_per_node: {gpus}\n")
+        assert compose(overrides, with_strategy=False).cluster.gpus_per_node == gpus
