@@ -14,8 +14,6 @@ the validated StrategySpec its overrides compose to.
 from __future__ import annotations
 
 import functools
-
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -101,13 +99,14 @@ def _num_layers(overrides: list[str]) -> int:
 def predict_cases() -> list[tuple[str, list[str]]]:
     """(name, overrides) of every prediction case; placeholders become the setting's layer counts."""
     cases = []
-    for (setting, base), (runtime, strategies) in itertools.product(SETTINGS, STRATEGIES.items()):
-        layers = _num_layers(base)
-        for name, strategy in strategies:
-            filled = [o.replace("UNEVEN", f"[{layers // 2 + 1},{layers - layers // 2 - 1}]")
-                      .replace("EVEN", f"[{layers // 2},{layers - layers // 2}]")
-                      .replace("FIRST", str(layers - layers // 2)) for o in strategy]
-            cases.append((f"{setting}/{runtime}/{name}", [*base, f"strategy.runtime={runtime}", *filled]))
+    for setting, base in SETTINGS:
+        layers = _num_layers(base)  # one compose per setting, not per setting and runtime
+        for runtime, strategies in STRATEGIES.items():
+            for name, strategy in strategies:
+                filled = [o.replace("UNEVEN", f"[{layers // 2 + 1},{layers - layers // 2 - 1}]")
+                          .replace("EVEN", f"[{layers // 2},{layers - layers // 2}]")
+                          .replace("FIRST", str(layers - layers // 2)) for o in strategy]
+                cases.append((f"{setting}/{runtime}/{name}", [*base, f"strategy.runtime={runtime}", *filled]))
     return cases
 
 

@@ -14,7 +14,7 @@ import torch
 from mist_ds.config import compose
 from mist_ds.models import build_layers
 from mist_ds.specs import ConfigError
-from tests.conftest import zoo
+from tests.conftest import CONF, zoo
 
 # Published sizes (billions): papers / model cards, rounded as published.
 PUBLISHED_PARAMS_B = {
@@ -218,3 +218,72 @@ def test_cluster_constants_machine_reads_this_machines_figures_and_refuses_witho
     assert cluster.gpu.peak_flops_per_s["bf16"] == pytest.approx(2e12)
     with pytest.raises(ConfigError, match="cluster.constants"):  # measured for 2 ranks, not 4
         compose([*given, "cluster.gpus_per_node=4"])
+
+
+HYDRA_ORDER = [
+    ["model=gpt3-1.3b", "cluster=l4-24g", "train.global_batch_size=64", "strategy.runtime=mist-paper",
+     "strategy.schedule=mist", "strategy.pp=2", "strategy.zero_stage=[1,2]", "strategy.offload.weights=[0.25,0.5]",
+     "strategy.ckpt_layers=[1,0]"],
+    ["strategy.pp=2", "model=llama3-8b", "strategy.layers_per_stage=[13,19]", "cluster=a100-80g", "cluster.nodes=2",
+     "strategy.grad_accum=null", "model.seq_len=128", "model.seq_len=256"],  # choices after values; later wins
+    ["model=tiny", "cluster=cpu", "cluster.gpu.per_precision.fp32.kernel_overhead_us=77", "tuner.pp=[1,2]"],
+    ["model=module", "+model.kwargs.layers=3", "model.seq_len=64", "++train.extra_key=1"],
+    ["cluster=h100-80g", "train.precision=fp16"],
+]
+HYDRA_REFUSES = [["model=tiny", "model.hidden_sise=64"], ["model.hidden_size=abc"], ["model=nope", "model.seq_len=8"],
+                 ["model=tiny", "+model.seq_len=64"], ["model=tiny", "~model.no_such_key"], ["tuner.pp=[1,2"],
+                 ["~strategy.offload.weights"]]
+
+
+def _hydra_composed(overrides: list[str]):
+    """Hydra's own compose of the whole list: what compose_config holds itself to."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    from mist_ds.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="mist_ds.conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def test_a_composed_config_is_hydras_compose_of_the_whole_list():
+    """compose_config composes the group choices and applies the values as Hydra does (mist_ds/config/__init__.py,
+    _choices_and_values): the same config, or the same error, as Hydra's compose of the whole list."""
+    from omegaconf import OmegaConf
+
+    from mist_ds.config import CONFIG_GROUPS, compose_config
+    from mist_ds.config.errors import as_config_error
+
+    assert set(CONFIG_GROUPS) == {folder.name for folder in CONF.iterdir() if any(folder.glob("*.yaml"))}
+    for overrides in HYDRA_ORDER:
+        ours, hydras = compose_config(overrides), _hydra_composed(overrides)
+        assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(hydras), overrides
+        assert OmegaConf.is_struct(ours) and OmegaConf.is_struct(hydras)
+    for overrides in HYDRA_REFUSES:
+        with pytest.raises(ConfigError) as ours:
+            compose_config(overrides)
+        with pytest.raises(Exception) as hydras:
+            _hydra_composed(overrides)
+        assert str(ours.value) == str(as_config_error(hydras.value)), overrides
+
+
+def test_each_compose_hands_out_its_own_config():
+    """Hydra composes a list once per process (mist_ds/config/__init__.py, _composed_once): what a caller changes
+    in its config is not what the next compose of the list gives."""
+    from mist_ds.config import compose_config
+
+    first = compose_config(["model=tiny"])
+    first.model.hidden_size = 1
+    assert compose_config(["model=tiny"]).model.hidden_size == compose(["model=tiny"]).model.hidden_size != 1
+
+
+def test_a_users_config_dir_is_read_at_every_compose(tmp_path):
+    """A list with hydra.searchpath reads the user's files again: a file changed between composes is read as it is
+    now."""
+    (tmp_path / "cluster").mkdir()
+    mine = tmp_path / "cluster" / "mine.yaml"
+    overrides = [f"hydra.searchpath=[file://{tmp_path}]", "cluster=mine", "model=tiny"]
+    for gpus in (1, 3):
+        mine.write_text(f"defaults:\n  - cpu\n  - _self_\nname: mine\ngpus_per_node: {gpus}\n")
+        assert compose(overrides, with_strategy=False).cluster.gpus_per_node == gpus
