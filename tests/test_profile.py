@@ -15,7 +15,8 @@ import pytest
 from mist_ds.config import compose
 from mist_ds.cost.predict import model_costs, predict
 from mist_ds.hardware import hardware_model
-from mist_ds.hardware.profile_db import SCHEMA, ProfileDB
+from mist_ds.cost.layer_time import layer_times
+from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
 from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_gemm, fit_zero3
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
@@ -108,11 +109,40 @@ def test_the_database_sets_the_times_of_the_ops_it_holds(profiled):
     assert with_db.stage_stable_s != without.stage_stable_s
 
 
+def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_them(profiled):
+    """Each layer's forward and backward at every profiled (b, t) is a row named after the layer's traced cost
+    program; the pass is priced at it on one rank (q = 1) of an executor that does not fuse kernels, composed op by
+    op elsewhere, and for a layer of another shape (another program) never."""
+    _, overrides = profiled
+    specs = compose([*overrides, *STRATEGY])
+    hw, costs, s = hardware_model(specs.cluster, specs.train.precision), model_costs(specs), specs.model.seq_len
+    for layer in (costs.embedding, costs.block, costs.head):
+        for t in (1, 2):
+            stored = {phase: hw.profile.times[(layer_op(layer.kind, phase, layer.source), (2, s, t))]
+                      for phase in ("fwd", "bwd")}
+            times = layer_times(layer, hw, 2, s, t)
+            assert (float(times.fwd_compute_s), float(times.bwd_compute_s)) == (stored["fwd"], stored["bwd"])
+            assert float(layer_times(layer, hw, 2, s, t, fused=True).fwd_compute_s) != stored["fwd"]
+    on_sequence_group = float(layer_times(costs.block, hw, 2, s, 1, q=2).fwd_compute_s)
+    assert on_sequence_group != hw.profile.times[(layer_op("block", "fwd", costs.block.source), (2, s, 1))]
+    assert predict(specs).sources["layers"] == "profile"
+    assert predict(compose([*overrides, *STRATEGY, "cluster.profile_db=null"])).sources["layers"] == "roofline"
+    other = compose([*overrides, *STRATEGY, "model.ffn_hidden_size=96"])  # same (b, s, t), another block
+    assert model_costs(other).block.source != costs.block.source
+    assert predict(other).sources["layers"] == "profile+roofline"  # its embedding and head are the same layers
+
+
+def test_a_layer_op_names_its_kind_phase_and_program():
+    names = {layer_op(kind, phase, source) for kind in ("embedding", "block") for phase in ("fwd", "bwd")
+             for source in ("def f(b, s, t): ...", "def f(b, s, t): return 1")}
+    assert len(names) == 8 and layer_op("block", "fwd", "x") == layer_op("block", "fwd", "x")
+
+
 def test_a_shape_the_database_lacks_is_priced_by_the_roofline(profiled):
     _, overrides = profiled
     specs = compose([*overrides, *STRATEGY, "model.seq_len=40"])  # no profiled shape has s = 40
     prediction = predict(specs)
-    assert prediction.sources["gemm"] == prediction.sources["attention"] == "roofline"
+    assert prediction.sources["gemm"] == prediction.sources["attention"] == prediction.sources["layers"] == "roofline"
     partly = predict(compose([*overrides, *STRATEGY, "strategy.tp=2"]))  # t = 2 was profiled: its GEMMs are held
     assert partly.sources["gemm"] == "profile"
 

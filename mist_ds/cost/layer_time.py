@@ -22,7 +22,20 @@ class LayerTimes:
 def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, fused: bool, tp_s) -> np.ndarray:
     """The pass's kernels on the GPU; when the host needs longer to issue them and the pass's TP
     collectives (tp_s, their GPU time) than the GPU needs to run them, the pass takes the host's
-    time: the excess is counted here, so that compute + TP is the larger of the two."""
+    time: the excess is counted here, so that compute + TP is the larger of the two. Where the profile
+    database timed this layer's pass whole (the layer the runtime builds, on one rank of t, its TP collectives
+    apart), that time: it holds what composing op by op leaves out (docs/design.md, Profiling). Not for an
+    executor that fuses kernels (not the layer the profile ran), nor on a sequence group (q > 1: the layer runs
+    its attention over the whole sequence there, the profile timed it over its own)."""
+    composed = _composed_pass_s(cost, hw, phase, b, s, t, q, fused, tp_s)
+    if fused or hw.profile is None:
+        return composed
+    measured = hw.layer_pass_time_s(cost.kind, phase, cost.source, b, s, t)
+    return np.where(np.isnan(measured) | (np.asarray(q) != 1), composed, measured)
+
+
+def _composed_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, fused: bool, tp_s) -> np.ndarray:
+    """_pass_compute_s op by op: GEMMs, attention, per-kernel overhead, memory-bound traffic, the host's floor."""
     total = np.zeros(np.broadcast(b, s, t).shape)
     for index, gemm in enumerate(cost.gemms):
         if gemm[0] == phase:
@@ -57,12 +70,18 @@ def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False
                       fwd_tp_s=fwd_tp, bwd_tp_s=bwd_tp)
 
 
-def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t, q=1) -> dict[str, str]:
-    """Where the GEMM and attention times of `layers` at (b, s, t) on a sequence group of q come from: "profile"
-    when the profile database holds every shape asked, "profile+roofline" when it holds some, "roofline" when none."""
-    asked: dict[str, list[np.ndarray]] = {"gemm": [], "attention": []}
+def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t, q=1,
+                    fused: bool = False) -> dict[str, str]:
+    """Where the layers' pass times, and the GEMM and attention times composed into those it does not hold, of
+    `layers` at (b, s, t) on a sequence group of q come from: "profile" when the profile database holds every one
+    asked, "profile+roofline" when it holds some, "roofline" when none (a layer's pass then composed op by op;
+    always where the executor fuses kernels, `fused`)."""
+    asked: dict[str, list[np.ndarray]] = {"layers": [], "gemm": [], "attention": []}
     if hw.profile is not None:
         for cost in layers:
+            for phase in ("fwd", "bwd"):
+                measured = hw.layer_pass_time_s(cost.kind, phase, cost.source, b, s, t)
+                asked["layers"].append(np.where((np.asarray(q) != 1) | fused, np.nan, measured))
             for index in range(len(cost.gemms)):
                 asked["gemm"].append(hw.profile.lookup("gemm", *cost.gemm_shapes(index, b, np.asarray(s) / q, t)))
             for phase in ("fwd", "bwd"):

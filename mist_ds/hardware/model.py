@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist_ds.hardware import compute, host, interference, network
-from mist_ds.hardware.profile_db import ProfileDB
+from mist_ds.hardware.profile_db import ProfileDB, layer_op
 from mist_ds.specs import ClusterSpec
 
 
@@ -36,6 +36,13 @@ class HardwareModel:
             return modelled
         measured = self.profile.lookup(f"attention_{phase}", flops)
         return np.where(np.isnan(measured), modelled, measured)
+
+    def layer_pass_time_s(self, kind: str, phase: str, source: str, b, s, t) -> np.ndarray:
+        """Seconds of a layer's whole pass (phase fwd / bwd) on one rank of t, as the profile database measured the
+        layer of that cost program (LayerCost.source) at (b, s, t); NaN where it holds none."""
+        if self.profile is None:
+            return np.full(np.broadcast(b, s, t).shape, np.nan)
+        return self.profile.lookup(layer_op(kind, phase, source), b, s, t)
 
     def memory_bound_time_s(self, bytes_moved) -> np.ndarray:
         gpu = self.cluster.gpu

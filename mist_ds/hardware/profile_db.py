@@ -5,12 +5,14 @@ Schema (this module owns it; `mist-ds profile` fills it):
     CREATE TABLE op_times (device TEXT, op TEXT, shape TEXT, dtype TEXT, seconds REAL,
                            PRIMARY KEY (device, op, shape, dtype))
 
-`op` is a kind (OPS); `shape` the JSON list of its integer sizes (a GEMM: [batch, m, n, k]; an attention
-pass: [FLOPs]); `seconds` the median of repeated timed runs on the slowest rank.
+`op` is a kind (OPS), or a layer's pass (`layer_op`); `shape` the JSON list of its integer sizes (a GEMM: [batch,
+m, n, k]; an attention pass: [FLOPs]; a layer's pass: [b, s, t]); `seconds` the median of repeated timed runs on the
+slowest rank.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import sqlite3
@@ -29,6 +31,13 @@ FIELD = "cluster.profile_db"
 OPS = ("gemm", "attention_fwd", "attention_bwd")
 """Op kinds the cost model reads: a GEMM by [batch, m, n, k]; a layer's fused attention pass by [its FLOPs
 on one rank] (the key the cost model has; equal-FLOP shapes of one head dimension take about the same time)."""
+
+
+def layer_op(kind: str, phase: str, source: str) -> str:
+    """The op name of one layer's whole pass (phase fwd / bwd) as the profile times it: its kind (embedding, block,
+    head) and a fingerprint of the layer's traced cost program (LayerCost.source), so that a row is read for the very
+    layer it was measured on and no other model's (its shape is [b, s, t])."""
+    return f"layer_{phase}:{kind}:{hashlib.sha256(source.encode()).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)

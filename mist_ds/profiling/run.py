@@ -86,6 +86,35 @@ def op_shapes(specs: Specs, points: list[tuple[int, int]]) -> OpShapes:
     return OpShapes(list(gemms), list(attention), list(attention.values()))
 
 
+def times_layers(model) -> bool:
+    """The profile times this model's layers whole: a zoo model, whose layers the runtime builds from its spec (a
+    Hugging Face model's or a user's module's are composed op by op)."""
+    return model.hf is None and model.module is None
+
+
+def layer_payload(specs: Specs, points: list[tuple[int, int]]) -> dict[str, Any]:
+    """What the ranks need to time the model's layers whole at every (b, t) of `points` (worker.layer_pass_times)."""
+    import dataclasses
+
+    if not times_layers(specs.model):
+        return {}
+    return {"model": dataclasses.asdict(specs.model), "layer_points": [list(point) for point in points]}
+
+
+def layer_rows(r: dict, specs: Specs) -> list[tuple[str, tuple[int, ...], float]]:
+    """(op, [b, s, t], seconds) rows of the layers' passes the ranks timed (profile_db.layer_op names them after the
+    traced layer they were measured on)."""
+    from mist_ds.cost.predict import model_costs
+    from mist_ds.hardware.profile_db import layer_op
+
+    if not r.get("passes"):
+        return []
+    costs, s = model_costs(specs), specs.model.seq_len
+    return [(layer_op(layer.kind, phase, layer.source), (int(point["b"]), s, int(point["t"])), point[layer.kind][phase])
+            for point in r["passes"] for layer in (costs.embedding, costs.block, costs.head)
+            for phase in ("fwd", "bwd") if point[layer.kind][phase] > 0]
+
+
 def profile_ranks(specs: Specs) -> tuple[str, int]:
     """("cuda" or "cpu", how many local ranks): every local GPU up to gpus_per_node, else one CPU process
     per core up to gpus_per_node (two at least: the collectives need a pair)."""
@@ -278,7 +307,7 @@ def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None,
                           "the configs you will tune, e.g. a train.global_batch_size divisible by them")
     shapes = op_shapes(specs, points)
     payload = {"device": device, "dtype": specs.train.precision, "quick": bool(quick), **GRIDS[bool(quick)],
-               "shapes": {"gemm": shapes.gemms, "attention": shapes.attention}}
+               "shapes": {"gemm": shapes.gemms, "attention": shapes.attention}, **layer_payload(specs, points)}
     start = time.perf_counter()
     per_rank = run_with_progress(payload, ranks, {} if device == "cuda" else CPU_ENV, quiet)
     (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
@@ -297,7 +326,7 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     constants = fit_constants(measured, shapes, dtype, device, len(per_rank))
     name = name or f"{specs.cluster.name}-profiled"
     db_path = (out_dir / "profile.db").resolve()
-    rows = db_rows(measured, shapes)
+    rows = db_rows(measured, shapes) + layer_rows(measured, specs)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
     fields = measured_fields(cluster_config["gpu"], constants, dtype)
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,

@@ -69,6 +69,40 @@ def op_times(shapes: dict, dtype: str, device) -> dict:
     return {"gemm": gemms, "attention": attention}
 
 
+def layer_pass_times(model: dict, points, dtype: str, device) -> list[dict]:
+    """Per (b, t) of `points`: median seconds of the forward and backward of the model's embedding, one block and
+    its head (the loss included) as the runtime builds them for a rank of t (mist_ds.runtime.layers: local sizes,
+    initialized weights; TP collectives left out, priced apart), at the model's sequence length: each layer whole,
+    in the same op order, views and autograd as in training, what timing its ops one by one misses (operands laid
+    out as the layer holds them, the allocator, the autograd engine). The backward is the forward-and-backward's
+    median less the forward's; gradients accumulate into .grad as a step's later micro-batches do."""
+    import torch
+
+    from mist_ds.models.tp import LocalSizes, TensorParallel
+    from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
+    from mist_ds.specs import ModelSpec
+
+    spec, timer, kind = ModelSpec(**model), _timer(device), _torch_dtype(dtype)
+    loss_fn = language_model_loss(TensorParallel())
+    out = []
+    for b, t in points:
+        recipes = layer_recipes(spec, (0, 1), 0, True, True, t, TensorParallel(), kind, seed=0)
+        embedding, block, head = (PlannedLayer(r).to(device) for r in recipes)
+        # ids within the rank's vocabulary shard: without TP's group, its embedding and loss see only that shard
+        tokens = torch.randint(0, LocalSizes.for_rank(spec, t).vocab, (b, spec.seq_len), device=device)
+        x = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device, requires_grad=True)
+        grad = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device)
+        passes = {"embedding": (lambda: embedding(tokens), lambda: embedding(tokens).backward(grad)),
+                  "block": (lambda: block(x), lambda: block(x).backward(grad)),
+                  "head": (lambda: loss_fn(head(x), tokens), lambda: loss_fn(head(x), tokens).backward())}
+        point = {"b": b, "t": t}
+        for name, (forward, both) in passes.items():
+            fwd = timer(forward)
+            point[name] = {"fwd": fwd, "bwd": max(timer(both) - fwd, 0.0)}
+        out.append(point)
+    return out
+
+
 def host_copy_times(sizes, device) -> list[dict]:
     """Seconds of a host copy of each size, both directions: pinned H2D / D2H on CUDA, a copy within the
     same memory on CPU."""
@@ -217,6 +251,8 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
         sections["layers"] = lambda: layer_overhead((dtype,))
         sections["memory"] = lambda: memory_sweep((dtype,), payload["copy_bytes"], payload["activations"])
         sections["p2p"] = lambda: collective_sweep(rank, payload["collective_bytes"], interleaved=False)
+    if payload.get("layer_points"):  # a zoo model: its layers timed whole
+        sections["passes"] = lambda: layer_pass_times(payload["model"], payload["layer_points"], dtype, device)
     # last: the ZeRO-3 engines it builds and tears down are no part of the other sections
     sections["zero3"] = lambda: zero3_sweep(dtype, device, payload["zero3_repeats"])
     if payload.get("sections"):  # a benchmark of one part (benchmarks/interference_fit.py)
