@@ -110,9 +110,10 @@ def test_the_database_sets_the_times_of_the_ops_it_holds(profiled):
 
 
 def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_them(profiled):
-    """Each layer's forward and backward at every profiled (b, t) is a row named after the layer's traced cost
-    program; the pass is priced at it on one rank (q = 1) of an executor that does not fuse kernels, composed op by
-    op elsewhere, and for a layer of another shape (another program) never."""
+    """Each layer's forward and backward at every profiled (b, t) (t 2 on both ranks, its TP collectives in it) is a
+    row named after the layer's traced cost program; the pass is priced at it on one rank (q = 1) of an executor
+    that does not fuse kernels, composed op by op elsewhere, and for a layer of another shape (another program)
+    never."""
     _, overrides = profiled
     specs = compose([*overrides, *STRATEGY])
     hw, costs, s = hardware_model(specs.cluster, specs.train.precision), model_costs(specs), specs.model.seq_len
@@ -122,7 +123,11 @@ def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_th
                       for phase in ("fwd", "bwd")}
             times = layer_times(layer, hw, 2, s, t)
             assert (float(times.fwd_compute_s), float(times.bwd_compute_s)) == (stored["fwd"], stored["bwd"])
-            assert float(layer_times(layer, hw, 2, s, t, fused=True).fwd_compute_s) != stored["fwd"]
+            assert float(times.fwd_tp_s) == float(times.bwd_tp_s) == 0.0  # TP's collectives ran inside
+            fused = layer_times(layer, hw, 2, s, t, fused=True)  # composed: TP's collectives priced apart
+            assert float(fused.fwd_compute_s) != stored["fwd"]
+            if layer.kind == "block":
+                assert (float(fused.fwd_tp_s) > 0) == (t > 1)
     on_sequence_group = float(layer_times(costs.block, hw, 2, s, 1, q=2).fwd_compute_s)
     assert on_sequence_group != hw.profile.times[(layer_op("block", "fwd", costs.block.source), (2, s, 1))]
     assert predict(specs).sources["layers"] == "profile"

@@ -19,23 +19,21 @@ class LayerTimes:
     bwd_tp_s: np.ndarray
 
 
+def _measured_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, fused: bool) -> np.ndarray:
+    """The pass as the profile database timed the layer whole (the layer the runtime builds, on t ranks with its
+    TP collectives: docs/design.md, Profiling), NaN where it holds none: it holds what composing op by op leaves
+    out. Never for an executor that fuses kernels (not the layer the profile ran), nor on a sequence group (q > 1:
+    the layer runs its attention over the whole sequence there, the profile timed it over its own)."""
+    if fused or hw.profile is None:
+        return np.full(np.broadcast(b, s, t, q).shape, np.nan)
+    measured = hw.layer_pass_time_s(cost.kind, phase, cost.source, b, s, t)
+    return np.where(np.asarray(q) != 1, np.nan, measured)
+
+
 def _pass_compute_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, fused: bool, tp_s) -> np.ndarray:
     """The pass's kernels on the GPU; when the host needs longer to issue them and the pass's TP
     collectives (tp_s, their GPU time) than the GPU needs to run them, the pass takes the host's
-    time: the excess is counted here, so that compute + TP is the larger of the two. Where the profile
-    database timed this layer's pass whole (the layer the runtime builds, on one rank of t, its TP collectives
-    apart), that time: it holds what composing op by op leaves out (docs/design.md, Profiling). Not for an
-    executor that fuses kernels (not the layer the profile ran), nor on a sequence group (q > 1: the layer runs
-    its attention over the whole sequence there, the profile timed it over its own)."""
-    composed = _composed_pass_s(cost, hw, phase, b, s, t, q, fused, tp_s)
-    if fused or hw.profile is None:
-        return composed
-    measured = hw.layer_pass_time_s(cost.kind, phase, cost.source, b, s, t)
-    return np.where(np.isnan(measured) | (np.asarray(q) != 1), composed, measured)
-
-
-def _composed_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, fused: bool, tp_s) -> np.ndarray:
-    """_pass_compute_s op by op: GEMMs, attention, per-kernel overhead, memory-bound traffic, the host's floor."""
+    time: the excess is counted here, so that compute + TP is the larger of the two."""
     total = np.zeros(np.broadcast(b, s, t).shape)
     for index, gemm in enumerate(cost.gemms):
         if gemm[0] == phase:
@@ -63,11 +61,18 @@ def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q) -> np
 
 def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False, q=1) -> LayerTimes:
     """fused: price element-wise runs as fused kernels (ExecutorCapabilities.fused_kernels); q: one rank of a
-    sequence group of q ranks (cost/sequence.py on_rank; its all-to-alls are the stage's, cost/stage.py)."""
-    fwd_tp, bwd_tp = _pass_tp_s(cost, hw, "fwd", b, s, t, q), _pass_tp_s(cost, hw, "bwd", b, s, t, q)
-    return LayerTimes(fwd_compute_s=_pass_compute_s(cost, hw, "fwd", b, s, t, q, fused, fwd_tp),
-                      bwd_compute_s=_pass_compute_s(cost, hw, "bwd", b, s, t, q, fused, bwd_tp),
-                      fwd_tp_s=fwd_tp, bwd_tp_s=bwd_tp)
+    sequence group of q ranks (cost/sequence.py on_rank; its all-to-alls are the stage's, cost/stage.py). A pass
+    the profile timed whole is its measured time, TP's collectives in it (as training ran them, the ranks' skew
+    included), so none apart."""
+    times = {}
+    for phase in ("fwd", "bwd"):
+        tp = _pass_tp_s(cost, hw, phase, b, s, t, q)
+        composed = _pass_compute_s(cost, hw, phase, b, s, t, q, fused, tp)
+        measured = _measured_pass_s(cost, hw, phase, b, s, t, q, fused)
+        held = ~np.isnan(measured)
+        times[f"{phase}_compute_s"] = np.where(held, measured, composed)
+        times[f"{phase}_tp_s"] = np.where(held, 0.0, tp)
+    return LayerTimes(**times)
 
 
 def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t, q=1,
@@ -80,8 +85,7 @@ def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t, q
     if hw.profile is not None:
         for cost in layers:
             for phase in ("fwd", "bwd"):
-                measured = hw.layer_pass_time_s(cost.kind, phase, cost.source, b, s, t)
-                asked["layers"].append(np.where((np.asarray(q) != 1) | fused, np.nan, measured))
+                asked["layers"].append(_measured_pass_s(cost, hw, phase, b, s, t, q, fused))
             for index in range(len(cost.gemms)):
                 asked["gemm"].append(hw.profile.lookup("gemm", *cost.gemm_shapes(index, b, np.asarray(s) / q, t)))
             for phase in ("fwd", "bwd"):

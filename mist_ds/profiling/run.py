@@ -102,8 +102,8 @@ def layer_payload(specs: Specs, points: list[tuple[int, int]]) -> dict[str, Any]
 
 
 def layer_rows(r: dict, specs: Specs) -> list[tuple[str, tuple[int, ...], float]]:
-    """(op, [b, s, t], seconds) rows of the layers' passes the ranks timed (profile_db.layer_op names them after the
-    traced layer they were measured on)."""
+    """(op, [b, s, t], seconds) rows of the layers' passes the ranks timed, TP's collectives in them
+    (profile_db.layer_op names them after the traced layer they were measured on)."""
     from mist_ds.cost.predict import model_costs
     from mist_ds.hardware.profile_db import layer_op
 

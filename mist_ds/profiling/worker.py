@@ -21,6 +21,9 @@ PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
 UNIT_S = 0.04
 """Alone-time of one unit of work of a channel in the interference grid."""
 INTERFERENCE_REPEATS = 3
+PASS_REPEATS = 9
+"""Timed calls of each layer's pass (after two warm-ups): the same number on every rank, as TP's collectives pair
+them up."""
 
 
 def _torch_dtype(name: str):
@@ -69,27 +72,56 @@ def op_times(shapes: dict, dtype: str, device) -> dict:
     return {"gemm": gemms, "attention": attention}
 
 
-def layer_pass_times(model: dict, points, dtype: str, device) -> list[dict]:
-    """Per (b, t) of `points`: median seconds of the forward and backward of the model's embedding, one block and
-    its head (the loss included) as the runtime builds them for a rank of t (mist_ds.runtime.layers: local sizes,
-    initialized weights; TP collectives left out, priced apart), at the model's sequence length: each layer whole,
-    in the same op order, views and autograd as in training, what timing its ops one by one misses (operands laid
-    out as the layer holds them, the allocator, the autograd engine). The backward is the forward-and-backward's
-    median less the forward's; gradients accumulate into .grad as a step's later micro-batches do."""
-    import torch
+def tensor_parallel_groups(rank: int, world_size: int, t: int):
+    """This rank's TensorParallel over groups of t consecutive ranks (as the runtime places TP), every group made
+    by every rank (torch.distributed's rule); None where the rank is in no whole group (or t is 1: no group)."""
+    import torch.distributed as dist
 
-    from mist_ds.models.tp import LocalSizes, TensorParallel
+    from mist_ds.models.tp import TensorParallel
+
+    if t == 1:
+        return TensorParallel()
+    mine = None
+    for first in range(0, world_size - t + 1, t):
+        group = dist.new_group(list(range(first, first + t)))
+        if first <= rank < first + t:
+            mine = TensorParallel(group_name=group.group_name, rank=rank - first)
+    return mine
+
+
+def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str, device) -> list[dict]:
+    """Per (b, t) of `points` with t <= world_size: median seconds of the forward and backward of the model's
+    embedding, one block and its head (the loss included) as the runtime builds them for a rank of t
+    (mist_ds.runtime.layers: local sizes, initialized weights) with their TP collectives over t of these ranks, at
+    the model's sequence length: each layer whole, in the same op order, views, autograd and collectives as in
+    training, what timing its ops one by one misses (operands laid out as the layer holds them, the allocator, the
+    ranks' skew at each collective). Every rank runs every point at once (one in no group of t runs it without
+    TP, its time unused). The backward is the forward-and-backward's median less the forward's; gradients
+    accumulate into .grad as a step's later micro-batches do."""
+    import torch
+    import torch.distributed as dist
+
     from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
     from mist_ds.specs import ModelSpec
 
-    spec, timer, kind = ModelSpec(**model), _timer(device), _torch_dtype(dtype)
-    loss_fn = language_model_loss(TensorParallel())
+    spec, kind = ModelSpec(**model), _torch_dtype(dtype)
+    timer = _timer(device)
+    degrees = sorted({t for _, t in points if t <= world_size})
+    groups = {t: tensor_parallel_groups(rank, world_size, t) for t in degrees}
     out = []
     for b, t in points:
-        recipes = layer_recipes(spec, (0, 1), 0, True, True, t, TensorParallel(), kind, seed=0)
+        if t > world_size:
+            continue
+        tp = groups[t]
+        if tp is None:  # in no whole group of t: nothing to time (0: the slowest rank's figure is a member's)
+            out.append({"b": b, "t": t, **{name: {"fwd": 0.0, "bwd": 0.0} for name in ("embedding", "block", "head")}})
+            for _ in range(3):
+                dist.barrier()
+            continue
+        loss_fn = language_model_loss(tp)
+        recipes = layer_recipes(spec, (0, 1), 0, True, True, t, tp, kind, seed=0)
         embedding, block, head = (PlannedLayer(r).to(device) for r in recipes)
-        # ids within the rank's vocabulary shard: without TP's group, its embedding and loss see only that shard
-        tokens = torch.randint(0, LocalSizes.for_rank(spec, t).vocab, (b, spec.seq_len), device=device)
+        tokens = torch.randint(0, spec.vocab_size, (b, spec.seq_len), device=device)
         x = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device, requires_grad=True)
         grad = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device)
         passes = {"embedding": (lambda: embedding(tokens), lambda: embedding(tokens).backward(grad)),
@@ -97,8 +129,9 @@ def layer_pass_times(model: dict, points, dtype: str, device) -> list[dict]:
                   "head": (lambda: loss_fn(head(x), tokens), lambda: loss_fn(head(x), tokens).backward())}
         point = {"b": b, "t": t}
         for name, (forward, both) in passes.items():
-            fwd = timer(forward)
-            point[name] = {"fwd": fwd, "bwd": max(timer(both) - fwd, 0.0)}
+            dist.barrier()
+            fwd = timer(forward, PASS_REPEATS, exact=True)  # as many calls on every rank: collectives pair up
+            point[name] = {"fwd": fwd, "bwd": max(timer(both, PASS_REPEATS, exact=True) - fwd, 0.0)}
         out.append(point)
     return out
 
@@ -252,7 +285,8 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
         sections["memory"] = lambda: memory_sweep((dtype,), payload["copy_bytes"], payload["activations"])
         sections["p2p"] = lambda: collective_sweep(rank, payload["collective_bytes"], interleaved=False)
     if payload.get("layer_points"):  # a zoo model: its layers timed whole
-        sections["passes"] = lambda: layer_pass_times(payload["model"], payload["layer_points"], dtype, device)
+        sections["passes"] = lambda: layer_pass_times(rank, world_size, payload["model"], payload["layer_points"],
+                                                      dtype, device)
     # last: the ZeRO-3 engines it builds and tears down are no part of the other sections
     sections["zero3"] = lambda: zero3_sweep(dtype, device, payload["zero3_repeats"])
     if payload.get("sections"):  # a benchmark of one part (benchmarks/interference_fit.py)
