@@ -5,7 +5,8 @@ with the profiled values.
         > benchmarks/results/closed_loop_cpu.md
 
 1. `mist-ds profile model=tiny cluster=cpu profile.quick=true` (bf16, and again with train.precision=fp32 as
-   cluster `cpu-profiled-fp32`): the profile database and cluster configs in a scratch folder.
+   cluster `cpu-profiled-fp32`): the profile database and cluster configs in a scratch folder; before each, the
+   same with model.hidden_size=256 (OTHER_LAYERS), whose layers the h256 plans run, into the same database.
 2. `mist-ds tune -cd <folder> cluster=cpu-profiled model=tiny train.global_batch_size=8`: the plan.
 3. `mist-ds measure -cd <folder> plan=<plan.json>`: the plan run on the 2 ranks beside its prediction.
 4. The plans of benchmarks/measure_cpu.py (ZeRO 0-3, pp 1-2, tp 1-2, optimizer offload) measured in ROUNDS
@@ -45,6 +46,9 @@ COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.
 COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
 PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}
 ROUNDS = 3  # interleaved launches per plan: the median of 3 drops one round a burst of load spoiled
+OTHER_LAYERS = {"h256": ["model.hidden_size=256"]}
+"""The plans' models whose layers differ from tiny's (the measure benchmark's h256 variants): profiled too, into
+the same database, so that their layers are timed whole as tiny's are (the cluster files priced with stay tiny's)."""
 TUNE = ["model=tiny", "train.global_batch_size=8", "tuner.compare_baselines=false", "tuner.quiet=true"]
 
 
@@ -75,6 +79,11 @@ def main() -> None:
         folder = Path(tmp, "calib")  # the config dir: only cluster/ in it (a plan/ folder would be a config group)
         profile_s = {}
         for dtype, name in PROFILED.items():
+            for variant, extra in OTHER_LAYERS.items():  # their layers' rows into the same database, first
+                _, profile_s[f"{dtype}-{variant}"] = mist_ds(
+                    "profile", "model=tiny", *extra, "cluster=cpu", f"train.precision={dtype}",
+                    "train.global_batch_size=8", "profile.quick=true", f"profile.name={name}-{variant}",
+                    f"profile.out_dir={folder}", "tuner.quiet=true")
             _, profile_s[dtype] = mist_ds("profile", "model=tiny", "cluster=cpu", f"train.precision={dtype}",
                                           "train.global_batch_size=8",
                                           "profile.quick=true", f"profile.name={name}", f"profile.out_dir={folder}",
@@ -120,7 +129,9 @@ def main() -> None:
              "## The loop", "",
              "1. `mist-ds profile model=tiny cluster=cpu train.global_batch_size=8 profile.quick=true "
              f"profile.out_dir=calib` (bf16, {profile_s['bf16']:.0f} s) and the same with `train.precision=fp32 "
-             f"profile.name=cpu-profiled-fp32` ({profile_s['fp32']:.0f} s).",
+             f"profile.name=cpu-profiled-fp32` ({profile_s['fp32']:.0f} s); before each, the same with "
+             f"`model.hidden_size=256 profile.name=<name>-h256` (the h256 plans' layers, into the same database: "
+             f"{profile_s['bf16-h256']:.0f} and {profile_s['fp32-h256']:.0f} s).",
              f"2. `mist-ds tune -cd calib cluster=cpu-profiled {' '.join(TUNE)} hydra.run.dir=plan` ({tune_s:.0f} s): "
              f"t {plan['strategy']['tp']} S {plan['strategy']['pp']} d {plan['strategy']['dp']} b "
              f"{plan['strategy']['micro_batch_size']} G {plan['strategy']['grad_accum']}, ZeRO "
