@@ -22,7 +22,7 @@ COUNTS = {
     "hidden_size", "ffn_hidden_size", "vocab_size", "seq_len", "tp", "pp", "dp", "sp", "micro_batch_size", "grad_accum",
     "global_batch_size", "nodes", "gpus_per_node", "layers", "ckpt_layers", "zero_stage", "workers", "max_tp",
     "layer_slack", "weights_offload_ratios", "grads_offload_ratios", "optimizer_offload_ratios",
-    "activations_offload_ratios",
+    "activations_offload_ratios", "cores", "other_runnable_threads", "measured_other_runnable_threads",
     "dropout", "fallback", "grad_clip", "gemm_curve_exponent", "virtual_stages", "weights_offload", "grads_offload",
     "optimizer_offload",
     "activations_offload", "weights", "grads", "optimizer", "activations", "offload", "layers_per_stage",
@@ -34,7 +34,7 @@ COUNTS = {
 }
 POLYMORPHIC_ANY = {("StrategyConfig", "ckpt_layers"), ("StrategyConfig", "zero_stage"),
                    ("OffloadConfig", "weights"), ("OffloadConfig", "grads"), ("OffloadConfig", "optimizer"),
-                   ("OffloadConfig", "activations")}
+                   ("OffloadConfig", "activations"), ("ClusterConfig", "other_runnable_threads")}
 
 
 def _dataclasses(module) -> list[type]:

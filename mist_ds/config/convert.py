@@ -147,7 +147,24 @@ def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
         pcie_bytes_per_s=cfg.pcie_gbps * GB, cpu_memory_bytes=cfg.cpu_memory_gib * GIB,
         cpu_adam_params_per_s=cfg.cpu_adam_gparams_per_s * GIGA, interference=interference,
         collective_latency_s=cfg.collective_latency_us * 1e-6, profile_db=cfg.profile_db,
-        price_per_gpu_hour=cfg.price_per_gpu_hour)
+        price_per_gpu_hour=cfg.price_per_gpu_hour, cores=cfg.cores,
+        other_runnable_threads=other_runnable_threads_of(cfg.other_runnable_threads),
+        measured_other_runnable_threads=cfg.measured_other_runnable_threads)
+
+
+SAMPLED = "now"
+"""cluster.other_runnable_threads=now: other jobs' ready threads sampled on this machine when the config is read."""
+
+
+def other_runnable_threads_of(value) -> float:
+    """cluster.other_runnable_threads as a number: the one given, or sampled now (mist_ds/specs/machine.py)."""
+    if value == SAMPLED:
+        from mist_ds.specs.machine import other_runnable_threads
+
+        return other_runnable_threads()
+    require(isinstance(value, (int, float)) and not isinstance(value, bool), "cluster.other_runnable_threads",
+            value, f"other jobs' threads ready to run beside CPU ranks: a number >= 0, or {SAMPLED} to sample them")
+    return float(value)
 
 
 def train_spec(cfg: TrainConfig) -> TrainSpec:

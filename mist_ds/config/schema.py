@@ -6,7 +6,8 @@ names (GiB, GB/s = 1e9 bytes/s, TFLOP/s); `mist_ds.config.convert` turns them in
 
 Polymorphic strategy fields (a scalar for every stage, or a list with one value per stage; or the
 words full / none) are typed `Any` because OmegaConf has no unions; `mist_ds.specs.strategy` checks
-them and names the field on error. They are the only `Any` fields (tests/test_conventions.py).
+them and names the field on error; so is `cluster.other_runnable_threads` (a number or the word now, checked by
+`mist_ds.config.convert`). They are the only `Any` fields (tests/test_conventions.py).
 """
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ class ClusterConfig:
     constants: str = "file"  # file | machine: machine = the figures a quick mist-ds profile measured on this
     #                          machine (the CLI measures them the first time; cached, profile refreshes them)
     price_per_gpu_hour: Optional[float] = None  # USD per GPU-hour; null = unknown
+    cores: Optional[int] = None  # CPU ranks: the cores a node's ranks share with other jobs; null = GPUs
+    other_runnable_threads: Any = 0.0  # CPU ranks: other jobs' threads ready to run, priced for; or now (sampled)
+    measured_other_runnable_threads: float = 0.0  # CPU ranks: the same while this file's figures were measured
 
 
 @dataclass

@@ -96,7 +96,12 @@ class HardwareModel:
 
 
 def hardware_model(cluster: ClusterSpec, dtype: str) -> HardwareModel:
+    """The cluster's figures for `dtype`; CPU ranks' every time scaled to the share of the cores they get beside
+    other jobs (ClusterSpec.time_shared), the profile database's measured times alike."""
     profile = ProfileDB.load(cluster.profile_db, cluster.gpu.name, dtype) if cluster.profile_db else None
+    if profile is not None:
+        profile = profile.scaled(cluster.time_sharing_factor)
+    cluster = cluster.time_shared()
     return HardwareModel(cluster=cluster, dtype=dtype, dtype_bytes={"bf16": 2, "fp16": 2, "fp32": 4}[dtype],
                          peak_flops_per_s=cluster.gpu.peak(dtype),
                          interference_table=interference.factor_table(cluster.interference), profile=profile)

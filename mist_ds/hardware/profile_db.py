@@ -68,6 +68,13 @@ class ProfileDB:
             times[key] = float(seconds)
         return cls(device, dtype, times)
 
+    def scaled(self, factor: float) -> "ProfileDB":
+        """The same measurements `factor` times longer (ClusterSpec.time_sharing_factor: CPU ranks' share of the cores
+        now against while they were measured)."""
+        if factor == 1.0:
+            return self
+        return ProfileDB(self.device, self.dtype, {key: seconds * factor for key, seconds in self.times.items()})
+
     def holds(self, op: str) -> bool:
         """True when any shape of `op` was measured."""
         return any(key[0] == op for key in self.times)

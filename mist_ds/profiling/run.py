@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from mist_ds.profiling.interference import fit_factors
 from mist_ds.profiling.microbench import fit_alpha_beta, fit_gemm, fit_zero3
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
-from mist_ds.specs.machine import read_constants, write_constants
+from mist_ds.specs.machine import other_runnable_threads, read_constants, write_constants
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRIDS = {
@@ -45,6 +46,8 @@ GRIDS = {
             "zero3_repeats": 20},
 }
 LAUNCH_TIMEOUT_S = 1800.0
+LOAD_SAMPLE_S = 1.0
+"""Seconds of sampling other jobs' ready threads before and after the ranks run (CPU)."""
 HOST_COPY_FIT_BYTES = 2**20
 """Host copies from this size set pcie_gbps (smaller ones are dominated by the copy's fixed cost)."""
 
@@ -252,6 +255,16 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
             "interference": {"fallback": 1.0, "factors": c["interference"].as_config()}}
 
 
+def sharing_fields(raw: dict) -> dict:
+    """CPU ranks: the node's cores and other jobs' ready threads while measuring (the mean of samples before and
+    after the ranks ran: while they run, theirs cannot be told apart), so that the figures are scaled to the share
+    of the cores a plan gets (ClusterSpec.time_shared); nothing for GPUs."""
+    if raw["device"] != "cpu":
+        return {}
+    others = raw.get("other_runnable_threads") or [0.0]
+    return {"cores": os.cpu_count() or 1, "measured_other_runnable_threads": _round(statistics.mean(others), 3)}
+
+
 def gemm_note(gemm: dict) -> str:
     """How the GEMM efficiency was fitted, for the cluster file's header (microbench.fit_gemm)."""
     if gemm.get("curve") == "flat":
@@ -309,10 +322,13 @@ def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None,
     payload = {"device": device, "dtype": specs.train.precision, "quick": bool(quick), **GRIDS[bool(quick)],
                "shapes": {"gemm": shapes.gemms, "attention": shapes.attention}, **layer_payload(specs, points)}
     start = time.perf_counter()
+    others = [other_runnable_threads(LOAD_SAMPLE_S) if device == "cpu" else 0.0]
     per_rank = run_with_progress(payload, ranks, {} if device == "cuda" else CPU_ENV, quiet)
+    others.append(other_runnable_threads(LOAD_SAMPLE_S) if device == "cpu" else 0.0)
     (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "measurements.json", {"device": device, "quick": bool(quick), "per_rank": per_rank,
-                                                      "seconds": time.perf_counter() - start})
+                                                      "seconds": time.perf_counter() - start,
+                                                      "other_runnable_threads": others})
     return write_profile(specs, cluster_config, out_dir, name)
 
 
@@ -328,7 +344,7 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     db_path = (out_dir / "profile.db").resolve()
     rows = db_rows(measured, shapes) + layer_rows(measured, specs)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
-    fields = measured_fields(cluster_config["gpu"], constants, dtype)
+    fields = {**measured_fields(cluster_config["gpu"], constants, dtype), **sharing_fields(raw)}
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
                                                                                 dtype, gemm_note(constants["gemm"])))
     # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile

@@ -89,15 +89,38 @@ def tensor_parallel_groups(rank: int, world_size: int, t: int):
     return mine
 
 
+def pass_times(forward, backward, device) -> dict[str, float]:
+    """Median seconds of `forward()` and of `backward(its output)`, each timed on its own, over PASS_REPEATS calls
+    after two warm-ups (the same number on every rank: collectives inside pair up); a CUDA pass to its end."""
+    import torch
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    times: dict[str, list[float]] = {"fwd": [], "bwd": []}
+    for call in range(2 + PASS_REPEATS):
+        start = now()
+        output = forward()
+        middle = now()
+        backward(output)
+        end = now()
+        if call >= 2:
+            times["fwd"].append(middle - start)
+            times["bwd"].append(end - middle)
+    return {phase: statistics.median(values) for phase, values in times.items()}
+
+
 def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str, device) -> list[dict]:
     """Per (b, t) of `points` with t <= world_size: median seconds of the forward and backward of the model's
     embedding, one block and its head (the loss included) as the runtime builds them for a rank of t
     (mist_ds.runtime.layers: local sizes, initialized weights) with their TP collectives over t of these ranks, at
     the model's sequence length: each layer whole, in the same op order, views, autograd and collectives as in
     training, what timing its ops one by one misses (operands laid out as the layer holds them, the allocator, the
-    ranks' skew at each collective). Every rank runs every point at once (one in no group of t runs it without
-    TP, its time unused). The backward is the forward-and-backward's median less the forward's; gradients
-    accumulate into .grad as a step's later micro-batches do."""
+    ranks' skew at each collective). Every rank runs every point at once (one in no group of t records 0: the
+    slowest rank's figure is a member's). Forward and backward are timed apart (pass_times); gradients accumulate
+    into .grad as a step's later micro-batches do."""
     import torch
     import torch.distributed as dist
 
@@ -105,7 +128,6 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
     from mist_ds.specs import ModelSpec
 
     spec, kind = ModelSpec(**model), _torch_dtype(dtype)
-    timer = _timer(device)
     degrees = sorted({t for _, t in points if t <= world_size})
     groups = {t: tensor_parallel_groups(rank, world_size, t) for t in degrees}
     out = []
@@ -124,14 +146,13 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
         tokens = torch.randint(0, spec.vocab_size, (b, spec.seq_len), device=device)
         x = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device, requires_grad=True)
         grad = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device)
-        passes = {"embedding": (lambda: embedding(tokens), lambda: embedding(tokens).backward(grad)),
-                  "block": (lambda: block(x), lambda: block(x).backward(grad)),
-                  "head": (lambda: loss_fn(head(x), tokens), lambda: loss_fn(head(x), tokens).backward())}
+        passes = {"embedding": (lambda: embedding(tokens), lambda y: y.backward(grad)),
+                  "block": (lambda: block(x), lambda y: y.backward(grad)),
+                  "head": (lambda: loss_fn(head(x), tokens), lambda y: y.backward())}
         point = {"b": b, "t": t}
-        for name, (forward, both) in passes.items():
+        for name, (forward, backward) in passes.items():
             dist.barrier()
-            fwd = timer(forward, PASS_REPEATS, exact=True)  # as many calls on every rank: collectives pair up
-            point[name] = {"fwd": fwd, "bwd": max(timer(both, PASS_REPEATS, exact=True) - fwd, 0.0)}
+            point[name] = pass_times(forward, backward, device)
         out.append(point)
     return out
 

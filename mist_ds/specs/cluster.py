@@ -4,7 +4,7 @@ Config files keep datasheet units (GiB, GB/s, TFLOP/s); `mist_ds.config` convert
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 
 from mist_ds.specs.channels import CHANNELS, canonical_active_set
@@ -154,9 +154,20 @@ class ClusterSpec:
     latencies (hardware/nccl.py)."""
     profile_db: str | None = None
     price_per_gpu_hour: float | None = None
+    cores: int | None = None
+    """CPU ranks: the cores of a node, shared by its ranks and other jobs' threads; None for GPUs."""
+    other_runnable_threads: float = 0.0
+    """CPU ranks: other jobs' threads ready to run (on average) while the plan runs, what it is priced for."""
+    measured_other_runnable_threads: float = 0.0
+    """CPU ranks: the same while the figures here were measured (they carry that share of the cores)."""
 
     def __post_init__(self) -> None:
         require_positive("cluster.nodes", self.nodes)
+        require(self.cores is None or (self.gpu.is_cpu_process and self.cores > 0), "cluster.cores", self.cores,
+                "the cores CPU ranks share (a positive count, cluster.gpu.name cpu-process); null for GPUs, whose "
+                "work does not wait for a core")
+        for name in ("other_runnable_threads", "measured_other_runnable_threads"):
+            require(getattr(self, name) >= 0, f"cluster.{name}", getattr(self, name), "must be >= 0")
         require_positive("cluster.gpus_per_node", self.gpus_per_node)
         require_positive("cluster.intra_node_gbps", self.intra_node_bytes_per_s / GB)
         require(self.nodes == 1 or self.inter_node_bytes_per_s > 0, "cluster.inter_node_gbps",
@@ -171,6 +182,36 @@ class ClusterSpec:
         if self.price_per_gpu_hour is not None:
             require(self.price_per_gpu_hour >= 0, "cluster.price_per_gpu_hour", self.price_per_gpu_hour,
                     "must be >= 0, or null when unknown")
+
+    def cpu_slowdown(self, other_threads: float) -> float:
+        """How many times slower a CPU rank runs than with a core of its own, beside `other_threads` ready threads
+        of other jobs: Linux's scheduler (CFS) gives every ready thread of equal priority an equal share of the
+        cores, so once the node's ranks and those threads outnumber its cores, each rank gets cores / (ranks +
+        others) of one (docs/design.md, Hardware model)."""
+        return max(1.0, (self.gpus_per_node + other_threads) / self.cores) if self.cores else 1.0
+
+    @property
+    def time_sharing_factor(self) -> float:
+        """Every time figure here, measured at measured_other_runnable_threads, scaled to other_runnable_threads."""
+        return self.cpu_slowdown(self.other_runnable_threads) / self.cpu_slowdown(self.measured_other_runnable_threads)
+
+    def time_shared(self) -> "ClusterSpec":
+        """This cluster with every figure of time (rates, latencies, per-op and per-call times) scaled by
+        time_sharing_factor: the CPU ranks' share of the cores while the plan runs, against the share they had
+        while the figures were measured (all of a CPU rank's work is its core's time: compute, copies, gloo)."""
+        k = self.time_sharing_factor
+        if k == 1.0:
+            return self
+        gpu = self.gpu
+        slowed = replace(gpu, peak_flops_per_s={d: v / k for d, v in gpu.peak_flops_per_s.items()},
+                         hbm_bytes_per_s=gpu.hbm_bytes_per_s / k, kernel_overhead_s=gpu.kernel_overhead_s * k,
+                         host_dispatch_s=gpu.host_dispatch_s * k, zero3_fetch_s=gpu.zero3_fetch_s * k,
+                         zero3_hook_s=gpu.zero3_hook_s * k)
+        return replace(self, gpu=slowed, intra_node_bytes_per_s=self.intra_node_bytes_per_s / k,
+                       inter_node_bytes_per_s=self.inter_node_bytes_per_s / k,
+                       pcie_bytes_per_s=self.pcie_bytes_per_s / k, cpu_adam_params_per_s=self.cpu_adam_params_per_s / k,
+                       collective_latency_s=self.collective_latency_s * k,
+                       measured_other_runnable_threads=self.other_runnable_threads)
 
     @property
     def host_bytes_per_gpu(self) -> float:

@@ -7,13 +7,15 @@ import hashlib
 import json
 import os
 import platform
+import time
 from importlib import metadata
 from pathlib import Path
 
 from mist_ds.specs.cache_root import cache_root
 
 MACHINE_FOLDER = "machine"
-MEASURED_FIELDS = ("intra_node_gbps", "collective_latency_us", "pcie_gbps", "cpu_adam_gparams_per_s", "interference")
+MEASURED_FIELDS = ("intra_node_gbps", "collective_latency_us", "pcie_gbps", "cpu_adam_gparams_per_s", "interference",
+                   "cores", "measured_other_runnable_threads")
 """The cluster-level fields a profile measures (besides the gpu section's, MEASURED_GPU_FIELDS)."""
 MEASURED_GPU_FIELDS = ("peak_tflops", "hbm_gbps", "gemm_efficiency", "gemm_half_gflop", "gemm_curve_exponent",
                        "attention_efficiency", "memory_efficiency", "kernel_overhead_us", "host_dispatch_us",
@@ -70,3 +72,35 @@ def write_constants(device_name: str, ranks: int, precision: str, fields: dict) 
     temporary.write_text(json.dumps(record, indent=1, sort_keys=True))
     os.replace(temporary, path)
     return path
+
+
+SAMPLE_INTERVAL_S = 0.02
+
+
+def _ready_threads(excluded: set[int]) -> int:
+    """Threads of this machine in state R (running or ready to run, /proc/<pid>/task/<tid>/stat's third field)
+    outside the processes `excluded`."""
+    ready = 0
+    for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the thread ended while listed
+            continue
+        pid = int(stat.parent.parent.parent.name)
+        if pid not in excluded and text[text.rindex(")") + 2] == "R":
+            ready += 1
+    return ready
+
+
+def other_runnable_threads(seconds: float = 0.5) -> float:
+    """Other jobs' threads ready to run on this machine, on average over `seconds` (sampled every 20 ms; this
+    process's own threads not counted): what CPU ranks started now would share the cores with
+    (ClusterSpec.cpu_slowdown). 0 where /proc is not there to read (not Linux)."""
+    if not Path("/proc/self/task").is_dir():
+        return 0.0
+    counts, end = [], time.perf_counter() + seconds
+    while True:
+        counts.append(_ready_threads({os.getpid()}))
+        if time.perf_counter() >= end:
+            return sum(counts) / len(counts)
+        time.sleep(SAMPLE_INTERVAL_S)
