@@ -13,14 +13,17 @@ with the profiled values.
    interleaved rounds (each round launches every plan once, in turn, so that a spell of load from other jobs
    falls on all of them), a plan's time the median of its rounds; each priced twice: on the zoo's `cluster=cpu`
    (the constants benchmarks/cpu_constants.py measured, committed in its YAML) and on the profiled clusters
-   (the database for the GEMM and attention shapes it holds, the profiled constants for the rest, ZeRO-3's
-   host figures included). The median |time error| and Spearman of both, beside
-   benchmarks/results/measure_cpu.md's committed figures. Gate (issue 29): median |error| <= 25% and
+   (the database for the layers, GEMM and attention shapes it holds, the profiled constants for the rest, ZeRO-3's
+   host figures included), each launch beside the other jobs' ready threads sampled just before it
+   (cluster.other_runnable_threads: what a prediction made then can know). The median |time error| and
+   Spearman of both, beside benchmarks/results/measure_cpu.md's committed figures. Gate (issue 29): median |error| <= 25% and
    Spearman >= 0.8.
 
 The plans are validation data, not held out: they are in no fit, but their errors in earlier runs of this table
 were read while the cost model changed (ZeRO-3's host term and the GEMM fit's flat fallback were built after
-reading them; each is a mechanism of DeepSpeed's or PyTorch's code with its own microbenchmark, not a fit to them).
+reading them; each is a mechanism of DeepSpeed's or PyTorch's code with its own microbenchmark, not a fit to them;
+the layers timed whole and the time-sharing of the cores came after reading a profile of one plan's steps: see
+docs/design.md, Hardware model and Profiling).
 """
 from __future__ import annotations
 
@@ -40,11 +43,13 @@ from benchmarks.cpu_constants import machine_text
 from benchmarks.measure_cpu import CLUSTER, GATE_MEDIAN_ERROR, GATE_SPEARMAN, PLANS, measure, plan_specs
 
 from mist_ds.cost.predict import predict
+from mist_ds.specs.machine import other_runnable_threads
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu "
            "> benchmarks/results/closed_loop_cpu.md")
 COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
 PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}
+READY_SAMPLE_S = 1.0  # seconds of sampling other jobs' ready threads before each launch
 ROUNDS = 3  # interleaved launches per plan: the median of 3 drops one round a burst of load spoiled
 OTHER_LAYERS = {"h256": ["model.hidden_size=256"]}
 """The plans' models whose layers differ from tiny's (the measure benchmark's h256 variants): profiled too, into
@@ -103,14 +108,20 @@ def main() -> None:
         runs = {name: [] for name in PLANS}
         for _ in range(ROUNDS):
             for name in PLANS:
+                ready = other_runnable_threads(READY_SAMPLE_S)  # before the launch: what a prediction can know
                 record, extra = measure(name, zoo)
-                runs[name].append((statistics.median(record["measured_iteration_time_s"]), extra["other_cores"]))
+                runs[name].append((statistics.median(record["measured_iteration_time_s"]), extra["other_cores"],
+                                   ready))
         rows = {}
         for name, measured_runs in runs.items():
-            again = predict(plan_specs(PLANS[name], profiled))
-            rows[name] = (statistics.median(m for m, _ in measured_runs), predict(plan_specs(PLANS[name], zoo))
-                          .iteration_time_s, again.iteration_time_s, again.sources,
-                          statistics.mean(o for _, o in measured_runs), [m for m, _ in measured_runs])
+            beside = [[f"cluster.other_runnable_threads={ready}"] for _, _, ready in measured_runs]
+            again = [predict(plan_specs([*PLANS[name], *load], profiled)) for load in beside]
+            rows[name] = (statistics.median(m for m, _, _ in measured_runs),
+                          statistics.median(predict(plan_specs([*PLANS[name], *load], zoo)).iteration_time_s
+                                            for load in beside),
+                          statistics.median(p.iteration_time_s for p in again), again[0].sources,
+                          statistics.mean(o for _, o, _ in measured_runs), [m for m, _, _ in measured_runs],
+                          statistics.mean(r for _, _, r in measured_runs))
     wall_s = time.perf_counter() - start
     measured = np.array([r[0] for r in rows.values()])
     before, after = np.array([r[1] for r in rows.values()]), np.array([r[2] for r in rows.values()])
@@ -143,7 +154,9 @@ def main() -> None:
              f"Each plan of benchmarks/measure_cpu.py launched in {ROUNDS} interleaved rounds (each launch as there: 2 "
              "warm-up, 6 timed steps, the ranks' median), its time the median of the rounds; priced on the zoo's "
              "`cluster=cpu` (its committed constants, benchmarks/results/cpu_constants.md) and on the profiled "
-             "clusters.", "",
+             "clusters, each launch priced beside the other jobs' ready threads sampled just before it "
+             f"({READY_SAMPLE_S} s; `cluster.other_runnable_threads`, docs/design.md, Hardware model), the "
+             "prediction the median over the rounds.", "",
              f"**Gate (issue 29: median |error| <= {GATE_MEDIAN_ERROR:.0%}, Spearman >= {GATE_SPEARMAN}), zoo `cpu`: "
              f"median |error| {float(np.median(np.abs(err_before))):.1%}, Spearman {spearman(before, measured):.3f}: "
              f"{'passed' if passes(err_before, before, measured) else 'FAILED'}; profiled: median |error| "
@@ -156,11 +169,13 @@ def main() -> None:
              f"{spearman(before, measured):.3f} |",
              f"| profiled (`mist-ds profile`, quick), this run | {float(np.median(np.abs(err_after))):.1%} | "
              f"{spearman(after, measured):.3f} |", "",
-             "| plan | measured s (median) | rounds s | other jobs, cores | predicted s, zoo cpu | error | "
-             "predicted s, profiled | error | gemm / attention from |", "|---|---|---|---|---|---|---|---|---|"]
-    for (name, (m, b, a, sources, other, each)), eb, ea in zip(rows.items(), err_before, err_after):
-        lines.append(f"| {name} | {m:.3f} | {', '.join(f'{x:.3f}' for x in each)} | {other:.2f} | {b:.3f} | "
-                     f"{eb:+.0%} | {a:.3f} | {ea:+.0%} | {sources['gemm']} / {sources['attention']} |")
+             "| plan | measured s (median) | rounds s | other jobs, cores | other jobs' ready threads before | "
+             "predicted s, zoo cpu | error | predicted s, profiled | error | layers / gemm / attention from |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, (m, b, a, sources, other, each, ready)), eb, ea in zip(rows.items(), err_before, err_after):
+        lines.append(f"| {name} | {m:.3f} | {', '.join(f'{x:.3f}' for x in each)} | {other:.2f} | {ready:.2f} | "
+                     f"{b:.3f} | {eb:+.0%} | {a:.3f} | {ea:+.0%} | {sources['layers']} / {sources['gemm']} / "
+                     f"{sources['attention']} |")
     lines += ["", "## The profiled cluster configs", ""]
     for dtype, text in yaml_text.items():
         shown = re.sub(r"profile_db: .*", "profile_db: calib/profile.db", text)
