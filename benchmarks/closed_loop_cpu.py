@@ -16,8 +16,8 @@ with the profiled values.
    (the database for the layers, GEMM and attention shapes it holds, the profiled constants for the rest, ZeRO-3's
    host figures included), each launch beside the other jobs' ready threads sampled just before it
    (cluster.other_runnable_threads: what a prediction made then can know). The median |time error| and
-   Spearman of both, beside benchmarks/results/measure_cpu.md's committed figures. Gate (issue 29): median |error| <= 25% and
-   Spearman >= 0.8.
+   Spearman of both, beside benchmarks/results/measure_cpu.md's committed figures. Gate (issue 29): median
+   |error| <= 25% and Spearman >= 0.8.
 
 The plans are validation data, not held out: they are in no fit, but their errors in earlier runs of this table
 were read while the cost model changed (ZeRO-3's host term and the GEMM fit's flat fallback were built after
