@@ -40,16 +40,15 @@ import numpy as np
 
 from benchmarks.common import results_header, run_start, spearman
 from benchmarks.cpu_constants import machine_text
-from benchmarks.measure_cpu import CLUSTER, GATE_MEDIAN_ERROR, GATE_SPEARMAN, PLANS, measure, plan_specs
+from benchmarks.measure_cpu import (CLUSTER, GATE_MEDIAN_ERROR, GATE_SPEARMAN, PLANS, READY_SAMPLE_S, measure,
+                                    plan_specs)
 
 from mist_ds.cost.predict import predict
-from mist_ds.specs.machine import other_runnable_threads
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu "
            "> benchmarks/results/closed_loop_cpu.md")
 COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
 PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}
-READY_SAMPLE_S = 1.0  # seconds of sampling other jobs' ready threads before each launch
 ROUNDS = 3  # interleaved launches per plan: the median of 3 drops one round a burst of load spoiled
 OTHER_LAYERS = {"h256": ["model.hidden_size=256"]}
 """The plans' models whose layers differ from tiny's (the measure benchmark's h256 variants): profiled too, into
@@ -108,10 +107,9 @@ def main() -> None:
         runs = {name: [] for name in PLANS}
         for _ in range(ROUNDS):
             for name in PLANS:
-                ready = other_runnable_threads(READY_SAMPLE_S)  # before the launch: what a prediction can know
-                record, extra = measure(name, zoo)
+                record, extra = measure(name, zoo)  # sampling other jobs' ready threads just before the launch
                 runs[name].append((statistics.median(record["measured_iteration_time_s"]), extra["other_cores"],
-                                   ready))
+                                   extra["ready_threads"]))
         rows = {}
         for name, measured_runs in runs.items():
             beside = [[f"cluster.other_runnable_threads={ready}"] for _, _, ready in measured_runs]

@@ -36,6 +36,7 @@ from mist_ds.cost.predict import predict
 from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
 from mist_ds.observe.ranks import CPU_ENV, launch
 from mist_ds.report.measure import measure_record
+from mist_ds.specs.machine import other_runnable_threads
 from mist_ds.specs.strategy import layout_text
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu "
@@ -65,6 +66,8 @@ def constants_overrides() -> dict[str, list[str]]:
 FREE_NETWORK = ["cluster.intra_node_gbps=1e9", "cluster.collective_latency_us=0"]
 """The same prediction with collectives that cost nothing: the difference is the communication the
 prediction leaves exposed."""
+READY_SAMPLE_S = 1.0
+"""Seconds of sampling other jobs' ready threads before each launch."""
 REPEATED = "dp2-z0-bf16"  # measured twice: the run-to-run noise
 
 # name -> overrides: a strategy given outright on `tiny` (h 128, 8 layers, s 128, V 4096) or a variant.
@@ -103,17 +106,20 @@ def plan_specs(overrides: list[str], clusters: dict[str, list[str]]):
 
 def measure(name: str, clusters: dict[str, list[str]]) -> tuple[dict, dict]:
     """(measure record, the steps' times over both ranks) of one plan, as `mist-ds measure` runs it, priced on
-    the cluster overrides of its precision."""
-    specs = plan_specs(PLANS[name], clusters)
+    the cluster overrides of its precision beside the other jobs' ready threads sampled just before the launch
+    (`ready_threads`; cluster.other_runnable_threads: the share of the cores its ranks will get)."""
+    ready = other_runnable_threads(READY_SAMPLE_S)
+    beside = [f"cluster.other_runnable_threads={ready}"]
+    specs = plan_specs([*PLANS[name], *beside], clusters)
     prediction = predict(specs)
     with OtherLoad() as other:
         results = launch(MEASURE_WORKER, specs.strategy.parallelism.num_gpus,
                          measure_payload(specs, WARMUP_STEPS, TIMED_STEPS), timeout_s=LAUNCH_TIMEOUT_S, env=CPU_ENV)
     record = measure_record(specs, prediction, results, WARMUP_STEPS, TIMED_STEPS)
     steps = [t for r in results for t in r["iteration_times_s"]]
-    free = predict(plan_specs([*PLANS[name], *FREE_NETWORK], clusters)).iteration_time_s
+    free = predict(plan_specs([*PLANS[name], *beside, *FREE_NETWORK], clusters)).iteration_time_s
     return record, {"steps": steps, "prediction": prediction, "specs": specs,
-                    "comm_s": prediction.iteration_time_s - free, "other_cores": other.cores}
+                    "comm_s": prediction.iteration_time_s - free, "other_cores": other.cores, "ready_threads": ready}
 
 
 def _spread(steps: list[float]) -> str:
@@ -164,13 +170,14 @@ def main() -> None:
              f"ranks' own time; each core they take slows a rank, and every collective waits for it); {REPEATED} "
              f"measured again in a second launch: {first:.3f} s then {again:.3f} s ({again / first - 1:+.1%}).", "",
              "| plan | layout | predicted s | of which exposed comm. s | measured s | error | fastest step s | "
-             "step spread IQR / range | other jobs, cores | per micro-batch s (stages) | bubble s | optimizer s | "
-             "tail s | FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step spread IQR / range | other jobs, cores | ready threads before | per micro-batch s (stages) | "
+             "bubble s | optimizer s | tail s | FLOPs |", "|" + "---|" * 15]
     for (name, (record, extra)), p, m, e, f in zip(rows.items(), predicted, measured, errors, fastest):
         pred = extra["prediction"]
         flops_ok = record["measured_flops"] == [int(x) for x in record["predicted_flops"]]
         lines.append(f"| {name} | {_layout(extra['specs'])} | {p:.3f} | {extra['comm_s']:.3f} | {m:.3f} | {e:+.0%} | "
                      f"{f:.3f} | {_spread(extra['steps'])} | {extra['other_cores']:.2f} | "
+                     f"{extra['ready_threads']:.2f} | "
                      f"{', '.join(f'{x:.3f}' for x in pred.stage_stable_s)} | "
                      f"{pred.bubble_s:.3f} | {pred.optimizer_s:.3f} | {pred.tail_s:.3f} | "
                      f"{'as counted' if flops_ok else 'differ'} |")
