@@ -32,6 +32,10 @@ waits for the slower rank at every collective). Each measures what the cost mode
 - Host: `host_copy_time_s` = bytes / pcie (a tensor copy within the same memory: the CPU
   accelerator's offload copies); `cpu_adam_time_s` = params x gpus_per_node / rate: torch's AdamW
   (what `torch_adam` runs) on one flat fp32 partition, rate per process x 2 ranks.
+- Eager op: `eager_op_us`, what the optimizer step pays per op beyond its bytes (cost/stage.py optimizer_step):
+  torch's AdamW as DeepSpeed builds it (foreach=None: the single-tensor loop on CPU tensors) over lists of 32 and 256
+  small tensors, t = elements x a + ops x b by least squares (microbench.eager_op_sweep, fit_eager_op; the ops
+  counted through torch's dispatcher).
 - A check, not a constant: torch's AdamW over a tiny model's parameter list (the optimizer ZeRO-0
   steps on the "device"), per parameter beside the flat partition's.
 """
@@ -48,8 +52,8 @@ import numpy as np
 from mist_ds.observe.ranks import launch
 from mist_ds.profiling.microbench import (
     ACTIVATION_COPY_BYTES, ATTENTION_SHAPES, DTYPES, FIT_GAP_BYTES, INTERLEAVED_BYTES, MIN_REPEATS, MIN_TIMED_S, ROUNDS,
-    OtherLoad, adam_sweep, attention_sweep, collective_sweep, combine_tree, fit_alpha_beta, fit_gemm, gemm_sweep,
-    layer_overhead, memory_sweep, op_chain)
+    OtherLoad, adam_sweep, attention_sweep, collective_sweep, combine_tree, eager_op_sweep, fit_alpha_beta,
+    fit_eager_op, fit_gemm, gemm_sweep, layer_overhead, memory_sweep, op_chain)
 
 if TYPE_CHECKING:  # benchmarks.common is imported where used: the ranks import this module and need none of it
     from benchmarks.common import RunStart
@@ -78,6 +82,7 @@ def constants_worker(rank: int, world_size: int, payload: dict) -> dict:
             results = {"section_s": {}}
             for name, bench in (("gemm", gemm_sweep), ("layers", layer_overhead), ("chain", op_chain),
                                 ("memory", memory_sweep), ("attention", attention_sweep), ("adam", adam_sweep),
+                                ("eager_ops", eager_op_sweep),
                                 ("collectives", lambda: collective_sweep(rank))):
                 tdist.barrier()  # both ranks run each section at once, as in the runs
                 start = time.perf_counter()
@@ -116,6 +121,7 @@ def summarize(per_rank: list[dict]) -> dict:
             "p2p": fit_alpha_beta(c["p2p"], 1, FIT_GAP_BYTES),
             "host_copy": statistics.median(c["bytes"] / c["s"] for c in r["memory"]["copies"] if c["bytes"] >= 2**22),
             "cpu_adam_node": RANKS * statistics.median(flat_rates), "model_adam": r["adam"]["model"],
+            "eager_op": fit_eager_op(r["eager_ops"]), "eager_rows": r["eager_ops"],
             "section_s": r["section_s"]}
 
 
@@ -130,6 +136,7 @@ def overrides(s: dict, dtype: str) -> list[str]:
         f"cluster.gpu.hbm_gbps={s['hbm'] / 1e9:.3g}",
         f"cluster.gpu.memory_efficiency={min(s['elementwise'][dtype] / s['hbm'], 1.0):.3g}",
         f"cluster.gpu.kernel_overhead_us={s['overhead'][dtype] * 1e6:.3g}", "cluster.gpu.host_dispatch_us=0",
+        f"cluster.gpu.eager_op_us={s['eager_op']['op_s'] * 1e6:.3g}",
         f"cluster.intra_node_gbps={s['all_reduce'][0] / 1e9:.3g}",
         f"cluster.collective_latency_us={s['all_reduce'][1] * 1e6:.3g}",
         f"cluster.pcie_gbps={s['host_copy'] / 1e9:.3g}",
@@ -177,7 +184,11 @@ def report(s: dict, machine: str, at_start: RunStart, wall_s: float) -> list[str
                      f"b 1: ({row['fwd_s'] * 1e3:.2f} + {row['bwd_s'] * 1e3:.2f}) ms / ({row['fwd_kernels']:.0f} + "
                      f"{row['bwd_kernels']:.0f}) kernels | layer_time._pass_compute_s |")
     ar, ag, p2p = s["all_reduce"], s["all_gather"], s["p2p"]
+    eager = s["eager_op"]
     lines += ["| host_dispatch_us | 0 | the host runs the ops itself (module docstring) | layer_time._pass_compute_s |",
+              f"| eager_op_us | {eager['op_s'] * 1e6:.2f} | torch AdamW (foreach=None) over {len(s['eager_rows'])} "
+              f"lists of small tensors, t = elements x a + ops x b: a {eager['element_s'] * 1e9:.2f} ns, RMS "
+              f"relative error {eager['rms_relative']:.0%} | stage.optimizer_step |",
               f"| intra_node_gbps | {ar[0] / 1e9:.2f} | gloo all-reduce, M / bw + 2 latency, <= "
               f"{_size(FIT_GAP_BYTES)}: RMS relative error {ar[2]:.0%} | network.RingGroup |",
               f"| collective_latency_us | {ar[1] * 1e6:.1f} | the same fit | network.RingGroup, p2p_time_s |",

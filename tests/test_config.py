@@ -123,6 +123,7 @@ BAD_INPUTS = [
     (["cluster.gpu.memory_gib=-24"], "cluster.gpu.memory_gib"),
     (["cluster.gpu.reserve_gib=30"], "cluster.gpu.reserve_gib"),
     (["cluster.gpu.host_dispatch_us=-1"], "cluster.gpu.host_dispatch_us"),
+    (["cluster.gpu.eager_op_us=-1"], "cluster.gpu.eager_op_us"),
     (["+cluster.gpu.per_precision.fp8.gemm_efficiency=0.5"], "cluster.gpu.per_precision.fp8"),
     (["+cluster.gpu.per_precision.fp32.hbm_gbps=5"], "cluster.gpu.per_precision.fp32.hbm_gbps"),
     (["cluster.constants=guessed"], "cluster.constants"),

@@ -489,7 +489,9 @@ def test_bf16_optimizer_steps_its_partition_and_gathers_it(costs_13b, precision)
     """A bf16 pipeline runs BF16_Optimizer on ZeRO-0: all-reduce (in 5e8-element buffers), a step over 1 / d
     of the parameters, an all-gather of the updated weights. In fp32 the plain optimizer steps everything,
     no gather."""
-    from mist_ds.cost.executors.deepspeed import ENGINE_ALLREDUCE_ELEMENTS, TORCH_ADAMW_STEP_BYTES_PER_PARAM
+    from mist_ds.cost.candidates import stage_trainable_tensors
+    from mist_ds.cost.executors.deepspeed import (BF16_OPTIMIZER_STEP, ENGINE_ALLREDUCE_ELEMENTS, ENGINE_CLIP_STEP,
+                                                  TORCH_ADAMW_STEP_BYTES_PER_PARAM, torch_adam_ops)
 
     specs = specs_of("strategy.pp=2", "strategy.dp=4", f"train.precision={precision}")
     deepspeed, _, hw, params = _both(specs, costs_13b)
@@ -498,19 +500,34 @@ def test_bf16_optimizer_steps_its_partition_and_gathers_it(costs_13b, precision)
                            for w, p in zip(weights, params)])
     gather = hw.all_gather_time_s(weights, 4, 1)
     stepped = params / 4 if precision == "bf16" else params
-    step = hw.memory_bound_time_s((TORCH_ADAMW_STEP_BYTES_PER_PARAM + hw.dtype_bytes) * stepped)
+    wrapper = BF16_OPTIMIZER_STEP if precision == "bf16" else ENGINE_CLIP_STEP  # gradient clipping on by default
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    tensors = stage_trainable_tensors(costs_13b, c, c.shapes)
+    flat = precision == "bf16"  # BF16_Optimizer steps one flat partition, torch's AdamW alone the weights
+    ops = wrapper.per_tensor * tensors + wrapper.once + torch_adam_ops(flat, tensors, stepped, cpu=False)
+    step = hw.memory_bound_time_s((TORCH_ADAMW_STEP_BYTES_PER_PARAM + wrapper.bytes_per_param) * stepped)
     assert deepspeed.grad_reduce_s == pytest.approx(all_reduce + (gather if precision == "bf16" else 0.0))
-    assert deepspeed.optimizer_s == pytest.approx(step)
+    assert deepspeed.optimizer_s == pytest.approx(step + ops * hw.cluster.gpu.step_op_s)
 
 
 def test_deepspeed_steps_with_torch_adamw_passes(costs_13b):
-    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_STEP_BYTES_PER_PARAM
+    """ZeRO-0 bf16 without a pipeline: FP16_UnfusedOptimizer around torch's AdamW, whose bytes against the fused
+    step's, and per parameter tensor their ops, each at the GPU's kernel cost (foreach AdamW: a few launches)."""
+    from mist_ds.cost.candidates import stage_trainable_tensors
+    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_STEP_BYTES_PER_PARAM, UNFUSED_STEP, torch_adam_ops
     from mist_ds.cost.executors.ideal import ADAM_STEP_BYTES_PER_PARAM
 
-    deepspeed, ideal, hw, _ = _both(specs_of(), costs_13b)
+    specs = specs_of()
+    deepspeed, ideal, hw, params = _both(specs, costs_13b)
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    tensors = stage_trainable_tensors(costs_13b, c, c.shapes)
+    ops = UNFUSED_STEP.per_tensor * tensors + UNFUSED_STEP.once + torch_adam_ops(False, tensors, params, cpu=False)
     b = hw.dtype_bytes
-    assert float(deepspeed.optimizer_s[0] / ideal.optimizer_s[0]) == pytest.approx(
-        (TORCH_ADAMW_STEP_BYTES_PER_PARAM + b) / (ADAM_STEP_BYTES_PER_PARAM + b), rel=1e-3)
+    bytes_part = ideal.optimizer_s * (TORCH_ADAMW_STEP_BYTES_PER_PARAM + UNFUSED_STEP.bytes_per_param) / (
+        ADAM_STEP_BYTES_PER_PARAM + b)
+    assert deepspeed.optimizer_s == pytest.approx(bytes_part + ops * hw.cluster.gpu.step_op_s, rel=1e-6)
+    gpu = hw.cluster.gpu  # eager_op_us 0 on GPU clusters: an op costs a kernel, launched or issued
+    assert gpu.eager_op_s == 0 and gpu.step_op_s == max(gpu.kernel_overhead_s, gpu.host_dispatch_s) > 0
 
 
 def test_deepspeed_splits_pipeline_sends_over_tp_ranks(costs_13b):
@@ -586,3 +603,88 @@ def test_zero3_gathers_once_per_submodule_each_paying_its_latency(costs_13b):
     weights = hw.dtype_bytes * float(params[0])
     assert float(in_pieces(gather, weights, 4 * 24 + 2)) > float(gather(weights))
     assert float(deepspeed.dp_comm_s[0]) > float(ideal.dp_comm_s[0])
+
+
+# --- the optimizer step's ops (cost/executors/deepspeed.py step_work, torch_adam_ops) -----------------------------
+def test_torch_adamw_issues_its_counted_ops_per_tensor():
+    """torch's AdamW as DeepSpeed builds it (foreach=None) on CPU tensors: TORCH_ADAMW_OPS_PER_TENSOR per tensor, by
+    torch's dispatcher (plus the profiler's record_function enter and exit once per step)."""
+    import torch
+
+    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_OPS_PER_TENSOR
+    from mist_ds.profiling.microbench import dispatched_ops
+
+    for count in (1, 7):
+        params = [torch.nn.Parameter(torch.randn(5)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn(5)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=None)
+        opt.step()
+        assert dispatched_ops(opt.step) == TORCH_ADAMW_OPS_PER_TENSOR * count + 2
+
+
+def test_step_ops_per_wrapper_grow_with_the_tensors_they_loop_over():
+    """ZeRO-0's wrappers loop over every parameter tensor and torch's AdamW steps each; ZeRO-1/2, ZeRO-3 and
+    BF16_Optimizer step one flat partition whatever the tensor count, and loop over the tensors only for their
+    bookkeeping and norms (ZeRO-1/2's norm: the partition's tensors)."""
+    from mist_ds.cost.executors.deepspeed import (BF16_OPTIMIZER_STEP, TORCH_ADAMW_OPS_PER_TENSOR, UNFUSED_STEP,
+                                                  ZERO3_STEP, ZERO12_OFFLOAD_STEP, ZERO12_STEP, step_work,
+                                                  torch_adam_ops)
+
+    def ops(zero, pipeline, precision, tensors, offloaded=0.0, clip=1.0, d=2):
+        wrapper, _ = step_work(zero, pipeline, precision, offloaded, clip, tensors, d)
+        adam = torch_adam_ops(zero > 0 or (pipeline and precision == "bf16"), tensors, 1e6, cpu=True)
+        return float(wrapper + adam)
+
+    for precision in ("bf16", "fp16"):  # DDP_BFLOAT16 and FP16 both build FP16_UnfusedOptimizer
+        grow = ops(0, False, precision, 101) - ops(0, False, precision, 100)
+        assert grow == UNFUSED_STEP.per_tensor + TORCH_ADAMW_OPS_PER_TENSOR
+    assert ops(0, False, "fp32", 101) - ops(0, False, "fp32", 100) == 2 + TORCH_ADAMW_OPS_PER_TENSOR  # norm, clip
+    assert ops(0, False, "fp32", 101, clip=0) - ops(0, False, "fp32", 100, clip=0) == TORCH_ADAMW_OPS_PER_TENSOR
+    assert ops(0, True, "bf16", 101) - ops(0, True, "bf16", 100) == BF16_OPTIMIZER_STEP.per_tensor
+    assert ops(0, True, "fp16", 101) - ops(0, True, "fp16", 100) == UNFUSED_STEP.per_tensor + 10
+    for zero in (1, 2):  # 200 tensors over d = 2: 100 of them (and one straddling) in the partition
+        z = ZERO12_STEP["16-bit"]
+        assert ops(zero, False, "bf16", 200) == (200 * z.per_tensor + 101 * z.per_partition_tensor + z.once
+                                                 + TORCH_ADAMW_OPS_PER_TENSOR)
+        off = ZERO12_OFFLOAD_STEP
+        assert ops(zero, False, "bf16", 200, offloaded=1.0) == (200 * off.per_tensor + 101 * off.per_partition_tensor
+                                                                + off.once + TORCH_ADAMW_OPS_PER_TENSOR)
+    assert ops(1, False, "bf16", 200, d=1) - ops(1, False, "fp32", 200, d=1) == 200 * (
+        ZERO12_STEP["16-bit"].per_partition_tensor - ZERO12_STEP["fp32"].per_partition_tensor) - 6  # overflow check
+    assert ops(3, False, "fp32", 101) - ops(3, False, "fp32", 100) == ZERO3_STEP["fp32"].per_tensor
+
+
+def test_gpu_adamw_launches_foreach_kernels_per_tensor_chunk():
+    """On a GPU torch's AdamW runs foreach kernels: eight of them per launch group of tensors or elements."""
+    from mist_ds.cost.executors.deepspeed import (FOREACH_ELEMENTS_PER_LAUNCH, FOREACH_TENSORS_PER_LAUNCH,
+                                                  TORCH_ADAMW_FOREACH_OPS, torch_adam_ops)
+
+    one = TORCH_ADAMW_FOREACH_OPS
+    assert float(torch_adam_ops(False, FOREACH_TENSORS_PER_LAUNCH, 1e6, cpu=False)) == one
+    assert float(torch_adam_ops(False, FOREACH_TENSORS_PER_LAUNCH + 1, 1e6, cpu=False)) == 2 * one
+    assert float(torch_adam_ops(True, 500, 3 * FOREACH_ELEMENTS_PER_LAUNCH, cpu=False)) == 3 * one
+
+
+def test_cpu_step_pays_each_op_at_eager_op_us():
+    """On CPU ranks (cluster cpu, tiny: 100 parameter tensors, as DeepSpeed's engine holds them) ZeRO-0 bf16's step
+    grows by (FP16_UnfusedOptimizer's ops + AdamW's) x tensors x the per-op figure; ZeRO-1's by its loops only."""
+    from mist_ds.cost.candidates import stage_trainable_tensors
+    from mist_ds.cost.executors.deepspeed import TORCH_ADAMW_OPS_PER_TENSOR, UNFUSED_STEP, ZERO12_STEP
+
+    base = ["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=8",
+            "strategy.micro_batch_size=2"]
+    costs = model_costs(compose(base))
+    steps = {}
+    for zero in (0, 1):
+        for op_us in (2.0, 5.0):
+            specs = compose([*base, f"strategy.zero_stage={zero}", f"cluster.gpu.eager_op_us={op_us}"])
+            steps[zero, op_us] = float(_times(specs, costs)[0].optimizer_s[0])
+    c = stage_candidates(specs.strategy, specs.model.seq_len)
+    tensors = float(stage_trainable_tensors(costs, c, c.shapes)[0])
+    assert tensors == 100  # the engine's parameter count on this model (tiny: 12 per block, 4 outside)
+    zero0 = (UNFUSED_STEP.per_tensor + TORCH_ADAMW_OPS_PER_TENSOR) * tensors + UNFUSED_STEP.once
+    assert steps[0, 5.0] - steps[0, 2.0] == pytest.approx(3e-6 * zero0)
+    z = ZERO12_STEP["16-bit"]
+    zero1 = z.per_tensor * tensors + z.per_partition_tensor * (tensors / 2 + 1) + z.once + TORCH_ADAMW_OPS_PER_TENSOR
+    assert steps[1, 5.0] - steps[1, 2.0] == pytest.approx(3e-6 * zero1)

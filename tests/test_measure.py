@@ -110,3 +110,47 @@ def test_the_gpu_check_flow_runs_on_cpu_ranks(tmp_path):
     for executor in ("deepspeed", "mist"):
         predicted_flops, measured_flops = measured[executor][7].split(" / ")
         assert predicted_flops == measured_flops
+
+
+STEP_OPS_PLANS = {  # tiny on 2 CPU ranks (d 2), as benchmarks/measure_cpu.py's plans
+    "z0-bf16": ["strategy.zero_stage=0"], "z0-fp32": ["strategy.zero_stage=0", "train.precision=fp32"],
+    "z1-bf16": ["strategy.zero_stage=1"], "z1-fp32": ["strategy.zero_stage=1", "train.precision=fp32"],
+    "z3-bf16": ["strategy.zero_stage=3"], "z2-offload": ["strategy.zero_stage=2", "strategy.offload.optimizer=1.0",
+                                                         "strategy.offload.grads=1.0"]}
+
+
+@pytest.mark.slow
+def test_step_ops_are_what_deepspeeds_step_dispatches():
+    """The ops step_work and torch_adam_ops count for a plan are those DeepSpeed 0.19.8's engine._take_model_step
+    sends through torch's dispatcher on CPU ranks (`detach` left out): ZeRO-0's per-tensor wrappers exactly (the
+    profiler's two record_function ops aside), the others within the spread of the partition's tensor count
+    (tensors / d + 1 priced; the ranks' partitions hold unequal numbers of tensors)."""
+    import dataclasses
+
+    from mist_ds.config import compose
+    from mist_ds.cost.candidates import stage_trainable_tensors
+    from mist_ds.cost.executors.deepspeed import step_work, torch_adam_ops
+    from mist_ds.cost.predict import model_costs, stage_candidates
+    from mist_ds.emit import ds_config
+    from mist_ds.observe.ranks import CPU_ENV, launch
+    from tests.step_ops_worker import STEP_OPS_WORKER
+
+    base = ["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=8",
+            "strategy.micro_batch_size=2"]
+    specs = {name: compose([*base, *overrides]) for name, overrides in STEP_OPS_PLANS.items()}
+    cases = [{"config": ds_config(s.strategy, s.train, s.model), "model": dataclasses.asdict(s.model)}
+             for s in specs.values()]
+    ranks = launch(STEP_OPS_WORKER, 2, {"cases": cases}, timeout_s=600, env=CPU_ENV)
+    for (name, s), *per_rank in zip(specs.items(), *ranks):
+        c = stage_candidates(s.strategy, s.model.seq_len)
+        tensors = stage_trainable_tensors(model_costs(s), c, c.shapes)
+        wrapper, _ = step_work(c.zero, c.pp > 1, s.train.precision, c.oo, s.train.grad_clip, tensors, c.d)
+        params = float(s.model.total_params())
+        flat = int(c.zero[0]) > 0
+        priced = float((wrapper + torch_adam_ops(flat, tensors, params / 2 if flat else params, cpu=True))[0])
+        counted = [r["ops"][0] - 2 for r in per_rank]  # the step's record_function enter and exit
+        assert all(r["tensors"] == tensors[0] for r in per_rank), name
+        if name.startswith("z0"):
+            assert counted == [priced, priced], name
+        else:
+            assert min(counted) * 0.9 <= priced <= max(counted) * 1.1, (name, counted, priced)

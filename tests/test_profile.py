@@ -18,7 +18,7 @@ from mist_ds.cost.predict import model_costs, predict
 from mist_ds.hardware import hardware_model
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
-from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_gemm, fit_zero3
+from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
 from mist_ds.specs import ConfigError
@@ -176,6 +176,27 @@ def test_the_profile_measures_zero3s_host_cost_and_prices_it(profiled):
     priced = predict(compose([*overrides, *zero3_plan])).iteration_time_s
     free = predict(compose([*overrides, *zero3_plan, "cluster.gpu.zero3_fetch_us=0", "cluster.gpu.zero3_hook_us=0"]))
     assert priced > free.iteration_time_s or zero3["fetch_s"] == zero3["hook_s"] == 0
+
+
+def test_the_profile_measures_the_eager_op_cost_and_prices_the_step_with_it(profiled):
+    """The quick profile times torch's AdamW over lists of small tensors (microbench.eager_op_sweep, ten ops per
+    tensor counted through the dispatcher), fits the per-op figure into the cluster file, and the step grows with it."""
+    out, overrides = profiled
+    rows = json.loads((out / "measurements.json").read_text())["per_rank"][0]["eager_ops"]
+    assert all(r["ops"] == 10 * r["tensors"] + 2 and r["s"] > 0 for r in rows)
+    op_s = json.loads((out / "profile.json").read_text())["constants"]["eager_op"]["op_s"]
+    gpu = compose([*overrides, *STRATEGY]).cluster.gpu
+    assert op_s > 0 and gpu.eager_op_s == pytest.approx(op_s, abs=1e-9) and gpu.step_op_s == gpu.eager_op_s
+    priced = predict(compose([*overrides, *STRATEGY])).optimizer_s
+    assert priced > predict(compose([*overrides, *STRATEGY, "cluster.gpu.eager_op_us=0.001"])).optimizer_s
+
+
+def test_the_eager_op_fit_recovers_known_costs():
+    rows = [{"tensors": n, "elements": n * e, "ops": 10 * n + 2, "s": n * e * 3e-9 + (10 * n + 2) * 2.5e-6}
+            for n in (32, 256) for e in (64, 4096)]
+    fit = fit_eager_op(rows)
+    assert fit["op_s"] == pytest.approx(2.5e-6) and fit["element_s"] == pytest.approx(3e-9)
+    assert fit["rms_relative"] == pytest.approx(0.0, abs=1e-9)
 
 
 def _zero3_chains(hook_s: float, fetch_s: float, gather_s, scatter_s) -> list[dict]:

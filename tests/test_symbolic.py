@@ -169,6 +169,21 @@ def test_module_calls_equal_a_forward_of_the_instantiated_layers(cache_dir):
                 assert costs[kind]("fetching_calls", 1, 8, 1) == sum(calls), (name, kind)
 
 
+def test_trainable_param_tensors_equal_the_instantiated_layers(cache_dir):
+    """What the optimizer step's per-tensor loops run over (cost/executors/deepspeed.py step_work): the layer's
+    parameter tensors with requires_grad, as the built layers hold them, for every TP degree traced."""
+    for name in FAST_ZOO:
+        spec = model(name)
+        costs = analyze_model(spec, "bf16", cache_dir=cache_dir)
+        with FakeTensorMode():
+            layers = build_layers(spec, 1, dtype=torch.bfloat16, num_blocks=1)
+            for kind, layer in (("embedding", layers.embedding), ("block", layers.blocks[0]), ("head", layers.head)):
+                tensors = sum(1 for p in layer.parameters() if p.requires_grad)
+                assert tensors > 0, (name, kind)
+                for t in (1, 2):
+                    assert costs[kind]("trainable_param_tensors", 1, 8, t) == tensors, (name, kind, t)
+
+
 def test_korthikanti_activation_formula(cache_dir):
     """Korthikanti et al. 2022, no flash attention, dropout on: s b h (34 + 5 a s / h) bytes without TP,
     s b h (10 + 24/t + 5 a s / (h t)) with TP. Residual: the LayerNorm statistics, mean and rstd per

@@ -137,7 +137,8 @@ def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
         gemm_curve_exponent=f["gemm_curve_exponent"],
         attention_efficiency=f["attention_efficiency"], memory_efficiency=f["memory_efficiency"],
         kernel_overhead_s=f["kernel_overhead_us"] * 1e-6, host_dispatch_s=f["host_dispatch_us"] * 1e-6,
-        zero3_fetch_s=cfg.gpu.zero3_fetch_us * 1e-6, zero3_hook_s=cfg.gpu.zero3_hook_us * 1e-6)
+        zero3_fetch_s=cfg.gpu.zero3_fetch_us * 1e-6, zero3_hook_s=cfg.gpu.zero3_hook_us * 1e-6,
+        eager_op_s=cfg.gpu.eager_op_us * 1e-6)
     interference = InterferenceSpec(
         fallback=cfg.interference.fallback,
         factors={k: dict(v) for k, v in cfg.interference.factors.items()})

@@ -63,6 +63,9 @@ class GpuConfig:
     memory_efficiency: float = 0.7  # fraction of HBM bandwidth element-wise ops reach
     kernel_overhead_us: float = 4.0  # fixed time per GPU kernel (launch, minimum duration), microseconds
     host_dispatch_us: float = 0.0  # host time to issue one kernel (framework + launch); 0 = the GPU never waits
+    eager_op_us: float = 0.0  # fixed time of one eager tensor op outside autograd (dispatcher and the Python
+    #                           calling it), microseconds: what the optimizer step pays per op beyond its bytes;
+    #                           0 = priced as a GPU kernel (the larger of kernel_overhead_us and host_dispatch_us)
     zero3_fetch_us: float = 0.0  # ZeRO-3: host time of one submodule's parameter fetch and release per pass, beyond
     #                              its all-gather, microseconds; 0 = not measured (mist-ds profile measures it)
     zero3_hook_us: float = 0.0  # ZeRO-3: host time of its hooks on one module call per pass, microseconds; 0 = none

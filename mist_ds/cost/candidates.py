@@ -160,6 +160,17 @@ def _stage_params(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex, key: st
     return params
 
 
+def stage_trainable_tensors(costs: ModelCosts, c: StageCandidates, ev: ShapeIndex) -> np.ndarray:
+    """Trainable parameter tensors on one GPU of the stage (a count; each TP rank holds a shard of every one): the
+    layers' trainable_param_tensors summed, a tied vocabulary matrix the embedding and the head both hold once at
+    S = 1 (where it trains). What the optimizer step's per-tensor loops run over (cost/executors/deepspeed.py)."""
+    key = "trainable_param_tensors"
+    tensors = c.layers * ev(costs.block, key) + c.first * ev(costs.embedding, key) + c.last * ev(costs.head, key)
+    if costs.model.tie_embeddings and costs.model.trains_vocab():
+        tensors = tensors - np.where(c.shares_vocab > 0, 1.0, 0.0)
+    return tensors
+
+
 def vocab_shard_elements(model: ModelSpec, c: StageCandidates) -> np.ndarray:
     """Elements of one TP rank's token-embedding tensor (a tied LM head's too): the zoo's V / t rows, or what
     DeepSpeed AutoTP leaves on a rank of a Hugging Face model (the whole table where it keeps it replicated)."""

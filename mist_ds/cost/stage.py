@@ -201,11 +201,14 @@ def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassP
 
 
 def optimizer_step(inputs: StageInputs, moves: StageMoves) -> OptimizerStep:
-    """The step over the rank's stepped parameters, on the device and (the offloaded share oo) on the host,
-    and the tied embedding's all-reduce between the first and the last stage."""
+    """The step over the rank's stepped parameters, on the device and (the offloaded share oo) on the host: the
+    device's bytes (moves.step_bytes_per_param) and the fixed cost of the step's ops (moves.step_ops x
+    cluster.gpu.step_op_s), the host's CPU Adam and copies; and the tied embedding's all-reduce between the first
+    and the last stage."""
     hw, c, costs = inputs.hw, inputs.c, inputs.costs
     b_w, partition, step_bytes = hw.dtype_bytes, moves.step_params, moves.step_bytes_per_param
-    gpu_step = hw.memory_bound_time_s((step_bytes + b_w) * partition * (1 - c.oo))
+    gpu_step = (hw.memory_bound_time_s(step_bytes * partition * (1 - c.oo))
+                + moves.step_ops * hw.cluster.gpu.step_op_s)
     cpu_step = hw.cpu_adam_time_s(partition * c.oo) + hw.host_copy_time_s(moves.step_host_bytes_per_param
                                                                           * partition * c.oo)
     tied = np.where((c.ties_across_ranks > 0) & costs.model.tie_embeddings & ((c.first + c.last) > 0),

@@ -32,6 +32,10 @@ ACTIVATION_COPY_BYTES = (2**18, 2**20, 2**22)  # the runs' activations: b s h x 
 COLLECTIVE_BYTES = tuple(8 * 4**i for i in range(12))  # 8 B .. 32 MiB
 FIT_GAP_BYTES = 2**25  # the alpha-beta fits use every size up to 32 MiB (the runs' gradients: a few MiB)
 ADAM_ELEMENTS = (2**20, 2**22)
+# eager_op_sweep: torch's AdamW over lists of this many tensors of this many elements each (small: the element term
+# stays in cache and the fixed cost of the ops dominates); EAGER_OP_TENSORS x EAGER_OP_ELEMENTS lists.
+EAGER_OP_TENSORS = (32, 256)
+EAGER_OP_ELEMENTS = (64, 4096)
 INTERLEAVED_BYTES = 2**16  # a TP all-reduce of the tiny family: b s h x 2 bytes
 INTERLEAVED_REPEATS = 40
 INTERLEAVED_GEMMS = 4  # compute between two all-reduces: 4 GEMMs of [256 x 512] @ [512 x 512], about 3 ms
@@ -239,6 +243,43 @@ def adam_sweep(elements=ADAM_ELEMENTS, model_check: bool = True) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4)
     return {"flat": flat, "model": {"elements": sum(p.numel() for p in params), "tensors": len(params),
                                     "s": median_s(opt.step)}}
+
+
+def dispatched_ops(fn) -> int:
+    """Tensor ops fn() sends through torch's dispatcher, `detach` left out (it allocates nothing and costs a
+    fraction of the others: the optimizer wrappers call it on every `.data`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += func.__name__.split(".")[0] != "detach"
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
+
+
+def eager_op_sweep(tensors=EAGER_OP_TENSORS, elements=EAGER_OP_ELEMENTS) -> list[dict]:
+    """torch's AdamW step as DeepSpeed builds it with `torch_adam` (foreach=None: on CPU tensors the single-tensor
+    loop, torch/optim/adam.py _single_tensor_adam) over lists of `tensors` fp32 tensors of `elements` each: per
+    list its elements, the ops it dispatches (counted, dispatched_ops) and its median seconds. fit_eager_op
+    separates the ops' fixed cost from the elements'."""
+    import torch
+
+    rows = []
+    for count in tensors:
+        for size in elements:
+            params = [torch.nn.Parameter(torch.randn(size)) for _ in range(count)]
+            for p in params:
+                p.grad = torch.randn(size)
+            opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=None)
+            opt.step()  # the states exist before the count: a step like every later one
+            rows.append({"tensors": count, "elements": count * size, "ops": dispatched_ops(opt.step),
+                         "s": median_s(opt.step)})
+    return rows
 
 
 def collective_sweep(rank: int, sizes=COLLECTIVE_BYTES, interleaved: bool = True) -> dict:
@@ -452,6 +493,19 @@ def fit_zero3(rows: list[dict], all_gather_s, reduce_scatter_s) -> dict:
     gather_s = float(all_gather_s(fetch["fetch_bytes"]))
     return {"hook_s": float(hook_s), "fetch_s": max(float(fetch_total_s) - gather_s, 0.0),
             "fetch_total_s": float(fetch_total_s), "all_gather_s": gather_s, "per_pass_s": per_pass}
+
+
+def fit_eager_op(rows: list[dict]) -> dict:
+    """Seconds per op and per element of eager_op_sweep's lists: t = elements x a + ops x b, least squares on
+    relative error, each at least 0; b is cluster.gpu.eager_op_us (seconds here)."""
+    t = np.array([r["s"] for r in rows])
+    design = np.array([[r["elements"], r["ops"]] for r in rows], dtype=float) / t[:, None]
+    (element_s, op_s), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if element_s < 0:  # the elements cost nothing measurable beside the ops
+        element_s, op_s = 0.0, float(np.median(t / np.array([r["ops"] for r in rows], dtype=float)))
+    relative = design @ np.array([element_s, op_s]) - 1
+    return {"op_s": max(float(op_s), 0.0), "element_s": float(element_s),
+            "rms_relative": float(np.sqrt(np.mean(relative ** 2)))}
 
 
 def fit_alpha_beta(points: list[dict], steps: float, max_bytes: float) -> tuple[float, float, float]:

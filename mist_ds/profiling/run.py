@@ -26,7 +26,7 @@ import numpy as np
 
 from mist_ds.files import write_atomic, write_json_atomic
 from mist_ds.profiling.interference import fit_factors
-from mist_ds.profiling.microbench import fit_alpha_beta, fit_gemm, fit_zero3
+from mist_ds.profiling.microbench import fit_alpha_beta, fit_eager_op, fit_gemm, fit_zero3
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.machine import other_runnable_threads, read_constants, write_constants
@@ -195,6 +195,8 @@ def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int
         out["memory_efficiency"] = min(elementwise / hbm, 1.0)
         out["kernel_overhead_s"] = (layers["fwd_s"] + layers["bwd_s"]) / (layers["fwd_kernels"] + layers["bwd_kernels"])
         out["host_dispatch_s"] = 0.0  # the CPU runs each op itself: its time is already the kernel's
+        if r.get("eager_ops"):  # a profile.json written before the section existed has none
+            out["eager_op"] = fit_eager_op(r["eager_ops"])
     gemm = fit_gemm(_gemm_rows(r["ops"], shapes, r["curve"], dtype), dtype,
                     out.get("hbm_bytes_per_s", math.inf), fit_rows=None)
     out["gemm"] = gemm
@@ -248,6 +250,8 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
         gpu.update(hbm_gbps=_round(c["hbm_bytes_per_s"] / 1e9, 3), memory_efficiency=_round(c["memory_efficiency"], 4),
                    kernel_overhead_us=_round(c["kernel_overhead_s"] * 1e6, 3),
                    host_dispatch_us=_round(c["host_dispatch_s"] * 1e6, 3))
+    if "eager_op" in c:
+        gpu["eager_op_us"] = _round(c["eager_op"]["op_s"] * 1e6, 3)
     return {"gpu": gpu, "intra_node_gbps": _round(c["collectives"]["bytes_per_s"] / 1e9, 4),
             "collective_latency_us": _round(c["collectives"]["latency_s"] * 1e6, 2),
             "pcie_gbps": _round(c["pcie_bytes_per_s"] / 1e9, 3),

@@ -14,8 +14,8 @@ import time
 
 from mist_ds.files import write_atomic
 from mist_ds.profiling import interference as interference_grid
-from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_tree, gemm_sweep, layer_overhead,
-                                          median_s, memory_sweep, zero3_sweep)
+from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_tree, eager_op_sweep, gemm_sweep,
+                                          layer_overhead, median_s, memory_sweep, zero3_sweep)
 
 PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
 UNIT_S = 0.04
@@ -305,6 +305,8 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
         sections["layers"] = lambda: layer_overhead((dtype,))
         sections["memory"] = lambda: memory_sweep((dtype,), payload["copy_bytes"], payload["activations"])
         sections["p2p"] = lambda: collective_sweep(rank, payload["collective_bytes"], interleaved=False)
+        # the fixed cost of an op outside autograd (the optimizer step's loops; a GPU's steps are foreach kernels)
+        sections["eager_ops"] = eager_op_sweep
     if payload.get("layer_points"):  # a zoo model: its layers timed whole
         sections["passes"] = lambda: layer_pass_times(rank, world_size, payload["model"], payload["layer_points"],
                                                       dtype, device)

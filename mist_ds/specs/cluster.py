@@ -88,6 +88,16 @@ class GpuSpec:
     collectives are priced (seconds; 0: not measured)."""
     zero3_hook_s: float = 0.0
     """ZeRO-3's host time per pass for its hooks on one module call (seconds; 0: none)."""
+    eager_op_s: float = 0.0
+    """Fixed time of one eager tensor op outside autograd: torch's dispatcher and the Python that calls it, what the
+    optimizer step's per-tensor loops pay per op beyond the bytes they move (seconds; 0: priced as a kernel, the
+    larger of kernel_overhead_s and host_dispatch_s). Not host_dispatch_s: that one is a floor under a GPU's
+    kernels, 0 on CPU ranks whose ops run on the host itself; this one adds, on any device."""
+
+    @property
+    def step_op_s(self) -> float:
+        """Seconds one op of the optimizer step costs beyond its bytes (eager_op_s, or a kernel's where 0)."""
+        return self.eager_op_s if self.eager_op_s > 0 else max(self.kernel_overhead_s, self.host_dispatch_s)
 
     def __post_init__(self) -> None:
         require_positive("cluster.gpu.memory_gib", self.memory_bytes / GIB)
@@ -107,7 +117,7 @@ class GpuSpec:
                 "must be >= 0")
         require(self.host_dispatch_s >= 0, "cluster.gpu.host_dispatch_us", self.host_dispatch_s * 1e6,
                 "must be >= 0 (0 = the GPU never waits for the host)")
-        for name in ("zero3_fetch_s", "zero3_hook_s"):
+        for name in ("zero3_fetch_s", "zero3_hook_s", "eager_op_s"):
             require(getattr(self, name) >= 0, f"cluster.gpu.{name[:-2]}_us", getattr(self, name) * 1e6, "must be >= 0")
         require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
                 "must be >= 0 (0 = every GEMM at gemm_efficiency)")
@@ -206,7 +216,7 @@ class ClusterSpec:
         slowed = replace(gpu, peak_flops_per_s={d: v / k for d, v in gpu.peak_flops_per_s.items()},
                          hbm_bytes_per_s=gpu.hbm_bytes_per_s / k, kernel_overhead_s=gpu.kernel_overhead_s * k,
                          host_dispatch_s=gpu.host_dispatch_s * k, zero3_fetch_s=gpu.zero3_fetch_s * k,
-                         zero3_hook_s=gpu.zero3_hook_s * k)
+                         zero3_hook_s=gpu.zero3_hook_s * k, eager_op_s=gpu.eager_op_s * k)
         return replace(self, gpu=slowed, intra_node_bytes_per_s=self.intra_node_bytes_per_s / k,
                        inter_node_bytes_per_s=self.inter_node_bytes_per_s / k,
                        pcie_bytes_per_s=self.pcie_bytes_per_s / k, cpu_adam_params_per_s=self.cpu_adam_params_per_s / k,

@@ -224,6 +224,7 @@ def aggregate(trace: Trace) -> tuple[dict[str, sympy.Expr], list[Gemm]]:
     exprs = {
         "params": trace.params, "trainable_params": trace.trainable_params, "param_bytes": trace.param_bytes, **sums,
         "module_calls": sympy.Integer(trace.module_calls), "fetching_calls": sympy.Integer(trace.fetching_calls),
+        "trainable_param_tensors": sympy.Integer(trace.trainable_param_tensors),
         "saved_bytes": saved_bytes(trace), "saved_bytes_fused": fused_saved_bytes(trace),
         "saved_bytes_recompute": trace.input_bytes,
         "fwd_peak_bytes": peak_bytes(trace, FORWARD), "bwd_peak_bytes": peak_bytes(trace, BACKWARD),

@@ -20,7 +20,7 @@ EXTRA_KEYS = ("fwd_attention_flops", "bwd_attention_flops", "fwd_memory_bytes", 
               "input_bytes", "param_bytes", "tp_collectives_fwd", "tp_collectives_bwd", "fwd_kernels", "bwd_kernels",
               "fwd_fused_memory_bytes", "bwd_fused_memory_bytes", "fwd_fused_kernels", "bwd_fused_kernels",
               "saved_bytes_fused", "tp_gather_bytes_fwd", "tp_gather_bytes_bwd", "tp_gathers_fwd", "tp_gathers_bwd",
-              "trainable_params", "module_calls", "fetching_calls")
+              "trainable_params", "module_calls", "fetching_calls", "trainable_param_tensors")
 
 
 SOURCES_KEPT = 256
@@ -55,7 +55,8 @@ class LayerCost:
     kernel recomputes: aggregate.fused_saved_bytes), tp_gather_bytes_fwd / _bwd and tp_gathers_fwd / _bwd (TP
     all-gathers: the bytes this rank contributes, and their count; an AutoTP LM head with gathered output),
     module_calls / fetching_calls (nn.Module calls of the forward, and those of modules holding parameters of
-    their own: what ZeRO-3's hooks run on, and fetch for).
+    their own: what ZeRO-3's hooks run on, and fetch for), trainable_param_tensors (parameter tensors with
+    requires_grad, a count: what the optimizer step's per-tensor loops run over).
     `gemms`: (phase, batch, m, n, k) expressions of each GEMM, for size-dependent efficiency.
     """
 

@@ -86,6 +86,9 @@ class Trace:
     fetching_calls: int = 0
     """Of module_calls, the calls of modules holding parameters of their own: each a ZeRO-3 fetch and release
     in forward and again in backward (partitioned_param_coordinator.py fetch_sub_module, release_sub_module)."""
+    trainable_param_tensors: int = 0
+    """Parameter tensors of the layer with requires_grad (a count, not elements): what the optimizer step's
+    per-tensor loops run over (cost/executors/deepspeed.py step_work)."""
 
 
 def _drop_grad(param: torch.Tensor) -> None:
@@ -229,6 +232,7 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
                 param.register_post_accumulate_grad_hook(_drop_grad)
         trace.params = sympy.Add(*[as_expr(p.numel()) for p in params])
         trace.trainable_params = sympy.Add(*[as_expr(p.numel()) for p in params if p.requires_grad])
+        trace.trainable_param_tensors = sum(1 for p in params if p.requires_grad)
         trace.param_bytes = sympy.Add(*[as_expr(p.numel()) * p.element_size() for p in params])
         inputs = make_inputs(sizes)
         tensor_inputs = [x for x in inputs if isinstance(x, torch.Tensor)]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mist_ds.cost.candidates import vocab_shard_elements
+from mist_ds.cost.candidates import stage_trainable_tensors, vocab_shard_elements
 from mist_ds.cost.executors.interface import StageInputs, StageMoves
 from mist_ds.cost.executors.mist import layerwise_reduce
 from mist_ds.cost.memory import FP32_BYTES
@@ -19,6 +19,21 @@ from mist_ds.specs.executor_rules import reduce_bucket_elements_of, reduces_grad
 # (12), exp_avg_sq *= beta2 (8), addcmul with g twice (16), sqrt into a new tensor (8), div (8), add eps
 # (8), addcdiv into p (16).
 TORCH_ADAMW_STEP_BYTES_PER_PARAM = 84
+# Its ops per tensor on CPU tensors (_single_tensor_adam): step_t += 1, param.mul_ (decoupled weight decay),
+# exp_avg.lerp_, exp_avg_sq.mul_ and addcmul_, _get_value(step_t) (an .item()), exp_avg_sq.sqrt(), the division by
+# bias_correction2_sqrt, add_(eps), param.addcdiv_: ten (microbench.dispatched_ops counts them; tests/test_cost.py).
+TORCH_ADAMW_OPS_PER_TENSOR = 10
+# On a GPU, _multi_tensor_adam: eight foreach ops on the device per step (_foreach_mul_ for weight decay,
+# _foreach_lerp_, _foreach_mul_, _foreach_addcmul_, _foreach_sqrt, _foreach_div_, _foreach_add_, _foreach_addcdiv_;
+# the step counters are CPU tensors), each launching a kernel per FOREACH_TENSORS_PER_LAUNCH tensors
+# (ATen/native/cuda/MultiTensorApply.cuh depth_to_max_tensors: 110, 64, 48, 36 for 1-4 tensor lists; 48 is
+# addcdiv_'s three lists) and per FOREACH_ELEMENTS_PER_LAUNCH elements (kChunkSize 65536 x depth_to_max_blocks 320).
+TORCH_ADAMW_FOREACH_OPS = 8
+FOREACH_TENSORS_PER_LAUNCH = 48
+FOREACH_ELEMENTS_PER_LAUNCH = 65536 * 320
+# ZeRO-3 steps its partition in sub-groups of this many elements (zero_optimization.sub_group_size, default 1e9,
+# deepspeed/runtime/zero/config.py; mist_ds never sets it): one flat tensor per sub-group.
+ZERO3_SUB_GROUP_ELEMENTS = 1_000_000_000
 # A partitioned pipeline send's header: PartitionedTensor.to_meta, nine int64 (deepspeed/runtime/utils.py).
 PARTITION_META_BYTES = 72
 # ZeRO-0 and BF16_Optimizer all-reduce gradients in buffers of this many elements
@@ -65,6 +80,92 @@ def zero3_host_s(costs, hw, c) -> tuple[np.ndarray, np.ndarray]:
     once = c.layers * block + c.first * per_call(costs.embedding) + c.last * per_call(costs.head)
     zero3 = c.zero == 3
     return np.where(zero3, once, 0.0), np.where(zero3, once + c.recompute * block, 0.0)
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """What DeepSpeed 0.19.8's wrapper around torch's AdamW adds to one rank's step (docs/design.md, What DeepSpeed
+    does): tensor ops (microbench.dispatched_ops: through torch's dispatcher, `detach` left out) per trained
+    parameter tensor of the stage, per tensor with elements in the rank's partition (ZeRO-1/2's norm and overflow
+    loops), and once per step; bytes read and written per stepped parameter (the optimizer's own passes apart).
+    Counted on CPU ranks (tiny, dp 2, 100 tensors, gradient_clipping 1.0) and read in the code each entry cites."""
+
+    per_tensor: float
+    per_partition_tensor: float
+    once: float
+    bytes_per_param: float
+
+
+# ZeRO-0 fp32: the engine's own step (engine.py _take_model_step): clip_fp32_gradients, deepspeed/runtime/utils.py
+# clip_grad_norm_: per gradient a norm and a mul_ by the clip coefficient, once the norms stacked and all-reduced;
+# zero_grad sets the gradients to None. No clipping (train.grad_clip 0): nothing.
+ENGINE_CLIP_STEP = StepOps(per_tensor=2, per_partition_tensor=0, once=13, bytes_per_param=12)
+# ZeRO-0 bf16 (DDP_BFLOAT16) and fp16 (engine.py _do_optimizer_sanity_check, _configure_fp16_optimizer: torch's AdamW
+# is no FusedAdam): fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: per tensor the overflow check
+# (CheckOverflow.has_overflow_serial -> utils.py has_inf_or_nan: amax, amin and their tests, an .item()), the norm
+# (utils.py get_weight_norm: a float copy, norm, pow, add), the fp32 gradient copy, unscale_and_clip_grads' mul_,
+# and the fp32 master copied into the 16-bit weight (copy_); zero_grad sets to None.
+UNFUSED_STEP = StepOps(per_tensor=20, per_partition_tensor=0, once=9, bytes_per_param=36)
+# bf16 pipelines at ZeRO-0 (runs_bf16_optimizer): bf16_optimizer.py BF16_Optimizer.step: per fp32 gradient
+# get_global_norm_of_tensors' norm (a copy and a norm); one flat partition stepped; clip_tensors_by_global_norm
+# scales only above the clip; update_lp_params copies the flat partition into the bf16 one; clear_hp_grads zeroes it.
+BF16_OPTIMIZER_STEP = StepOps(per_tensor=2, per_partition_tensor=0, once=28, bytes_per_param=32)
+# ZeRO-1/2 (zero/stage_1_and_2.py DeepSpeedZeroOptimizer.step): per parameter a slice and a view (the partition's
+# bookkeeping, free_grad_in_param_list, get_flat_partition); per tensor in the partition get_grad_norm_direct (a
+# view, a float copy, a norm), in fp16 / bf16 also has_overflow_partitioned_grads_serial (check_grad_overflow: 13
+# ops of has_inf_or_nan and the count); once the flat fp32 gradient, unscale_and_clip_grads, one flat step and the
+# copy into the 16-bit partition (:3145).
+ZERO12_STEP = {"fp32": StepOps(per_tensor=2, per_partition_tensor=3, once=49, bytes_per_param=48),
+               "16-bit": StepOps(per_tensor=2, per_partition_tensor=16, once=43, bytes_per_param=48)}
+# ... with offload_optimizer: complete_grad_norm_calculation_for_cpu_offload reads each partition tensor's norm
+# (an .item()); the host copies are step_host_bytes_per_param.
+ZERO12_OFFLOAD_STEP = StepOps(per_tensor=2, per_partition_tensor=1, once=46, bytes_per_param=0)
+# ZeRO-3 (zero/stage3.py DeepSpeedZeroOptimizer_Stage3.step): every parameter has a partition on every rank; per
+# parameter two views, a slice, get_grad_norm_direct's float copy and norm; with offload the norm is squared and
+# summed on the host (pow, add_) instead.
+ZERO3_STEP = {"fp32": StepOps(per_tensor=5, per_partition_tensor=0, once=43, bytes_per_param=48),
+              "16-bit": StepOps(per_tensor=5, per_partition_tensor=0, once=43, bytes_per_param=44)}
+ZERO3_OFFLOAD_STEP = StepOps(per_tensor=4, per_partition_tensor=0, once=41, bytes_per_param=0)
+NO_STEP_OPS = StepOps(per_tensor=0, per_partition_tensor=0, once=0, bytes_per_param=0)
+
+
+def step_work(zero, pipeline, precision: str, offloaded, grad_clip: float, tensors, d):
+    """(ops, wrapper bytes per stepped parameter) of the optimizer wrapper DeepSpeed 0.19.8 builds for mist_ds's
+    config (engine.py _configure_optimizer), per candidate: ZeRO stage `zero`, in a pipeline, `offloaded` optimizer
+    (a fraction > 0), on a stage of `tensors` trained parameter tensors over `d` data-parallel ranks; torch's AdamW
+    apart (torch_adam_ops). A tensor of a ZeRO-1/2 partition: tensors / d, plus one straddling its edge."""
+    zero, pipeline, offloaded, tensors, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64)
+                                                                  for x in (zero, pipeline, offloaded, tensors, d)))
+    width = "fp32" if precision == "fp32" else "16-bit"
+    bf16_optimizer = runs_bf16_optimizer(zero, pipeline > 0, precision == "bf16")
+    off = offloaded > 0
+    zero0 = ENGINE_CLIP_STEP if grad_clip > 0 else NO_STEP_OPS
+    if precision != "fp32":
+        zero0 = UNFUSED_STEP
+    cases = [(zero == 0) & bf16_optimizer, zero == 0, (zero <= 2) & off, zero <= 2, (zero == 3) & off, zero == 3]
+    entries = [BF16_OPTIMIZER_STEP, zero0, ZERO12_OFFLOAD_STEP, ZERO12_STEP[width], ZERO3_OFFLOAD_STEP,
+               ZERO3_STEP[width]]
+
+    def pick(name):
+        return np.select(cases, [getattr(e, name) for e in entries], default=0.0)
+
+    in_partition = np.minimum(tensors, tensors / d + (d > 1))
+    ops = pick("per_tensor") * tensors + pick("per_partition_tensor") * in_partition + pick("once")
+    return ops, pick("bytes_per_param")
+
+
+def torch_adam_ops(flat, tensors, stepped, cpu: bool):
+    """Ops of torch's AdamW (`torch_adam`) over one rank's step: on CPU ranks the single-tensor loop,
+    TORCH_ADAMW_OPS_PER_TENSOR per stepped tensor; on a GPU the foreach ops, each launched per
+    FOREACH_TENSORS_PER_LAUNCH tensors and per FOREACH_ELEMENTS_PER_LAUNCH elements. Stepped tensors: the
+    stage's `tensors` where the step is not `flat` (ZeRO-0's wrappers), else one flat partition per group, ZeRO-3
+    per sub-group; `stepped` elements."""
+    groups = np.maximum(np.ceil(stepped / ZERO3_SUB_GROUP_ELEMENTS), 1.0)
+    count = np.where(flat, groups, tensors)
+    if cpu:
+        return TORCH_ADAMW_OPS_PER_TENSOR * count
+    launches = np.maximum(np.ceil(count / FOREACH_TENSORS_PER_LAUNCH), np.ceil(stepped / FOREACH_ELEMENTS_PER_LAUNCH))
+    return TORCH_ADAMW_FOREACH_OPS * np.maximum(launches, 1.0)
 
 
 @dataclass(frozen=True)
@@ -130,7 +231,8 @@ def moves(inputs: StageInputs) -> StageMoves:
       gradients of ZeRO-2/3 go out every micro-batch and come back to accumulate (ZeRO-1 once, at the
       boundary, when there are several micro-batches); at the boundary the fp32 gradient goes down and the
       updated weights come up (not with offload_param: they stay on the host);
-    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned;
+    - the step is torch's AdamW (`torch_adam`), over the rank's partition where it is partitioned, inside the
+      wrapper DeepSpeed builds for the ZeRO stage and precision: their bytes and ops (step_work, torch_adam_ops);
     - offloaded activations (executor `mist`) go down in forward and come back in backward, copies that
       add to the pass (offload_overlapped is off);
     - with the reduction in the last backward (executor `mist`): executors/mist.py layerwise_reduce;
@@ -170,6 +272,10 @@ def moves(inputs: StageInputs) -> StageMoves:
     none = np.zeros(np.broadcast(c.zero, weight_bytes).shape)
 
     fwd_host, bwd_host = zero3_host_s(costs, hw, c)
+    step_params = np.where(traffic.partitioned_step, params / c.d, params)
+    tensors = stage_trainable_tensors(costs, c, ev)
+    wrapper_ops, wrapper_bytes = step_work(c.zero, c.pp > 1, train.precision, c.oo, train.grad_clip, tensors, c.d)
+    adam_ops = torch_adam_ops(traffic.partitioned_step, tensors, step_params, hw.cluster.gpu.is_cpu_process)
 
     def ran(collective, message, count=1.0):  # a collective DeepSpeed does not run costs nothing, latency included
         return np.where(message > 0, in_pieces(collective, message, count), 0.0)
@@ -186,8 +292,10 @@ def moves(inputs: StageInputs) -> StageMoves:
         fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild, fwd_host=fwd_host, bwd_host=bwd_host,
         step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce, buffers)
                      + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
-        step_params=np.where(traffic.partitioned_step, params / c.d, params),
-        step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM,
+        step_params=step_params,
+        # ZeRO-0 fp32 steps the weights themselves; every other wrapper's bytes include the copy into them
+        step_bytes_per_param=TORCH_ADAMW_STEP_BYTES_PER_PARAM + wrapper_bytes,
+        step_ops=wrapper_ops + adam_ops,
         step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
         step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
         step_gather=ran(data_parallel.all_gather_time_s, traffic.step_all_gather),

@@ -39,6 +39,7 @@ def moves(inputs: StageInputs) -> StageMoves:
         bwd_d2h=hw.host_copy_time_s(c.go * trained_bytes), fwd_tp=none, bwd_tp=none, fwd_host=none, bwd_host=none,
         step_reduce=step_reduce,
         step_params=np.where(c.zero >= 1, params / c.d, params),
-        step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM, step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
+        step_bytes_per_param=ADAM_STEP_BYTES_PER_PARAM + hw.dtype_bytes,  # the weight written in the model dtype
+        step_host_bytes_per_param=FP32_BYTES + hw.dtype_bytes,
         step_copies_s=none, reduce_hidden=step_reduce, reduce_exposed=none, reduce_rest=none,
         step_gather=none, step_gather_bytes=none)

@@ -66,8 +66,9 @@ class StageMoves:
     """Data-parallel collectives of the step: the gradient reduction and the updated weights' gather."""
     step_params: np.ndarray
     """Parameters the optimizer steps on one GPU (its partition where the step is partitioned)."""
-    step_bytes_per_param: float
-    """Device memory traffic of the optimizer kernel per stepped parameter (bytes)."""
+    step_bytes_per_param: np.ndarray | float
+    """Device memory traffic of the optimizer step per stepped parameter (bytes): the optimizer's passes, the copy
+    into the model dtype's weights, and what the executor's wrapper reads and writes around them."""
     step_host_bytes_per_param: float
     """Host copies per host-stepped parameter (bytes): gradient down, updated weight up."""
     step_copies_s: np.ndarray
@@ -84,6 +85,10 @@ class StageMoves:
     step_reduce and reduce_rest)."""
     step_gather_bytes: np.ndarray
     """... its full message (bytes)."""
+    step_ops: np.ndarray | float = 0.0
+    """Tensor ops the optimizer step issues on one GPU of the stage (a count; each priced at
+    cluster.gpu.step_op_s beyond its bytes): the optimizer's per-tensor loop or foreach launches and the
+    executor's wrapper around it (0: one fused kernel whose fixed cost is nothing beside its bytes)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,8 @@ class PassPhases:
 @dataclass(frozen=True)
 class OptimizerStep:
     gpu_s: np.ndarray
-    """The device's part of the step (seconds)."""
+    """The device's part of the step: its bytes and its ops' fixed cost (seconds; the ops of an offloaded step's
+    wrapper run on the host and count here too)."""
     total_s: np.ndarray
     """Device, host (CPU Adam and its copies) and the boundary's copies (seconds)."""
     partition: np.ndarray
