@@ -127,17 +127,19 @@ def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_th
         for t in (1, 2):
             stored = {phase: hw.profile.times[(layer_op(layer.kind, phase, layer.source), (2, s, t))]
                       for phase in ("fwd", "bwd")}
-            times = layer_times(layer, hw, 2, s, t)
+            times = layer_times(layer, hw, 2, s, t, measured=True)
             assert (float(times.fwd_compute_s), float(times.bwd_compute_s)) == (stored["fwd"], stored["bwd"])
             assert float(times.fwd_tp_s) == float(times.bwd_tp_s) == 0.0  # TP's collectives ran inside
-            fused = layer_times(layer, hw, 2, s, t, fused=True)  # composed: TP's collectives priced apart
+            fused = layer_times(layer, hw, 2, s, t, fused=True)  # composed (not measured): TP priced apart
             assert float(fused.fwd_compute_s) != stored["fwd"]
             if layer.kind == "block":
                 assert (float(fused.fwd_tp_s) > 0) == (t > 1)
-    on_sequence_group = float(layer_times(costs.block, hw, 2, s, 1, q=2).fwd_compute_s)
+    on_sequence_group = float(layer_times(costs.block, hw, 2, s, 1, q=2, measured=True).fwd_compute_s)
     assert on_sequence_group != hw.profile.times[(layer_op("block", "fwd", costs.block.source), (2, s, 1))]
     assert predict(specs).sources["layers"] == "profile"
     assert predict(compose([*overrides, *STRATEGY, "cluster.profile_db=null"])).sources["layers"] == "roofline"
+    # an executor that runs other layers (Megatron-LM's, priced only) never reads mist_ds's measured ones
+    assert predict(compose([*overrides, *STRATEGY, "strategy.runtime=megatron"])).sources["layers"] == "roofline"
     other = compose([*overrides, *STRATEGY, "model.ffn_hidden_size=96"])  # same (b, s, t), another block
     assert model_costs(other).block.source != costs.block.source
     assert predict(other).sources["layers"] == "profile+roofline"  # its embedding and head are the same layers

@@ -19,12 +19,13 @@ class LayerTimes:
     bwd_tp_s: np.ndarray
 
 
-def _measured_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, fused: bool) -> np.ndarray:
+def _measured_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, measured: bool) -> np.ndarray:
     """The pass as the profile database timed the layer whole (the layer the runtime builds, on t ranks with its
     TP collectives: docs/design.md, Profiling), NaN where it holds none: it holds what composing op by op leaves
-    out. Never for an executor that fuses kernels (not the layer the profile ran), nor on a sequence group (q > 1:
-    the layer runs its attention over the whole sequence there, the profile timed it over its own)."""
-    if fused or hw.profile is None:
+    out. Only for an executor that runs those layers (`measured`: ExecutorCapabilities.runs_profiled_layers), and
+    not on a sequence group (q > 1: the layer runs its attention over the whole sequence there, the profile timed it
+    over its own)."""
+    if not measured or hw.profile is None:
         return np.full(np.broadcast(b, s, t, q).shape, np.nan)
     measured = hw.layer_pass_time_s(cost.kind, phase, cost.source, b, s, t)
     return np.where(np.asarray(q) != 1, np.nan, measured)
@@ -59,39 +60,41 @@ def _pass_tp_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q) -> np
     return count * hw.all_reduce_time_s(message, t, 1) + gathers * hw.all_gather_time_s(shard * t, t, 1)
 
 
-def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False, q=1) -> LayerTimes:
+def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False, q=1,
+                measured: bool = False) -> LayerTimes:
     """fused: price element-wise runs as fused kernels (ExecutorCapabilities.fused_kernels); q: one rank of a
-    sequence group of q ranks (cost/sequence.py on_rank; its all-to-alls are the stage's, cost/stage.py). A pass
+    sequence group of q ranks (cost/sequence.py on_rank; its all-to-alls are the stage's, cost/stage.py);
+    measured: the executor runs the layers the profile times (ExecutorCapabilities.runs_profiled_layers): a pass
     the profile timed whole is its measured time, TP's collectives in it (as training ran them, the ranks' skew
     included), so none apart."""
     times = {}
     for phase in ("fwd", "bwd"):
         tp = _pass_tp_s(cost, hw, phase, b, s, t, q)
         composed = _pass_compute_s(cost, hw, phase, b, s, t, q, fused, tp)
-        measured = _measured_pass_s(cost, hw, phase, b, s, t, q, fused)
-        held = ~np.isnan(measured)
-        times[f"{phase}_compute_s"] = np.where(held, measured, composed)
+        timed = _measured_pass_s(cost, hw, phase, b, s, t, q, measured)
+        held = ~np.isnan(timed)
+        times[f"{phase}_compute_s"] = np.where(held, timed, composed)
         times[f"{phase}_tp_s"] = np.where(held, 0.0, tp)
     return LayerTimes(**times)
 
 
 def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t, q=1,
-                    fused: bool = False) -> dict[str, str]:
+                    measured: bool = False) -> dict[str, str]:
     """Where the layers' pass times, and the GEMM and attention times composed into those it does not hold, of
     `layers` at (b, s, t) on a sequence group of q come from: "profile" when the profile database holds every one
     asked, "profile+roofline" when it holds some, "roofline" when none (a layer's pass then composed op by op;
-    always where the executor fuses kernels, `fused`)."""
+    always where the executor does not run the layers the profile timed, `measured` False)."""
     asked: dict[str, list[np.ndarray]] = {"layers": [], "gemm": [], "attention": []}
     if hw.profile is not None:
         for cost in layers:
             for phase in ("fwd", "bwd"):
-                asked["layers"].append(_measured_pass_s(cost, hw, phase, b, s, t, q, fused))
+                asked["layers"].append(_measured_pass_s(cost, hw, phase, b, s, t, q, measured))
             for index in range(len(cost.gemms)):
                 asked["gemm"].append(hw.profile.lookup("gemm", *cost.gemm_shapes(index, b, np.asarray(s) / q, t)))
             for phase in ("fwd", "bwd"):
                 flops = on_rank(cost, f"{phase}_attention_flops", b, s, t, q)
-                measured = hw.profile.lookup(f"attention_{phase}", flops)
-                asked["attention"].append(measured[flops > 0])
+                timed = hw.profile.lookup(f"attention_{phase}", flops)
+                asked["attention"].append(timed[flops > 0])
     sources = {}
     for op_class, found in asked.items():
         held = np.concatenate([np.ravel(x) for x in found]) if found else np.zeros(0)

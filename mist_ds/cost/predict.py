@@ -274,7 +274,7 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         host_memory_bytes=float(np.max(node_host_bytes(memory.host_bytes, par.stage_width,
                                                        specs.cluster.gpus_per_node))),
         sources={**profile_sources((costs.embedding, costs.block, costs.head), hw, c.b, c.s, c.t, c.q,
-                                   caps.fused_kernels),
+                                   caps.runs_profiled_layers),
                  "memory_bound": "hbm-bandwidth", "collectives": "alpha-beta", "host": "pcie+cpu-adam"},
         warnings=warnings, strategy=strategy.to_dict(), model_state_bytes=states,
         host_bytes_per_rank=[float(x) for x in memory.host_bytes], host_memory_rule=rule,

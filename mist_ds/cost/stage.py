@@ -57,11 +57,11 @@ class StageTimes:
 
 
 def _times(costs: ModelCosts, hw: HardwareModel, ev: ShapeIndex,
-           fused: bool) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
+           caps: ExecutorCapabilities) -> tuple[LayerTimes, LayerTimes, LayerTimes]:
     """Embedding, block and head times, evaluated once per distinct (b, s, t) and spread over the candidates."""
     out = []
     for cost in (costs.embedding, costs.block, costs.head):
-        unique = layer_times(cost, hw, ev.b, ev.s, ev.t, fused, ev.q)
+        unique = layer_times(cost, hw, ev.b, ev.s, ev.t, caps.fused_kernels, ev.q, caps.runs_profiled_layers)
         out.append(LayerTimes(*(ev.spread(getattr(unique, f.name)) for f in fields(LayerTimes))))
     return tuple(out)
 
@@ -133,7 +133,7 @@ def stage_inputs(costs: ModelCosts, hw: HardwareModel, caps: ExecutorCapabilitie
     """What every step of stage_times reads: the layers' times, the stage's parameters and weight bytes, the
     gradient element's bytes on this executor, the offloaded activations, the data-parallel group."""
     ev = c.shapes
-    emb, block, head = _times(costs, hw, ev, caps.fused_kernels)
+    emb, block, head = _times(costs, hw, ev, caps)
     params = stage_params(costs, c, ev)
     b_w = hw.dtype_bytes
     _, saved_offloaded = saved_bytes(costs, c, ev, caps)

@@ -195,6 +195,12 @@ class ExecutorCapabilities:
                              f"{self.schedules} {'list' if priced else 'do not list'} {', '.join(V_SCHEDULES)}")
 
     @property
+    def runs_profiled_layers(self) -> bool:
+        """Its plans run mist_ds's own layers op by op (on DeepSpeed, unfused): the layers `mist-ds profile` times
+        whole, so a pass the profile database holds is priced at its measured time (cost/layer_time.py)."""
+        return self.executes_on_deepspeed and not self.fused_kernels
+
+    @property
     def offloads_fractions(self) -> bool:
         """Weights, gradients and optimizer states offload in any fraction, and activations at all."""
         return (self.weights_offload == self.grads_offload == self.optimizer_offload == "fraction"

@@ -150,13 +150,14 @@ def option_grids(specs: Specs) -> OptionGrids:
 # --- lower bound ---------------------------------------------------------------------------------------
 
 def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoint], fused: bool,
-                   max_chunks=None, split=None) -> np.ndarray:
+                   max_chunks=None, split=None, measured: bool = False) -> np.ndarray:
     """No plan of a point is faster than its bound (seconds; one array call for all points): every
     stage's stable time is at least its compute and TP time, so sum_i T_i >= L m + embedding + head,
     and max_i T_i >= sum_i T_i / S; G max T + (sum T - max T) / v >= sum T (G + (S - 1) / v) / S.
     fused: the runtime's ExecutorCapabilities.fused_kernels; max_chunks: per point, the most chunks
     per stage its plans may interleave (None: 1); split: per point, whether a schedule that splits the
-    backward is searched there (None: nowhere): its bubble has no such bound, only G max T >= G sum T / S."""
+    backward is searched there (None: nowhere): its bubble has no such bound, only G max T >= G sum T / S;
+    measured: the runtime's ExecutorCapabilities.runs_profiled_layers (its layers priced as the stages price them)."""
     if not points:
         return np.zeros(0)
     b = np.array([p.micro_batch_size for p in points], dtype=np.float64)
@@ -164,7 +165,7 @@ def lower_bounds_s(costs: ModelCosts, hw: HardwareModel, points: list[GlobalPoin
     q = np.array([p.sp for p in points], dtype=np.float64)  # a rank's share of each sequence (its all-to-alls: >= 0)
     s = np.full_like(b, costs.model.seq_len)
     serial = [x.fwd_compute_s + x.bwd_compute_s + x.fwd_tp_s + x.bwd_tp_s
-              for x in (layer_times(cost, hw, b, s, t, fused, q)
+              for x in (layer_times(cost, hw, b, s, t, fused, q, measured)
                         for cost in (costs.embedding, costs.block, costs.head))]
     total = costs.model.num_layers * serial[1] + serial[0] + serial[2]
     chunks = np.ones(len(points)) if max_chunks is None else np.asarray(max_chunks, dtype=np.float64)
@@ -562,7 +563,7 @@ def search(specs: Specs, space: str | None = None, runtime: str | ExecutorCapabi
     chunks = [specs.model.num_layers // p.pp if _interleaves(caps, space, p) else 1 for p in points]
     split = [space in FREE_STAGE_SPACES and any(s in SPLIT_SCHEDULES for s in point_schedules(specs, caps, p))
              for p in points]
-    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels, chunks, split)
+    bounds = lower_bounds_s(costs, hw, points, caps.fused_kernels, chunks, split, caps.runs_profiled_layers)
     ordered = sorted(((p, float(b)) for p, b in zip(points, bounds)), key=lambda pb: (pb[1], pb[0]))
     results: list[PointResult] = []
     pruned: list[tuple[GlobalPoint, float]] = []
