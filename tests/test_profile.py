@@ -16,6 +16,7 @@ import pytest
 from mist_ds.config import compose
 from mist_ds.cost.predict import model_costs, predict
 from mist_ds.hardware import hardware_model
+from mist_ds.cost.executors.zero_bubble import weight_gradient_s
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
 from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3
@@ -138,6 +139,11 @@ def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_th
     assert on_sequence_group != hw.profile.times[(layer_op("block", "fwd", costs.block.source), (2, s, 1))]
     assert predict(specs).sources["layers"] == "profile"
     assert predict(compose([*overrides, *STRATEGY, "cluster.profile_db=null"])).sources["layers"] == "roofline"
+    # zb-h1's W (weight-gradient GEMMs) scaled as the measured backward is against its composition
+    plain = float(weight_gradient_s(costs.block, hw, 2, s, 1))
+    timed, composed = layer_times(costs.block, hw, 2, s, 1, measured=True), layer_times(costs.block, hw, 2, s, 1)
+    assert float(weight_gradient_s(costs.block, hw, 2, s, 1, measured=True)) == pytest.approx(
+        plain * float(timed.bwd_compute_s) / float(composed.bwd_compute_s + composed.bwd_tp_s), rel=1e-12)
     # an executor that runs other layers (Megatron-LM's, priced only) never reads mist_ds's measured ones
     assert predict(compose([*overrides, *STRATEGY, "strategy.runtime=megatron"])).sources["layers"] == "roofline"
     other = compose([*overrides, *STRATEGY, "model.ffn_hidden_size=96"])  # same (b, s, t), another block

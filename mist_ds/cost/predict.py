@@ -132,7 +132,7 @@ def _simulated_iteration(specs: Specs, hw: HardwareModel, times: StageTimes,
                                               end_s=list(times.last_bwd_extra_s + times.end_s),
                                               start_s=list(times.first_fwd_extra_s))
     elif specs.strategy.schedule in SPLIT_SCHEDULES:
-        simulated, spans = simulate_split(times.fwd_s, times.bwd_s - weight_grad_s, weight_grad_s,
+        simulated, spans = simulate_split(times.fwd_s, np.maximum(times.bwd_s - weight_grad_s, 0.0), weight_grad_s,
                                           times.first_fwd_extra_s, times.last_bwd_extra_s, micro_batches,
                                           end_s=list(times.end_s))
     elif chunks > 1:
@@ -163,12 +163,15 @@ def simulate_iteration(specs: Specs, caps: ExecutorCapabilities | None = None,
         return _simulated_iteration(specs, hw, rank_times(chunk_times), chunk_times=chunk_times)
     c = stage_candidates(specs.strategy, specs.model.seq_len)
     return _simulated_iteration(specs, hw, stage_times(costs, hw, caps, specs.train, c),
-                                _weight_grad_s(specs, costs, hw, c))
+                                _weight_grad_s(specs, costs, hw, c, caps))
 
 
-def _weight_grad_s(specs: Specs, costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarray | None:
+def _weight_grad_s(specs: Specs, costs: ModelCosts, hw: HardwareModel, c: StageCandidates,
+                   caps: ExecutorCapabilities) -> np.ndarray | None:
     """Per stage, W's seconds per micro-batch where the schedule splits the backward (else None)."""
-    return stage_weight_gradient_s(costs, hw, c) if specs.strategy.schedule in SPLIT_SCHEDULES else None
+    if specs.strategy.schedule not in SPLIT_SCHEDULES:
+        return None
+    return stage_weight_gradient_s(costs, hw, c, caps.runs_profiled_layers)
 
 
 def predict_strategy(specs: Specs, costs: ModelCosts, hw: HardwareModel,
@@ -240,7 +243,7 @@ def prediction_of(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Exec
         held = deferred_weight_bytes(costs, hw, c, strategy.schedule)
         memory = replace(memory, activations=memory.activations + held, peak_bytes=memory.peak_bytes + held)
     v_schedule = strategy.schedule in V_SCHEDULES
-    simulation = _simulated_iteration(specs, hw, times, _weight_grad_s(specs, costs, hw, c), chunk_times)
+    simulation = _simulated_iteration(specs, hw, times, _weight_grad_s(specs, costs, hw, c, caps), chunk_times)
     simulated, tail = simulation.iteration_time_s, simulation.tail_s
     # DualPipeV has no closed form here (the tuner does not search it): its simulation stands in
     closed = simulated if v_schedule else float(iteration_time_s(times.stable_s, times.delta_s, par.grad_accum,

@@ -239,7 +239,8 @@ def split_backward_facts(specs: Specs, costs, hw) -> dict[str, list[float]] | No
         return None
     c = stage_candidates(strategy, specs.model.seq_len)
     G = strategy.parallelism.grad_accum
-    return {"weight_gradient_s": [G * float(x) for x in stage_weight_gradient_s(costs, hw, c)],
+    measured = capabilities_of(strategy.runtime).runs_profiled_layers
+    return {"weight_gradient_s": [G * float(x) for x in stage_weight_gradient_s(costs, hw, c, measured)],
             "deferred_weight_bytes": [float(x) for x in deferred_weight_bytes(costs, hw, c, strategy.schedule)]}
 
 

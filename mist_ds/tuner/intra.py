@@ -125,7 +125,8 @@ class PointPricer:
             position_in_flight=in_flight_micro_batches(np.arange(point.pp), point.pp, point.grad_accum))
         if self.schedule in SPLIT_SCHEDULES:
             priced.weight_s[:] = stage_weight_gradient_s(self.costs, self.hw,
-                                                         self._candidates(priced, np.ones(layers.size, dtype=bool)))
+                                                         self._candidates(priced, np.ones(layers.size, dtype=bool)),
+                                                         self.caps.runs_profiled_layers)
         return priced
 
     def _candidates(self, priced: PricedOptions, pick: np.ndarray) -> StageCandidates:

@@ -246,7 +246,7 @@ def _split_saving_s(specs: Specs, costs: ModelCosts, hw: HardwareModel, caps: Ex
     subtracts from the 1F1B closed form."""
     c = stage_candidates(strategy, specs.model.seq_len)
     times = stage_times(costs, hw, caps, specs.train, c)
-    weight_s = stage_weight_gradient_s(costs, hw, c)
+    weight_s = stage_weight_gradient_s(costs, hw, c, caps.runs_profiled_layers)
     G, end = strategy.parallelism.grad_accum, list(times.end_s)
     one_f_one_b, _ = simulate(times.fwd_s, times.bwd_s, times.first_fwd_extra_s, times.last_bwd_extra_s, G, end)
     split, _ = simulate_split(times.fwd_s, times.bwd_s - weight_s, weight_s, times.first_fwd_extra_s,

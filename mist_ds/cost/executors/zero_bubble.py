@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
+from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs.pipeline_order import (BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, RECV_ACT, SEND_ACT,
                                           SEND_GRAD, deferred_weight_passes, zb_h1_order)
@@ -41,12 +42,20 @@ def _weight_gradient_gemms(cost: LayerCost, b, s, t) -> list[int]:
     return out
 
 
-def weight_gradient_s(cost: LayerCost, hw: HardwareModel, b, s, t) -> np.ndarray:
-    """Seconds of one layer's weight-gradient GEMMs (its W) per micro-batch."""
+def weight_gradient_s(cost: LayerCost, hw: HardwareModel, b, s, t, measured: bool = False) -> np.ndarray:
+    """Seconds of one layer's weight-gradient GEMMs (its W) per micro-batch. Where the layer's backward is priced
+    at the profile's measured time (`measured`: ExecutorCapabilities.runs_profiled_layers), W is scaled as that
+    backward is against its op-by-op composition: the GEMMs cost inside the layer what the rest does (cost/
+    layer_time.py), and B = backward - W keeps the measured backward's share."""
     total = np.zeros(np.broadcast(b, s, t).shape)
     for index in _weight_gradient_gemms(cost, b, s, t):
         total = total + hw.gemm_time_s(*cost.gemm_shapes(index, b, s, t))
-    return total
+    if not measured or hw.profile is None:
+        return total
+    timed, composed = (layer_times(cost, hw, b, s, t, measured=m) for m in (True, False))
+    whole = composed.bwd_compute_s + composed.bwd_tp_s
+    ratio = np.divide(timed.bwd_compute_s + timed.bwd_tp_s, whole, out=np.ones_like(whole), where=whole > 0)
+    return total * ratio
 
 
 def weight_gradient_operand_bytes(cost: LayerCost, b, s, t, dtype_bytes: float) -> np.ndarray:
@@ -64,9 +73,10 @@ def _per_stage(costs: ModelCosts, c: StageCandidates, of_layer) -> np.ndarray:
     return c.layers * of_layer(costs.block) + c.last * of_layer(costs.head)
 
 
-def stage_weight_gradient_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates) -> np.ndarray:
-    """Per stage, the seconds of W per micro-batch."""
-    return _per_stage(costs, c, lambda cost: weight_gradient_s(cost, hw, c.b, c.s, c.t))
+def stage_weight_gradient_s(costs: ModelCosts, hw: HardwareModel, c: StageCandidates,
+                            measured: bool = False) -> np.ndarray:
+    """Per stage, the seconds of W per micro-batch (`measured`: weight_gradient_s)."""
+    return _per_stage(costs, c, lambda cost: weight_gradient_s(cost, hw, c.b, c.s, c.t, measured))
 
 
 def held_weight_passes(schedule: str, stages, pp: int, micro_batches: int) -> np.ndarray:
