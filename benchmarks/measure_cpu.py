@@ -36,7 +36,7 @@ from mist_ds.cost.predict import predict
 from mist_ds.observe.measure import MEASURE_WORKER, measure_payload
 from mist_ds.observe.ranks import CPU_ENV, launch
 from mist_ds.report.measure import measure_record
-from mist_ds.specs.machine import other_runnable_threads
+from mist_ds.specs.machine import sample_other_runnable_threads
 from mist_ds.specs.strategy import layout_text
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.measure_cpu "
@@ -108,7 +108,7 @@ def measure(name: str, clusters: dict[str, list[str]]) -> tuple[dict, dict]:
     """(measure record, the steps' times over both ranks) of one plan, as `mist-ds measure` runs it, priced on
     the cluster overrides of its precision beside the other jobs' ready threads sampled just before the launch
     (`ready_threads`; cluster.other_runnable_threads: the share of the cores its ranks will get)."""
-    ready = other_runnable_threads(READY_SAMPLE_S)
+    ready = sample_other_runnable_threads(READY_SAMPLE_S)
     beside = [f"cluster.other_runnable_threads={ready}"]
     specs = plan_specs([*PLANS[name], *beside], clusters)
     prediction = predict(specs)

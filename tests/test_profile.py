@@ -20,6 +20,7 @@ from mist_ds.cost.executors.zero_bubble import weight_gradient_s
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
 from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3
+from mist_ds.profiling.run import layer_payload
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
 from mist_ds.specs import ConfigError
@@ -86,14 +87,14 @@ def test_the_cli_measures_the_machine_once_with_the_files_figures(tmp_path, monk
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     calls = []
 
-    def profiled_here(specs, cluster, out_dir, name, quick, quiet):
-        calls.append((cluster["constants"], quick))
+    def profiled_here(specs, cluster, out_dir, name, quick, quiet, layers=True):
+        calls.append((cluster["constants"], quick, layers))
         write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, specs.train.precision,
                         {"gpu": {"kernel_overhead_us": 11.0}})
 
     monkeypatch.setattr(run, "profile", profiled_here)
     cfg = compose_config(["cluster=cpu", "cluster.constants=machine", *TINY])
-    assert run.measure_machine_once(cfg) and calls == [("file", True)]
+    assert run.measure_machine_once(cfg) and calls == [("file", True, False)]  # no layers: no database kept
     assert not run.measure_machine_once(cfg) and len(calls) == 1  # kept: read from the cache from now on
     assert not run.measure_machine_once(compose_config(["cluster=cpu", *TINY]))  # constants: file never measures
     assert len(calls) == 1
@@ -149,6 +150,15 @@ def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_th
     other = compose([*overrides, *STRATEGY, "model.ffn_hidden_size=96"])  # same (b, s, t), another block
     assert model_costs(other).block.source != costs.block.source
     assert predict(other).sources["layers"] == "profile+roofline"  # its embedding and head are the same layers
+
+
+def test_layers_that_do_not_fit_a_rank_are_not_timed():
+    """The profile times no (b, t) whose three layers would not fit a rank at once (a rank out of memory would
+    leave the others at a collective); a Hugging Face model's or a user's module's layers are never timed whole."""
+    points = [(2, 1), (2, 2)]
+    assert layer_payload(compose(["cluster=cpu", *TINY]), points)["layer_points"] == [[2, 1], [2, 2]]
+    small = compose(["cluster=cpu", *TINY, "cluster.gpu.memory_gib=0.5001", "cluster.gpu.reserve_gib=0.5"])
+    assert layer_payload(small, points)["layer_points"] == []
 
 
 def test_a_layer_op_names_its_kind_phase_and_program():

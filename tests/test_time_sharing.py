@@ -46,10 +46,17 @@ def test_threads_the_cores_can_hold_cost_nothing():
     assert faster.iteration_time_s == pytest.approx(alone.iteration_time_s * 2 / 3, rel=1e-9)
 
 
-def test_now_samples_this_machine(monkeypatch):
-    monkeypatch.setattr(machine, "other_runnable_threads", lambda seconds=0.5: 1.5)
+def test_now_samples_this_machine_and_its_cores(monkeypatch):
+    monkeypatch.setattr(machine, "sample_other_runnable_threads", lambda seconds=0.5: 1.5)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
     specs = compose([*PLAN, "cluster.other_runnable_threads=now"])
     assert specs.cluster.other_runnable_threads == 1.5 and specs.cluster.time_sharing_factor == pytest.approx(1.75)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 16)  # a larger machine: 3.5 threads on 16 cores
+    assert compose([*PLAN, "cluster.other_runnable_threads=now"]).cluster.time_sharing_factor == 1.0
+    monkeypatch.setattr(machine, "sample_other_runnable_threads", lambda seconds=0.5: pytest.fail("sampled"))
+    gpus = compose(["cluster=a100-80g", "model=tiny", "train.global_batch_size=8",
+                    "cluster.other_runnable_threads=now"])
+    assert gpus.cluster.cores is None and gpus.cluster.time_sharing_factor == 1.0  # no cores shared: nothing sampled
 
 
 @pytest.mark.parametrize("override,field", [
@@ -68,7 +75,7 @@ def test_bad_sharing_fields_are_refused_by_name(override, field):
 def test_a_busy_thread_of_another_process_is_counted_and_this_ones_are_not():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        counted = machine.other_runnable_threads(0.3)
+        counted = machine.sample_other_runnable_threads(0.3)
     finally:
         busy.kill()
         busy.wait()

@@ -148,8 +148,8 @@ def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
         pcie_bytes_per_s=cfg.pcie_gbps * GB, cpu_memory_bytes=cfg.cpu_memory_gib * GIB,
         cpu_adam_params_per_s=cfg.cpu_adam_gparams_per_s * GIGA, interference=interference,
         collective_latency_s=cfg.collective_latency_us * 1e-6, profile_db=cfg.profile_db,
-        price_per_gpu_hour=cfg.price_per_gpu_hour, cores=cfg.cores,
-        other_runnable_threads=other_runnable_threads_of(cfg.other_runnable_threads),
+        price_per_gpu_hour=cfg.price_per_gpu_hour,
+        **time_sharing_fields(cfg.cores, cfg.other_runnable_threads),
         measured_other_runnable_threads=cfg.measured_other_runnable_threads)
 
 
@@ -157,15 +157,19 @@ SAMPLED = "now"
 """cluster.other_runnable_threads=now: other jobs' ready threads sampled on this machine when the config is read."""
 
 
-def other_runnable_threads_of(value) -> float:
-    """cluster.other_runnable_threads as a number: the one given, or sampled now (mist_ds/specs/machine.py)."""
-    if value == SAMPLED:
-        from mist_ds.specs.machine import other_runnable_threads
+def time_sharing_fields(cores, other) -> dict:
+    """ClusterSpec's cores and other_runnable_threads from the config's: `other` a number, or `now`: other jobs'
+    ready threads sampled on this machine, and then this machine's cores (the cores the ranks would share here;
+    mist_ds/specs/machine.py). Nothing is sampled where no cores are shared (a GPU cluster: cores null)."""
+    if other == SAMPLED:
+        if cores is None:
+            return {"cores": None, "other_runnable_threads": 0.0}
+        from mist_ds.specs.machine import sample_other_runnable_threads, usable_cores
 
-        return other_runnable_threads()
-    require(isinstance(value, (int, float)) and not isinstance(value, bool), "cluster.other_runnable_threads",
-            value, f"other jobs' threads ready to run beside CPU ranks: a number >= 0, or {SAMPLED} to sample them")
-    return float(value)
+        return {"cores": usable_cores(), "other_runnable_threads": sample_other_runnable_threads()}
+    require(isinstance(other, (int, float)) and not isinstance(other, bool), "cluster.other_runnable_threads",
+            other, f"other jobs' threads ready to run beside CPU ranks: a number >= 0, or {SAMPLED} to sample them")
+    return {"cores": cores, "other_runnable_threads": float(other)}
 
 
 def train_spec(cfg: TrainConfig) -> TrainSpec:

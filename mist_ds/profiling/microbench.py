@@ -501,10 +501,11 @@ def fit_eager_op(rows: list[dict]) -> dict:
     t = np.array([r["s"] for r in rows])
     design = np.array([[r["elements"], r["ops"]] for r in rows], dtype=float) / t[:, None]
     (element_s, op_s), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if element_s < 0:  # the elements cost nothing measurable beside the ops
+    if element_s < 0 or op_s <= 0:  # one of the two costs nothing measurable beside the other: the ops take it all
+        # (0 would read as "not measured", GpuSpec.step_op_s, and price each op as a kernel)
         element_s, op_s = 0.0, float(np.median(t / np.array([r["ops"] for r in rows], dtype=float)))
     relative = design @ np.array([element_s, op_s]) - 1
-    return {"op_s": max(float(op_s), 0.0), "element_s": float(element_s),
+    return {"op_s": float(op_s), "element_s": float(element_s),
             "rms_relative": float(np.sqrt(np.mean(relative ** 2)))}
 
 

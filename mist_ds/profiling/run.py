@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from mist_ds.profiling.interference import fit_factors
 from mist_ds.profiling.microbench import fit_alpha_beta, fit_eager_op, fit_gemm, fit_zero3
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
-from mist_ds.specs.machine import other_runnable_threads, read_constants, write_constants
+from mist_ds.specs.machine import read_constants, sample_other_runnable_threads, usable_cores, write_constants
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRIDS = {
@@ -96,12 +95,25 @@ def times_layers(model) -> bool:
 
 
 def layer_payload(specs: Specs, points: list[tuple[int, int]]) -> dict[str, Any]:
-    """What the ranks need to time the model's layers whole at every (b, t) of `points` (worker.layer_pass_times)."""
+    """What the ranks need to time the model's layers whole at every (b, t) of `points` (worker.layer_pass_times)
+    where the three layers fit a rank's memory at once (their weights and gradients, and each pass's peak: a rank
+    out of memory would leave the others waiting at a collective); the tuner prices the rest op by op."""
     import dataclasses
+
+    from mist_ds.cost.predict import model_costs
 
     if not times_layers(specs.model):
         return {}
-    return {"model": dataclasses.asdict(specs.model), "layer_points": [list(point) for point in points]}
+    costs, s = model_costs(specs), specs.model.seq_len
+    layers = (costs.embedding, costs.block, costs.head)
+
+    def fits(b: int, t: int) -> bool:
+        held = sum(2 * float(layer("param_bytes", b, s, t)) + float(layer("fwd_peak_bytes", b, s, t))
+                   + float(layer("bwd_peak_bytes", b, s, t)) for layer in layers)
+        return held <= specs.cluster.gpu.usable_memory_bytes
+
+    return {"model": dataclasses.asdict(specs.model),
+            "layer_points": [list(point) for point in points if fits(*point)]}
 
 
 def layer_rows(r: dict, specs: Specs) -> list[tuple[str, tuple[int, ...], float]]:
@@ -121,13 +133,11 @@ def layer_rows(r: dict, specs: Specs) -> list[tuple[str, tuple[int, ...], float]
 def profile_ranks(specs: Specs) -> tuple[str, int]:
     """("cuda" or "cpu", how many local ranks): every local GPU up to gpus_per_node, else one CPU process
     per core up to gpus_per_node (two at least: the collectives need a pair)."""
-    import os
-
     import torch
 
     if torch.cuda.is_available():
         return "cuda", min(torch.cuda.device_count(), specs.cluster.gpus_per_node)
-    return "cpu", max(2, min(os.cpu_count() or 2, specs.cluster.gpus_per_node))
+    return "cpu", max(2, min(usable_cores(), specs.cluster.gpus_per_node))
 
 
 def run_with_progress(payload: dict, ranks: int, env: dict, quiet: bool) -> list[dict]:
@@ -259,14 +269,15 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
             "interference": {"fallback": 1.0, "factors": c["interference"].as_config()}}
 
 
-def sharing_fields(raw: dict) -> dict:
-    """CPU ranks: the node's cores and other jobs' ready threads while measuring (the mean of samples before and
-    after the ranks ran: while they run, theirs cannot be told apart), so that the figures are scaled to the share
-    of the cores a plan gets (ClusterSpec.time_shared); nothing for GPUs."""
-    if raw["device"] != "cpu":
+def sharing_fields(raw: dict, specs: Specs) -> dict:
+    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on and other jobs' ready threads while
+    measuring (the mean of samples before and after the ranks ran: while they run, theirs cannot be told apart), so
+    that the figures are scaled to the share of the cores a plan gets (ClusterSpec.time_shared); nothing for GPUs
+    (nor for a GPU cluster's figures measured on a CPU)."""
+    if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
         return {}
     others = raw.get("other_runnable_threads") or [0.0]
-    return {"cores": os.cpu_count() or 1, "measured_other_runnable_threads": _round(statistics.mean(others), 3)}
+    return {"cores": usable_cores(), "measured_other_runnable_threads": _round(statistics.mean(others), 3)}
 
 
 def gemm_note(gemm: dict) -> str:
@@ -308,8 +319,9 @@ def write_profile_db(path: Path, device: str, dtype: str, rows) -> Path:
 
 
 def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None, quick: bool,
-            quiet: bool) -> dict:
-    """Measure (the ranks' raw results go to `<out>/measurements.json` first), fit, write; the summary."""
+            quiet: bool, layers: bool = True) -> dict:
+    """Measure (the ranks' raw results go to `<out>/measurements.json` first), fit, write; the summary. `layers`:
+    time the model's layers whole too (layer_payload; their rows go to the database only)."""
     from mist_ds.observe.ranks import CPU_ENV
 
     if specs.cluster.nodes != 1:
@@ -324,11 +336,12 @@ def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None,
                           "the configs you will tune, e.g. a train.global_batch_size divisible by them")
     shapes = op_shapes(specs, points)
     payload = {"device": device, "dtype": specs.train.precision, "quick": bool(quick), **GRIDS[bool(quick)],
-               "shapes": {"gemm": shapes.gemms, "attention": shapes.attention}, **layer_payload(specs, points)}
+               "shapes": {"gemm": shapes.gemms, "attention": shapes.attention},
+               **(layer_payload(specs, points) if layers else {})}
     start = time.perf_counter()
-    others = [other_runnable_threads(LOAD_SAMPLE_S) if device == "cpu" else 0.0]
+    others = [sample_other_runnable_threads(LOAD_SAMPLE_S) if device == "cpu" else 0.0]
     per_rank = run_with_progress(payload, ranks, {} if device == "cuda" else CPU_ENV, quiet)
-    others.append(other_runnable_threads(LOAD_SAMPLE_S) if device == "cpu" else 0.0)
+    others.append(sample_other_runnable_threads(LOAD_SAMPLE_S) if device == "cpu" else 0.0)
     (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "measurements.json", {"device": device, "quick": bool(quick), "per_rank": per_rank,
                                                       "seconds": time.perf_counter() - start,
@@ -348,7 +361,7 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     db_path = (out_dir / "profile.db").resolve()
     rows = db_rows(measured, shapes) + layer_rows(measured, specs)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
-    fields = {**measured_fields(cluster_config["gpu"], constants, dtype), **sharing_fields(raw)}
+    fields = {**measured_fields(cluster_config["gpu"], constants, dtype), **sharing_fields(raw, specs)}
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
                                                                                 dtype, gemm_note(constants["gemm"])))
     # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile
@@ -377,7 +390,8 @@ def measure_machine_once(cfg) -> bool:
           f"{cfg.train.precision} (a quick profile, once; `mist-ds profile` refreshes it)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="mist_ds_machine_") as tmp:
         profile(specs_from_config(as_file, with_strategy=False), OmegaConf.to_container(as_file.cluster, resolve=True),
-                Path(tmp), None, quick=True, quiet=bool(OmegaConf.select(cfg, "tuner.quiet", default=False)))
+                Path(tmp), None, quick=True, quiet=bool(OmegaConf.select(cfg, "tuner.quiet", default=False)),
+                layers=False)  # only the constants are kept: a database of layer times would be thrown away
     return True
 
 

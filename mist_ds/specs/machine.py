@@ -92,7 +92,15 @@ def _ready_threads(excluded: set[int]) -> int:
     return ready
 
 
-def other_runnable_threads(seconds: float = 0.5) -> float:
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's cpuset), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def sample_other_runnable_threads(seconds: float = 0.5) -> float:
     """Other jobs' threads ready to run on this machine, on average over `seconds` (sampled every 20 ms; this
     process's own threads not counted): what CPU ranks started now would share the cores with
     (ClusterSpec.cpu_slowdown). 0 where /proc is not there to read (not Linux)."""
