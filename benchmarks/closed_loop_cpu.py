@@ -3,6 +3,8 @@ with the profiled values.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu \\
         > benchmarks/results/closed_loop_cpu.md
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu --spinners 1 \\
+        > benchmarks/results/closed_loop_cpu_loaded.md   # beside a process spinning on the cores throughout
 
 1. `mist-ds profile model=tiny cluster=cpu profile.quick=true` (bf16, and again with train.precision=fp32 as
    cluster `cpu-profiled-fp32`): the profile database and cluster configs in a scratch folder; before each, the
@@ -27,6 +29,7 @@ docs/design.md, Hardware model and Profiling).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -47,6 +50,10 @@ from mist_ds.cost.predict import predict
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu "
            "> benchmarks/results/closed_loop_cpu.md")
+LOADED_COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.closed_loop_cpu --spinners {n} "
+                  "> benchmarks/results/closed_loop_cpu_loaded.md")
+SPIN = "while True: pass"
+"""A spinner: a process of one thread always ready to run, the load `--spinners` adds for the whole run."""
 COMMITTED = Path(__file__).resolve().parent / "results" / "measure_cpu.md"
 PROFILED = {"bf16": "cpu-profiled", "fp32": "cpu-profiled-fp32"}
 ROUNDS = 3  # interleaved launches per plan: the median of 3 drops one round a burst of load spoiled
@@ -77,8 +84,20 @@ def passes(errors: np.ndarray, predicted: np.ndarray, measured: np.ndarray) -> b
     return float(np.median(np.abs(errors))) <= GATE_MEDIAN_ERROR and spearman(predicted, measured) >= GATE_SPEARMAN
 
 
-def main() -> None:
+def main(spinners: int = 0) -> None:
     start, machine, at_start = time.perf_counter(), machine_text(), run_start()
+    spinning = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(spinners)]
+    try:
+        loop = run_loop()
+    finally:
+        for spinner in spinning:
+            spinner.kill()
+            spinner.wait()
+    print(report(loop, time.perf_counter() - start, spinners, machine, at_start))
+
+
+def run_loop() -> dict:
+    """Profile, tune, measure, then the measure benchmark's plans in rounds: every figure the report quotes."""
     with tempfile.TemporaryDirectory(prefix="mist_ds_closed_loop_") as tmp:
         folder = Path(tmp, "calib")  # the config dir: only cluster/ in it (a plan/ folder would be a config group)
         profile_s = {}
@@ -120,21 +139,34 @@ def main() -> None:
                           statistics.median(p.iteration_time_s for p in again), again[0].sources,
                           statistics.mean(o for _, o, _ in measured_runs), [m for m, _, _ in measured_runs],
                           statistics.mean(r for _, _, r in measured_runs))
-    wall_s = time.perf_counter() - start
+    return {"profile_s": profile_s, "yaml_text": yaml_text, "tune_s": tune_s, "plan": plan, "measure_s": measure_s,
+            "tuned": tuned, "rows": rows}
+
+
+def report(loop: dict, wall_s: float, spinners: int, machine: str, at_start) -> str:
+    """The results file's text."""
+    profile_s, yaml_text, tune_s, plan, measure_s, tuned, rows = (
+        loop[k] for k in ("profile_s", "yaml_text", "tune_s", "plan", "measure_s", "tuned", "rows"))
     measured = np.array([r[0] for r in rows.values()])
     before, after = np.array([r[1] for r in rows.values()]), np.array([r[2] for r in rows.values()])
     err_before, err_after = measured / before - 1, measured / after - 1
     committed_error, committed_rho = committed_figures()
     tuned_measured = statistics.median(tuned["measured_iteration_time_s"])
     tuned_predicted = tuned["predicted_iteration_time_s"][0]
-    lines = [results_header("The closed loop on 2 CPU ranks: profile -> tune -> measure", COMMAND,
+    title = "The closed loop on 2 CPU ranks: profile -> tune -> measure" + (
+        f", beside {spinners} spinning process{'es' if spinners > 1 else ''}" if spinners else "")
+    lines = [results_header(title, LOADED_COMMAND.format(n=spinners) if spinners else COMMAND,
                             "fitted and validation: the profiled constants are fitted on this run's microbenchmarks; "
                             "the measured plans are validation, in no fit, but looked at while the cost model changed "
                             "(ZeRO-3's host term and the GEMM fit's flat fallback came after reading their errors)",
                             machine=machine, started=at_start),
              f"{wall_s:.0f} s in all. The machine is shared with other jobs (the load above; the table gives the cores "
              "they took during each plan's launches, /proc/stat less the ranks' own time): every time here, profiled "
-             "or measured, moves with the load.", "",
+             "or measured, moves with the load."
+             + (f" This run adds {spinners} process{'es' if spinners > 1 else ''} spinning on the cores for its whole "
+                "length (`--spinners`: a load of known size, a thread always ready to run), so that the share of the "
+                "cores the ranks get is priced from what the samples see (cluster.other_runnable_threads)."
+                if spinners else ""), "",
              "## The loop", "",
              "1. `mist-ds profile model=tiny cluster=cpu train.global_batch_size=8 profile.quick=true "
              f"profile.out_dir=calib` (bf16, {profile_s['bf16']:.0f} s) and the same with `train.precision=fp32 "
@@ -178,8 +210,11 @@ def main() -> None:
     for dtype, text in yaml_text.items():
         shown = re.sub(r"profile_db: .*", "profile_db: calib/profile.db", text)
         lines += [f"{dtype}:", "", "```yaml", shown.rstrip(), "```", ""]
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spinners", type=int, default=0,
+                        help="processes spinning on the cores for the whole run: a synthetic load of known size")
+    main(parser.parse_args().spinners)

@@ -24,13 +24,16 @@ COMMAND = ".venv/bin/python -m benchmarks.index > benchmarks/results/index.md"
 PERCENT = r"([\d.]+%)"
 # nccl_rails.md: a node count's row of the NCCL tuning model's error table, its all-sizes cell.
 NCCL_MODEL_ROW = r"Error of NCCL's tuning model[\s\S]*?^\| {} \| \d+ \|(?:[^|]*\|){{3}} " + PERCENT
+# closed_loop_cpu.md, and the same loop beside a synthetic load
+CLOSED_LOOP_HEADLINES = (("median |error| profiled",
+                          r"\| profiled \(`mist-ds profile`, quick\), this run \| " + PERCENT),
+                         ("zoo cpu", r"\| zoo `cpu` \(cpu_constants\.md constants\), this run \| " + PERCENT))
 # file -> (label, pattern with one group) per headline number, in the order the index quotes them
 HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
     "calibration_a100.md": (("RMS log error on the fit rows", r"RMS \(weighted\) log error on the fit rows: start "
                                                               r"[\d.]+, fitted ([\d.]+)"),),
-    "closed_loop_cpu.md": (("median |error| profiled", r"\| profiled \(`mist-ds profile`, quick\), this run \| "
-                                                       + PERCENT),
-                           ("zoo cpu", r"\| zoo `cpu` \(cpu_constants\.md constants\), this run \| " + PERCENT)),
+    "closed_loop_cpu.md": CLOSED_LOOP_HEADLINES,
+    "closed_loop_cpu_loaded.md": CLOSED_LOOP_HEADLINES,
     "cost_speed.md": (("10^6 candidates, deepspeed, median s", r"runtime deepspeed: time \+ memory \| ([\d.]+)"),
                       ("mist-paper", r"runtime mist-paper: time \+ memory \| ([\d.]+)")),
     "cpu_constants.md": (("peak fp32 TFLOP/s", r"\| peak_tflops\.fp32 \| ([\d.]+)"),
