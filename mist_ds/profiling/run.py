@@ -270,14 +270,24 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
 
 
 def sharing_fields(raw: dict, specs: Specs) -> dict:
-    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on and other jobs' ready threads while
-    measuring (the mean of samples before and after the ranks ran: while they run, theirs cannot be told apart), so
-    that the figures are scaled to the share of the cores a plan gets (ClusterSpec.time_shared); nothing for GPUs
-    (nor for a GPU cluster's figures measured on a CPU)."""
+    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as a core's own
+    (measured_other_runnable_threads 0) whatever other jobs ran meanwhile: each figure is the median of short calls,
+    most shorter than the scheduler's slice, which a call rarely loses and the median drops where it did (beside a
+    process spinning on the cores the profiled figures came out as an idle machine's: benchmarks/results/
+    closed_loop_cpu_loaded.md). The ready threads sampled around the run stay in measurements.json and the file's
+    header (sampling_note); nothing for GPUs (nor for a GPU cluster's figures measured on a CPU)."""
     if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
         return {}
-    others = raw.get("other_runnable_threads") or [0.0]
-    return {"cores": usable_cores(), "measured_other_runnable_threads": _round(statistics.mean(others), 3)}
+    return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
+
+
+def sampling_note(raw: dict) -> str:
+    """The header line saying what other jobs ran while a CPU profile measured (its samples' mean), or ""."""
+    others = raw.get("other_runnable_threads")
+    if raw["device"] != "cpu" or not others:
+        return ""
+    return (f"other jobs' ready threads around the run: {statistics.mean(others):.2f} (the figures are medians of "
+            "short calls: a core's own, measured_other_runnable_threads 0)")
 
 
 def gemm_note(gemm: dict) -> str:
@@ -362,8 +372,9 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     rows = db_rows(measured, shapes) + layer_rows(measured, specs)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
     fields = {**measured_fields(cluster_config["gpu"], constants, dtype), **sharing_fields(raw, specs)}
+    notes = [note for note in (gemm_note(constants["gemm"]), sampling_note(raw)) if note]
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
-                                                                                dtype, gemm_note(constants["gemm"])))
+                                                                                dtype, ".\n# ".join(notes)))
     # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile
     write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, dtype, fields)
     summary = {"cluster": name, "cluster_yaml": str(yaml_path), "profile_db": str(db_path), "device": device,
