@@ -272,10 +272,10 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
 def sharing_fields(raw: dict, specs: Specs) -> dict:
     """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as a core's own
     (measured_other_runnable_threads 0) whatever other jobs ran meanwhile: each figure is the median of short calls,
-    most shorter than the scheduler's slice, which a call rarely loses and the median drops where it did (beside a
-    process spinning on the cores the profiled figures came out as an idle machine's: benchmarks/results/
-    closed_loop_cpu_loaded.md). The ready threads sampled around the run stay in measurements.json and the file's
-    header (sampling_note); nothing for GPUs (nor for a GPU cluster's figures measured on a CPU)."""
+    most shorter than the scheduler's slice, which a call may run whole or lose as the slices fall, so the share of
+    a core a figure carries is not the one sampled (docs/design.md, Hardware model). The ready threads sampled
+    around the run stay in measurements.json and the file's header (sampling_note); nothing for GPUs (nor for a GPU
+    cluster's figures measured on a CPU)."""
     if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
         return {}
     return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
