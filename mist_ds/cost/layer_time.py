@@ -19,7 +19,7 @@ class LayerTimes:
     bwd_tp_s: np.ndarray
 
 
-def _measured_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, measured: bool) -> np.ndarray:
+def measured_pass_s(cost: LayerCost, hw: HardwareModel, phase: str, b, s, t, q, measured: bool) -> np.ndarray:
     """The pass as the profile database timed the layer whole (the layer the runtime builds, on t ranks with its
     TP collectives: docs/design.md, Profiling), NaN where it holds none: it holds what composing op by op leaves
     out. Only for an executor that runs those layers (`measured`: ExecutorCapabilities.runs_profiled_layers), and
@@ -71,7 +71,7 @@ def layer_times(cost: LayerCost, hw: HardwareModel, b, s, t, fused: bool = False
     for phase in ("fwd", "bwd"):
         tp = _pass_tp_s(cost, hw, phase, b, s, t, q)
         composed = _pass_compute_s(cost, hw, phase, b, s, t, q, fused, tp)
-        timed = _measured_pass_s(cost, hw, phase, b, s, t, q, measured)
+        timed = measured_pass_s(cost, hw, phase, b, s, t, q, measured)
         held = ~np.isnan(timed)
         times[f"{phase}_compute_s"] = np.where(held, timed, composed)
         times[f"{phase}_tp_s"] = np.where(held, 0.0, tp)
@@ -88,7 +88,7 @@ def profile_sources(layers: tuple[LayerCost, ...], hw: HardwareModel, b, s, t, q
     if hw.profile is not None:
         for cost in layers:
             for phase in ("fwd", "bwd"):
-                asked["layers"].append(_measured_pass_s(cost, hw, phase, b, s, t, q, measured))
+                asked["layers"].append(measured_pass_s(cost, hw, phase, b, s, t, q, measured))
             for index in range(len(cost.gemms)):
                 asked["gemm"].append(hw.profile.lookup("gemm", *cost.gemm_shapes(index, b, np.asarray(s) / q, t)))
             for phase in ("fwd", "bwd"):

@@ -74,7 +74,7 @@ def op_times(shapes: dict, dtype: str, device) -> dict:
 
 def tensor_parallel_groups(rank: int, world_size: int, t: int):
     """This rank's TensorParallel over groups of t consecutive ranks (as the runtime places TP), every group made
-    by every rank (torch.distributed's rule); None where the rank is in no whole group (or t is 1: no group)."""
+    by every rank (torch.distributed's rule); at t 1 one without a group; None where the rank is in no whole group."""
     import torch.distributed as dist
 
     from mist_ds.models.tp import TensorParallel
@@ -121,11 +121,10 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
     ranks' skew at each collective). Every rank runs every point at once (one in no group of t records 0: the
     slowest rank's figure is a member's). Forward and backward are timed apart (pass_times); gradients accumulate
     into .grad as a step's later micro-batches do."""
-    import torch
     import torch.distributed as dist
 
-    from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
     from mist_ds.specs import ModelSpec
+    from mist_ds.symbolic.analyze import LAYER_KINDS
 
     spec, kind = ModelSpec(**model), _torch_dtype(dtype)
     degrees = sorted({t for _, t in points if t <= world_size})
@@ -134,27 +133,32 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
     for b, t in points:
         if t > world_size:
             continue
-        tp = groups[t]
-        if tp is None:  # in no whole group of t: nothing to time (0: the slowest rank's figure is a member's)
-            out.append({"b": b, "t": t, **{name: {"fwd": 0.0, "bwd": 0.0} for name in ("embedding", "block", "head")}})
-            for _ in range(3):
-                dist.barrier()
-            continue
-        loss_fn = language_model_loss(tp)
-        recipes = layer_recipes(spec, (0, 1), 0, True, True, t, tp, kind, seed=0)
-        embedding, block, head = (PlannedLayer(r).to(device) for r in recipes)
-        tokens = torch.randint(0, spec.vocab_size, (b, spec.seq_len), device=device)
-        x = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device, requires_grad=True)
-        grad = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=kind, device=device)
-        passes = {"embedding": (lambda: embedding(tokens), lambda y: y.backward(grad)),
-                  "block": (lambda: block(x), lambda y: y.backward(grad)),
-                  "head": (lambda: loss_fn(head(x), tokens), lambda y: y.backward())}
+        # in no whole group of t: nothing to time (0: the slowest rank's figure is a member's), the same barriers
+        passes = {} if groups[t] is None else layer_passes(spec, b, t, groups[t], kind, device)
         point = {"b": b, "t": t}
-        for name, (forward, backward) in passes.items():
+        for name in LAYER_KINDS:
             dist.barrier()
-            point[name] = pass_times(forward, backward, device)
+            point[name] = pass_times(*passes[name], device) if passes else {"fwd": 0.0, "bwd": 0.0}
         out.append(point)
     return out
+
+
+def layer_passes(spec, b: int, t: int, tp, dtype, device) -> dict:
+    """Per layer kind, (forward, backward of its output) of the model's embedding, one block and its head with the
+    loss, built as the runtime builds them for a rank of t over `tp`, on inputs of micro-batch b."""
+    import torch
+
+    from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
+
+    loss_fn = language_model_loss(tp)
+    recipes = layer_recipes(spec, (0, 1), 0, True, True, t, tp, dtype, seed=0)
+    embedding, block, head = (PlannedLayer(r).to(device) for r in recipes)
+    tokens = torch.randint(0, spec.vocab_size, (b, spec.seq_len), device=device)
+    x = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=dtype, device=device)
+    return {"embedding": (lambda: embedding(tokens), lambda y: y.backward(grad)),
+            "block": (lambda: block(x), lambda y: y.backward(grad)),
+            "head": (lambda: loss_fn(head(x), tokens), lambda y: y.backward())}
 
 
 def host_copy_times(sizes, device) -> list[dict]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mist_ds.cost.candidates import ModelCosts, StageCandidates
-from mist_ds.cost.layer_time import layer_times
+from mist_ds.cost.layer_time import layer_times, measured_pass_s
 from mist_ds.hardware import HardwareModel
 from mist_ds.specs.pipeline_order import (BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD, RECV_ACT, SEND_ACT,
                                           SEND_GRAD, deferred_weight_passes, zb_h1_order)
@@ -52,9 +52,10 @@ def weight_gradient_s(cost: LayerCost, hw: HardwareModel, b, s, t, measured: boo
         total = total + hw.gemm_time_s(*cost.gemm_shapes(index, b, s, t))
     if not measured or hw.profile is None:
         return total
-    timed, composed = (layer_times(cost, hw, b, s, t, measured=m) for m in (True, False))
+    composed = layer_times(cost, hw, b, s, t)
     whole = composed.bwd_compute_s + composed.bwd_tp_s
-    ratio = np.divide(timed.bwd_compute_s + timed.bwd_tp_s, whole, out=np.ones_like(whole), where=whole > 0)
+    timed = measured_pass_s(cost, hw, "bwd", b, s, t, 1, measured)
+    ratio = np.divide(timed, whole, out=np.ones(np.broadcast(timed, whole).shape), where=~np.isnan(timed) & (whole > 0))
     return total * ratio
 
 
