@@ -16,7 +16,8 @@ by message size. Beside it, the per-GPU-share rule mist_ds used before rails (a 
 e x node network / 8), fitted the same way, and the all-reduce latency NCCL's own tuning model gives its tree
 algorithm (src/graph/tuning.cc, ncclTopoTuneModel: 2 ((ranks per node - 1) intra + log2(nodes) inter) step
 latencies), as a diagnostic of the small-message error. Then what GPU clusters price now: NCCL's tuning model
-(mist_ds/hardware/nccl.py), its latencies not fitted, e fitted on the same 2-node rows.
+(mist_ds/hardware/nccl.py), its latencies not fitted, e fitted on the same 2-node rows, with the constants of NCCL
+2.8.4 (the release the rows ran: cluster.nccl_version=2.8.4) and, beside, with the current release's.
 """
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from mist_ds.config import compose
+from mist_ds.hardware import nccl
 from mist_ds.hardware.network import RingGroup
 
 from benchmarks.common import reference_rows, results_header
 
 COMMAND = ".venv/bin/python -m benchmarks.nccl_rails > benchmarks/results/nccl_rails.md"
 DATA = ("fitted and validation: alpha and e are fitted on the 2-node rows; the 4- to 16-node rows are out of the "
-        "fit but chose the rails rule over the per-GPU share, so validation")
+        "fit but chose the rails rule over the per-GPU share, and NCCL's tuning model's errors on them were seen "
+        "(with the current release's constants) before the 2.8.4 constants were added, so validation")
 
 REFERENCE = "nccl_allreduce_abci_a100"
+ROWS_NCCL = "2.8.4"  # the NCCL release the rows ran (the CSV's header)
 FIT_NODES = 2
 GB = 1e9
 # Message-size bands of the error tables: latency-bound, in between, bandwidth-bound (NCCL's LL/LL128/Simple
@@ -61,21 +65,25 @@ def predicted_time_s(table, alpha_s: float, efficiency: float, intra_bytes_per_s
     return ring.all_reduce_time_s(table["size_bytes"])
 
 
-def nccl_time_s(table, efficiency: float, intra_bytes_per_s: float):
-    """mist_ds's all-reduce as GPU clusters price it now: NCCL's tuning model (mist_ds/hardware/nccl.py, NCCL's
-    latencies, not fitted) on the rails' bus bandwidth min(e x node network, intra-node)."""
+def nccl_time_s(table, efficiency: float, intra_bytes_per_s: float, nccl_version: str):
+    """mist_ds's all-reduce as GPU clusters price it now: the tuning model of NCCL `nccl_version`
+    (mist_ds/hardware/nccl.py, NCCL's latencies, not fitted) on the rails' bus bandwidth min(e x node network,
+    intra-node)."""
     gpus_per_node = int(table["gpus_per_node"][0])
     node_network = efficiency * float(table["node_network_gbps"][0]) * GB
     group = RingGroup.of(table["nodes"] * gpus_per_node, 1, gpus_per_node, intra_bytes_per_s, node_network, 0.0,
-                         intra_link="nvlink")
+                         intra_link="nvlink", nccl_version=nccl_version)
     return group.all_reduce_time_s(table["size_bytes"])
 
 
-def fit_nccl(table, mask, intra_bytes_per_s: float):
+def fit_nccl(table, mask, intra_bytes_per_s: float, nccl_version: str):
     """(efficiency, rms log error): NCCL's model has only the bus bandwidth's e left to fit."""
     sub = {k: v[mask] for k, v in table.items()}
-    result = least_squares(lambda x: np.log(nccl_time_s(sub, x[0], intra_bytes_per_s)) - np.log(sub["time_s"]),
-                           x0=[0.5], bounds=([1e-3], [1.0]))
+
+    def residuals(x):
+        return np.log(nccl_time_s(sub, x[0], intra_bytes_per_s, nccl_version)) - np.log(sub["time_s"])
+
+    result = least_squares(residuals, x0=[0.5], bounds=([1e-3], [1.0]))
     return result.x[0], float(np.sqrt(np.mean(result.fun**2)))
 
 
@@ -90,6 +98,23 @@ def print_errors(table, error, node_counts) -> None:
             e = error[rows]
             cells.append(f"{np.median(np.abs(e)):.0%} (max {np.abs(e).max():.0%}; {np.median(e):+.0%})")
         print(f"| {nodes}{' (fit)' if nodes == FIT_NODES else ''} | {8 * nodes} | " + " | ".join(cells) + " |")
+
+
+def print_nccl_errors(table, error, node_counts, version: str, efficiency: float, rms: float,
+                      ring_rms: float) -> None:
+    """The error table of NCCL's tuning model with release `version`'s constants, after a heading saying what
+    was fitted."""
+    rows_release = version == ROWS_NCCL
+    which = "the rows' release" if rows_release else "the current release, not the rows'"
+    print(f"\n## Error of NCCL's tuning model, NCCL {version} constants ({which})\n")
+    print(f"mist_ds/hardware/nccl.py with `cluster.nccl_version={version}` ({nccl.TUNING[version].source}): ring, "
+          "tree and their LL / LL128 / Simple protocols at NCCL's latencies (not fitted), the fastest taken, on the "
+          f"rails' bus bandwidth; only e is fitted on the {FIT_NODES}-node rows: e = {efficiency:.3f}, RMS log error "
+          f"there {rms:.3f} (alpha-beta ring above: {ring_rms:.3f}). "
+          + ("These rows ran this release." if rows_release else
+             f"These rows ran NCCL {ROWS_NCCL}; shown for comparison: what a cluster that names no release gets.")
+          + "\n")
+    print_errors(table, error, node_counts)
 
 
 def busbw_gbps(table, time_s) -> np.ndarray:
@@ -147,15 +172,11 @@ def main() -> None:
           "worst |error| over both runs' rows; signed median in brackets. Node count 2 is the fit set.\n")
     print_errors(table, error, node_counts)
 
-    nccl_eff, nccl_rms = fit_nccl(table, fit_rows, intra)
-    nccl_predicted = nccl_time_s(table, nccl_eff, intra)
-    print("\n## Error of NCCL's tuning model (GPU clusters' collectives now)\n")
-    print("mist_ds/hardware/nccl.py: ring, tree and their LL / LL128 / Simple protocols with NCCL's latencies "
-          "(src/graph/tuning.cc of NVIDIA/nccl 5067397, not fitted; these rows ran NCCL 2.8.4, whose constants "
-          f"differ), the fastest taken, on the rails' bus bandwidth; only e is fitted on the {FIT_NODES}-node rows: "
-          f"e = {nccl_eff:.3f}, RMS log error there {nccl_rms:.3f} (alpha-beta ring above: {rms:.3f}).\n")
-    nccl_error = nccl_predicted / table["time_s"] - 1.0
-    print_errors(table, nccl_error, node_counts)
+    nccl_error = {}
+    for version in (ROWS_NCCL, nccl.CURRENT.version):
+        nccl_eff, nccl_rms = fit_nccl(table, fit_rows, intra, version)
+        nccl_error[version] = nccl_time_s(table, nccl_eff, intra, version) / table["time_s"] - 1.0
+        print_nccl_errors(table, nccl_error[version], node_counts, version, nccl_eff, nccl_rms, rms)
     small_held = (table["nodes"] > FIT_NODES) & (table["size_bytes"] <= 2**16)
     print("\n## Bus bandwidth, measured (two runs) and predicted, GB/s\n")
     print("| size | " + " | ".join(f"{n} nodes meas. | pred." for n in node_counts) + " |")
@@ -204,9 +225,13 @@ def main() -> None:
           "pays 2 (n - 1) steps. Priced at the ring's bandwidth with only its latency changed, the tree would be "
           f"the cheaper all-reduce up to {crossover / 2**20:.0f} MiB on {node_counts[-1]} nodes with these "
           "constants (where latency saved, 2 (n - 8 - log2 N) alpha, equals the extra 2 / n of the message at the "
-          "ring's bandwidth). GPU clusters now price collectives with NCCL's own model (section above), whose "
-          "latencies are NCCL's and not fitted: it holds the small messages within "
-          f"{np.median(np.abs(nccl_error[small_held])):.0%} (median over the 4- to 16-node 4 B - 64 KiB rows).")
+          "ring's bandwidth). GPU clusters now price collectives with NCCL's own model (sections above), whose "
+          f"latencies are NCCL's and not fitted: with the rows' release's ({ROWS_NCCL}) constants it holds the small "
+          f"messages within {np.median(np.abs(nccl_error[ROWS_NCCL][small_held])):.0%} (median over the 4- to "
+          f"16-node 4 B - 64 KiB rows; signed {np.median(nccl_error[ROWS_NCCL][small_held]):+.0%}), with the "
+          f"current release's ({nccl.CURRENT.version}) within "
+          f"{np.median(np.abs(nccl_error[nccl.CURRENT.version][small_held])):.0%} "
+          f"(signed {np.median(nccl_error[nccl.CURRENT.version][small_held]):+.0%}).")
     print("- Bandwidth on 8 and 16 nodes: bus bandwidth at 32 MiB per run, " + "; ".join(
         f"{n} nodes {' / '.join(f'{b:.1f}' for b in v)} GB/s" for n, v in plateau.items())
         + f" (against {measured_2n:.1f} on {FIT_NODES} nodes): runs of the same node count differ by up to "

@@ -130,6 +130,7 @@ BAD_INPUTS = [
     (["cluster.pcie_gbps=0"], "cluster.pcie_gbps"),
     (["cluster.nodes=2", "cluster.inter_node_gbps=0"], "cluster.inter_node_gbps"),
     (["cluster.interference.fallback=0.5"], "cluster.interference.fallback"),
+    (["cluster.nccl_version=2.18"], "cluster.nccl_version"),
     (["tuner.space=alpa"], "tuner.space"),
     (["tuner.runtime=jax"], "tuner.runtime"),
     (["tuner.pp=[0]"], "tuner.pp"),

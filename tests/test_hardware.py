@@ -140,3 +140,79 @@ def test_gloo_groups_keep_the_per_step_latency():
 def test_an_all_to_all_is_priced_on_the_placement():
     inside, across = _nccl_group(8, 1), _nccl_group(16, 1)
     assert 0 < float(inside.all_to_all_time_s(1 << 24)) < float(across.all_to_all_time_s(1 << 24))
+
+
+# --- One NCCL release's tuning model per cluster (cluster.nccl_version; hardware/nccl.py TUNING) ---------------
+def test_nccl_2_8_4_prices_a_tiny_cross_node_all_reduce_as_its_tuning_cc_does():
+    """8 bytes over 16 ranks on 2 nodes with NVLink, by hand from v2.8.4-1's src/graph/tuning.cc: tree LL is
+    baseLat 4.4 + 2 x ((16 / 2 - 1) x hwLat NVLink tree LL 0.52 x 1.8 (LL's intra latency across nodes) +
+    log2(2) x hwLat net tree LL 5.0) = 4.4 + 2 x (6.552 + 5.0) = 27.504 us, below ring LL's 3.6 + 28 x 0.47 x 1.8
+    + 2 x 2.7 = 32.688 us (and LL128's, Simple's, larger); its bandwidth min(0.92 x 200 GB/s / 3.8, llMaxBws 39)
+    = 39 GB/s, halved for the tree, correction 1. The current release's tree LL: 6.8 + 2 x (7 x 0.6 + 5.0) =
+    25.2 us."""
+    from mist_ds.hardware import nccl
+
+    old = RingGroup.of(16, 1, GPUS_PER_NODE, INTRA, NODE_NETWORK, 10e-6, intra_link="nvlink", nccl_version="2.8.4")
+    bytes_s = 8.0 / (0.5 * 39e9)
+    assert float(old.all_reduce_time_s(8.0)) == pytest.approx(27.504e-6 + bytes_s, rel=1e-9)
+    ring_ll = nccl.ring_latency_s("all_reduce", nccl.LL, 16.0, 2.0, "nvlink", nccl.NCCL_2_8_4)
+    assert float(ring_ll) == pytest.approx(32.688e-6, rel=1e-9)
+    assert float(_nccl_group(16, 1).all_reduce_time_s(8.0)) == pytest.approx(25.2e-6 + bytes_s, rel=1e-9)
+
+
+def test_nccl_2_8_4_ring_plateau_starts_at_4096_bytes_per_rank():
+    """v2.8.4-1: lat *= 1.9 once nBytes >= nRanks / 16.0 x 65536; the current release's 1.4 on every such call
+    (its threshold needs the channel count)."""
+    from mist_ds.hardware import nccl
+
+    def plateau(message, tuning):
+        return float(nccl.ring_plateau("all_reduce", nccl.SIMPLE, message, 16.0, 2.0, tuning))
+
+    assert plateau(16 * 4096.0, nccl.NCCL_2_8_4) == 1.9 and plateau(16 * 4096.0 - 1, nccl.NCCL_2_8_4) == 1.0
+    assert plateau(1.0, nccl.CURRENT) == 1.4
+    assert float(nccl.ring_plateau("all_reduce", nccl.SIMPLE, 1 << 20, 8.0, 1.0, nccl.NCCL_2_8_4)) == 1.0
+
+
+def test_nccl_2_8_4_has_no_pat():
+    from mist_ds.hardware.nccl import NCCL_2_8_4, candidate_times_s
+
+    assert len(candidate_times_s("all_gather", 1024.0, 16.0, 16.0, PER_GPU_SHARE, "nvlink", NCCL_2_8_4)) == 3
+
+
+def test_the_default_release_is_the_current_one_and_the_lists_agree():
+    """Nothing changes for a cluster that does not name a release: the default tuning is 2.30.7's, the one
+    every function takes when none is given; the names specs accept are the tables nccl.py holds."""
+    from mist_ds.config.schema import ClusterConfig
+    from mist_ds.hardware import nccl
+    from mist_ds.specs.cluster import DEFAULT_NCCL_VERSION, NCCL_VERSIONS
+
+    assert ClusterConfig().nccl_version == DEFAULT_NCCL_VERSION == nccl.CURRENT.version == "2.30.7"
+    assert set(nccl.TUNING) == set(NCCL_VERSIONS)
+    assert RingGroup.of(16, 1, GPUS_PER_NODE, INTRA, NODE_NETWORK, 0.0, intra_link="nvlink").tuning is nccl.CURRENT
+    sizes = np.array([8.0, 1 << 16, 1 << 20, 1 << 26])
+    default = nccl.collective_time_s("all_reduce", sizes, 64.0, 8.0, NODE_NETWORK, "nvlink")
+    named = nccl.collective_time_s("all_reduce", sizes, 64.0, 8.0, NODE_NETWORK, "nvlink", nccl.TUNING["2.30.7"])
+    np.testing.assert_array_equal(default, named)
+
+
+def test_a_cluster_names_its_nccl_release():
+    from mist_ds.config import compose
+    from mist_ds.hardware import nccl
+    from mist_ds.hardware.model import hardware_model
+
+    base = ["cluster=a100-40g", "cluster.nodes=2"]
+    current = hardware_model(compose(base, with_strategy=False).cluster, "bf16")
+    old = hardware_model(compose(base + ["cluster.nccl_version=2.8.4"], with_strategy=False).cluster, "bf16")
+    assert old.group(16, 1).tuning is nccl.NCCL_2_8_4 and current.group(16, 1).tuning is nccl.CURRENT
+    assert float(old.all_reduce_time_s(8.0, 16, 1)) > float(current.all_reduce_time_s(8.0, 16, 1))
+
+
+def test_an_unknown_nccl_release_names_the_field_and_the_known_ones():
+    from mist_ds.hardware import nccl
+    from mist_ds.specs import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^cluster\.nccl_version='2\.18': ") as caught:
+        nccl.tuning("2.18")
+    assert caught.value.field == "cluster.nccl_version" and all(v in str(caught.value) for v in ("2.8.4", "2.30.7"))
+    with pytest.raises(ConfigError, match="cluster.nccl_version"):
+        RingGroup.of(16, 1, GPUS_PER_NODE, INTRA, NODE_NETWORK, 0.0, intra_link="nvlink", nccl_version="2.18")

@@ -147,7 +147,8 @@ def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
         intra_node_bytes_per_s=cfg.intra_node_gbps * GB, inter_node_bytes_per_s=cfg.inter_node_gbps * GB,
         pcie_bytes_per_s=cfg.pcie_gbps * GB, cpu_memory_bytes=cfg.cpu_memory_gib * GIB,
         cpu_adam_params_per_s=cfg.cpu_adam_gparams_per_s * GIGA, interference=interference,
-        collective_latency_s=cfg.collective_latency_us * 1e-6, profile_db=cfg.profile_db,
+        collective_latency_s=cfg.collective_latency_us * 1e-6, nccl_version=cfg.nccl_version,
+        profile_db=cfg.profile_db,
         price_per_gpu_hour=cfg.price_per_gpu_hour,
         **time_sharing_fields(cfg.cores, cfg.other_runnable_threads),
         measured_other_runnable_threads=cfg.measured_other_runnable_threads)

@@ -91,6 +91,8 @@ class ClusterConfig:
     cpu_memory_gib: float = MISSING  # host memory per node, GiB
     cpu_adam_gparams_per_s: float = MISSING  # host optimizer (CPU Adam) speed per node, 1e9 params/s
     collective_latency_us: float = 10.0  # per p2p message and gloo ring step (GPUs: NCCL's own), microseconds
+    nccl_version: str = "2.30.7"  # the NCCL release whose tuning constants (src/graph/tuning.cc) price GPU
+    #                               collectives: 2.30.7 | 2.8.4
     interference: InterferenceConfig = field(default_factory=InterferenceConfig)
     profile_db: Optional[str] = None  # SQLite file of measured op times (mist-ds profile); null = roofline only
     constants: str = "file"  # file | machine: machine = the figures a quick mist-ds profile measured on this

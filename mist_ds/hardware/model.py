@@ -65,7 +65,8 @@ class HardwareModel:
 
     def group(self, size, stride) -> network.RingGroup:
         """Groups of `size` ranks `stride` apart, for several collectives over the same groups."""
-        return network.RingGroup.of(size, stride, *self._net(), intra_link=self.intra_link)
+        return network.RingGroup.of(size, stride, *self._net(), intra_link=self.intra_link,
+                                    nccl_version=self.cluster.nccl_version)
 
     def collective_time_s(self, kind: str, message_bytes, size, stride) -> np.ndarray:
         """One collective of `kind` (hardware/nccl.py KINDS) over groups of `size` ranks `stride` apart."""

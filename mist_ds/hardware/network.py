@@ -57,8 +57,9 @@ class RingGroup:
     collectives over the same groups share the placement work. Seconds; 0 for a single rank.
 
     With `intra_link` set (GPUs on NCCL: "nvlink", or "pci" for a node without NVLink) a collective costs what
-    NCCL's tuning model gives its fastest algorithm and protocol (hardware/nccl.py); without (CPU ranks on
-    gloo) a ring of 2 (n - 1) or n - 1 steps, each paying `latency_s`."""
+    the tuning model of NCCL `nccl_version` (cluster.nccl_version) gives its fastest algorithm and protocol
+    (hardware/nccl.py); without (CPU ranks on gloo) a ring of 2 (n - 1) or n - 1 steps, each paying
+    `latency_s`."""
 
     size: np.ndarray
     seconds_per_byte: np.ndarray
@@ -66,17 +67,19 @@ class RingGroup:
     latency_s: float
     nodes: np.ndarray | float = 1.0
     intra_link: str | None = None
+    tuning: nccl.NcclTuning = nccl.CURRENT
 
     @classmethod
     def of(cls, size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s, latency_s: float,
-           intra_link: str | None = None):
+           intra_link: str | None = None, nccl_version: str = nccl.CURRENT.version):
         size = np.asarray(size, dtype=np.float64)
         bandwidth = link_bandwidth(size, stride, gpus_per_node, intra_bytes_per_s, inter_node_bytes_per_s)
         bandwidth = np.broadcast_to(bandwidth, np.broadcast(size, bandwidth).shape)
         ring = np.broadcast_to(size > 1, bandwidth.shape)
         seconds_per_byte = np.divide(1.0, bandwidth, out=np.zeros(bandwidth.shape), where=ring)
         return cls(size=size, seconds_per_byte=seconds_per_byte, latency_s=latency_s,
-                   nodes=nodes_spanned(size, stride, gpus_per_node), intra_link=intra_link)
+                   nodes=nodes_spanned(size, stride, gpus_per_node), intra_link=intra_link,
+                   tuning=nccl.tuning(nccl_version))
 
     def time_s(self, kind: str, message_bytes) -> np.ndarray:
         """One collective of `kind` (nccl.KINDS) over the group; `message_bytes` as nccl.candidate_times_s."""
@@ -84,7 +87,7 @@ class RingGroup:
         if self.intra_link is not None:
             bus = np.divide(1.0, self.seconds_per_byte, out=np.full(self.seconds_per_byte.shape, np.inf),
                             where=self.seconds_per_byte > 0)
-            return nccl.collective_time_s(kind, message_bytes, n, self.nodes, bus, self.intra_link)
+            return nccl.collective_time_s(kind, message_bytes, n, self.nodes, bus, self.intra_link, self.tuning)
         # A ring sends 2 (n - 1) / n of the message per rank in 2 (n - 1) steps for an all-reduce, half
         # that for the others (Patarasuk & Yuan 2009; NCCL's busBw).
         ring_steps = nccl.steps(kind, n)

@@ -18,6 +18,12 @@ plan's ranks are CPU processes, which DeepSpeed runs only with CPU_RANKS_ENV set
 CPU_RANKS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 """DeepSpeed's CPU accelerator (gloo, no GPU) and one thread per rank."""
 
+NCCL_VERSIONS: tuple[str, ...] = ("2.8.4", "2.30.7")
+"""NCCL releases whose tuning model (src/graph/tuning.cc) mist_ds holds (hardware/nccl.py TUNING): what
+`cluster.nccl_version` may name."""
+DEFAULT_NCCL_VERSION = "2.30.7"
+"""The newest of them: NVIDIA/nccl 5067397, whose tuning.cc is v2.30.7-1's."""
+
 # Datasheet units the config fields are named in (error messages quote values in them).
 GIB = 2**30
 GB = 1e9
@@ -162,6 +168,8 @@ class ClusterSpec:
     collective_latency_s: float = 10e-6
     """Per p2p message, and per ring step of a collective between CPU ranks (gloo); GPU collectives take NCCL's
     latencies (hardware/nccl.py)."""
+    nccl_version: str = DEFAULT_NCCL_VERSION
+    """The NCCL release whose tuning constants price GPU collectives (NCCL_VERSIONS; hardware/nccl.py)."""
     profile_db: str | None = None
     price_per_gpu_hour: float | None = None
     cores: int | None = None
@@ -189,6 +197,8 @@ class ClusterSpec:
         require_positive("cluster.cpu_adam_gparams_per_s", self.cpu_adam_params_per_s / GIGA)
         require(self.collective_latency_s >= 0, "cluster.collective_latency_us", self.collective_latency_s * 1e6,
                 "must be >= 0")
+        require(self.nccl_version in NCCL_VERSIONS, "cluster.nccl_version", self.nccl_version,
+                f"an NCCL release whose tuning constants mist_ds holds: one of {', '.join(NCCL_VERSIONS)}")
         if self.price_per_gpu_hour is not None:
             require(self.price_per_gpu_hour >= 0, "cluster.price_per_gpu_hour", self.price_per_gpu_hour,
                     "must be >= 0, or null when unknown")
