@@ -22,7 +22,8 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 NOT_RESULTS = {"README.md", "index.md"}
 COMMAND = ".venv/bin/python -m benchmarks.index > benchmarks/results/index.md"
 PERCENT = r"([\d.]+%)"
-# nccl_rails.md: a node count's row of the NCCL tuning model's error table, its all-sizes cell.
+# nccl_rails.md: a node count's row of the NCCL tuning model's first error table (the rows' release, 2.8.4), its
+# all-sizes cell.
 NCCL_MODEL_ROW = r"Error of NCCL's tuning model[\s\S]*?^\| {} \| \d+ \|(?:[^|]*\|){{3}} " + PERCENT
 # closed_loop_cpu.md, and the same loop beside a synthetic load
 CLOSED_LOOP_HEADLINES = (("median |error| profiled",
@@ -57,7 +58,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                         ("its sp", r"^\| 8x H100-80GB \| 64k \| sp searched \| .*?\| sp (\d+),")),
     "model_states.md": (("cells", r"^(\d+) \(case, rank, field\) cells"), ("exact", r"cells: (\d+) exact"),
                         ("beyond the stated residual", r"(\d+) beyond it")),
-    "nccl_rails.md": (("NCCL's tuning model, all sizes, median |error|, 4 nodes", NCCL_MODEL_ROW.format(4)),
+    "nccl_rails.md": (("NCCL's tuning model (2.8.4 constants), all sizes, median |error|, 4 nodes",
+                       NCCL_MODEL_ROW.format(4)),
                       ("8 nodes", NCCL_MODEL_ROW.format(8)), ("16 nodes", NCCL_MODEL_ROW.format(16))),
     "offload_grid.md": (("mist grid, mist-paper, faster than default", r"^\| mist-paper \| mist \| per-gpu \| \d+ "
                                                                        r"\| ([^|]+?) \|"),),
