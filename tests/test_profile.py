@@ -336,3 +336,17 @@ def test_finish_times_follow_the_model_of_the_cost_model():
             continue
         expected = float(overlapped_time_s(np.array(busy), factor_table(spec)))
         assert max(finish_times_s(alone, factors).values()) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("bf16", 2), ("fp16", 2), ("fp32", 4)])
+def test_the_profiles_all_reduce_sends_the_training_precisions_elements(dtype, itemsize):
+    """gloo's all-reduce rate depends on the dtype it sums (docs/design.md, Profiling): the profile times the
+    message a step reduces, in the training precision's elements, at the bytes it names."""
+    import torch
+
+    from mist_ds.profiling.worker import all_reduce_message
+
+    message = all_reduce_message(2**20, dtype, torch.device("cpu"))
+    assert message.element_size() == itemsize
+    assert message.numel() * message.element_size() == 2**20
+    assert all_reduce_message(1, dtype, torch.device("cpu")).numel() == 1  # a message under one element: one element

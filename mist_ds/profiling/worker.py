@@ -180,22 +180,29 @@ def host_copy_times(sizes, device) -> list[dict]:
     return out
 
 
-def group_all_reduce(rank: int, world_size: int, sizes, device, dtype: str) -> list[dict]:
-    """All-reduce seconds by group size (2, 4, ... up to the world; ranks 0..n-1) and message bytes, the message in
-    the training precision's dtype: gloo sums on the host, element by element, at a rate that depends on the
-    dtype (a 16-bit sum converts every element: per byte about half fp32's rate at 1-16 MiB on the development
-    VM, docs/design.md, Profiling), and training reduces its gradients in that dtype."""
+def all_reduce_message(message_bytes: int, dtype: str, device):
+    """The tensor a profile all-reduces for a message of `message_bytes` bytes: elements of the training
+    precision's dtype (at least one). gloo sums on the host, element by element, at a rate that depends on the
+    dtype (a 16-bit sum converts every element: per byte about half fp32's rate at 1-16 MiB on the development VM,
+    docs/design.md, Profiling), and training reduces its gradients in that dtype."""
     import torch
-    import torch.distributed as dist
 
     element = _torch_dtype(dtype)
     itemsize = torch.empty((), dtype=element).element_size()
+    return torch.ones(max(message_bytes // itemsize, 1), dtype=element, device=device)
+
+
+def group_all_reduce(rank: int, world_size: int, sizes, device, dtype: str) -> list[dict]:
+    """All-reduce seconds by group size (2, 4, ... up to the world; ranks 0..n-1) and message bytes, the message in
+    the training precision's dtype (all_reduce_message)."""
+    import torch.distributed as dist
+
     out, size = [], 2
     while size <= world_size:
         group = dist.new_group(list(range(size)))  # every rank takes part in creating every group
         for message in sizes:
             repeats = 20 if message <= 2**16 else 6 if message <= 2**22 else 3  # the same on every member
-            x = torch.ones(max(message // itemsize, 1), dtype=element, device=device)
+            x = all_reduce_message(message, dtype, device)
             dist.barrier()
             seconds = median_s(lambda: dist.all_reduce(x, group=group), repeats, exact=True) if rank < size else 0.0
             out.append({"group": size, "bytes": message, "s": seconds})
