@@ -212,7 +212,7 @@ def test_an_unknown_nccl_release_names_the_field_and_the_known_ones():
     from mist_ds.specs import ConfigError
 
     with pytest.raises(ConfigError, match=r"^cluster\.nccl_version='2\.18': ") as caught:
-        nccl.tuning("2.18")
+        nccl.release_tuning("2.18")
     assert caught.value.field == "cluster.nccl_version" and all(v in str(caught.value) for v in ("2.8.4", "2.30.7"))
     with pytest.raises(ConfigError, match="cluster.nccl_version"):
         RingGroup.of(16, 1, GPUS_PER_NODE, INTRA, NODE_NETWORK, 0.0, intra_link="nvlink", nccl_version="2.18")

@@ -159,7 +159,7 @@ TUNING: dict[str, NcclTuning] = {t.version: t for t in (NCCL_2_8_4, NCCL_2_30_7)
 CURRENT = TUNING[DEFAULT_NCCL_VERSION]
 
 
-def tuning(version: str) -> NcclTuning:
+def release_tuning(version: str) -> NcclTuning:
     """The tuning model of NCCL `version` (cluster.nccl_version); ConfigError naming the field if unknown."""
     if version not in TUNING:
         raise ConfigError("cluster.nccl_version", version, f"NCCL releases with tuning constants: {sorted(TUNING)}")

@@ -79,7 +79,7 @@ class RingGroup:
         seconds_per_byte = np.divide(1.0, bandwidth, out=np.zeros(bandwidth.shape), where=ring)
         return cls(size=size, seconds_per_byte=seconds_per_byte, latency_s=latency_s,
                    nodes=nodes_spanned(size, stride, gpus_per_node), intra_link=intra_link,
-                   tuning=nccl.tuning(nccl_version))
+                   tuning=nccl.release_tuning(nccl_version))
 
     def time_s(self, kind: str, message_bytes) -> np.ndarray:
         """One collective of `kind` (nccl.KINDS) over the group; `message_bytes` as nccl.candidate_times_s."""

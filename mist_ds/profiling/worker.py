@@ -188,8 +188,7 @@ def all_reduce_message(message_bytes: int, dtype: str, device):
     import torch
 
     element = _torch_dtype(dtype)
-    itemsize = torch.empty((), dtype=element).element_size()
-    return torch.ones(max(message_bytes // itemsize, 1), dtype=element, device=device)
+    return torch.ones(max(message_bytes // element.itemsize, 1), dtype=element, device=device)
 
 
 def group_all_reduce(rank: int, world_size: int, sizes, device, dtype: str) -> list[dict]:
