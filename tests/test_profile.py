@@ -20,7 +20,8 @@ from mist_ds.cost.executors.zero_bubble import weight_gradient_s
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
 from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3
-from mist_ds.profiling.run import layer_payload
+from mist_ds.profiling.run import PASS_BLOCKS, layer_payload
+from mist_ds.profiling.worker import pass_block_times
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
 from mist_ds.specs import ConfigError
@@ -153,12 +154,31 @@ def test_the_profile_times_the_models_layers_whole_and_prices_their_passes_by_th
 
 
 def test_layers_that_do_not_fit_a_rank_are_not_timed():
-    """The profile times no (b, t) whose three layers would not fit a rank at once (a rank out of memory would
-    leave the others at a collective); a Hugging Face model's or a user's module's layers are never timed whole."""
+    """The profile times a block in a pass of the model's blocks (at most PASS_BLOCKS) and no more of them than fit
+    a rank beside the embedding and the head, and no (b, t) where not one fits (a rank out of memory would leave
+    the others at a collective); a Hugging Face model's or a user's module's layers are never timed whole."""
     points = [(2, 1), (2, 2)]
-    assert layer_payload(compose(["cluster=cpu", *TINY]), points)["layer_points"] == [[2, 1], [2, 2]]
+    assert layer_payload(compose(["cluster=cpu", *TINY]), points)["layer_points"] == [[2, 1, 2], [2, 2, 2]]
+    deep = compose(["cluster=cpu", *TINY, "model.num_layers=12"])
+    assert layer_payload(deep, points)["layer_points"] == [[2, 1, PASS_BLOCKS], [2, 2, PASS_BLOCKS]]
     small = compose(["cluster=cpu", *TINY, "cluster.gpu.memory_gib=0.5001", "cluster.gpu.reserve_gib=0.5"])
     assert layer_payload(small, points)["layer_points"] == []
+    costs, s, room = model_costs(deep), 32, deep.cluster.gpu.usable_memory_bytes
+
+    def held(layer):
+        return sum(float(layer(field, 2, s, 1)) * (2 if field == "param_bytes" else 1)
+                   for field in ("param_bytes", "fwd_peak_bytes", "bwd_peak_bytes"))
+
+    three = held(costs.embedding) + held(costs.head) + 3.5 * held(costs.block)  # room for three blocks and a half
+    tight = compose(["cluster=cpu", *TINY, "model.num_layers=12", "cluster.gpu.reserve_gib=0",
+                     f"cluster.gpu.memory_gib={three / 2**30!r}"])
+    assert tight.cluster.gpu.usable_memory_bytes == pytest.approx(three) and room > three
+    assert layer_payload(tight, [(2, 1)])["layer_points"] == [[2, 1, 3]]
+
+
+def test_a_blocks_figure_is_its_pass_less_the_embedding_and_head_over_its_blocks():
+    timed = {"embedding": {"fwd": 1.0, "bwd": 2.0}, "head": {"fwd": 3.0, "bwd": 4.0}, "pass": {"fwd": 12.0, "bwd": 5.0}}
+    assert pass_block_times(timed, 4) == {"fwd": 2.0, "bwd": 0.0}  # medians that cross give 0, never below
 
 
 def test_a_layer_op_names_its_kind_phase_and_program():

@@ -94,10 +94,16 @@ def times_layers(model) -> bool:
     return model.hf is None and model.module is None
 
 
+PASS_BLOCKS = 8
+"""Most blocks in the pass a block's figure is timed in (worker.layer_pass_times)."""
+
+
 def layer_payload(specs: Specs, points: list[tuple[int, int]]) -> dict[str, Any]:
-    """What the ranks need to time the model's layers whole at every (b, t) of `points` (worker.layer_pass_times)
-    where the three layers fit a rank's memory at once (their weights and gradients, and each pass's peak: a rank
-    out of memory would leave the others waiting at a collective); the tuner prices the rest op by op."""
+    """What the ranks need to time the model's layers whole at every (b, t) of `points` (worker.layer_pass_times):
+    per point [b, t, k], k the blocks of the pass a block is timed in, the model's blocks up to PASS_BLOCKS and as
+    many as fit a rank's memory beside the embedding and the head (their weights and gradients, and each pass's
+    peak: a rank out of memory would leave the others waiting at a collective); a point where not even one block
+    fits is left out, and the tuner prices it op by op."""
     import dataclasses
 
     from mist_ds.cost.predict import model_costs
@@ -105,15 +111,17 @@ def layer_payload(specs: Specs, points: list[tuple[int, int]]) -> dict[str, Any]
     if not times_layers(specs.model):
         return {}
     costs, s = model_costs(specs), specs.model.seq_len
-    layers = (costs.embedding, costs.block, costs.head)
 
-    def fits(b: int, t: int) -> bool:
-        held = sum(2 * float(layer("param_bytes", b, s, t)) + float(layer("fwd_peak_bytes", b, s, t))
-                   + float(layer("bwd_peak_bytes", b, s, t)) for layer in layers)
-        return held <= specs.cluster.gpu.usable_memory_bytes
+    def held(layer, b: int, t: int) -> float:
+        return (2 * float(layer("param_bytes", b, s, t)) + float(layer("fwd_peak_bytes", b, s, t))
+                + float(layer("bwd_peak_bytes", b, s, t)))
 
-    return {"model": dataclasses.asdict(specs.model),
-            "layer_points": [list(point) for point in points if fits(*point)]}
+    def blocks_that_fit(b: int, t: int) -> int:
+        room = specs.cluster.gpu.usable_memory_bytes - held(costs.embedding, b, t) - held(costs.head, b, t)
+        return min(int(room // held(costs.block, b, t)), specs.model.num_layers, PASS_BLOCKS)
+
+    layer_points = [[b, t, k] for b, t in points if (k := blocks_that_fit(b, t)) >= 1]
+    return {"model": dataclasses.asdict(specs.model), "layer_points": layer_points}
 
 
 def layer_rows(r: dict, specs: Specs) -> list[tuple[str, tuple[int, ...], float]]:

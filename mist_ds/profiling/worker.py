@@ -113,52 +113,71 @@ def pass_times(forward, backward, device) -> dict[str, float]:
 
 
 def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str, device) -> list[dict]:
-    """Per (b, t) of `points` with t <= world_size: median seconds of the forward and backward of the model's
-    embedding, one block and its head (the loss included) as the runtime builds them for a rank of t
+    """Per (b, t, k) of `points` with t <= world_size: median seconds of the forward and backward of the model's
+    embedding, a block and its head (the loss included) as the runtime builds them for a rank of t
     (mist_ds.runtime.layers: local sizes, initialized weights) with their TP collectives over t of these ranks, at
     the model's sequence length: each layer whole, in the same op order, views, autograd and collectives as in
     training, what timing its ops one by one misses (operands laid out as the layer holds them, the allocator, the
-    ranks' skew at each collective). Every rank runs every point at once (one in no group of t records 0: the
-    slowest rank's figure is a member's). Forward and backward are timed apart (pass_times); gradients accumulate
-    into .grad as a step's later micro-batches do."""
+    ranks' skew at each collective). The embedding and the head are timed alone; a block inside a pass through the
+    embedding, k distinct blocks and the head, as training runs it: its figure is the pass less the embedding and
+    the head, over k (pass_block_times; one block timed alone on the development VM ran 7-12% faster than in a
+    pass of 8, its weights and activations in the core's cache, and a whole pass's freed memory is returned to the
+    system and touched again each pass, docs/design.md, Profiling). Every rank runs every point at once (one in no
+    group of t records 0: the slowest rank's figure is a member's). Forward and backward are timed apart
+    (pass_times); gradients accumulate into .grad as a step's later micro-batches do."""
     import torch.distributed as dist
 
     from mist_ds.specs import ModelSpec
-    from mist_ds.symbolic.analyze import LAYER_KINDS
 
     spec, kind = ModelSpec(**model), _torch_dtype(dtype)
-    degrees = sorted({t for _, t in points if t <= world_size})
+    degrees = sorted({t for _, t, _ in points if t <= world_size})
     groups = {t: tensor_parallel_groups(rank, world_size, t) for t in degrees}
     out = []
-    for b, t in points:
+    for b, t, k in points:
         if t > world_size:
             continue
         # in no whole group of t: nothing to time (0: the slowest rank's figure is a member's), the same barriers
-        passes = {} if groups[t] is None else layer_passes(spec, b, t, groups[t], kind, device)
-        point = {"b": b, "t": t}
-        for name in LAYER_KINDS:
+        passes = {} if groups[t] is None else layer_passes(spec, b, t, k, groups[t], kind, device)
+        timed = {}
+        for name in ("embedding", "head", "pass"):
             dist.barrier()
-            point[name] = pass_times(*passes[name], device) if passes else {"fwd": 0.0, "bwd": 0.0}
-        out.append(point)
+            timed[name] = pass_times(*passes[name], device) if passes else {"fwd": 0.0, "bwd": 0.0}
+        out.append({"b": b, "t": t, "blocks": k, "embedding": timed["embedding"], "head": timed["head"],
+                    "block": pass_block_times(timed, k)})
     return out
 
 
-def layer_passes(spec, b: int, t: int, tp, dtype, device) -> dict:
-    """Per layer kind, (forward, backward of its output) of the model's embedding, one block and its head with the
-    loss, built as the runtime builds them for a rank of t over `tp`, on inputs of micro-batch b."""
+def pass_block_times(timed: dict[str, dict[str, float]], blocks: int) -> dict[str, float]:
+    """Per phase, seconds of one block of a pass of `blocks` blocks: the pass's time less the embedding's and the
+    head's timed alone, over the blocks (at least 0: the medians of separate calls may cross)."""
+    return {phase: max(timed["pass"][phase] - timed["embedding"][phase] - timed["head"][phase], 0.0) / blocks
+            for phase in ("fwd", "bwd")}
+
+
+def layer_passes(spec, b: int, t: int, blocks: int, tp, dtype, device) -> dict:
+    """(forward, backward of its output) of the model's embedding, of its head with the loss and of the pass through
+    both and `blocks` distinct blocks between them, built as the runtime builds them for a rank of t over `tp`, on
+    inputs of micro-batch b."""
     import torch
 
     from mist_ds.runtime.layers import PlannedLayer, language_model_loss, layer_recipes
 
     loss_fn = language_model_loss(tp)
-    recipes = layer_recipes(spec, (0, 1), 0, True, True, t, tp, dtype, seed=0)
-    embedding, block, head = (PlannedLayer(r).to(device) for r in recipes)
+    recipes = layer_recipes(spec, (0, blocks), 0, True, True, t, tp, dtype, seed=0)
+    embedding, *chain, head = (PlannedLayer(r).to(device) for r in recipes)
     tokens = torch.randint(0, spec.vocab_size, (b, spec.seq_len), device=device)
     x = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=dtype, device=device, requires_grad=True)
     grad = torch.randn(b, spec.seq_len, spec.hidden_size, dtype=dtype, device=device)
+
+    def whole():
+        hidden = embedding(tokens)
+        for block in chain:
+            hidden = block(hidden)
+        return loss_fn(head(hidden), tokens)
+
     return {"embedding": (lambda: embedding(tokens), lambda y: y.backward(grad)),
-            "block": (lambda: block(x), lambda y: y.backward(grad)),
-            "head": (lambda: loss_fn(head(x), tokens), lambda y: y.backward())}
+            "head": (lambda: loss_fn(head(x), tokens), lambda y: y.backward()),
+            "pass": (whole, lambda y: y.backward())}
 
 
 def host_copy_times(sizes, device) -> list[dict]:
