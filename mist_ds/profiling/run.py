@@ -278,24 +278,31 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
 
 
 def sharing_fields(raw: dict, specs: Specs) -> dict:
-    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as a core's own
-    (measured_other_runnable_threads 0) whatever other jobs ran meanwhile: each figure is the median of short calls,
-    most shorter than the scheduler's slice, which a call may run whole or lose as the slices fall, so the share of
-    a core a figure carries is not the one sampled (docs/design.md, Hardware model). The ready threads sampled
-    around the run stay in measurements.json and the file's header (sampling_note); nothing for GPUs (nor for a GPU
-    cluster's figures measured on a CPU)."""
+    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as measured beside
+    the other jobs' ready threads sampled around the run (their mean, measured_other_runnable_threads): the figures
+    that dominate a step carry that load, as training's steps do: a layer's pass through its blocks and the head,
+    ZeRO-3's chains and the optimizer's steps run for longer than the scheduler's slice, so the slowest rank's
+    median is the rank that shares its core, and a collective waits for its peer's next slice (beside one spinning
+    process on the 2-core development VM they all came out 1.5-2x slower; docs/design.md, Hardware model). Nothing
+    for GPUs (nor for a GPU cluster's figures measured on a CPU)."""
     if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
         return {}
-    return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
+    return {"cores": usable_cores(), "measured_other_runnable_threads": sampled_load(raw)}
+
+
+def sampled_load(raw: dict) -> float:
+    """Other jobs' ready threads sampled around a CPU profile's run (the mean of its samples, 2 decimals; 0 where
+    none were taken)."""
+    others = raw.get("other_runnable_threads") or [0.0]
+    return round(statistics.mean(others), 2)
 
 
 def sampling_note(raw: dict) -> str:
     """The header line saying what other jobs ran while a CPU profile measured (its samples' mean), or ""."""
-    others = raw.get("other_runnable_threads")
-    if raw["device"] != "cpu" or not others:
+    if raw["device"] != "cpu" or not raw.get("other_runnable_threads"):
         return ""
-    return (f"other jobs' ready threads around the run: {statistics.mean(others):.2f} (the figures are medians of "
-            "short calls: a core's own, measured_other_runnable_threads 0)")
+    return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures carry that load: "
+            "measured_other_runnable_threads)")
 
 
 def gemm_note(gemm: dict) -> str:
