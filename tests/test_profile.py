@@ -19,7 +19,8 @@ from mist_ds.hardware import hardware_model
 from mist_ds.cost.executors.zero_bubble import weight_gradient_s
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
-from mist_ds.profiling.microbench import ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3
+from mist_ds.profiling.microbench import (ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3, median_s,
+                                          own_clock, own_median_s)
 from mist_ds.profiling.run import PASS_BLOCKS, layer_payload
 from mist_ds.profiling.worker import pass_block_times
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
@@ -55,11 +56,10 @@ def test_profile_writes_a_database_and_a_cluster_config_that_load(profiled):
     assert set(specs.cluster.interference.factors) == set(CONCURRENT_SETS)
     assert (out / "profile.json").is_file() and (out / "measurements.json").is_file()
     assert not (out / "outputs").exists()  # profile.out_dir given: Hydra made no run dir (issue 25, defect 10)
-    # the cores; other jobs' ready threads sampled around the ranks' run, kept and said, the load the figures carry
+    # the cores; other jobs' ready threads sampled around the ranks' run, kept and said, the figures a core's own
     sampled = json.loads((out / "measurements.json").read_text())["other_runnable_threads"]
     assert specs.cluster.cores == len(os.sched_getaffinity(0)) and len(sampled) == 2
-    assert specs.cluster.measured_other_runnable_threads == round(sum(sampled) / 2, 2)
-    assert specs.cluster.other_runnable_threads == 0
+    assert specs.cluster.measured_other_runnable_threads == 0 == specs.cluster.other_runnable_threads
     assert "other jobs' ready threads around the run" in (out / "cluster" / "mine.yaml").read_text()
 
 
@@ -175,6 +175,25 @@ def test_layers_that_do_not_fit_a_rank_are_not_timed():
                      f"cluster.gpu.memory_gib={three / 2**30!r}"])
     assert tight.cluster.gpu.usable_memory_bytes == pytest.approx(three) and room > three
     assert layer_payload(tight, [(2, 1)])["layer_points"] == [[2, 1, 3]]
+
+
+def test_work_on_the_ranks_cpu_is_timed_by_its_cpu_time_and_a_collectives_wait_by_the_wall():
+    """A call that does not run (here: sleeps, as a thread waits for its core or its peer) counts nothing on the
+    thread's CPU clock and all of it on the wall clock; with several intra-op threads torch works on others too."""
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # as the ranks run
+        assert own_clock() is time.thread_time
+        nap = lambda: time.sleep(0.02)  # noqa: E731
+        assert own_median_s(nap, 3, 0.0) < 0.005 < 0.02 <= median_s(nap, 3, 0.0)
+        torch.set_num_threads(2)
+        assert own_clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_blocks_figure_is_its_pass_less_the_embedding_and_head_over_its_blocks():

@@ -1,7 +1,8 @@
 """CPU ranks beside other jobs (docs/design.md, Hardware model): every time figure of a CPU cluster is a rank's time
-with the share of the cores it had while measured; Linux's scheduler gives each ready thread an equal share, so a
-plan priced beside other jobs' ready threads takes (ranks + threads) / cores times as long, exactly, and a figure
-measured beside them is scaled back."""
+with the share of the cores it had while measured; Linux's scheduler evens out the ready threads over the cores' run
+queues and the ranks meet at every collective, so a plan priced beside other jobs' ready threads takes as many times
+as long as the busiest core holds threads, ceil((ranks + threads) / cores), exactly (between two whole counts, in
+between), and a figure measured beside them is scaled back."""
 from __future__ import annotations
 
 import subprocess
@@ -42,15 +43,26 @@ def test_threads_the_cores_can_hold_cost_nothing():
     alone = predict(compose([*PLAN, "cluster.cores=4"]))
     beside = predict(compose([*PLAN, "cluster.cores=4", "cluster.other_runnable_threads=2"]))
     assert beside.iteration_time_s == alone.iteration_time_s
-    faster = predict(compose([*PLAN, "cluster.measured_other_runnable_threads=1"]))  # measured at 2 / 3 of a core
-    assert faster.iteration_time_s == pytest.approx(alone.iteration_time_s * 2 / 3, rel=1e-9)
+    faster = predict(compose([*PLAN, "cluster.measured_other_runnable_threads=1"]))  # measured at half a core
+    assert faster.iteration_time_s == pytest.approx(alone.iteration_time_s / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("cores, others, slowdown", [(2, 0, 1.0), (2, 0.25, 1.25), (2, 1, 2.0), (2, 1.5, 2.0),
+                                                     (2, 2, 2.0), (2, 2.5, 2.5), (2, 3, 3.0), (4, 2, 1.0),
+                                                     (4, 2.5, 1.5), (4, 3, 2.0)])
+def test_synchronized_ranks_go_at_the_pace_of_the_busiest_core(cores, others, slowdown):
+    """2 ranks: beside one ready thread on 2 cores one rank shares its core (half of it) and the other waits for it
+    at each collective: 2x, not the 1.5x of an even share; on 4 cores 2 others leave every thread a core."""
+    cluster = compose([*PLAN, f"cluster.cores={cores}", f"cluster.other_runnable_threads={others}"]).cluster
+    assert cluster.cpu_slowdown(others) == pytest.approx(slowdown, rel=1e-12)
+    assert cluster.time_sharing_factor == pytest.approx(slowdown, rel=1e-12)
 
 
 def test_now_samples_this_machine_and_its_cores(monkeypatch):
     monkeypatch.setattr(machine, "sample_other_runnable_threads", lambda seconds=0.5: 1.5)
     monkeypatch.setattr(machine, "usable_cores", lambda: 2)
     specs = compose([*PLAN, "cluster.other_runnable_threads=now"])
-    assert specs.cluster.other_runnable_threads == 1.5 and specs.cluster.time_sharing_factor == pytest.approx(1.75)
+    assert specs.cluster.other_runnable_threads == 1.5 and specs.cluster.time_sharing_factor == pytest.approx(2.0)
     monkeypatch.setattr(machine, "usable_cores", lambda: 16)  # a larger machine: 3.5 threads on 16 cores
     assert compose([*PLAN, "cluster.other_runnable_threads=now"]).cluster.time_sharing_factor == 1.0
     monkeypatch.setattr(machine, "sample_other_runnable_threads", lambda seconds=0.5: pytest.fail("sampled"))

@@ -48,17 +48,35 @@ ZERO3_WIDTH = 16
 
 # --- rank side ---------------------------------------------------------------------------------------
 
-def median_s(fn, min_repeats: int = MIN_REPEATS, min_timed_s: float = MIN_TIMED_S, exact: bool = False) -> float:
+def median_s(fn, min_repeats: int = MIN_REPEATS, min_timed_s: float = MIN_TIMED_S, exact: bool = False,
+             clock=time.perf_counter) -> float:
     """Median seconds of fn() after two warm-up calls, over at least `min_repeats` calls and `min_timed_s`
-    (exact: `min_repeats` calls, no more: a collective's calls must pair up across the ranks)."""
+    (exact: `min_repeats` calls, no more: a collective's calls must pair up across the ranks), each call timed by
+    `clock` (wall time unless told)."""
     fn()
     fn()
     times, start = [], time.perf_counter()
     while len(times) < min_repeats or (not exact and time.perf_counter() - start < min_timed_s):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
+
+
+def own_clock():
+    """The clock of work on this thread's CPU alone (no collective, no device): the thread's CPU time
+    (time.thread_time), a core's own time whatever other threads share the core meanwhile. On the development VM a
+    model's forward and backward took 57-63 ms of CPU time beside two spinning processes and 61-67 ms idle, against
+    74-92 ms of wall time beside them (docs/design.md, Profiling). With more than one intra-op thread torch runs
+    part of the work on its other threads: wall time then."""
+    import torch
+
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def own_median_s(fn, *args, **kwargs) -> float:
+    """median_s of work on this thread's CPU alone, timed by own_clock."""
+    return median_s(fn, *args, clock=own_clock(), **kwargs)
 
 
 def _torch_dtype(name: str):
@@ -84,7 +102,7 @@ def gemm_sweep(shapes=None, dtypes=DTYPES) -> list[dict]:
             b = torch.randn(k, n, dtype=_torch_dtype(dtype))
             a_t, b_t = a.t().contiguous(), b.t().contiguous()
             for layout, fn in (("NN", lambda: a @ b), ("NT", lambda: a @ b_t.t()), ("TN", lambda: a_t.t() @ b)):
-                rows.append({"dtype": dtype, "m": m, "n": n, "k": k, "layout": layout, "s": median_s(fn)})
+                rows.append({"dtype": dtype, "m": m, "n": n, "k": k, "layout": layout, "s": own_median_s(fn)})
     return rows
 
 
@@ -116,12 +134,12 @@ def layer_overhead(dtypes=DTYPES) -> list[dict]:
         loss_fn = language_model_loss(TensorParallel())
         tokens = torch.randint(0, model.vocab_size, (b, model.seq_len))
         labels = torch.roll(tokens, -1, dims=1)
-        fwd_s = median_s(lambda: loss_fn(module(tokens), labels))
+        fwd_s = own_median_s(lambda: loss_fn(module(tokens), labels))
 
         def step():
             loss_fn(module(tokens), labels).backward()
 
-        both_s = median_s(step)
+        both_s = own_median_s(step)
         kernels = {phase: sum(float(layer(f"{phase}_kernels", b, model.seq_len, 1)) * count for layer, count in
                               ((costs.embedding, 1), (costs.block, model.num_layers), (costs.head, 1)))
                    for phase in ("fwd", "bwd")}
@@ -142,8 +160,8 @@ def op_chain(length: int = 200) -> dict:
             x = x * 1.0001
         return x.sum()
 
-    fwd = median_s(forward)
-    both = median_s(lambda: forward().backward())
+    fwd = own_median_s(forward)
+    both = own_median_s(lambda: forward().backward())
     return {"fwd_s_per_op": fwd / length, "bwd_s_per_op": (both - fwd) / length}
 
 
@@ -186,13 +204,13 @@ def memory_sweep(dtypes=DTYPES, copy_bytes=COPY_BYTES, activations=((256, 128), 
     copies = []
     for size in copy_bytes:
         src, dst = torch.empty(size // 4), torch.empty(size // 4)
-        copies.append({"bytes": size, "s": median_s(lambda: dst.copy_(src))})
+        copies.append({"bytes": size, "s": own_median_s(lambda: dst.copy_(src))})
     ops = []
     for dtype in dtypes:
-        tiny = {name: median_s(fn) for name, fn, _ in _elementwise_ops(4, 4, 4, _torch_dtype(dtype))}
+        tiny = {name: own_median_s(fn) for name, fn, _ in _elementwise_ops(4, 4, 4, _torch_dtype(dtype))}
         for rows, h in activations:
             for name, fn, moved in _elementwise_ops(rows, h, 4096, _torch_dtype(dtype)):
-                ops.append({"dtype": dtype, "rows": rows, "h": h, "op": name, "bytes": moved, "s": median_s(fn),
+                ops.append({"dtype": dtype, "rows": rows, "h": h, "op": name, "bytes": moved, "s": own_median_s(fn),
                             "fixed_s": tiny[name]})
     return {"copies": copies, "ops": ops}
 
@@ -216,7 +234,7 @@ def attention_sweep(shapes=ATTENTION_SHAPES, dtypes=DTYPES) -> list[dict]:
             with FlopCounterMode(display=False, custom_mapping=flop_counter_mapping()) as counter:
                 step()
             rows.append({"dtype": dtype, "b": b, "heads": heads, "s": s, "k": k, "flops": counter.get_total_flops(),
-                         "seconds": median_s(step)})
+                         "seconds": own_median_s(step)})
     return rows
 
 
@@ -230,7 +248,7 @@ def adam_sweep(elements=ADAM_ELEMENTS, model_check: bool = True) -> dict:
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n)
         opt = torch.optim.AdamW([p], lr=1e-4)
-        flat.append({"elements": n, "s": median_s(opt.step)})
+        flat.append({"elements": n, "s": own_median_s(opt.step)})
     if not model_check:
         return {"flat": flat}
     from mist_ds.config import compose
@@ -242,7 +260,7 @@ def adam_sweep(elements=ADAM_ELEMENTS, model_check: bool = True) -> dict:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4)
     return {"flat": flat, "model": {"elements": sum(p.numel() for p in params), "tensors": len(params),
-                                    "s": median_s(opt.step)}}
+                                    "s": own_median_s(opt.step)}}
 
 
 def dispatched_ops(fn) -> int:
@@ -278,7 +296,7 @@ def eager_op_sweep(tensors=EAGER_OP_TENSORS, elements=EAGER_OP_ELEMENTS) -> list
             opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=None)
             opt.step()  # the states exist before the count: a step like every later one
             rows.append({"tensors": count, "elements": count * size, "ops": dispatched_ops(opt.step),
-                         "s": median_s(opt.step)})
+                         "s": own_median_s(opt.step)})
     return rows
 
 

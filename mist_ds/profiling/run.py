@@ -278,16 +278,16 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
 
 
 def sharing_fields(raw: dict, specs: Specs) -> dict:
-    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as measured beside
-    the other jobs' ready threads sampled around the run (their mean, measured_other_runnable_threads): the figures
-    that dominate a step carry that load, as training's steps do: a layer's pass through its blocks and the head,
-    ZeRO-3's chains and the optimizer's steps run for longer than the scheduler's slice, so the slowest rank's
-    median is the rank that shares its core, and a collective waits for its peer's next slice (beside one spinning
-    process on the 2-core development VM they all came out 1.5-2x slower; docs/design.md, Hardware model). Nothing
-    for GPUs (nor for a GPU cluster's figures measured on a CPU)."""
+    """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as a core's own
+    (measured_other_runnable_threads 0) whatever other jobs ran meanwhile: every call that runs on the rank's CPU
+    alone (GEMMs, attention, copies, element-wise ops, the optimizer, the layers' passes without TP) is timed by the
+    thread's CPU time (microbench.own_clock), which a shared core does not stretch; the collectives, the TP passes
+    and ZeRO-3's chains wait for their peers and are wall time, so they carry what load there was, which the file's
+    header states (sampling_note; docs/design.md, Hardware model). Nothing for GPUs (nor for a GPU cluster's
+    figures measured on a CPU)."""
     if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
         return {}
-    return {"cores": usable_cores(), "measured_other_runnable_threads": sampled_load(raw)}
+    return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
 
 
 def sampled_load(raw: dict) -> float:
@@ -301,8 +301,8 @@ def sampling_note(raw: dict) -> str:
     """The header line saying what other jobs ran while a CPU profile measured (its samples' mean), or ""."""
     if raw["device"] != "cpu" or not raw.get("other_runnable_threads"):
         return ""
-    return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures carry that load: "
-            "measured_other_runnable_threads)")
+    return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures are a core's own, "
+            "timed by the thread's CPU time; the collectives' are wall time)")
 
 
 def gemm_note(gemm: dict) -> str:

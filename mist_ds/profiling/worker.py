@@ -15,7 +15,8 @@ import time
 from mist_ds.files import write_atomic
 from mist_ds.profiling import interference as interference_grid
 from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_tree, eager_op_sweep, gemm_sweep,
-                                          layer_overhead, median_s, memory_sweep, zero3_sweep)
+                                          layer_overhead, median_s, memory_sweep, own_clock, own_median_s,
+                                          zero3_sweep)
 
 PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
 UNIT_S = 0.04
@@ -33,11 +34,12 @@ def _torch_dtype(name: str):
 
 
 def _timer(device):
-    """median_s for `device`: a CUDA call is timed to its completion (synchronize before and after)."""
+    """median_s for `device`: a CUDA call is timed to its completion (synchronize before and after), a CPU call by
+    the thread's CPU time (own_median_s: the calls time no collective)."""
     import torch
 
     if device.type != "cuda":
-        return median_s
+        return own_median_s
 
     def timed(fn, *args, **kwargs):
         def synced():
@@ -89,15 +91,19 @@ def tensor_parallel_groups(rank: int, world_size: int, t: int):
     return mine
 
 
-def pass_times(forward, backward, device) -> dict[str, float]:
+def pass_times(forward, backward, device, alone: bool) -> dict[str, float]:
     """Median seconds of `forward()` and of `backward(its output)`, each timed on its own, over PASS_REPEATS calls
-    after two warm-ups (the same number on every rank: collectives inside pair up); a CUDA pass to its end."""
+    after two warm-ups (the same number on every rank: collectives inside pair up); a CUDA pass to its end, a CPU
+    pass with no collective in it (`alone`) by the thread's CPU time (own_clock), one with TP's collectives by the
+    wall clock (it waits for its peers)."""
     import torch
+
+    clock = own_clock() if device.type != "cuda" and alone else time.perf_counter
 
     def now() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter()
+        return clock()
 
     times: dict[str, list[float]] = {"fwd": [], "bwd": []}
     for call in range(2 + PASS_REPEATS):
@@ -141,7 +147,7 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
         timed = {}
         for name in ("embedding", "head", "pass"):
             dist.barrier()
-            timed[name] = pass_times(*passes[name], device) if passes else {"fwd": 0.0, "bwd": 0.0}
+            timed[name] = pass_times(*passes[name], device, alone=t == 1) if passes else {"fwd": 0.0, "bwd": 0.0}
         out.append({"b": b, "t": t, "blocks": k, "embedding": timed["embedding"], "head": timed["head"],
                     "block": pass_block_times(timed, k)})
     return out

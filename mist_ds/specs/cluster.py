@@ -4,6 +4,7 @@ Config files keep datasheet units (GiB, GB/s, TFLOP/s); `mist_ds.config` convert
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from itertools import combinations
 
@@ -204,11 +205,22 @@ class ClusterSpec:
                     "must be >= 0, or null when unknown")
 
     def cpu_slowdown(self, other_threads: float) -> float:
-        """How many times slower a CPU rank runs than with a core of its own, beside `other_threads` ready threads
-        of other jobs: Linux's scheduler (CFS) gives every ready thread of equal priority an equal share of the
-        cores, so once the node's ranks and those threads outnumber its cores, each rank gets cores / (ranks +
-        others) of one (docs/design.md, Hardware model)."""
-        return max(1.0, (self.gpus_per_node + other_threads) / self.cores) if self.cores else 1.0
+        """How many times slower a node's CPU ranks run a step than with a core each, beside `other_threads` ready
+        threads of other jobs: Linux's scheduler keeps a run queue per core and evens out the number of ready
+        threads on them, so once the ranks and those threads outnumber the cores some core holds
+        ceil((ranks + others) / cores) of them, each running that share of the time; the ranks meet at every
+        collective, so the step goes at the pace of a rank on such a core (on the 2-core development VM beside one
+        spinning process the data-parallel plans ran 1.8-2.1x slower, not the 1.5x of an even share of both cores;
+        docs/design.md, Hardware model). With more cores than ranks the others may leave the ranks a core each: the
+        slowest case. A mean count between two whole ones is priced between their slowdowns."""
+        if not self.cores:
+            return 1.0
+        below = math.floor(other_threads)
+
+        def busiest_core(others: int) -> float:
+            return max(1.0, math.ceil((self.gpus_per_node + others) / self.cores))
+
+        return busiest_core(below) + (other_threads - below) * (busiest_core(below + 1) - busiest_core(below))
 
     @property
     def time_sharing_factor(self) -> float:
