@@ -196,6 +196,31 @@ def test_work_on_the_ranks_cpu_is_timed_by_its_cpu_time_and_a_collectives_wait_b
         torch.set_num_threads(before)
 
 
+def test_wall_timed_figures_are_taken_back_to_a_cores_own_by_the_load_sampled_around_them(monkeypatch):
+    """Beside one ready thread on 2 cores the 2 ranks waited at each collective for the one sharing its core (2x):
+    the all-reduces, ZeRO-3's chains and the TP passes are halved; the CPU-timed figures and every count stay."""
+    from mist_ds.profiling import run
+
+    monkeypatch.setattr(run, "usable_cores", lambda: 2)
+    specs = compose(["cluster=cpu", *TINY])
+    raw = {"device": "cpu", "per_rank": [{}, {}], "other_runnable_threads": [1.0, 1.0]}
+    assert run.wall_slowdown(raw, specs) == 2.0
+    assert run.wall_slowdown({**raw, "other_runnable_threads": [0.0, 0.0]}, specs) == 1.0
+    assert run.wall_slowdown({**raw, "device": "cuda"}, specs) == 1.0
+    passes = [{"b": 2, "t": t, "blocks": 2, "embedding": {"fwd": 1.0, "bwd": 2.0}, "block": {"fwd": 3.0, "bwd": 4.0},
+               "head": {"fwd": 5.0, "bwd": 6.0}} for t in (1, 2)]
+    measured = {"ops": {"gemm": [0.5]}, "all_reduce": [{"group": 2, "bytes": 64, "s": 0.25}],
+                "zero3": [{"chain": "fetch", "calls": 16, "fetch_bytes": 544, "zero3_s": 0.5, "plain_s": 0.25}],
+                "passes": passes}
+    own = run.as_a_cores_own(measured, 2.0)
+    assert own["ops"] == measured["ops"] and own["passes"][0] == passes[0]
+    assert own["all_reduce"] == [{"group": 2, "bytes": 64, "s": 0.125}]
+    assert own["zero3"] == [{"chain": "fetch", "calls": 16, "fetch_bytes": 544, "zero3_s": 0.25, "plain_s": 0.125}]
+    assert own["passes"][1] == {"b": 2, "t": 2, "blocks": 2, "embedding": {"fwd": 0.5, "bwd": 1.0},
+                                "block": {"fwd": 1.5, "bwd": 2.0}, "head": {"fwd": 2.5, "bwd": 3.0}}
+    assert run.as_a_cores_own(measured, 1.0) is measured
+
+
 def test_a_blocks_figure_is_its_pass_less_the_embedding_and_head_over_its_blocks():
     timed = {"embedding": {"fwd": 1.0, "bwd": 2.0}, "head": {"fwd": 3.0, "bwd": 4.0}, "pass": {"fwd": 12.0, "bwd": 5.0}}
     assert pass_block_times(timed, 4) == {"fwd": 2.0, "bwd": 0.0}  # medians that cross give 0, never below

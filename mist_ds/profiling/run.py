@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from mist_ds.files import write_atomic, write_json_atomic
 from mist_ds.profiling.interference import fit_factors
-from mist_ds.profiling.microbench import fit_alpha_beta, fit_eager_op, fit_gemm, fit_zero3
+from mist_ds.profiling.microbench import combine_tree, fit_alpha_beta, fit_eager_op, fit_gemm, fit_zero3
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.machine import read_constants, sample_other_runnable_threads, usable_cores, write_constants
@@ -282,9 +282,9 @@ def sharing_fields(raw: dict, specs: Specs) -> dict:
     (measured_other_runnable_threads 0) whatever other jobs ran meanwhile: every call that runs on the rank's CPU
     alone (GEMMs, attention, copies, element-wise ops, the optimizer, the layers' passes without TP) is timed by the
     thread's CPU time (microbench.own_clock), which a shared core does not stretch; the collectives, the TP passes
-    and ZeRO-3's chains wait for their peers and are wall time, so they carry what load there was, which the file's
-    header states (sampling_note; docs/design.md, Hardware model). Nothing for GPUs (nor for a GPU cluster's
-    figures measured on a CPU)."""
+    and ZeRO-3's chains wait for their peers, are wall time and carry the load there was, which write_profile takes
+    out (as_a_cores_own) and the file's header states (sampling_note; docs/design.md, Hardware model). Nothing for
+    GPUs (nor for a GPU cluster's figures measured on a CPU)."""
     if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
         return {}
     return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
@@ -297,12 +297,42 @@ def sampled_load(raw: dict) -> float:
     return round(statistics.mean(others), 2)
 
 
-def sampling_note(raw: dict) -> str:
+def wall_slowdown(raw: dict, specs: Specs) -> float:
+    """How many times slower than with a core each the ranks ran the calls that wait for their peers (timed by the
+    wall clock: the collectives, ZeRO-3's chains, the layers' passes with TP's collectives), beside the other jobs'
+    ready threads sampled around the run: ClusterSpec.cpu_slowdown for the profile's ranks on this machine's cores
+    (beside one spinner on 2 cores the all-reduce fit came out 1.55x slower and the TP passes 1.3-2x; docs/design.md,
+    Hardware model). 1 for GPUs."""
+    if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
+        return 1.0
+    ranks = replace(specs.cluster, cores=usable_cores(), gpus_per_node=len(raw["per_rank"]))
+    return ranks.cpu_slowdown(sampled_load(raw))
+
+
+def as_a_cores_own(measured: dict, slowdown: float) -> dict:
+    """The figures with the wall-timed ones (wall_slowdown's) divided by `slowdown`: all of them a core's own, as the
+    calls timed by the thread's CPU time are."""
+    if slowdown == 1.0:
+        return measured
+
+    def scaled(tree):
+        return combine_tree([tree], lambda values: values[0] / slowdown)
+
+    out = {**measured, "all_reduce": scaled(measured["all_reduce"])}
+    if "zero3" in measured:
+        out["zero3"] = scaled(measured["zero3"])
+    if "passes" in measured:
+        out["passes"] = [point if point["t"] == 1 else scaled(point) for point in measured["passes"]]
+    return out
+
+
+def sampling_note(raw: dict, specs: Specs) -> str:
     """The header line saying what other jobs ran while a CPU profile measured (its samples' mean), or ""."""
     if raw["device"] != "cpu" or not raw.get("other_runnable_threads"):
         return ""
-    return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures are a core's own, "
-            "timed by the thread's CPU time; the collectives' are wall time)")
+    return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures a core's own: timed by "
+            "the thread's CPU time, the collectives' wall times divided by the busiest core's slowdown at that load, "
+            f"{wall_slowdown(raw, specs):.2f})")
 
 
 def gemm_note(gemm: dict) -> str:
@@ -380,21 +410,22 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     dtype, device, per_rank = specs.train.precision, raw["device"], raw["per_rank"]
     points = tuner_points(specs)
     shapes = op_shapes(specs, points)
-    measured = slowest(per_rank)
+    measured = as_a_cores_own(slowest(per_rank), wall_slowdown(raw, specs))
     constants = fit_constants(measured, shapes, dtype, device, len(per_rank))
     name = name or f"{specs.cluster.name}-profiled"
     db_path = (out_dir / "profile.db").resolve()
     rows = db_rows(measured, shapes) + layer_rows(measured, specs)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
     fields = {**measured_fields(cluster_config["gpu"], constants, dtype), **sharing_fields(raw, specs)}
-    notes = [note for note in (gemm_note(constants["gemm"]), sampling_note(raw)) if note]
+    notes = [note for note in (gemm_note(constants["gemm"]), sampling_note(raw, specs)) if note]
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
                                                                                 dtype, ".\n# ".join(notes)))
     # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile
     write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, dtype, fields)
     summary = {"cluster": name, "cluster_yaml": str(yaml_path), "profile_db": str(db_path), "device": device,
                "ranks": len(per_rank), "dtype": dtype, "quick": raw["quick"], "points_bt": points,
-               "db_rows": len(rows), "seconds": raw["seconds"], "constants": _jsonable(constants)}
+               "db_rows": len(rows), "seconds": raw["seconds"], "wall_slowdown": wall_slowdown(raw, specs),
+               "constants": _jsonable(constants)}
     write_json_atomic(out_dir / "profile.json", summary)
     return summary
 
