@@ -22,7 +22,7 @@ from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
 from mist_ds.profiling.microbench import (ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3, median_s,
                                           own_clock, own_median_s)
 from mist_ds.profiling.run import PASS_BLOCKS, layer_payload
-from mist_ds.profiling.worker import pass_block_times
+from mist_ds.profiling.worker import pass_block_times, pass_times
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
                                             fit_factors, fit_scalar, grid)
 from mist_ds.specs import ConfigError
@@ -61,6 +61,11 @@ def test_profile_writes_a_database_and_a_cluster_config_that_load(profiled):
     assert specs.cluster.cores == len(os.sched_getaffinity(0)) and len(sampled) == 2
     assert specs.cluster.measured_other_runnable_threads == 0 == specs.cluster.other_runnable_threads
     assert "other jobs' ready threads around the run" in (out / "cluster" / "mine.yaml").read_text()
+    # the wall-timed figures were taken back by the busiest-core slowdown at the load sampled around the run
+    slowdown = json.loads((out / "profile.json").read_text())["wall_slowdown"]
+    load = round(sum(sampled) / 2, 2)
+    assert slowdown == pytest.approx(compose(["cluster=cpu", *TINY, f"cluster.cores={specs.cluster.cores}"])
+                                     .cluster.cpu_slowdown(load), rel=1e-12)
 
 
 def test_profile_keeps_this_machines_figures_for_cluster_constants_machine(profiled, monkeypatch):
@@ -190,6 +195,10 @@ def test_work_on_the_ranks_cpu_is_timed_by_its_cpu_time_and_a_collectives_wait_b
         assert own_clock() is time.thread_time
         nap = lambda: time.sleep(0.02)  # noqa: E731
         assert own_median_s(nap, 3, 0.0) < 0.005 < 0.02 <= median_s(nap, 3, 0.0)
+        # a layer's pass on its own CPU by CPU time; one with TP's collectives waits for its peers: wall time
+        napping = pass_times(nap, lambda _: nap(), torch.device("cpu"), collectives=False)
+        waiting = pass_times(nap, lambda _: nap(), torch.device("cpu"), collectives=True)
+        assert max(napping.values()) < 0.005 < 0.02 <= min(waiting.values())
         torch.set_num_threads(2)
         assert own_clock() is time.perf_counter
     finally:

@@ -328,7 +328,7 @@ def as_a_cores_own(measured: dict, slowdown: float) -> dict:
 
 def sampling_note(raw: dict, specs: Specs) -> str:
     """The header line saying what other jobs ran while a CPU profile measured (its samples' mean), or ""."""
-    if raw["device"] != "cpu" or not raw.get("other_runnable_threads"):
+    if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process or not raw.get("other_runnable_threads"):
         return ""
     return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures a core's own: timed by "
             "the thread's CPU time, the collectives' wall times divided by the busiest core's slowdown at that load, "

@@ -91,14 +91,14 @@ def tensor_parallel_groups(rank: int, world_size: int, t: int):
     return mine
 
 
-def pass_times(forward, backward, device, alone: bool) -> dict[str, float]:
+def pass_times(forward, backward, device, collectives: bool) -> dict[str, float]:
     """Median seconds of `forward()` and of `backward(its output)`, each timed on its own, over PASS_REPEATS calls
     after two warm-ups (the same number on every rank: collectives inside pair up); a CUDA pass to its end, a CPU
-    pass with no collective in it (`alone`) by the thread's CPU time (own_clock), one with TP's collectives by the
-    wall clock (it waits for its peers)."""
+    pass without `collectives` by the thread's CPU time (own_clock), one with TP's collectives by the wall clock (it
+    waits for its peers)."""
     import torch
 
-    clock = own_clock() if device.type != "cuda" and alone else time.perf_counter
+    clock = time.perf_counter if device.type == "cuda" or collectives else own_clock()
 
     def now() -> float:
         if device.type == "cuda":
@@ -147,9 +147,11 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
         timed = {}
         for name in ("embedding", "head", "pass"):
             dist.barrier()
-            timed[name] = pass_times(*passes[name], device, alone=t == 1) if passes else {"fwd": 0.0, "bwd": 0.0}
+            timed[name] = (pass_times(*passes[name], device, collectives=t > 1) if passes
+                           else {"fwd": 0.0, "bwd": 0.0})
         out.append({"b": b, "t": t, "blocks": k, "embedding": timed["embedding"], "head": timed["head"],
                     "block": pass_block_times(timed, k)})
+        passes = None  # this point's layers and gradients freed before the next point's are built (layer_payload)
     return out
 
 
