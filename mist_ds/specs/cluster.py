@@ -212,15 +212,17 @@ class ClusterSpec:
         collective, so the step goes at the pace of a rank on such a core (on the 2-core development VM beside one
         spinning process the data-parallel plans ran 1.8-2.1x slower, not the 1.5x of an even share of both cores;
         docs/design.md, Hardware model). With more cores than ranks the others may leave the ranks a core each: the
-        slowest case. A mean count between two whole ones is priced between their slowdowns."""
+        slowest case. A mean count between two whole ones is a share of the time at each (the samples' mean): the
+        ranks' rates blend by those shares (the slowdowns harmonically)."""
         if not self.cores:
             return 1.0
         below = math.floor(other_threads)
+        above_share = other_threads - below
 
         def busiest_core(others: int) -> float:
             return max(1.0, math.ceil((self.gpus_per_node + others) / self.cores))
 
-        return busiest_core(below) + (other_threads - below) * (busiest_core(below + 1) - busiest_core(below))
+        return 1.0 / ((1.0 - above_share) / busiest_core(below) + above_share / busiest_core(below + 1))
 
     @property
     def time_sharing_factor(self) -> float:
