@@ -277,6 +277,12 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
             "interference": {"fallback": 1.0, "factors": c["interference"].as_config()}}
 
 
+def shares_cores(raw: dict, specs: Specs) -> bool:
+    """A profile of CPU ranks measured on CPU: its ranks shared this machine's cores with other jobs (a GPU
+    cluster's figures measured on a CPU do not)."""
+    return raw["device"] == "cpu" and specs.cluster.gpu.is_cpu_process
+
+
 def sharing_fields(raw: dict, specs: Specs) -> dict:
     """A cluster of CPU ranks measured on CPU: the cores its ranks may run on, and its figures as a core's own
     (measured_other_runnable_threads 0) whatever other jobs ran meanwhile: every call that runs on the rank's CPU
@@ -285,7 +291,7 @@ def sharing_fields(raw: dict, specs: Specs) -> dict:
     and ZeRO-3's chains wait for their peers, are wall time and carry the load there was, which write_profile takes
     out (as_a_cores_own) and the file's header states (sampling_note; docs/design.md, Hardware model). Nothing for
     GPUs (nor for a GPU cluster's figures measured on a CPU)."""
-    if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
+    if not shares_cores(raw, specs):
         return {}
     return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
 
@@ -303,7 +309,7 @@ def wall_slowdown(raw: dict, specs: Specs) -> float:
     ready threads sampled around the run: ClusterSpec.cpu_slowdown for the profile's ranks on this machine's cores
     (beside one spinner on 2 cores the all-reduce fit came out 1.55x slower and the TP passes 1.3-2x; docs/design.md,
     Hardware model). 1 for GPUs."""
-    if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process:
+    if not shares_cores(raw, specs):
         return 1.0
     ranks = replace(specs.cluster, cores=usable_cores(), gpus_per_node=len(raw["per_rank"]))
     return ranks.cpu_slowdown(sampled_load(raw))
@@ -326,13 +332,14 @@ def as_a_cores_own(measured: dict, slowdown: float) -> dict:
     return out
 
 
-def sampling_note(raw: dict, specs: Specs) -> str:
-    """The header line saying what other jobs ran while a CPU profile measured (its samples' mean), or ""."""
-    if raw["device"] != "cpu" or not specs.cluster.gpu.is_cpu_process or not raw.get("other_runnable_threads"):
+def sampling_note(raw: dict, specs: Specs, slowdown: float) -> str:
+    """The header line saying what other jobs ran while a CPU profile measured (its samples' mean) and the
+    wall_slowdown its wall-timed figures were divided by, or ""."""
+    if not shares_cores(raw, specs) or not raw.get("other_runnable_threads"):
         return ""
     return (f"other jobs' ready threads around the run: {sampled_load(raw):.2f} (the figures a core's own: timed by "
             "the thread's CPU time, the collectives' wall times divided by the busiest core's slowdown at that load, "
-            f"{wall_slowdown(raw, specs):.2f})")
+            f"{slowdown:.2f})")
 
 
 def gemm_note(gemm: dict) -> str:
@@ -410,21 +417,22 @@ def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str |
     dtype, device, per_rank = specs.train.precision, raw["device"], raw["per_rank"]
     points = tuner_points(specs)
     shapes = op_shapes(specs, points)
-    measured = as_a_cores_own(slowest(per_rank), wall_slowdown(raw, specs))
+    slowdown = wall_slowdown(raw, specs)
+    measured = as_a_cores_own(slowest(per_rank), slowdown)
     constants = fit_constants(measured, shapes, dtype, device, len(per_rank))
     name = name or f"{specs.cluster.name}-profiled"
     db_path = (out_dir / "profile.db").resolve()
     rows = db_rows(measured, shapes) + layer_rows(measured, specs)
     write_profile_db(db_path, specs.cluster.gpu.name, dtype, rows)
     fields = {**measured_fields(cluster_config["gpu"], constants, dtype), **sharing_fields(raw, specs)}
-    notes = [note for note in (gemm_note(constants["gemm"]), sampling_note(raw, specs)) if note]
+    notes = [note for note in (gemm_note(constants["gemm"]), sampling_note(raw, specs, slowdown)) if note]
     yaml_path = write_atomic(out_dir / "cluster" / f"{name}.yaml", cluster_yaml(cluster_config, name, db_path, fields,
                                                                                 dtype, ".\n# ".join(notes)))
     # this machine's figures for cluster.constants=machine (mist_ds/specs/machine.py), refreshed by every profile
     write_constants(specs.cluster.gpu.name, specs.cluster.gpus_per_node, dtype, fields)
     summary = {"cluster": name, "cluster_yaml": str(yaml_path), "profile_db": str(db_path), "device": device,
                "ranks": len(per_rank), "dtype": dtype, "quick": raw["quick"], "points_bt": points,
-               "db_rows": len(rows), "seconds": raw["seconds"], "wall_slowdown": wall_slowdown(raw, specs),
+               "db_rows": len(rows), "seconds": raw["seconds"], "wall_slowdown": slowdown,
                "constants": _jsonable(constants)}
     write_json_atomic(out_dir / "profile.json", summary)
     return summary
