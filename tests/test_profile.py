@@ -57,8 +57,9 @@ def test_profile_writes_a_database_and_a_cluster_config_that_load(profiled):
     assert (out / "profile.json").is_file() and (out / "measurements.json").is_file()
     assert not (out / "outputs").exists()  # profile.out_dir given: Hydra made no run dir (issue 25, defect 10)
     # the cores; other jobs' ready threads sampled around the ranks' run, kept and said, the figures a core's own
-    sampled = json.loads((out / "measurements.json").read_text())["other_runnable_threads"]
-    assert specs.cluster.cores == len(os.sched_getaffinity(0)) and len(sampled) == 2
+    raw = json.loads((out / "measurements.json").read_text())
+    sampled = raw["other_runnable_threads"]
+    assert specs.cluster.cores == len(os.sched_getaffinity(0)) == raw["cores"] and len(sampled) == 2
     assert specs.cluster.measured_other_runnable_threads == 0 == specs.cluster.other_runnable_threads
     assert "other jobs' ready threads around the run" in (out / "cluster" / "mine.yaml").read_text()
     # the wall-timed figures were taken back by the busiest-core slowdown at the load sampled around the run
@@ -210,10 +211,11 @@ def test_wall_timed_figures_are_taken_back_to_a_cores_own_by_the_load_sampled_ar
     the all-reduces, ZeRO-3's chains and the TP passes are halved; the CPU-timed figures and every count stay."""
     from mist_ds.profiling import run
 
-    monkeypatch.setattr(run, "usable_cores", lambda: 2)
+    monkeypatch.setattr(run, "usable_cores", lambda: 16)  # refitted on another machine: the cores they ran on count
     specs = compose(["cluster=cpu", *TINY])
-    raw = {"device": "cpu", "per_rank": [{}, {}], "other_runnable_threads": [1.0, 1.0]}
+    raw = {"device": "cpu", "per_rank": [{}, {}], "other_runnable_threads": [1.0, 1.0], "cores": 2}
     assert run.wall_slowdown(raw, specs) == 2.0
+    assert run.wall_slowdown({**raw, "cores": 1, "other_runnable_threads": [0.0, 0.0]}, specs) == 2.0  # 2 ranks, 1 core
     assert run.wall_slowdown({**raw, "other_runnable_threads": [0.0, 0.0]}, specs) == 1.0
     assert run.wall_slowdown({**raw, "device": "cuda"}, specs) == 1.0
     passes = [{"b": 2, "t": t, "blocks": 2, "embedding": {"fwd": 1.0, "bwd": 2.0}, "block": {"fwd": 3.0, "bwd": 4.0},

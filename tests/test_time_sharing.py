@@ -47,6 +47,19 @@ def test_threads_the_cores_can_hold_cost_nothing():
     assert faster.iteration_time_s == pytest.approx(alone.iteration_time_s / 2, rel=1e-9)
 
 
+def test_ranks_that_outnumber_the_cores_share_them_even_alone():
+    """The figures are a core's own (what `mist-ds profile` writes): 4 ranks on 2 cores take twice as long as with a
+    core each though no other job runs, 3x beside 2 other ready threads (ceil(6 / 2)); figures measured beside 2
+    threads carried 3 / 2 of that."""
+    four = [*PLAN, "cluster.gpus_per_node=4"]
+    wide = predict(compose([*four, "cluster.cores=4"]))
+    narrow = predict(compose([*four, "cluster.cores=2"]))
+    assert narrow.iteration_time_s == pytest.approx(2 * wide.iteration_time_s, rel=1e-9)
+    assert compose([*four, "cluster.other_runnable_threads=2"]).cluster.time_sharing_factor == pytest.approx(3.0)
+    assert compose([*four, "cluster.other_runnable_threads=2", "cluster.measured_other_runnable_threads=2"]
+                   ).cluster.time_sharing_factor == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("cores, others, slowdown", [(2, 0, 1.0), (2, 0.25, 1 / (0.75 + 0.25 / 2)), (2, 1, 2.0),
                                                      (2, 1.5, 2.0), (2, 2, 2.0), (2, 2.5, 1 / (0.5 / 2 + 0.5 / 3)),
                                                      (2, 3, 3.0), (4, 2, 1.0), (4, 2.5, 1 / (0.5 + 0.5 / 2)),

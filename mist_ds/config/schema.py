@@ -100,7 +100,7 @@ class ClusterConfig:
     price_per_gpu_hour: Optional[float] = None  # USD per GPU-hour; null = unknown
     cores: Optional[int] = None  # CPU ranks: the cores a node's ranks share with other jobs; null = GPUs
     other_runnable_threads: Any = 0.0  # CPU ranks: other jobs' threads ready to run, priced for; or now (sampled)
-    measured_other_runnable_threads: float = 0.0  # CPU ranks: the same while this file's figures were measured
+    measured_other_runnable_threads: float = 0.0  # CPU ranks: the same as the figures were measured (0: a core's own)
 
 
 @dataclass

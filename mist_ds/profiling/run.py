@@ -293,7 +293,7 @@ def sharing_fields(raw: dict, specs: Specs) -> dict:
     GPUs (nor for a GPU cluster's figures measured on a CPU)."""
     if not shares_cores(raw, specs):
         return {}
-    return {"cores": usable_cores(), "measured_other_runnable_threads": 0.0}
+    return {"cores": raw["cores"], "measured_other_runnable_threads": 0.0}
 
 
 def sampled_load(raw: dict) -> float:
@@ -311,7 +311,7 @@ def wall_slowdown(raw: dict, specs: Specs) -> float:
     Hardware model). 1 for GPUs."""
     if not shares_cores(raw, specs):
         return 1.0
-    ranks = replace(specs.cluster, cores=usable_cores(), gpus_per_node=len(raw["per_rank"]))
+    ranks = replace(specs.cluster, cores=raw["cores"], gpus_per_node=len(raw["per_rank"]))
     return ranks.cpu_slowdown(sampled_load(raw))
 
 
@@ -407,7 +407,7 @@ def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None,
     (out_dir / "cluster").mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "measurements.json", {"device": device, "quick": bool(quick), "per_rank": per_rank,
                                                       "seconds": time.perf_counter() - start,
-                                                      "other_runnable_threads": others})
+                                                      "other_runnable_threads": others, "cores": usable_cores()})
     return write_profile(specs, cluster_config, out_dir, name)
 
 

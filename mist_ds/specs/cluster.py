@@ -174,11 +174,13 @@ class ClusterSpec:
     profile_db: str | None = None
     price_per_gpu_hour: float | None = None
     cores: int | None = None
-    """CPU ranks: the cores of a node, shared by its ranks and other jobs' threads; None for GPUs."""
+    """CPU ranks: the cores of a node, shared by its ranks and other jobs' threads; None for GPUs, and for a cluster
+    whose figures already carry that sharing (time_shared)."""
     other_runnable_threads: float = 0.0
     """CPU ranks: other jobs' threads ready to run (on average) while the plan runs, what it is priced for."""
     measured_other_runnable_threads: float = 0.0
-    """CPU ranks: the same while the figures here were measured (they carry that share of the cores)."""
+    """CPU ranks: the same while the figures here were measured: the figures are a core's own (what `mist-ds
+    profile` writes: 0) but for the slowdown these threads added (cpu_slowdown(this) / cpu_slowdown(0))."""
 
     def __post_init__(self) -> None:
         require_positive("cluster.nodes", self.nodes)
@@ -226,8 +228,11 @@ class ClusterSpec:
 
     @property
     def time_sharing_factor(self) -> float:
-        """Every time figure here, measured at measured_other_runnable_threads, scaled to other_runnable_threads."""
-        return self.cpu_slowdown(self.other_runnable_threads) / self.cpu_slowdown(self.measured_other_runnable_threads)
+        """How many times longer every time figure here runs as priced: a core's own figures (but for the slowdown
+        measured_other_runnable_threads added) at the busiest core's pace beside other_runnable_threads. Ranks that
+        outnumber the cores share them even alone (2 ranks on 1 core: 2x)."""
+        measured = self.cpu_slowdown(self.measured_other_runnable_threads) / self.cpu_slowdown(0.0)
+        return self.cpu_slowdown(self.other_runnable_threads) / measured
 
     def time_shared(self) -> "ClusterSpec":
         """This cluster with every figure of time (rates, latencies, per-op and per-call times) scaled by
@@ -245,7 +250,7 @@ class ClusterSpec:
                        inter_node_bytes_per_s=self.inter_node_bytes_per_s / k,
                        pcie_bytes_per_s=self.pcie_bytes_per_s / k, cpu_adam_params_per_s=self.cpu_adam_params_per_s / k,
                        collective_latency_s=self.collective_latency_s * k,
-                       measured_other_runnable_threads=self.other_runnable_threads)
+                       cores=None)  # the sharing is in the figures now: scaling again changes nothing
 
     @property
     def host_bytes_per_gpu(self) -> float:
