@@ -590,6 +590,30 @@ def test_zero3_pays_its_coordinators_host_time_per_module_call_and_fetch(costs_1
     assert gpu.zero3_fetch_s == gpu.zero3_hook_s == 0.0  # GPU clusters: not measured
 
 
+def test_zero12_pays_its_reductions_host_time_per_tensor_and_byte(costs_13b):
+    """ZeRO-1/2's reduction path on the host (zero12_host_s): per trained tensor and per gradient byte of the stage,
+    at ZeRO-2 in every micro-batch's backward, at ZeRO-1 once in the step; ZeRO-0 and 3 pay none, nor do clusters
+    that leave the figures at 0."""
+    tensor_us, per_mib_us = 40.0, 1000.0
+    figures = [f"cluster.gpu.zero12_tensor_us={tensor_us}", f"cluster.gpu.zero12_per_mib_us={per_mib_us}"]
+    for stage in (0, 1, 2, 3):
+        strategy = [f"strategy.zero_stage={stage}", "strategy.dp=8", "strategy.micro_batch_size=1"]
+        priced, _ = _times(specs_of(*strategy, *figures), costs_13b)
+        free, _ = _times(specs_of(*strategy), costs_13b)
+        specs = specs_of(*strategy)
+        tensors = sum(layer("trainable_param_tensors", 1, specs.model.seq_len, 1) * count for layer, count in
+                      ((costs_13b.embedding, 1), (costs_13b.block, 24), (costs_13b.head, 1)))
+        params = sum(layer("trainable_params", 1, specs.model.seq_len, 1) * count for layer, count in
+                     ((costs_13b.embedding, 1), (costs_13b.block, 24), (costs_13b.head, 1)))
+        if specs.model.tie_embeddings:  # the embedding and the head hold the one vocabulary matrix
+            tensors, params = tensors - 1, params - specs.model.vocab_size * specs.model.hidden_size
+        expected = 1e-6 * (tensor_us * tensors + per_mib_us * 2 * params / 2**20)
+        assert float(priced.host_s[0] - free.host_s[0]) == pytest.approx(expected if stage == 2 else 0.0)
+        assert float(priced.optimizer_s[0] - free.optimizer_s[0]) == pytest.approx(expected if stage == 1 else 0.0)
+    gpu = compose(BASE).cluster.gpu
+    assert gpu.zero12_tensor_s == gpu.zero12_byte_s == 0.0  # GPU clusters: not measured
+
+
 def test_zero3_gathers_once_per_submodule_each_paying_its_latency(costs_13b):
     """GPT's block holds four linears (attention.qkv, attention.proj, fc_in, fc_out; mist_ds/models/gpt.py):
     DeepSpeed's ZeRO-3 gathers each in its own call, so a stage's gathers cost 4 l + 2 latencies (embedding,

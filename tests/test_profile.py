@@ -19,8 +19,9 @@ from mist_ds.hardware import hardware_model
 from mist_ds.cost.executors.zero_bubble import weight_gradient_s
 from mist_ds.cost.layer_time import layer_times
 from mist_ds.hardware.profile_db import SCHEMA, ProfileDB, layer_op
-from mist_ds.profiling.microbench import (ZERO3_FETCHES, ZERO3_HOOKS, fit_eager_op, fit_gemm, fit_zero3, median_s,
-                                          own_clock, own_median_s)
+from mist_ds.profiling.microbench import (ZERO3_FETCHES, ZERO3_HOOKS, ZERO12_BYTES_LINEARS, ZERO12_TENSORS,
+                                          fit_eager_op, fit_gemm, fit_zero3, fit_zero12, median_s, own_clock,
+                                          own_median_s)
 from mist_ds.profiling.run import PASS_BLOCKS, layer_payload
 from mist_ds.profiling.worker import pass_block_times, pass_times
 from mist_ds.profiling.interference import (CONCURRENT_SETS, FREE_FACTORS, elapsed_errors, finish_times_s,
@@ -272,6 +273,27 @@ def test_the_profile_measures_zero3s_host_cost_and_prices_it(profiled):
     assert priced > free.iteration_time_s or zero3["fetch_s"] == zero3["hook_s"] == 0
 
 
+def test_the_profile_measures_zero12s_reduction_on_the_host_and_prices_it(profiled):
+    """The quick profile runs DeepSpeed's ZeRO-1 and ZeRO-2 on both chains (microbench.zero12_sweep), fits the
+    per-tensor and per-byte figures (never negative) into the cluster file, and a ZeRO-2 plan pays them."""
+    out, overrides = profiled
+    zero12 = json.loads((out / "profile.json").read_text())["constants"]["zero12"]
+    assert zero12["tensor_s"] >= 0 and zero12["byte_s"] >= 0
+    rows = json.loads((out / "measurements.json").read_text())["per_rank"][0]["zero12"]
+    assert [(r["stage"], r["chain"], r["tensors"]) for r in rows] == [
+        (stage, chain, n) for stage in (1, 2)
+        for chain, n in (("tensors", 2 * ZERO12_TENSORS), ("bytes", 2 * ZERO12_BYTES_LINEARS))]
+    assert all(r["zero_s"] > r["plain_s"] > 0 for r in rows)
+    gpu = compose([*overrides, *STRATEGY]).cluster.gpu
+    assert gpu.zero12_tensor_s == pytest.approx(zero12["tensor_s"], abs=1e-8)
+    assert gpu.zero12_byte_s * 2**20 == pytest.approx(zero12["byte_s"] * 2**20, abs=1e-8)
+    zero2_plan = ["strategy.micro_batch_size=2", "strategy.zero_stage=2"]
+    priced = predict(compose([*overrides, *zero2_plan])).iteration_time_s
+    free = predict(compose([*overrides, *zero2_plan, "cluster.gpu.zero12_tensor_us=0",
+                            "cluster.gpu.zero12_per_mib_us=0"])).iteration_time_s
+    assert priced > free or zero12["tensor_s"] == zero12["byte_s"] == 0
+
+
 def test_the_profile_measures_the_eager_op_cost_and_prices_the_step_with_it(profiled):
     """The quick profile times torch's AdamW over lists of small tensors (microbench.eager_op_sweep, ten ops per
     tensor counted through the dispatcher), fits the per-op figure into the cluster file, and the step grows with it."""
@@ -316,6 +338,22 @@ def test_the_zero3_fit_recovers_known_host_costs():
     rows[1]["zero3_s"] -= 2e-3
     fit = fit_zero3(rows, gather, scatter)
     assert fit["hook_s"] == 0.0 and fit["fetch_s"] > 0
+
+
+def test_the_zero12_fit_recovers_known_host_costs():
+    """zero12_sweep's rows as a reduction of known costs would time them (tensors x per-tensor + bytes x per-byte,
+    plus the all-reduce the collectives price), both ZeRO stages alike."""
+    all_reduce = (lambda m: 1e-4 + m / 1e9)
+    shapes = {"tensors": (64, 17408), "bytes": (4, 4198400)}
+    rows = [{"stage": stage, "chain": chain, "tensors": n, "grad_bytes": b, "plain_s": 1e-3,
+             "zero_s": 1e-3 + n * 40e-6 + b * 1e-9 + all_reduce(b)}
+            for stage in (1, 2) for chain, (n, b) in shapes.items()]
+    fit = fit_zero12(rows, all_reduce)
+    assert fit["tensor_s"] == pytest.approx(40e-6) and fit["byte_s"] == pytest.approx(1e-9)
+    for row in rows:  # noise that would make the bytes' cost negative: none, the tensors alone set theirs
+        row["zero_s"] -= row["grad_bytes"] * 2e-9
+    fit = fit_zero12(rows, all_reduce)
+    assert fit["byte_s"] == 0.0 and fit["tensor_s"] > 0
 
 
 def _gemm_rows(seconds_of) -> list[dict]:

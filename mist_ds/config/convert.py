@@ -5,7 +5,7 @@ from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, Stra
 from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
                            TunerSpec, executor_capabilities)
 from mist_ds.specs.tuner import VerifySpec
-from mist_ds.specs.cluster import DTYPES, GB, GIB, GIGA, TERA
+from mist_ds.specs.cluster import DTYPES, GB, GIB, GIGA, MIB, TERA
 from mist_ds.specs.errors import require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
 from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
@@ -138,6 +138,7 @@ def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
         attention_efficiency=f["attention_efficiency"], memory_efficiency=f["memory_efficiency"],
         kernel_overhead_s=f["kernel_overhead_us"] * 1e-6, host_dispatch_s=f["host_dispatch_us"] * 1e-6,
         zero3_fetch_s=cfg.gpu.zero3_fetch_us * 1e-6, zero3_hook_s=cfg.gpu.zero3_hook_us * 1e-6,
+        zero12_tensor_s=cfg.gpu.zero12_tensor_us * 1e-6, zero12_byte_s=cfg.gpu.zero12_per_mib_us * 1e-6 / MIB,
         eager_op_s=cfg.gpu.eager_op_us * 1e-6)
     interference = InterferenceSpec(
         fallback=cfg.interference.fallback,

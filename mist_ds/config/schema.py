@@ -69,6 +69,9 @@ class GpuConfig:
     zero3_fetch_us: float = 0.0  # ZeRO-3: host time of one submodule's parameter fetch and release per pass, beyond
     #                              its all-gather, microseconds; 0 = not measured (mist-ds profile measures it)
     zero3_hook_us: float = 0.0  # ZeRO-3: host time of its hooks on one module call per pass, microseconds; 0 = none
+    zero12_tensor_us: float = 0.0  # ZeRO-1/2: host time of one trained tensor's gradient reduction (hook, bucket
+    #                                copy, epilogue), beyond the all-reduce, microseconds; 0 = not measured
+    zero12_per_mib_us: float = 0.0  # ZeRO-1/2: the same per MiB of gradient reduced, microseconds; 0 = not measured
     per_precision: Dict[str, Dict[str, float]] = field(default_factory=dict)  # per train.precision, fields above
     #                                            replaced for it, e.g. {fp32: {gemm_efficiency: 0.9}}; {} = none
 

@@ -214,8 +214,8 @@ def optimizer_step(inputs: StageInputs, moves: StageMoves) -> OptimizerStep:
     tied = np.where((c.ties_across_ranks > 0) & costs.model.tie_embeddings & ((c.first + c.last) > 0),
                     hw.all_reduce_time_s(b_w * vocab_shard_elements(costs.model, c), 2,
                                          c.t * c.d * (c.pp - 1)), 0.0)
-    return OptimizerStep(gpu_s=gpu_step, total_s=gpu_step + cpu_step + moves.step_copies_s, partition=partition,
-                         tied_s=tied)
+    return OptimizerStep(gpu_s=gpu_step, total_s=gpu_step + cpu_step + moves.step_copies_s + moves.step_host_s,
+                         partition=partition, tied_s=tied)
 
 
 def _stage_times_of(work: PassWork, phases: PassPhases, moves: StageMoves, step: OptimizerStep,

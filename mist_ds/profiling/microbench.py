@@ -45,6 +45,12 @@ INTERLEAVED_GEMMS = 4  # compute between two all-reduces: 4 GEMMs of [256 x 512]
 ZERO3_FETCHES = 16
 ZERO3_HOOKS = 32
 ZERO3_WIDTH = 16
+# ZeRO-1/2's gradient reduction (zero12_sweep): `tensors`, ZERO12_TENSORS linears of ZERO3_WIDTH x ZERO3_WIDTH (two
+# tensors each, bytes next to nothing), and `bytes`, ZERO12_BYTES_LINEARS linears of ZERO12_WIDTH x ZERO12_WIDTH
+# (a few tensors, the tiny model's gradient bytes).
+ZERO12_TENSORS = 32
+ZERO12_BYTES_LINEARS = 2
+ZERO12_WIDTH = 1024
 
 # --- rank side ---------------------------------------------------------------------------------------
 
@@ -376,7 +382,6 @@ def zero3_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
     gradient bytes the backward reduce-scatters."""
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     w = ZERO3_WIDTH
@@ -401,27 +406,95 @@ def zero3_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
         def torch_only():
             plain(x).float().sum().backward()
 
-        times: dict[str, list[float]] = {"zero3_s": [], "plain_s": []}
-        for _ in range(2):  # warm-up: the coordinator records its module trace in the first pass
-            zero3()
-            torch_only()
-        for _ in range(repeats):
-            for key, fn in (("zero3_s", zero3), ("plain_s", torch_only)):
-                dist.barrier()
-                _sync(device)
-                start = time.perf_counter()
-                fn()
-                _sync(device)
-                times[key].append(time.perf_counter() - start)
+        # warm-up: the coordinator records its module trace in the first pass
+        times = _interleaved_medians({"zero3_s": zero3, "plain_s": torch_only}, repeats, device)
         linear_elements = w * w + w
         out.append({"chain": name, "calls": len(list(plain.modules())),
                     "fetching": sum(1 for m in plain.modules() if next(m.parameters(recurse=False), None) is not None),
                     "fetch_bytes": linear_elements * DTYPE_BYTES[dtype],
-                    "grad_bytes": sum(p.numel() for p in plain.parameters()) * DTYPE_BYTES[dtype],
-                    **{key: statistics.median(values) for key, values in times.items()}})
+                    "grad_bytes": sum(p.numel() for p in plain.parameters()) * DTYPE_BYTES[dtype], **times})
         engine.destroy()
         del engine, module
     return out
+
+
+def _zero12_config(dtype: str, stage: int) -> dict:
+    """The ZeRO-1/2 config mist_ds emits for a stage without a pipeline (emit/ds_config.py zero_block: contiguous
+    gradients, the planned reduce bucket, overlap_comm off; torch's AdamW; no clipping)."""
+    from mist_ds.emit.ds_config import optimizer_block, precision_block, zero_block
+    from mist_ds.specs import StageStrategy, TrainSpec
+    from mist_ds.specs.buckets import BucketSizes
+
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "wall_clock_breakdown": False, **precision_block(dtype, False),
+            "optimizer": optimizer_block(TrainSpec(global_batch_size=1, precision=dtype, optimizer="adamw",
+                                                   grad_clip=0)),
+            "zero_optimization": zero_block(StageStrategy(layers=1, ckpt_layers=0, zero_stage=stage), False,
+                                            BucketSizes())}
+
+
+def zero12_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
+    """DeepSpeed's ZeRO-1/2 gradient reduction on the ranks (all at once, gloo or NCCL): seconds of a backward at
+    the accumulation boundary under a ZeRO-1 and a ZeRO-2 engine (the hooks, the reduce bucket filled and
+    all-reduced, each rank's partition kept: stage_1_and_2.py reduce_gradients, reduce_independent_p_g_buckets_
+    and_remove_grads, independent_gradient_partition_epilogue), each beside the same chain's backward in plain
+    torch (interleaved, each after a barrier, as a step starts), for two chains: `tensors`, many small trained
+    tensors, and `bytes`, a few large ones. Per row its trained tensors and gradient bytes."""
+    import deepspeed
+    import torch
+
+    kind = _torch_dtype(dtype) if dtype != "fp16" else torch.float16
+
+    def chain(name: str) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        if name == "tensors":
+            return torch.nn.Sequential(*(torch.nn.Linear(ZERO3_WIDTH, ZERO3_WIDTH) for _ in range(ZERO12_TENSORS)))
+        return torch.nn.Sequential(*(torch.nn.Linear(ZERO12_WIDTH, ZERO12_WIDTH)
+                                     for _ in range(ZERO12_BYTES_LINEARS)))
+
+    out = []
+    for stage in (1, 2):
+        for name in ("tensors", "bytes"):
+            plain = chain(name).to(device=device, dtype=kind)
+            module = chain(name)
+            engine, *_ = deepspeed.initialize(model=module, config=_zero12_config(dtype, stage),
+                                              model_parameters=list(module.parameters()))
+            width = ZERO3_WIDTH if name == "tensors" else ZERO12_WIDTH
+            x = torch.randn(1, width, dtype=kind, device=device)
+
+            def reduced():
+                engine.backward(engine(x).float().sum())
+
+            def torch_only():
+                plain(x).float().sum().backward()
+                plain.zero_grad(set_to_none=True)
+
+            times = _interleaved_medians({"zero_s": reduced, "plain_s": torch_only}, repeats, device)
+            out.append({"stage": stage, "chain": name, "tensors": sum(1 for _ in plain.parameters()),
+                        "grad_bytes": sum(p.numel() for p in plain.parameters()) * DTYPE_BYTES[dtype], **times})
+            engine.destroy()
+            del engine, module
+    return out
+
+
+def _interleaved_medians(calls: dict, repeats: int, device) -> dict[str, float]:
+    """Median wall seconds of each of `calls` (name -> fn), after two warm-up rounds, over `repeats` rounds that
+    take them in turn, each call after a barrier of the ranks (as a step starts) and timed to the device's end."""
+    import torch.distributed as dist
+
+    for _ in range(2):
+        for fn in calls.values():
+            fn()
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, fn in calls.items():
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def _sync(device) -> None:
@@ -511,6 +584,26 @@ def fit_zero3(rows: list[dict], all_gather_s, reduce_scatter_s) -> dict:
     gather_s = float(all_gather_s(fetch["fetch_bytes"]))
     return {"hook_s": float(hook_s), "fetch_s": max(float(fetch_total_s) - gather_s, 0.0),
             "fetch_total_s": float(fetch_total_s), "all_gather_s": gather_s, "per_pass_s": per_pass}
+
+
+def fit_zero12(rows: list[dict], all_reduce_s) -> dict:
+    """ZeRO-1/2's host seconds per gradient reduction (zero12_sweep's rows): per trained tensor and per gradient
+    byte, beyond the all-reduce of the gradients as the collectives price it (`all_reduce_s(bytes)`). A chain's
+    excess over plain torch's backward, less that all-reduce, is tensors x per-tensor + bytes x per-byte; both
+    ZeRO stages run the same hook, bucket and epilogue (stage_1_and_2.py), so each chain's excess is the mean of
+    its two stages' rows: two chains, two unknowns, each at least 0."""
+    excess: dict[str, list[float]] = {}
+    for r in rows:
+        excess.setdefault(r["chain"], []).append(r["zero_s"] - r["plain_s"] - float(all_reduce_s(r["grad_bytes"])))
+    shape = {r["chain"]: (r["tensors"], r["grad_bytes"]) for r in rows}
+    per_chain = {name: float(np.mean(values)) for name, values in excess.items()}
+    design = np.array([shape["tensors"], shape["bytes"]], dtype=float)
+    tensor_s, byte_s = np.linalg.solve(design, np.array([per_chain["tensors"], per_chain["bytes"]]))
+    if byte_s < 0:  # noise: the bytes cost nothing measurable beside the tensors
+        tensor_s, byte_s = max(per_chain["tensors"], 0.0) / shape["tensors"][0], 0.0
+    elif tensor_s < 0:
+        tensor_s, byte_s = 0.0, max(per_chain["bytes"], 0.0) / shape["bytes"][1]
+    return {"tensor_s": float(tensor_s), "byte_s": float(byte_s), "per_reduction_s": per_chain}
 
 
 def fit_eager_op(rows: list[dict]) -> dict:

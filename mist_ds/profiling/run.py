@@ -25,7 +25,8 @@ import numpy as np
 
 from mist_ds.files import write_atomic, write_json_atomic
 from mist_ds.profiling.interference import fit_factors
-from mist_ds.profiling.microbench import combine_tree, fit_alpha_beta, fit_eager_op, fit_gemm, fit_zero3
+from mist_ds.profiling.microbench import (combine_tree, fit_alpha_beta, fit_eager_op, fit_gemm, fit_zero3,
+                                          fit_zero12)
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.machine import read_constants, sample_other_runnable_threads, usable_cores, write_constants
@@ -34,7 +35,8 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRIDS = {
     # quick: one round, few sizes; full: three rounds (the median), the sizes of benchmarks/cpu_constants.py. The
     # curve's sizes reach below the small models' GEMMs (128^3: 4 MFLOP) so that the sweep spans a knee where
-    # there is one (microbench.fit_gemm); zero3_repeats: interleaved repeats of microbench.zero3_sweep.
+    # there is one (microbench.fit_gemm); zero3_repeats: interleaved repeats of microbench.zero3_sweep and
+    # zero12_sweep.
     True: {"rounds": 1, "curve_shapes": [(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)],
            "copy_bytes": [2**18, 2**20, 2**22], "collective_bytes": [8, 2**10, 2**16, 2**20, 2**22],
            "adam_elements": [2**20], "activations": [(256, 128)], "zero3_repeats": 10},
@@ -234,6 +236,8 @@ def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int
         group = RingGroup.of(ranks, 1, ranks, bandwidth, 0.0, out["collectives"]["latency_s"],
                              intra_link=None if device == "cpu" else "nvlink")
         out["zero3"] = fit_zero3(r["zero3"], group.all_gather_time_s, group.reduce_scatter_time_s)
+        if r.get("zero12"):
+            out["zero12"] = fit_zero12(r["zero12"], group.all_reduce_time_s)
     out["cpu_adam_params_per_s"] = ranks * statistics.median(f["elements"] / f["s"] for f in r["adam"]["flat"])
     out["interference"] = fit_factors(r["interference"])
     return out
@@ -264,6 +268,9 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
     if "zero3" in c:
         gpu.update(zero3_fetch_us=_round(c["zero3"]["fetch_s"] * 1e6, 2),
                    zero3_hook_us=_round(c["zero3"]["hook_s"] * 1e6, 2))
+    if "zero12" in c:
+        gpu.update(zero12_tensor_us=_round(c["zero12"]["tensor_s"] * 1e6, 2),
+                   zero12_per_mib_us=_round(c["zero12"]["byte_s"] * 1e6 * 2**20, 2))
     if "hbm_bytes_per_s" in c:
         gpu.update(hbm_gbps=_round(c["hbm_bytes_per_s"] / 1e9, 3), memory_efficiency=_round(c["memory_efficiency"], 4),
                    kernel_overhead_us=_round(c["kernel_overhead_s"] * 1e6, 3),
@@ -325,8 +332,9 @@ def as_a_cores_own(measured: dict, slowdown: float) -> dict:
         return combine_tree([tree], lambda values: values[0] / slowdown)
 
     out = {**measured, "all_reduce": scaled(measured["all_reduce"])}
-    if "zero3" in measured:
-        out["zero3"] = scaled(measured["zero3"])
+    for chains in ("zero3", "zero12"):
+        if chains in measured:
+            out[chains] = scaled(measured[chains])
     if "passes" in measured:
         out["passes"] = [point if point["t"] == 1 else scaled(point) for point in measured["passes"]]
     return out

@@ -16,7 +16,7 @@ from mist_ds.files import write_atomic
 from mist_ds.profiling import interference as interference_grid
 from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_tree, eager_op_sweep, gemm_sweep,
                                           layer_overhead, median_s, memory_sweep, own_clock, own_median_s,
-                                          zero3_sweep)
+                                          zero3_sweep, zero12_sweep)
 
 PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
 UNIT_S = 0.04
@@ -354,6 +354,7 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
                                                       dtype, device)
     # last: the ZeRO-3 engines it builds and tears down are no part of the other sections
     sections["zero3"] = lambda: zero3_sweep(dtype, device, payload["zero3_repeats"])
+    sections["zero12"] = lambda: zero12_sweep(dtype, device, payload["zero3_repeats"])
     if payload.get("sections"):  # a benchmark of one part (benchmarks/interference_fit.py)
         sections = {name: sections[name] for name in payload["sections"]}
     total, done = payload["rounds"] * len(sections), 0

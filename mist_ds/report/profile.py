@@ -28,8 +28,14 @@ def _zero3_lines(constants: dict[str, Any]) -> list[str]:
     if "zero3" not in constants:
         return []
     zero3 = constants["zero3"]
-    return [f"  ZeRO-3 host: {zero3['hook_s'] * 1e6:.3g} us per hooked module call, {zero3['fetch_s'] * 1e6:.3g} us "
-            "per fetch beyond its all-gather (per pass)"]
+    lines = [f"  ZeRO-3 host: {zero3['hook_s'] * 1e6:.3g} us per hooked module call, {zero3['fetch_s'] * 1e6:.3g} us "
+             "per fetch beyond its all-gather (per pass)"]
+    if "zero12" in constants:
+        zero12 = constants["zero12"]
+        lines.append(f"  ZeRO-1/2 host: {zero12['tensor_s'] * 1e6:.3g} us per trained tensor, "
+                     f"{zero12['byte_s'] * 1e6 * 2**20:.3g} us per MiB of gradient beyond its all-reduce "
+                     "(per reduction)")
+    return lines
 
 
 def _curve_text(gemm: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ DEFAULT_NCCL_VERSION = "2.30.7"
 
 # Datasheet units the config fields are named in (error messages quote values in them).
 GIB = 2**30
+MIB = 2**20
 GB = 1e9
 GIGA = 1e9
 TERA = 1e12
@@ -95,6 +96,13 @@ class GpuSpec:
     collectives are priced (seconds; 0: not measured)."""
     zero3_hook_s: float = 0.0
     """ZeRO-3's host time per pass for its hooks on one module call (seconds; 0: none)."""
+    zero12_tensor_s: float = 0.0
+    """ZeRO-1/2's host time per gradient reduction for one trained tensor: its hook, its copy into the reduce bucket
+    and the epilogue's bookkeeping, beyond the all-reduce as the collectives are priced (seconds; 0: not
+    measured)."""
+    zero12_byte_s: float = 0.0
+    """... and per byte of gradient reduced: the bucket's fresh pages and copies, the partition kept (seconds per
+    byte; 0: not measured)."""
     eager_op_s: float = 0.0
     """Fixed time of one eager tensor op outside autograd: torch's dispatcher and the Python that calls it, what the
     optimizer step's per-tensor loops pay per op beyond the bytes they move (seconds; 0: priced as a kernel, the
@@ -124,8 +132,10 @@ class GpuSpec:
                 "must be >= 0")
         require(self.host_dispatch_s >= 0, "cluster.gpu.host_dispatch_us", self.host_dispatch_s * 1e6,
                 "must be >= 0 (0 = the GPU never waits for the host)")
-        for name in ("zero3_fetch_s", "zero3_hook_s", "eager_op_s"):
+        for name in ("zero3_fetch_s", "zero3_hook_s", "zero12_tensor_s", "eager_op_s"):
             require(getattr(self, name) >= 0, f"cluster.gpu.{name[:-2]}_us", getattr(self, name) * 1e6, "must be >= 0")
+        require(self.zero12_byte_s >= 0, "cluster.gpu.zero12_per_mib_us", self.zero12_byte_s * 1e6 * MIB,
+                "must be >= 0")
         require(self.gemm_half_flops >= 0, "cluster.gpu.gemm_half_gflop", self.gemm_half_flops / GIGA,
                 "must be >= 0 (0 = every GEMM at gemm_efficiency)")
         require(0 < self.gemm_curve_exponent <= 8, "cluster.gpu.gemm_curve_exponent", self.gemm_curve_exponent,
@@ -245,7 +255,8 @@ class ClusterSpec:
         slowed = replace(gpu, peak_flops_per_s={d: v / k for d, v in gpu.peak_flops_per_s.items()},
                          hbm_bytes_per_s=gpu.hbm_bytes_per_s / k, kernel_overhead_s=gpu.kernel_overhead_s * k,
                          host_dispatch_s=gpu.host_dispatch_s * k, zero3_fetch_s=gpu.zero3_fetch_s * k,
-                         zero3_hook_s=gpu.zero3_hook_s * k, eager_op_s=gpu.eager_op_s * k)
+                         zero3_hook_s=gpu.zero3_hook_s * k, zero12_tensor_s=gpu.zero12_tensor_s * k,
+                         zero12_byte_s=gpu.zero12_byte_s * k, eager_op_s=gpu.eager_op_s * k)
         return replace(self, gpu=slowed, intra_node_bytes_per_s=self.intra_node_bytes_per_s / k,
                        inter_node_bytes_per_s=self.inter_node_bytes_per_s / k,
                        pcie_bytes_per_s=self.pcie_bytes_per_s / k, cpu_adam_params_per_s=self.cpu_adam_params_per_s / k,

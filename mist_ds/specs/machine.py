@@ -19,7 +19,7 @@ MEASURED_FIELDS = ("intra_node_gbps", "collective_latency_us", "pcie_gbps", "cpu
 """The cluster-level fields a profile measures (besides the gpu section's, MEASURED_GPU_FIELDS)."""
 MEASURED_GPU_FIELDS = ("peak_tflops", "hbm_gbps", "gemm_efficiency", "gemm_half_gflop", "gemm_curve_exponent",
                        "attention_efficiency", "memory_efficiency", "kernel_overhead_us", "host_dispatch_us",
-                       "zero3_fetch_us", "zero3_hook_us", "eager_op_us")
+                       "zero3_fetch_us", "zero3_hook_us", "zero12_tensor_us", "zero12_per_mib_us", "eager_op_us")
 
 
 def _processor() -> str:

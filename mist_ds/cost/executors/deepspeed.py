@@ -82,6 +82,21 @@ def zero3_host_s(costs, hw, c) -> tuple[np.ndarray, np.ndarray]:
     return np.where(zero3, once, 0.0), np.where(zero3, once + c.recompute * block, 0.0)
 
 
+def zero12_host_s(hw, c, tensors, params) -> np.ndarray:
+    """Host seconds of one ZeRO-1/2 gradient reduction of a stage of `tensors` trained tensors and `params` trained
+    parameters (zero/stage_1_and_2.py, the config mist_ds emits: contiguous gradients, overlap_comm off): a hook per
+    tensor (grad_handling_hook -> reduce_independent_p_g_buckets_and_remove_grads: the gradient copied into the reduce
+    bucket, which setup_buckets allocates afresh for each reduction), then independent_gradient_partition_epilogue
+    (the bucket averaged and all-reduced, the rank's partition kept): cluster.gpu.zero12_tensor_us per tensor and
+    zero12_per_mib_us per gradient byte, beyond the all-reduce the collectives price. ZeRO-2 reduces every
+    micro-batch, ZeRO-1 once, at the accumulation boundary (engine.py allreduce_gradients). Serial with the pass:
+    on CPU ranks the host is the device (on the development VM 40-50 us a tensor, and the bucket's fresh pages
+    cost the tiny model's 4 MiB of bf16 gradients about 5 ms); GPU clusters leave both at 0 (not measured)."""
+    gpu = hw.cluster.gpu
+    per_reduction = gpu.zero12_tensor_s * tensors + gpu.zero12_byte_s * hw.dtype_bytes * params
+    return np.where((c.zero == 1) | (c.zero == 2), per_reduction, 0.0)
+
+
 @dataclass(frozen=True)
 class StepOps:
     """What DeepSpeed 0.19.8's wrapper around torch's AdamW adds to one rank's step (docs/design.md, What DeepSpeed
@@ -236,7 +251,8 @@ def moves(inputs: StageInputs) -> StageMoves:
     - offloaded activations (executor `mist`) go down in forward and come back in backward, copies that
       add to the pass (offload_overlapped is off);
     - with the reduction in the last backward (executor `mist`): executors/mist.py layerwise_reduce;
-    - ZeRO-3's coordinator on the host, serial with each pass: zero3_host_s.
+    - ZeRO-3's coordinator on the host, serial with each pass: zero3_host_s; ZeRO-1/2's gradient reduction on the
+      host (zero12_host_s), serial with each backward at ZeRO-2, once at the boundary at ZeRO-1.
     """
     costs, hw, train, c, data_parallel = inputs.costs, inputs.hw, inputs.train, inputs.c, inputs.data_parallel
     weight_bytes, params, saved_offloaded = inputs.weight_bytes, inputs.trained, inputs.saved_offloaded
@@ -274,6 +290,7 @@ def moves(inputs: StageInputs) -> StageMoves:
     fwd_host, bwd_host = zero3_host_s(costs, hw, c)
     step_params = np.where(traffic.partitioned_step, params / c.d, params)
     tensors = stage_trainable_tensors(costs, c, ev)
+    reduction_host = zero12_host_s(hw, c, tensors, params)
     wrapper_ops, wrapper_bytes = step_work(c.zero, c.pp > 1, train.precision, c.oo, train.grad_clip, tensors, c.d)
     adam_ops = torch_adam_ops(traffic.partitioned_step, tensors, step_params, hw.cluster.gpu.is_cpu_process)
 
@@ -289,7 +306,8 @@ def moves(inputs: StageInputs) -> StageMoves:
         fwd_h2d=weight_in, fwd_d2h=none + activations_copy,
         bwd_h2d=weight_in + np.where(grads_every_micro & several, grad_copy, 0.0) + activations_copy,
         bwd_d2h=np.where(grads_every_micro, grad_copy, 0.0),
-        fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild, fwd_host=fwd_host, bwd_host=bwd_host,
+        fwd_tp=(1 - c.first) * rebuild, bwd_tp=2 * (1 - c.last) * rebuild, fwd_host=fwd_host,
+        bwd_host=bwd_host + np.where(c.zero == 2, reduction_host, 0.0),
         step_reduce=(ran(data_parallel.all_reduce_time_s, traffic.step_all_reduce, buffers)
                      + ran(data_parallel.all_gather_time_s, traffic.step_all_gather)),
         step_params=step_params,
@@ -298,6 +316,7 @@ def moves(inputs: StageInputs) -> StageMoves:
         step_ops=wrapper_ops + adam_ops,
         step_host_bytes_per_param=FP32_BYTES + b_w * (1 - c.wo),
         step_copies_s=np.where(grads_at_boundary, 2 * grad_copy, 0.0),
+        step_host_s=np.where(c.zero == 1, reduction_host, 0.0),
         step_gather=ran(data_parallel.all_gather_time_s, traffic.step_all_gather),
         step_gather_bytes=traffic.step_all_gather,
         **layerwise_reduce(inputs, ran, traffic.step_all_gather))

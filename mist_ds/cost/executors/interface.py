@@ -85,6 +85,8 @@ class StageMoves:
     step_reduce and reduce_rest)."""
     step_gather_bytes: np.ndarray
     """... its full message (bytes)."""
+    step_host_s: np.ndarray | float = 0.0
+    """Host work at the accumulation boundary outside the step (seconds): ZeRO-1's gradient reduction."""
     step_ops: np.ndarray | float = 0.0
     """Tensor ops the optimizer step issues on one GPU of the stage (a count; each priced at
     cluster.gpu.step_op_s beyond its bytes): the optimizer's per-tensor loop or foreach launches and the
