@@ -223,11 +223,15 @@ def test_wall_timed_figures_are_taken_back_to_a_cores_own_by_the_load_sampled_ar
                "head": {"fwd": 5.0, "bwd": 6.0}} for t in (1, 2)]
     measured = {"ops": {"gemm": [0.5]}, "all_reduce": [{"group": 2, "bytes": 64, "s": 0.25}],
                 "zero3": [{"chain": "fetch", "calls": 16, "fetch_bytes": 544, "zero3_s": 0.5, "plain_s": 0.25}],
+                "zero12": [{"stage": 2, "chain": "one", "tensors": 2, "grad_bytes": 544, "zero_s": 0.5,
+                            "plain_s": 0.25}],
                 "passes": passes}
     own = run.as_a_cores_own(measured, 2.0)
     assert own["ops"] == measured["ops"] and own["passes"][0] == passes[0]
     assert own["all_reduce"] == [{"group": 2, "bytes": 64, "s": 0.125}]
     assert own["zero3"] == [{"chain": "fetch", "calls": 16, "fetch_bytes": 544, "zero3_s": 0.25, "plain_s": 0.125}]
+    assert own["zero12"] == [{"stage": 2, "chain": "one", "tensors": 2, "grad_bytes": 544, "zero_s": 0.25,
+                              "plain_s": 0.125}]
     assert own["passes"][1] == {"b": 2, "t": 2, "blocks": 2, "embedding": {"fwd": 0.5, "bwd": 1.0},
                                 "block": {"fwd": 1.5, "bwd": 2.0}, "head": {"fwd": 2.5, "bwd": 3.0}}
     assert run.as_a_cores_own(measured, 1.0) is measured
@@ -278,11 +282,11 @@ def test_the_profile_measures_zero12s_reduction_on_the_host_and_prices_it(profil
     per-tensor and per-byte figures (never negative) into the cluster file, and a ZeRO-2 plan pays them."""
     out, overrides = profiled
     zero12 = json.loads((out / "profile.json").read_text())["constants"]["zero12"]
-    assert zero12["tensor_s"] >= 0 and zero12["byte_s"] >= 0
+    assert zero12["tensor_s"] >= 0 and zero12["byte_s"] >= 0 and zero12["call_s"] >= 0
     rows = json.loads((out / "measurements.json").read_text())["per_rank"][0]["zero12"]
     assert [(r["stage"], r["chain"], r["tensors"]) for r in rows] == [
         (stage, chain, n) for stage in (1, 2)
-        for chain, n in (("tensors", 2 * ZERO12_TENSORS), ("bytes", 2 * ZERO12_BYTES_LINEARS))]
+        for chain, n in (("one", 2), ("tensors", 2 * ZERO12_TENSORS), ("bytes", 2 * ZERO12_BYTES_LINEARS))]
     assert all(r["zero_s"] > r["plain_s"] > 0 for r in rows)
     gpu = compose([*overrides, *STRATEGY]).cluster.gpu
     assert gpu.zero12_tensor_s == pytest.approx(zero12["tensor_s"], abs=1e-8)
@@ -341,19 +345,23 @@ def test_the_zero3_fit_recovers_known_host_costs():
 
 
 def test_the_zero12_fit_recovers_known_host_costs():
-    """zero12_sweep's rows as a reduction of known costs would time them (tensors x per-tensor + bytes x per-byte,
-    plus the all-reduce the collectives price), both ZeRO stages alike."""
+    """zero12_sweep's rows as a reduction of known costs would time them (the engine's fixed cost of a backward +
+    tensors x per-tensor + bytes x per-byte, plus the all-reduce the collectives price), both ZeRO stages alike:
+    the fixed cost is told apart, not spread over the other two."""
     all_reduce = (lambda m: 1e-4 + m / 1e9)
-    shapes = {"tensors": (64, 17408), "bytes": (4, 4198400)}
+    shapes = {"one": (2, 544), "tensors": (64, 17408), "bytes": (4, 4198400)}
     rows = [{"stage": stage, "chain": chain, "tensors": n, "grad_bytes": b, "plain_s": 1e-3,
-             "zero_s": 1e-3 + n * 40e-6 + b * 1e-9 + all_reduce(b)}
+             "zero_s": 1e-3 + 5e-4 + n * 40e-6 + b * 1e-9 + all_reduce(b)}
             for stage in (1, 2) for chain, (n, b) in shapes.items()]
     fit = fit_zero12(rows, all_reduce)
-    assert fit["tensor_s"] == pytest.approx(40e-6) and fit["byte_s"] == pytest.approx(1e-9)
-    for row in rows:  # noise that would make the bytes' cost negative: none, the tensors alone set theirs
+    assert fit["call_s"] == pytest.approx(5e-4) and fit["tensor_s"] == pytest.approx(40e-6)
+    assert fit["byte_s"] == pytest.approx(1e-9)
+    for row in rows:  # noise that would make the bytes' cost negative: none, the others set theirs
         row["zero_s"] -= row["grad_bytes"] * 2e-9
     fit = fit_zero12(rows, all_reduce)
-    assert fit["byte_s"] == 0.0 and fit["tensor_s"] > 0
+    assert fit["byte_s"] == 0.0 and fit["tensor_s"] > 0 and fit["call_s"] >= 0
+    with pytest.raises(ValueError, match="one"):
+        fit_zero12([r for r in rows if r["chain"] != "one"], all_reduce)
 
 
 def _gemm_rows(seconds_of) -> list[dict]:

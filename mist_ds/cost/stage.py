@@ -194,7 +194,8 @@ def pass_phases(inputs: StageInputs, work: PassWork, moves: StageMoves) -> PassP
         bwd_phase = (np.where(g2g_overlapped & (c.zero == 3),
                               hw.overlapped_time_s(bwd_compute + recompute, bwd_hidden, 0, 0) + moves.bwd_exposed,
                               bwd_compute + recompute + bwd_g2g) + bwd_h2d + bwd_d2h)
-    # The executor's host work (ZeRO-3's hooks and fetches) runs between the modules' kernels: serial.
+    # The executor's host work (ZeRO-3's hooks and fetches, ZeRO-2's reduction) runs between the modules' kernels:
+    # serial.
     fwd_phase, bwd_phase = fwd_phase + moves.fwd_host, bwd_phase + moves.bwd_host
     return PassPhases(fwd_phase=fwd_phase, bwd_phase=bwd_phase,
                       stable=fwd_phase + bwd_phase + work.tp + work.sp + work.p2p)

@@ -45,10 +45,11 @@ INTERLEAVED_GEMMS = 4  # compute between two all-reduces: 4 GEMMs of [256 x 512]
 ZERO3_FETCHES = 16
 ZERO3_HOOKS = 32
 ZERO3_WIDTH = 16
-# ZeRO-1/2's gradient reduction (zero12_sweep): `tensors`, ZERO12_TENSORS linears of ZERO3_WIDTH x ZERO3_WIDTH (two
-# tensors each, bytes next to nothing), and `bytes`, ZERO12_BYTES_LINEARS linears of ZERO12_WIDTH x ZERO12_WIDTH
-# (a few tensors, the tiny model's gradient bytes).
+# ZeRO-1/2's gradient reduction (zero12_sweep): `one`, a linear of ZERO3_WIDTH x ZERO3_WIDTH (the engine's fixed
+# cost of a backward), `tensors`, ZERO12_TENSORS of them (two tensors each, bytes next to nothing), and `bytes`,
+# ZERO12_BYTES_LINEARS linears of ZERO12_WIDTH x ZERO12_WIDTH (a few tensors, the tiny model's gradient bytes).
 ZERO12_TENSORS = 32
+ZERO12_CHAINS = ("one", "tensors", "bytes")
 ZERO12_BYTES_LINEARS = 2
 ZERO12_WIDTH = 1024
 
@@ -85,10 +86,11 @@ def own_median_s(fn, *args, **kwargs) -> float:
     return median_s(fn, *args, clock=own_clock(), **kwargs)
 
 
-def _torch_dtype(name: str):
+def torch_dtype(name: str):
+    """torch's dtype of a precision's name (fp32, bf16, fp16)."""
     import torch
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def default_gemm_shapes() -> list[tuple[int, int, int]]:
@@ -104,8 +106,8 @@ def gemm_sweep(shapes=None, dtypes=DTYPES) -> list[dict]:
     shapes = default_gemm_shapes() if shapes is None else shapes
     for dtype in dtypes:
         for m, n, k in shapes:
-            a = torch.randn(m, k, dtype=_torch_dtype(dtype))
-            b = torch.randn(k, n, dtype=_torch_dtype(dtype))
+            a = torch.randn(m, k, dtype=torch_dtype(dtype))
+            b = torch.randn(k, n, dtype=torch_dtype(dtype))
             a_t, b_t = a.t().contiguous(), b.t().contiguous()
             for layout, fn in (("NN", lambda: a @ b), ("NT", lambda: a @ b_t.t()), ("TN", lambda: a_t.t() @ b)):
                 rows.append({"dtype": dtype, "m": m, "n": n, "k": k, "layout": layout, "s": own_median_s(fn)})
@@ -136,7 +138,7 @@ def layer_overhead(dtypes=DTYPES) -> list[dict]:
         specs = compose(["model=tiny", "model.hidden_size=32", "model.num_heads=4", "model.num_layers=2",
                          "model.seq_len=16", "model.vocab_size=128", f"train.precision={dtype}", "cluster=cpu"])
         model, costs, b = specs.model, model_costs(specs), 1
-        module, torch = _layers_module(model, _torch_dtype(dtype))
+        module, torch = _layers_module(model, torch_dtype(dtype))
         loss_fn = language_model_loss(TensorParallel())
         tokens = torch.randint(0, model.vocab_size, (b, model.seq_len))
         labels = torch.roll(tokens, -1, dims=1)
@@ -213,9 +215,9 @@ def memory_sweep(dtypes=DTYPES, copy_bytes=COPY_BYTES, activations=((256, 128), 
         copies.append({"bytes": size, "s": own_median_s(lambda: dst.copy_(src))})
     ops = []
     for dtype in dtypes:
-        tiny = {name: own_median_s(fn) for name, fn, _ in _elementwise_ops(4, 4, 4, _torch_dtype(dtype))}
+        tiny = {name: own_median_s(fn) for name, fn, _ in _elementwise_ops(4, 4, 4, torch_dtype(dtype))}
         for rows, h in activations:
-            for name, fn, moved in _elementwise_ops(rows, h, 4096, _torch_dtype(dtype)):
+            for name, fn, moved in _elementwise_ops(rows, h, 4096, torch_dtype(dtype)):
                 ops.append({"dtype": dtype, "rows": rows, "h": h, "op": name, "bytes": moved, "s": own_median_s(fn),
                             "fixed_s": tiny[name]})
     return {"copies": copies, "ops": ops}
@@ -232,7 +234,7 @@ def attention_sweep(shapes=ATTENTION_SHAPES, dtypes=DTYPES) -> list[dict]:
     rows = []
     for dtype in dtypes:
         for b, heads, s, k in shapes:
-            q, kk, v = (torch.randn(b, heads, s, k, dtype=_torch_dtype(dtype), requires_grad=True) for _ in range(3))
+            q, kk, v = (torch.randn(b, heads, s, k, dtype=torch_dtype(dtype), requires_grad=True) for _ in range(3))
 
             def step():
                 causal_attention(q, kk, v, 0.0, True, True).sum().backward()
@@ -383,7 +385,7 @@ def zero3_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
     import deepspeed
     import torch
 
-    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    kind = torch_dtype(dtype)
     w = ZERO3_WIDTH
 
     def chain(name: str) -> torch.nn.Sequential:
@@ -438,28 +440,30 @@ def zero12_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
     the accumulation boundary under a ZeRO-1 and a ZeRO-2 engine (the hooks, the reduce bucket filled and
     all-reduced, each rank's partition kept: stage_1_and_2.py reduce_gradients, reduce_independent_p_g_buckets_
     and_remove_grads, independent_gradient_partition_epilogue), each beside the same chain's backward in plain
-    torch (interleaved, each after a barrier, as a step starts), for two chains: `tensors`, many small trained
-    tensors, and `bytes`, a few large ones. Per row its trained tensors and gradient bytes."""
+    torch (interleaved, each after a barrier, as a step starts), for three chains: `one`, a single small linear,
+    `tensors`, many small trained tensors, and `bytes`, a few large ones. Per row its trained tensors and gradient
+    bytes."""
     import deepspeed
     import torch
 
-    kind = _torch_dtype(dtype) if dtype != "fp16" else torch.float16
+    kind = torch_dtype(dtype)
 
     def chain(name: str) -> torch.nn.Sequential:
         torch.manual_seed(0)
-        if name == "tensors":
-            return torch.nn.Sequential(*(torch.nn.Linear(ZERO3_WIDTH, ZERO3_WIDTH) for _ in range(ZERO12_TENSORS)))
-        return torch.nn.Sequential(*(torch.nn.Linear(ZERO12_WIDTH, ZERO12_WIDTH)
-                                     for _ in range(ZERO12_BYTES_LINEARS)))
+        if name == "bytes":
+            return torch.nn.Sequential(*(torch.nn.Linear(ZERO12_WIDTH, ZERO12_WIDTH)
+                                         for _ in range(ZERO12_BYTES_LINEARS)))
+        linears = ZERO12_TENSORS if name == "tensors" else 1
+        return torch.nn.Sequential(*(torch.nn.Linear(ZERO3_WIDTH, ZERO3_WIDTH) for _ in range(linears)))
 
     out = []
     for stage in (1, 2):
-        for name in ("tensors", "bytes"):
+        for name in ZERO12_CHAINS:
             plain = chain(name).to(device=device, dtype=kind)
             module = chain(name)
             engine, *_ = deepspeed.initialize(model=module, config=_zero12_config(dtype, stage),
                                               model_parameters=list(module.parameters()))
-            width = ZERO3_WIDTH if name == "tensors" else ZERO12_WIDTH
+            width = ZERO12_WIDTH if name == "bytes" else ZERO3_WIDTH
             x = torch.randn(1, width, dtype=kind, device=device)
 
             def reduced():
@@ -588,22 +592,28 @@ def fit_zero3(rows: list[dict], all_gather_s, reduce_scatter_s) -> dict:
 
 def fit_zero12(rows: list[dict], all_reduce_s) -> dict:
     """ZeRO-1/2's host seconds per gradient reduction (zero12_sweep's rows): per trained tensor and per gradient
-    byte, beyond the all-reduce of the gradients as the collectives price it (`all_reduce_s(bytes)`). A chain's
-    excess over plain torch's backward, less that all-reduce, is tensors x per-tensor + bytes x per-byte; both
-    ZeRO stages run the same hook, bucket and epilogue (stage_1_and_2.py), so each chain's excess is the mean of
-    its two stages' rows: two chains, two unknowns, each at least 0."""
+    byte, beyond the all-reduce of the gradients as the collectives price it (`all_reduce_s(bytes)`), and the
+    engine's fixed cost of a backward (call_s: its wrappers, which every ZeRO stage's backward runs; not a cost of
+    the reduction, so not priced with it). A chain's excess over plain torch's backward, less that all-reduce, is
+    call + tensors x per-tensor + bytes x per-byte; both ZeRO stages run the same hook, bucket and epilogue
+    (stage_1_and_2.py), so each chain's excess is the mean of its stages' rows: three chains, three unknowns,
+    none below 0 (non-negative least squares: exact where the solution is)."""
+    from scipy.optimize import nnls
+
     excess: dict[str, list[float]] = {}
     for r in rows:
         excess.setdefault(r["chain"], []).append(r["zero_s"] - r["plain_s"] - float(all_reduce_s(r["grad_bytes"])))
-    shape = {r["chain"]: (r["tensors"], r["grad_bytes"]) for r in rows}
-    per_chain = {name: float(np.mean(values)) for name, values in excess.items()}
-    design = np.array([shape["tensors"], shape["bytes"]], dtype=float)
-    tensor_s, byte_s = np.linalg.solve(design, np.array([per_chain["tensors"], per_chain["bytes"]]))
-    if byte_s < 0:  # noise: the bytes cost nothing measurable beside the tensors
-        tensor_s, byte_s = max(per_chain["tensors"], 0.0) / shape["tensors"][0], 0.0
-    elif tensor_s < 0:
-        tensor_s, byte_s = 0.0, max(per_chain["bytes"], 0.0) / shape["bytes"][1]
-    return {"tensor_s": float(tensor_s), "byte_s": float(byte_s), "per_reduction_s": per_chain}
+    shape = {r["chain"]: (1.0, r["tensors"], r["grad_bytes"]) for r in rows}
+    missing = [name for name in ZERO12_CHAINS if name not in excess]
+    if missing:
+        raise ValueError(f"zero12 rows lack the chains {missing} (microbench.zero12_sweep times {ZERO12_CHAINS})")
+    per_chain = {name: float(np.mean(excess[name])) for name in ZERO12_CHAINS}
+    design = np.array([shape[name] for name in ZERO12_CHAINS], dtype=float)
+    scale = design.max(axis=0)  # columns of like size: seconds per call, per tensor, per byte differ by 1e6
+    (call_s, tensor_s, byte_s), _ = nnls(design / scale, np.array([per_chain[name] for name in ZERO12_CHAINS]))
+    call_s, tensor_s, byte_s = np.array([call_s, tensor_s, byte_s]) / scale
+    return {"call_s": float(call_s), "tensor_s": float(tensor_s), "byte_s": float(byte_s),
+            "per_reduction_s": per_chain}
 
 
 def fit_eager_op(rows: list[dict]) -> dict:

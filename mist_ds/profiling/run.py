@@ -30,21 +30,22 @@ from mist_ds.profiling.microbench import (combine_tree, fit_alpha_beta, fit_eage
 from mist_ds.profiling.worker import PROFILE_WORKER
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.machine import read_constants, sample_other_runnable_threads, usable_cores, write_constants
+from mist_ds.specs.cluster import MIB
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRIDS = {
     # quick: one round, few sizes; full: three rounds (the median), the sizes of benchmarks/cpu_constants.py. The
     # curve's sizes reach below the small models' GEMMs (128^3: 4 MFLOP) so that the sweep spans a knee where
-    # there is one (microbench.fit_gemm); zero3_repeats: interleaved repeats of microbench.zero3_sweep and
-    # zero12_sweep.
+    # there is one (microbench.fit_gemm); engine_repeats: interleaved repeats of the DeepSpeed engines'
+    # sweeps (microbench.zero3_sweep, zero12_sweep).
     True: {"rounds": 1, "curve_shapes": [(128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)],
            "copy_bytes": [2**18, 2**20, 2**22], "collective_bytes": [8, 2**10, 2**16, 2**20, 2**22],
-           "adam_elements": [2**20], "activations": [(256, 128)], "zero3_repeats": 10},
+           "adam_elements": [2**20], "activations": [(256, 128)], "engine_repeats": 10},
     False: {"rounds": 3, "curve_shapes": [(m, n, k) for m in (128, 512, 2048) for n, k in
                                           ((128, 128), (512, 128), (128, 512), (1024, 1024))],
             "copy_bytes": [2**16, 2**18, 2**20, 2**22, 2**24], "collective_bytes": [8 * 4**i for i in range(12)],
             "adam_elements": [2**20, 2**22], "activations": [(256, 128), (512, 128), (512, 256)],
-            "zero3_repeats": 20},
+            "engine_repeats": 20},
 }
 LAUNCH_TIMEOUT_S = 1800.0
 LOAD_SAMPLE_S = 1.0
@@ -229,13 +230,14 @@ def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int
               for p in r["all_reduce"] if p["s"] > 0]
     bandwidth, latency, rms = fit_alpha_beta(points, 2, math.inf)
     out["collectives"] = {"bytes_per_s": bandwidth, "latency_s": max(latency, 0.0), "rms_relative": rms}
-    if r.get("zero3"):
+    if r.get("zero3") or r.get("zero12"):
         from mist_ds.hardware.network import RingGroup
 
         # the collectives as the cost model prices them on these ranks (NCCL's model on a GPU, one node)
         group = RingGroup.of(ranks, 1, ranks, bandwidth, 0.0, out["collectives"]["latency_s"],
                              intra_link=None if device == "cpu" else "nvlink")
-        out["zero3"] = fit_zero3(r["zero3"], group.all_gather_time_s, group.reduce_scatter_time_s)
+        if r.get("zero3"):
+            out["zero3"] = fit_zero3(r["zero3"], group.all_gather_time_s, group.reduce_scatter_time_s)
         if r.get("zero12"):
             out["zero12"] = fit_zero12(r["zero12"], group.all_reduce_time_s)
     out["cpu_adam_params_per_s"] = ranks * statistics.median(f["elements"] / f["s"] for f in r["adam"]["flat"])
@@ -270,7 +272,7 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
                    zero3_hook_us=_round(c["zero3"]["hook_s"] * 1e6, 2))
     if "zero12" in c:
         gpu.update(zero12_tensor_us=_round(c["zero12"]["tensor_s"] * 1e6, 2),
-                   zero12_per_mib_us=_round(c["zero12"]["byte_s"] * 1e6 * 2**20, 2))
+                   zero12_per_mib_us=_round(c["zero12"]["byte_s"] * 1e6 * MIB, 2))
     if "hbm_bytes_per_s" in c:
         gpu.update(hbm_gbps=_round(c["hbm_bytes_per_s"] / 1e9, 3), memory_efficiency=_round(c["memory_efficiency"], 4),
                    kernel_overhead_us=_round(c["kernel_overhead_s"] * 1e6, 3),
@@ -422,6 +424,9 @@ def profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None,
 def write_profile(specs: Specs, cluster_config: dict, out_dir: Path, name: str | None) -> dict:
     """From `<out>/measurements.json`: the constants fitted, profile.db, cluster/<name>.yaml and profile.json."""
     raw = json.loads((out_dir / "measurements.json").read_text())
+    if "cores" not in raw:  # written before the file kept them: its CPU figures are not a core's own either
+        raise ConfigError("profile.out_dir", str(out_dir), "its measurements.json predates this release of "
+                          "mist-ds profile: run `mist-ds profile` again to measure")
     dtype, device, per_rank = specs.train.precision, raw["device"], raw["per_rank"]
     points = tuner_points(specs)
     shapes = op_shapes(specs, points)

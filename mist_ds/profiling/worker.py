@@ -16,7 +16,7 @@ from mist_ds.files import write_atomic
 from mist_ds.profiling import interference as interference_grid
 from mist_ds.profiling.microbench import (adam_sweep, collective_sweep, combine_tree, eager_op_sweep, gemm_sweep,
                                           layer_overhead, median_s, memory_sweep, own_clock, own_median_s,
-                                          zero3_sweep, zero12_sweep)
+                                          torch_dtype, zero3_sweep, zero12_sweep)
 
 PROFILE_WORKER = "mist_ds.profiling.worker:profile_worker"
 UNIT_S = 0.04
@@ -25,12 +25,6 @@ INTERFERENCE_REPEATS = 3
 PASS_REPEATS = 9
 """Timed calls of each layer's pass (after two warm-ups): the same number on every rank, as TP's collectives pair
 them up."""
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def _timer(device):
@@ -57,7 +51,7 @@ def op_times(shapes: dict, dtype: str, device) -> dict:
 
     from mist_ds.models.attention import causal_attention
 
-    timer, kind = _timer(device), _torch_dtype(dtype)
+    timer, kind = _timer(device), torch_dtype(dtype)
     gemms = []
     for batch, m, n, k in shapes["gemm"]:
         lead = (batch,) if batch > 1 else ()
@@ -135,7 +129,7 @@ def layer_pass_times(rank: int, world_size: int, model: dict, points, dtype: str
 
     from mist_ds.specs import ModelSpec
 
-    spec, kind = ModelSpec(**model), _torch_dtype(dtype)
+    spec, kind = ModelSpec(**model), torch_dtype(dtype)
     degrees = sorted({t for _, t, _ in points if t <= world_size})
     groups = {t: tensor_parallel_groups(rank, world_size, t) for t in degrees}
     out = []
@@ -214,7 +208,7 @@ def all_reduce_message(message_bytes: int, dtype: str, device):
     docs/design.md, Profiling), and training reduces its gradients in that dtype."""
     import torch
 
-    element = _torch_dtype(dtype)
+    element = torch_dtype(dtype)
     return torch.ones(max(message_bytes // element.itemsize, 1), dtype=element, device=device)
 
 
@@ -245,7 +239,7 @@ class Channels:
         import torch.distributed as dist
 
         self.device, self.dist = device, dist
-        kind = _torch_dtype(dtype)
+        kind = torch_dtype(dtype)
         a, b = torch.randn(512, 512, dtype=kind, device=device), torch.randn(512, 512, dtype=kind, device=device)
         message = torch.ones(2**18, device=device)  # 1 MiB
         pinned = device.type == "cuda"
@@ -353,8 +347,8 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
         sections["passes"] = lambda: layer_pass_times(rank, world_size, payload["model"], payload["layer_points"],
                                                       dtype, device)
     # last: the ZeRO-3 engines it builds and tears down are no part of the other sections
-    sections["zero3"] = lambda: zero3_sweep(dtype, device, payload["zero3_repeats"])
-    sections["zero12"] = lambda: zero12_sweep(dtype, device, payload["zero3_repeats"])
+    sections["zero3"] = lambda: zero3_sweep(dtype, device, payload["engine_repeats"])
+    sections["zero12"] = lambda: zero12_sweep(dtype, device, payload["engine_repeats"])
     if payload.get("sections"):  # a benchmark of one part (benchmarks/interference_fit.py)
         sections = {name: sections[name] for name in payload["sections"]}
     total, done = payload["rounds"] * len(sections), 0

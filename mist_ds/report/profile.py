@@ -4,6 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mist_ds.specs.cluster import MIB
+
 
 def render_profile(summary: dict[str, Any]) -> str:
     c = summary["constants"]
@@ -18,7 +20,7 @@ def render_profile(summary: dict[str, Any]) -> str:
              f"host optimizer {c['cpu_adam_params_per_s'] / 1e9:.3g} Gparams/s per node",
              f"  interference: {len(fit['factors'])} concurrent sets fitted, RMS relative error of finishing times "
              f"{fit['rms_relative']:.0%}",
-             *_zero3_lines(c),
+             *_zero3_lines(c), *_zero12_lines(c),
              f"wrote {summary['profile_db']} ({summary['db_rows']} op times) and {summary['cluster_yaml']}",
              f"use it: mist-ds tune -cd {_config_dir(summary['cluster_yaml'])} cluster={summary['cluster']} ..."]
     return "\n".join(lines)
@@ -28,14 +30,17 @@ def _zero3_lines(constants: dict[str, Any]) -> list[str]:
     if "zero3" not in constants:
         return []
     zero3 = constants["zero3"]
-    lines = [f"  ZeRO-3 host: {zero3['hook_s'] * 1e6:.3g} us per hooked module call, {zero3['fetch_s'] * 1e6:.3g} us "
-             "per fetch beyond its all-gather (per pass)"]
-    if "zero12" in constants:
-        zero12 = constants["zero12"]
-        lines.append(f"  ZeRO-1/2 host: {zero12['tensor_s'] * 1e6:.3g} us per trained tensor, "
-                     f"{zero12['byte_s'] * 1e6 * 2**20:.3g} us per MiB of gradient beyond its all-reduce "
-                     "(per reduction)")
-    return lines
+    return [f"  ZeRO-3 host: {zero3['hook_s'] * 1e6:.3g} us per hooked module call, {zero3['fetch_s'] * 1e6:.3g} us "
+            "per fetch beyond its all-gather (per pass)"]
+
+
+def _zero12_lines(constants: dict[str, Any]) -> list[str]:
+    if "zero12" not in constants:
+        return []
+    zero12 = constants["zero12"]
+    return [f"  ZeRO-1/2 host: {zero12['tensor_s'] * 1e6:.3g} us per trained tensor, "
+            f"{zero12['byte_s'] * 1e6 * MIB:.3g} us per MiB of gradient beyond its all-reduce (per reduction; "
+            f"{zero12['call_s'] * 1e6:.3g} us per backward, not priced)"]
 
 
 def _curve_text(gemm: dict[str, Any]) -> str:

@@ -90,8 +90,10 @@ def zero12_host_s(hw, c, tensors, params) -> np.ndarray:
     (the bucket averaged and all-reduced, the rank's partition kept): cluster.gpu.zero12_tensor_us per tensor and
     zero12_per_mib_us per gradient byte, beyond the all-reduce the collectives price. ZeRO-2 reduces every
     micro-batch, ZeRO-1 once, at the accumulation boundary (engine.py allreduce_gradients). Serial with the pass:
-    on CPU ranks the host is the device (on the development VM 40-50 us a tensor, and the bucket's fresh pages
-    cost the tiny model's 4 MiB of bf16 gradients about 5 ms); GPU clusters leave both at 0 (not measured)."""
+    on CPU ranks the host is the device (docs/design.md, What DeepSpeed does: on the development VM the hooks took
+    40-65 us a tensor inside the engine); GPU clusters leave both at 0 (not measured). Not priced: ZeRO-1's hooks in
+    the micro-batches before the boundary (they return early), and that a stage's gradients beyond one bucket
+    reuse its pages (the per-byte figure is measured with them fresh)."""
     gpu = hw.cluster.gpu
     per_reduction = gpu.zero12_tensor_s * tensors + gpu.zero12_byte_s * hw.dtype_bytes * params
     return np.where((c.zero == 1) | (c.zero == 2), per_reduction, 0.0)

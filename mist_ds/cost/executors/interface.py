@@ -61,7 +61,8 @@ class StageMoves:
     """TP-group collectives the executor adds to the layers' own (re-assembling partitioned sends)."""
     fwd_host: np.ndarray
     bwd_host: np.ndarray
-    """Host work of the executor serial with each pass (seconds): ZeRO-3's coordinator, its hooks and fetches."""
+    """Host work of the executor serial with each pass (seconds): ZeRO-3's coordinator, its hooks and fetches;
+    ZeRO-2's gradient reduction in each backward."""
     step_reduce: np.ndarray
     """Data-parallel collectives of the step: the gradient reduction and the updated weights' gather."""
     step_params: np.ndarray
@@ -86,7 +87,8 @@ class StageMoves:
     step_gather_bytes: np.ndarray
     """... its full message (bytes)."""
     step_host_s: np.ndarray | float = 0.0
-    """Host work at the accumulation boundary outside the step (seconds): ZeRO-1's gradient reduction."""
+    """Host work at the accumulation boundary, counted in the step's time (seconds): ZeRO-1's gradient reduction
+    (the last backward runs it; serial either way)."""
     step_ops: np.ndarray | float = 0.0
     """Tensor ops the optimizer step issues on one GPU of the stage (a count; each priced at
     cluster.gpu.step_op_s beyond its bytes): the optimizer's per-tensor loop or foreach launches and the
@@ -130,7 +132,7 @@ class OptimizerStep:
     """The device's part of the step: its bytes and its ops' fixed cost (seconds; the ops of an offloaded step's
     wrapper run on the host and count here too)."""
     total_s: np.ndarray
-    """Device, host (CPU Adam and its copies) and the boundary's copies (seconds)."""
+    """Device, host (CPU Adam and its copies), the boundary's copies and host work (seconds)."""
     partition: np.ndarray
     """Parameters the step updates on one GPU (elements)."""
     tied_s: np.ndarray
