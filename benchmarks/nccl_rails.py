@@ -117,6 +117,33 @@ def print_nccl_errors(table, error, node_counts, version: str, efficiency: float
     print_errors(table, error, node_counts)
 
 
+def spread_floor(table) -> np.ndarray:
+    """Per row, the least mean |error| any one prediction of its (node count, size) reaches over that pair's runs:
+    between the two times t1 <= t2 the errors p / t1 - 1 and 1 - p / t2 sum to p (1 / t1 - 1 / t2), least at
+    p = t1, so the pair's mean |error| is at least (1 - t1 / t2) / 2 (the same value on both rows)."""
+    floor = np.zeros_like(table["time_s"])
+    for nodes, size in set(zip(table["nodes"], table["size_bytes"])):
+        rows = (table["nodes"] == nodes) & (table["size_bytes"] == size)
+        times = table["time_s"][rows]
+        floor[rows] = (1 - times.min() / times.max()) / 2
+    return floor
+
+
+def print_spread_floor(table, error, node_counts) -> None:
+    """The runs' own spread against the model's mean |error| (MAPE) per node count."""
+    floor = spread_floor(table)
+    print("\n## The runs' own spread: the least MAPE a model can reach on these rows\n")
+    print("Two runs per node count and size: any model giving one time per (node count, size) errs on a pair by "
+          "at least (1 - faster / slower) / 2 on average (spread_floor), so the mean of that over a node count's rows "
+          f"is the least MAPE (mean |error|) any such model reaches there. Beside it, NCCL's tuning model's MAPE "
+          f"({ROWS_NCCL} constants, the section above).\n")
+    print("| nodes | least MAPE (the runs' spread) | largest pair's floor | NCCL model MAPE |")
+    print("|---|---|---|---|")
+    for nodes in node_counts:
+        rows = table["nodes"] == nodes
+        print(f"| {nodes} | {floor[rows].mean():.1%} | {floor[rows].max():.1%} | {np.abs(error[rows]).mean():.1%} |")
+
+
 def busbw_gbps(table, time_s) -> np.ndarray:
     ranks = table["nodes"] * table["gpus_per_node"]
     return table["size_bytes"] / time_s * 2 * (ranks - 1) / ranks / GB
@@ -178,6 +205,7 @@ def main() -> None:
         nccl_error[version] = nccl_time_s(table, nccl_eff, intra, version) / table["time_s"] - 1.0
         print_nccl_errors(table, nccl_error[version], node_counts, version, nccl_eff, nccl_rms, rms)
     small_held = (table["nodes"] > FIT_NODES) & (table["size_bytes"] <= 2**16)
+    print_spread_floor(table, nccl_error[ROWS_NCCL], node_counts)
     print("\n## Bus bandwidth, measured (two runs) and predicted, GB/s\n")
     print("| size | " + " | ".join(f"{n} nodes meas. | pred." for n in node_counts) + " |")
     print("|---|" + "---|---|" * len(node_counts))
@@ -245,6 +273,12 @@ def main() -> None:
         + f" (against {measured_2n:.1f} on {FIT_NODES} nodes): runs of the same node count differ by up to "
           f"{max(v.max() / v.min() for v in plateau.values()):.1f}x, which the node count does not explain "
           "(the placement of the nodes in the fabric and other jobs may); the model has no term for it.")
+    floor = spread_floor(table)
+    print("- The runs' spread: a model with one time per (node count, size) could reach a MAPE of " + ", ".join(
+        f"{floor[table['nodes'] == n].mean():.1%}" for n in node_counts) + f" on {_nodes_text(node_counts)} nodes; "
+          "NCCL's tuning model's " + ", ".join(f"{np.abs(nccl_error[ROWS_NCCL][table['nodes'] == n]).mean():.0%}"
+                                              for n in node_counts)
+          + " is the model's error, not the measurements' noise (only 16 nodes' large messages spread widely).")
     print("- Only groups spanning whole nodes are in these rows: the rails rule's m / 8 share for groups with "
           "m < 8 members per node (data parallel with t = 2 or 4) is not tested here.")
 

@@ -133,3 +133,16 @@ def test_the_gpu_check_steps_are_commands_mist_ds_accepts(tmp_path):
     for step in (profile_step(s), tune):
         compose_config([a for a in step.argv[1:] if not a.startswith("hydra.")])
     assert measure.argv[:2] == ("measure", f"plan={tmp_path / 'tune-mist' / 'plan.json'}")
+
+
+def test_the_runs_spread_floor_is_the_least_mean_error_of_one_prediction_per_pair():
+    """Two runs of 1 and 2 s: a prediction of 1 s errs 0% and 50% (mean 25%); any other errs more on average."""
+    import numpy as np
+
+    from benchmarks.nccl_rails import spread_floor
+
+    table = {"nodes": np.array([2.0, 2.0, 4.0, 4.0]), "size_bytes": np.array([8.0, 8.0, 8.0, 8.0]),
+             "time_s": np.array([1.0, 2.0, 3.0, 3.0])}
+    assert list(spread_floor(table)) == [0.25, 0.25, 0.0, 0.0]
+    for p in (0.8, 1.0, 1.5, 2.0):
+        assert (abs(p / 1.0 - 1) + abs(p / 2.0 - 1)) / 2 >= 0.25
