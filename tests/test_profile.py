@@ -344,6 +344,24 @@ def test_the_zero3_fit_recovers_known_host_costs():
     assert fit["hook_s"] == 0.0 and fit["fetch_s"] > 0
 
 
+def test_the_gemm_curve_runs_on_the_profiled_device_with_its_timer():
+    """A CUDA profile's curve GEMMs run on the GPU and are timed to the kernels' end, as the model's own GEMMs are
+    (they are fitted as one curve); here the meta device and a timer that records where each product lies."""
+    import torch
+
+    from mist_ds.profiling.microbench import gemm_sweep
+
+    seen = []
+
+    def timer(fn):
+        seen.append(fn().device.type)
+        return 1.0
+
+    rows = gemm_sweep([(8, 4, 2)], ("fp32",), torch.device("meta"), timer)
+    assert seen == ["meta"] * 3 and [r["layout"] for r in rows] == ["NN", "NT", "TN"]
+    assert all(r["s"] == 1.0 and (r["m"], r["n"], r["k"]) == (8, 4, 2) for r in rows)
+
+
 def test_the_zero12_fit_recovers_known_host_costs():
     """zero12_sweep's rows as a reduction of known costs would time them (the engine's fixed cost of a backward +
     tensors x per-tensor + bytes x per-byte, plus the all-reduce the collectives price), both ZeRO stages alike:

@@ -98,19 +98,20 @@ def default_gemm_shapes() -> list[tuple[int, int, int]]:
     return [(m, n, k) for m in GEMM_ROWS for n, k in GEMM_NK] + list(GEMM_LARGE)
 
 
-def gemm_sweep(shapes=None, dtypes=DTYPES) -> list[dict]:
-    """Seconds of [m x k] @ [k x n] per dtype, as stored (NN) and with either operand transposed."""
+def gemm_sweep(shapes=None, dtypes=DTYPES, device=None, timer=own_median_s) -> list[dict]:
+    """Seconds of [m x k] @ [k x n] per dtype, as stored (NN) and with either operand transposed, on `device` (None:
+    the CPU), each call timed by `timer` (a median_s; a GPU's must wait for the kernels: the worker's _timer)."""
     import torch
 
     rows = []
     shapes = default_gemm_shapes() if shapes is None else shapes
     for dtype in dtypes:
         for m, n, k in shapes:
-            a = torch.randn(m, k, dtype=torch_dtype(dtype))
-            b = torch.randn(k, n, dtype=torch_dtype(dtype))
+            a = torch.randn(m, k, dtype=torch_dtype(dtype), device=device)
+            b = torch.randn(k, n, dtype=torch_dtype(dtype), device=device)
             a_t, b_t = a.t().contiguous(), b.t().contiguous()
             for layout, fn in (("NN", lambda: a @ b), ("NT", lambda: a @ b_t.t()), ("TN", lambda: a_t.t() @ b)):
-                rows.append({"dtype": dtype, "m": m, "n": n, "k": k, "layout": layout, "s": own_median_s(fn)})
+                rows.append({"dtype": dtype, "m": m, "n": n, "k": k, "layout": layout, "s": timer(fn)})
     return rows
 
 

@@ -331,7 +331,8 @@ def profile_worker(rank: int, world_size: int, payload: dict) -> dict:
     dtype, quick = payload["dtype"], payload["quick"]
     sections = {
         "ops": lambda: op_times(payload["shapes"], dtype, device),
-        "curve": lambda: gemm_sweep([tuple(s) for s in payload["curve_shapes"]], (dtype,)),
+        # on the profiled device, as the model's own GEMMs (op_times): the fit takes both as one curve
+        "curve": lambda: gemm_sweep([tuple(s) for s in payload["curve_shapes"]], (dtype,), device, _timer(device)),
         "host_copies": lambda: host_copy_times(payload["copy_bytes"], device),
         "all_reduce": lambda: group_all_reduce(rank, world_size, payload["collective_bytes"], device, dtype),
         "adam": lambda: adam_sweep(payload["adam_elements"], model_check=False),
