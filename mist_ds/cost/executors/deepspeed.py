@@ -88,10 +88,10 @@ def zero12_host_s(hw, c, tensors, params) -> np.ndarray:
     tensor (grad_handling_hook -> reduce_independent_p_g_buckets_and_remove_grads: the gradient copied into the reduce
     bucket, which setup_buckets allocates afresh for each reduction), then independent_gradient_partition_epilogue
     (the bucket averaged and all-reduced, the rank's partition kept): cluster.gpu.zero12_tensor_us per tensor and
-    zero12_per_mib_us per gradient byte, beyond the all-reduce the collectives price. ZeRO-2 reduces every
+    zero12_per_mib_us per MiB of gradient, beyond the all-reduce the collectives price. ZeRO-2 reduces every
     micro-batch, ZeRO-1 once, at the accumulation boundary (engine.py allreduce_gradients). Serial with the pass:
     on CPU ranks the host is the device (docs/design.md, What DeepSpeed does: on the development VM the hooks took
-    40-65 us a tensor inside the engine); GPU clusters leave both at 0 (not measured). Not priced: ZeRO-1's hooks in
+    40-100 us a tensor inside the engine); GPU clusters leave both at 0 (not measured). Not priced: ZeRO-1's hooks in
     the micro-batches before the boundary (they return early), and that a stage's gradients beyond one bucket
     reuse its pages (the per-byte figure is measured with them fresh)."""
     gpu = hw.cluster.gpu
