@@ -8,7 +8,8 @@ Time, per stage, in seconds of one iteration; each stage's parts add up to the i
                               backward hides (the last
                               micro-batch's extra, or after it where the runtime does not overlap it)
     exposed host transfers    G x the swaps (offloaded states and activations) no compute hides, and the
-                              executor's host work serial with the passes (ZeRO-3's hooks and fetches)
+                              executor's host work serial with the passes (ZeRO-3's hooks and fetches,
+                              ZeRO-2's gradient reduction; ZeRO-1's counts in the optimizer's)
     imbalance                 (G - 1) x (the slowest stage's stable time - this stage's): steady-state waits
     optimizer                 the step (inside the first forward, or at the end), the norm sync after
                               every stage's end
