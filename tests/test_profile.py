@@ -224,14 +224,16 @@ def test_wall_timed_figures_are_taken_back_to_a_cores_own_by_the_load_sampled_ar
     measured = {"ops": {"gemm": [0.5]}, "all_reduce": [{"group": 2, "bytes": 64, "s": 0.25}],
                 "zero3": [{"chain": "fetch", "calls": 16, "fetch_bytes": 544, "zero3_s": 0.5, "plain_s": 0.25}],
                 "zero12": [{"stage": 2, "chain": "one", "tensors": 2, "grad_bytes": 544, "zero_s": 0.5,
-                            "plain_s": 0.25}],
+                            "plain_s": 0.25},
+                           {"stage": 2, "chain": "one", "tensors": 2, "grad_bytes": 544, "zero_s": 0.5,
+                            "plain_s": 0.25, "clock": "cpu"}],
                 "passes": passes}
     own = run.as_a_cores_own(measured, 2.0)
     assert own["ops"] == measured["ops"] and own["passes"][0] == passes[0]
     assert own["all_reduce"] == [{"group": 2, "bytes": 64, "s": 0.125}]
     assert own["zero3"] == [{"chain": "fetch", "calls": 16, "fetch_bytes": 544, "zero3_s": 0.25, "plain_s": 0.125}]
     assert own["zero12"] == [{"stage": 2, "chain": "one", "tensors": 2, "grad_bytes": 544, "zero_s": 0.25,
-                              "plain_s": 0.125}]
+                              "plain_s": 0.125}, measured["zero12"][1]]  # CPU time: a core's own already
     assert own["passes"][1] == {"b": 2, "t": 2, "blocks": 2, "embedding": {"fwd": 0.5, "bwd": 1.0},
                                 "block": {"fwd": 1.5, "bwd": 2.0}, "head": {"fwd": 2.5, "bwd": 3.0}}
     assert run.as_a_cores_own(measured, 1.0) is measured
@@ -287,7 +289,7 @@ def test_the_profile_measures_zero12s_reduction_on_the_host_and_prices_it(profil
     assert [(r["stage"], r["chain"], r["tensors"]) for r in rows] == [
         (stage, chain, n) for stage in (1, 2)
         for chain, n in (("one", 2), ("tensors", 2 * ZERO12_TENSORS), ("bytes", 2 * ZERO12_BYTES_LINEARS))]
-    assert all(r["zero_s"] > r["plain_s"] > 0 for r in rows)
+    assert all(r["zero_s"] > r["plain_s"] > 0 and r["clock"] == "cpu" for r in rows)  # CPU ranks, one thread
     gpu = compose([*overrides, *STRATEGY]).cluster.gpu
     assert gpu.zero12_tensor_s == pytest.approx(zero12["tensor_s"], abs=1e-8)
     assert gpu.zero12_byte_s * 2**20 == pytest.approx(zero12["byte_s"] * 2**20, abs=1e-8)
@@ -380,6 +382,11 @@ def test_the_zero12_fit_recovers_known_host_costs():
     assert fit["byte_s"] == 0.0 and fit["tensor_s"] > 0 and fit["call_s"] >= 0
     with pytest.raises(ValueError, match="one"):
         fit_zero12([r for r in rows if r["chain"] != "one"], all_reduce)
+    # timed by the thread's CPU time (CPU ranks): the all-reduce ran on gloo's threads, nothing to take off
+    cpu_rows = [{**r, "clock": "cpu", "zero_s": 1e-3 + 5e-4 + r["tensors"] * 40e-6 + r["grad_bytes"] * 1e-9}
+                for r in rows]
+    fit = fit_zero12(cpu_rows, all_reduce)
+    assert fit["call_s"] == pytest.approx(5e-4) and fit["byte_s"] == pytest.approx(1e-9)
 
 
 def _gemm_rows(seconds_of) -> list[dict]:

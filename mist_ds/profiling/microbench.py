@@ -448,6 +448,9 @@ def zero12_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
     import torch
 
     kind = torch_dtype(dtype)
+    # on CPU ranks the reduction's host work by the thread's CPU time (own_clock): gloo runs the all-reduce on its
+    # own threads, so neither it nor the wait for the peer counts, nor what else shares the core
+    clock = time.perf_counter if device.type == "cuda" else own_clock()
 
     def chain(name: str) -> torch.nn.Sequential:
         torch.manual_seed(0)
@@ -474,17 +477,19 @@ def zero12_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
                 plain(x).float().sum().backward()
                 plain.zero_grad(set_to_none=True)
 
-            times = _interleaved_medians({"zero_s": reduced, "plain_s": torch_only}, repeats, device)
+            times = _interleaved_medians({"zero_s": reduced, "plain_s": torch_only}, repeats, device, clock)
             out.append({"stage": stage, "chain": name, "tensors": sum(1 for _ in plain.parameters()),
-                        "grad_bytes": sum(p.numel() for p in plain.parameters()) * DTYPE_BYTES[dtype], **times})
+                        "grad_bytes": sum(p.numel() for p in plain.parameters()) * DTYPE_BYTES[dtype],
+                        "clock": "cpu" if clock is time.thread_time else "wall", **times})
             engine.destroy()
             del engine, module
     return out
 
 
-def _interleaved_medians(calls: dict, repeats: int, device) -> dict[str, float]:
-    """Median wall seconds of each of `calls` (name -> fn), after two warm-up rounds, over `repeats` rounds that
-    take them in turn, each call after a barrier of the ranks (as a step starts) and timed to the device's end."""
+def _interleaved_medians(calls: dict, repeats: int, device, clock=time.perf_counter) -> dict[str, float]:
+    """Median seconds of each of `calls` (name -> fn) by `clock` (wall time unless told), after two warm-up rounds,
+    over `repeats` rounds that take them in turn, each call after a barrier of the ranks (as a step starts) and
+    timed to the device's end."""
     import torch.distributed as dist
 
     for _ in range(2):
@@ -495,10 +500,10 @@ def _interleaved_medians(calls: dict, repeats: int, device) -> dict[str, float]:
         for key, fn in calls.items():
             dist.barrier()
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             _sync(device)
-            times[key].append(time.perf_counter() - start)
+            times[key].append(clock() - start)
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -602,8 +607,9 @@ def fit_zero12(rows: list[dict], all_reduce_s) -> dict:
     from scipy.optimize import nnls
 
     excess: dict[str, list[float]] = {}
-    for r in rows:
-        excess.setdefault(r["chain"], []).append(r["zero_s"] - r["plain_s"] - float(all_reduce_s(r["grad_bytes"])))
+    for r in rows:  # a row timed by the thread's CPU time holds no all-reduce (zero12_sweep)
+        collective = 0.0 if r.get("clock") == "cpu" else float(all_reduce_s(r["grad_bytes"]))
+        excess.setdefault(r["chain"], []).append(r["zero_s"] - r["plain_s"] - collective)
     shape = {r["chain"]: (1.0, r["tensors"], r["grad_bytes"]) for r in rows}
     missing = [name for name in ZERO12_CHAINS if name not in excess]
     if missing:
