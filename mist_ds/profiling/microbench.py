@@ -467,8 +467,7 @@ def zero12_sweep(dtype: str, device, repeats: int = 10) -> list[dict]:
             module = chain(name)
             engine, *_ = deepspeed.initialize(model=module, config=_zero12_config(dtype, stage),
                                               model_parameters=list(module.parameters()))
-            width = ZERO12_WIDTH if name == "bytes" else ZERO3_WIDTH
-            x = torch.randn(1, width, dtype=kind, device=device)
+            x = torch.randn(1, plain[0].in_features, dtype=kind, device=device)
 
             def reduced():
                 engine.backward(engine(x).float().sum())

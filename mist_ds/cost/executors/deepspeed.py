@@ -82,7 +82,7 @@ def zero3_host_s(costs, hw, c) -> tuple[np.ndarray, np.ndarray]:
     return np.where(zero3, once, 0.0), np.where(zero3, once + c.recompute * block, 0.0)
 
 
-def zero12_host_s(hw, c, tensors, params) -> np.ndarray:
+def zero12_host_s(hw, tensors, params) -> np.ndarray:
     """Host seconds of one ZeRO-1/2 gradient reduction of a stage of `tensors` trained tensors and `params` trained
     parameters (zero/stage_1_and_2.py, the config mist_ds emits: contiguous gradients, overlap_comm off): a hook per
     tensor (grad_handling_hook -> reduce_independent_p_g_buckets_and_remove_grads: the gradient copied into the reduce
@@ -95,8 +95,7 @@ def zero12_host_s(hw, c, tensors, params) -> np.ndarray:
     the micro-batches before the boundary (they return early), and that a stage's gradients beyond one bucket
     reuse its pages (the per-byte figure is measured with them fresh)."""
     gpu = hw.cluster.gpu
-    per_reduction = gpu.zero12_tensor_s * tensors + gpu.zero12_byte_s * hw.dtype_bytes * params
-    return np.where((c.zero == 1) | (c.zero == 2), per_reduction, 0.0)
+    return gpu.zero12_tensor_s * tensors + gpu.zero12_byte_s * hw.dtype_bytes * params
 
 
 @dataclass(frozen=True)
@@ -292,7 +291,7 @@ def moves(inputs: StageInputs) -> StageMoves:
     fwd_host, bwd_host = zero3_host_s(costs, hw, c)
     step_params = np.where(traffic.partitioned_step, params / c.d, params)
     tensors = stage_trainable_tensors(costs, c, ev)
-    reduction_host = zero12_host_s(hw, c, tensors, params)
+    reduction_host = zero12_host_s(hw, tensors, params)  # placed by ZeRO stage below
     wrapper_ops, wrapper_bytes = step_work(c.zero, c.pp > 1, train.precision, c.oo, train.grad_clip, tensors, c.d)
     adam_ops = torch_adam_ops(traffic.partitioned_step, tensors, step_params, hw.cluster.gpu.is_cpu_process)
 
