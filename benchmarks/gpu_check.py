@@ -4,25 +4,32 @@ time, peak memory, model states, FLOPs, collective bytes counted in the engine) 
 (docs/design.md, The GPU check).
 
 On a lent GPU machine (the device tool runs it in the repository's root; benchmarks/gpu/wheels.sh, run here first,
-puts the packages the machine lacks into .wheels/, which the run carries):
-    MIST_DS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu/check.sh      # writes $OUT/gpu_check.md
+puts the packages the machine lacks and this checkout's commit into .whl/, which the run carries):
+    bash benchmarks/gpu/check.sh      # writes $OUT/gpu_check.md, $OUT/gpu_check.tgz (the steps' files and logs)
 On this machine, the same flow on CPU ranks (the test runs it so, with --steps 2):
     python -m benchmarks.gpu_check --cluster cpu --model tiny --no-profile --out /tmp/gpu_check
 
-Every step is a `mist-ds` command in its own process with its own time limit; a step that fails is recorded with its
-log's last lines and the flow goes on where it can (a failed profile: the zoo's datasheet cluster is tuned instead),
-so one call of a scarce machine says as much as it can.
+Every step is a `mist-ds` command in its own process with its own time limit, cut to what is left of --deadline-s
+(the device tool kills a command at its own limit, and with it whatever was not written yet); a step that fails is
+recorded with its log's last lines and the flow goes on where it can (a failed profile: the zoo's datasheet cluster
+is tuned instead), and after every step the results file is written again and the steps' files packed into one
+archive beside it (--results: the device tool returns at most 8 files from $OUT), so one call of a scarce machine
+says as much as it can even when it is cut short.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import io
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +43,13 @@ names the cluster whose datasheet the check starts from."""
 EXECUTORS: tuple[str, ...] = ("deepspeed", "mist")
 PROFILED_CLUSTER = "gpu-check"
 GIB = 2**30
+LEAST_STEP_S = 20.0
+"""A step with less than this left before the deadline is skipped (no step does anything useful in less)."""
+INTERRUPT_GRACE_S = 15.0
+"""Seconds a step has, once interrupted at its limit, to stop its ranks (observe.ranks.run_in_session kills their
+session on an interrupt) before its process group is killed."""
+PACKED_FILE_MAX_BYTES = 4 * 2**20
+"""Files larger than this stay out of the archive (the device tool returns at most 16 MiB a file)."""
 
 
 def cluster_for_gpu(name: str, memory_mib: int) -> str:
@@ -73,30 +87,68 @@ class Step:
 class Outcome:
     step: Step
     returncode: int | None
-    """None: killed at its time limit."""
+    """None: stopped at its time limit, or skipped (`skipped`)."""
     seconds: float
     tail: str
     """The log's last lines (what failed says why)."""
+    skipped: bool = False
+    """Not started: too little was left before the deadline."""
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
+    @property
+    def status(self) -> str:
+        if self.skipped:
+            return "skipped: no time left"
+        return "stopped at its limit" if self.returncode is None else str(self.returncode)
 
-def run_step(step: Step, logs: Path) -> Outcome:
-    """Run `mist-ds <argv>` (this Python, `-m mist_ds.cli.main`) with its log in `logs/<name>.log`."""
+
+def _interruptible() -> None:
+    """In the step's process before it runs: SIGINT back to its default, which Python turns into KeyboardInterrupt (a
+    check started as a background job inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run_command(cmd: list[str], log: Path, timeout_s: float) -> int | None:
+    """`cmd`'s exit code, its output in `log`; None where it ran past `timeout_s`: then it is interrupted (SIGINT to
+    its process group, so mist-ds stops its ranks' own session) and killed if still running INTERRUPT_GRACE_S
+    later, so no rank of a step outlives it on the GPU."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_interruptible)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)  # the session leader's pid is its group's id
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return None
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+
+
+def run_step(step: Step, logs: Path, deadline: float | None = None) -> Outcome:
+    """Run `mist-ds <argv>` (this Python, `-m mist_ds.cli.main`) with its log in `logs/<name>.log`, for at most its
+    time limit or what is left before `deadline` (time.monotonic()); skipped where under LEAST_STEP_S is left."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{step.name}.log"
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        try:
-            code = subprocess.run([sys.executable, "-m", "mist_ds.cli.main", *step.argv], stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=step.timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            code = None
-    seconds = time.perf_counter() - start
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    return Outcome(step, code, seconds, tail)
+    limit = step.timeout_s if deadline is None else min(step.timeout_s, deadline - time.monotonic())
+    if limit < LEAST_STEP_S:
+        outcome = Outcome(step, None, 0.0, f"{max(limit, 0.0):.0f} s were left before the deadline", skipped=True)
+    else:
+        start = time.monotonic()
+        code = run_command([sys.executable, "-m", "mist_ds.cli.main", *step.argv], log, limit)
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        outcome = Outcome(step, code, time.monotonic() - start, tail)
+    print(f"gpu_check: {step.name}: {outcome.status} ({outcome.seconds:.1f} s)", flush=True)
+    return outcome
 
 
 @dataclass(frozen=True)
@@ -108,13 +160,18 @@ class Settings:
     steps: int
     profile: bool
     out: Path
+    """The steps' folder (their run folders and logs)."""
+    results: Path | None = None
+    """Where gpu_check.md and the archive of `out` go (the device tool's $OUT); None: `out` itself, no archive."""
+    deadline: float | None = None
+    """time.monotonic() by which the last step must end; None: each step's own limit alone."""
 
 
 def profile_step(s: Settings) -> Step:
     return Step("profile", ("profile", f"model={s.model}", f"cluster={s.cluster}", "cluster.gpus_per_node=1",
                             f"train.global_batch_size={s.global_batch_size}", "profile.quick=true",
                             f"profile.name={PROFILED_CLUSTER}", f"profile.out_dir={s.out / 'profile'}",
-                            "tuner.quiet=true", f"hydra.run.dir={s.out / 'profile'}"), 240.0)
+                            "tuner.quiet=true", f"hydra.run.dir={s.out / 'profile'}"), 180.0)
 
 
 def executor_steps(s: Settings, config_dir: tuple[str, ...], cluster: str, executor: str) -> tuple[Step, Step]:
@@ -131,52 +188,61 @@ def executor_steps(s: Settings, config_dir: tuple[str, ...], cluster: str, execu
     return tune, measure
 
 
-def run_flow(s: Settings) -> list[Outcome]:
-    """Profile (unless told not to), then tune and measure on each executor; every outcome, in order."""
+def run_flow(s: Settings, after_step: Callable[[list[Outcome]], None] = lambda outcomes: None) -> list[Outcome]:
+    """Profile (unless told not to), then tune and measure on each executor; every outcome, in order, each also
+    handed to `after_step` with those before it as it ends."""
     outcomes, logs = [], s.out / "logs"
+
+    def run(step: Step) -> bool:
+        outcomes.append(run_step(step, logs, s.deadline))
+        after_step(list(outcomes))
+        return outcomes[-1].ok
+
     config_dir: tuple[str, ...] = ()
     cluster = s.cluster
-    if s.profile:
-        outcomes.append(run_step(profile_step(s), logs))
-        if outcomes[-1].ok:
-            config_dir, cluster = ("-cd", str(s.out / "profile")), PROFILED_CLUSTER
+    if s.profile and run(profile_step(s)):
+        config_dir, cluster = ("-cd", str(s.out / "profile")), PROFILED_CLUSTER
     for executor in EXECUTORS:
         tune, measure = executor_steps(s, config_dir, cluster, executor)
-        outcomes.append(run_step(tune, logs))
-        if outcomes[-1].ok:
-            outcomes.append(run_step(measure, logs))
+        if run(tune):
+            run(measure)
     return outcomes
 
 
 def measured_rows(out: Path) -> list[list]:
-    """One row per executor measured: layout, step time predicted / measured (median) and the error, then rank 0's
-    peak memory and model states (GiB: the priced parts, device and host), FLOPs and collective bytes predicted /
-    measured."""
-    from mist_ds.specs.strategy import layout_text, strategy_from_dict
-
+    """One row per executor measured (measured_row); a measure.json this cannot read gets a row saying why (the
+    archive keeps the file)."""
     rows = []
     for executor in EXECUTORS:
         path = out / f"measure-{executor}" / "measure.json"
         if not path.is_file():
             continue
-        r = json.loads(path.read_text())
-        measured = statistics.median(r["measured_iteration_time_s"])
-        comm = lambda side: sum((r[f"{side}_comm_bytes"] or [{}])[0].values())  # noqa: E731
-        priced_parts = r["predicted_model_state_bytes"][0]  # weights, grads, optimizer, buffers, host
-        states = lambda side: sum(r[f"{side}_model_state_bytes"][0][k] for k in priced_parts)  # noqa: E731
-        rows.append([executor, layout_text(strategy_from_dict(r["strategy"], "measure.strategy")),
-                     f"{r['predicted_iteration_time_s'][0]:.4f}", f"{measured:.4f}", f"{r['time_error']:+.1%}",
-                     f"{r['predicted_peak_memory_bytes'][0] / GIB:.2f} / "
-                     f"{r['measured_peak_memory_bytes'][0] / GIB:.2f}",
-                     f"{states('predicted') / GIB:.3f} / {states('measured') / GIB:.3f}",
-                     f"{r['predicted_flops'][0]:.4g} / {r['measured_flops'][0]:.4g}",
-                     f"{comm('predicted'):.4g} / {comm('measured'):.4g}"])
+        try:
+            rows.append(measured_row(executor, json.loads(path.read_text())))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
+            rows.append([executor, f"measure.json unreadable here ({type(error).__name__}: {error})"] + [""] * 7)
     return rows
 
 
+def measured_row(executor: str, r: dict) -> list:
+    """Layout, step time predicted / measured (median) and the error, then rank 0's peak memory and model states
+    (GiB: the priced parts, device and host), FLOPs and collective bytes predicted / measured."""
+    from mist_ds.specs.strategy import layout_text, strategy_from_dict
+
+    measured = statistics.median(r["measured_iteration_time_s"])
+    comm = lambda side: sum((r[f"{side}_comm_bytes"] or [{}])[0].values())  # noqa: E731
+    priced_parts = r["predicted_model_state_bytes"][0]  # weights, grads, optimizer, buffers, host
+    states = lambda side: sum(r[f"{side}_model_state_bytes"][0][k] for k in priced_parts)  # noqa: E731
+    return [executor, layout_text(strategy_from_dict(r["strategy"], "measure.strategy")),
+            f"{r['predicted_iteration_time_s'][0]:.4f}", f"{measured:.4f}", f"{r['time_error']:+.1%}",
+            f"{r['predicted_peak_memory_bytes'][0] / GIB:.2f} / {r['measured_peak_memory_bytes'][0] / GIB:.2f}",
+            f"{states('predicted') / GIB:.3f} / {states('measured') / GIB:.3f}",
+            f"{r['predicted_flops'][0]:.4g} / {r['measured_flops'][0]:.4g}",
+            f"{comm('predicted'):.4g} / {comm('measured'):.4g}"]
+
+
 def report(s: Settings, outcomes: list[Outcome], machine: str, command: str, commit: str, load: str) -> str:
-    steps = table_text(["step", "exit", "seconds"], [[o.step.name, "killed at its limit" if o.returncode is None
-                                                      else o.returncode, f"{o.seconds:.1f}"] for o in outcomes])
+    steps = table_text(["step", "exit", "seconds"], [[o.step.name, o.status, f"{o.seconds:.1f}"] for o in outcomes])
     failed = "".join(f"\n\n`{o.step.name}` ended so:\n\n```\n{o.tail}\n```" for o in outcomes if not o.ok)
     rows = measured_rows(s.out)
     measured = table_text(["executor", "plan", "predicted s", "measured s", "error", "peak GiB (pred / meas)",
@@ -203,6 +269,30 @@ def machine_text(gpu: tuple[str, int] | None) -> str:
             f"DeepSpeed {importlib.metadata.version('deepspeed')}")
 
 
+def pack(folder: Path, archive: Path) -> None:
+    """`folder`'s files (but those over PACKED_FILE_MAX_BYTES) as the gzipped tar `archive`, written atomically."""
+    from mist_ds.files import write_atomic
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.stat().st_size <= PACKED_FILE_MAX_BYTES:
+                tar.add(path, arcname=str(path.relative_to(folder.parent)))
+    write_atomic(archive, data.getvalue())
+
+
+def commit_here() -> str:
+    """The checkout's commit as MIST_DS_COMMIT names it (check.sh reads it from .whl/commit.txt, written by
+    benchmarks/gpu/wheels.sh where git is), else as git says, else that it is unknown."""
+    if os.environ.get("MIST_DS_COMMIT"):
+        return os.environ["MIST_DS_COMMIT"]
+    try:
+        tree = source_tree()
+    except OSError:  # no git on this machine
+        tree = ""
+    return tree if tree and not tree.startswith(" ") else "unknown (no git history here and MIST_DS_COMMIT not set)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cluster", help="the zoo's cluster to start from (default: from nvidia-smi's GPU name)")
@@ -211,23 +301,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "outputs/gpu_check")))
+    parser.add_argument("--out", type=Path, default=Path("outputs/gpu_check"), help="the steps' folder")
+    parser.add_argument("--results", type=Path, help="where gpu_check.md and gpu_check.tgz (the steps' folder "
+                        "packed) go, after every step (default: the steps' folder, no archive)")
+    parser.add_argument("--deadline-s", type=float, help="seconds from now by which the last step must end")
     args = parser.parse_args(argv)
+    start = time.monotonic()
     gpu = gpu_of_this_machine()
     if args.cluster is None and gpu is None:
         raise SystemExit("gpu_check: nvidia-smi found no GPU; name a cluster with --cluster (cpu on CPU ranks)")
     cluster = args.cluster or cluster_for_gpu(*gpu)
-    s = Settings(cluster, args.model, args.global_batch_size, args.warmup, args.steps, args.profile,
-                 args.out.resolve())
-    s.out.mkdir(parents=True, exist_ok=True)
-    load, commit = load_average(), os.environ.get("MIST_DS_COMMIT") or source_tree()
-    outcomes = run_flow(s)
+    out = args.out.resolve()
+    results = args.results.resolve() if args.results and args.results.resolve() != out else None
+    s = Settings(cluster, args.model, args.global_batch_size, args.warmup, args.steps, args.profile, out, results,
+                 None if args.deadline_s is None else start + args.deadline_s)
+    for folder in filter(None, (s.out, s.results)):
+        folder.mkdir(parents=True, exist_ok=True)
+    load, commit, machine = load_average(), commit_here(), machine_text(gpu)
     command = "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = report(s, outcomes, machine_text(gpu), command.strip(), commit,
-                  f"load average at start {load}, at the end {load_average()} (1, 5, 15 minutes)")
-    (s.out / "gpu_check.md").write_text(text)
-    print(text)
-    return 0 if all(o.ok for o in outcomes) else 1
+
+    def publish(outcomes: list[Outcome]) -> str:
+        from mist_ds.files import write_atomic
+
+        text = report(s, outcomes, machine, command.strip(), commit,
+                      f"load average at start {load}, at the end {load_average()} (1, 5, 15 minutes)")
+        write_atomic((s.results or s.out) / "gpu_check.md", text)
+        if s.results:
+            pack(s.out, s.results / "gpu_check.tgz")
+        return text
+
+    outcomes = run_flow(s, publish)
+    print(publish(outcomes))
+    return 0 if outcomes and all(o.ok for o in outcomes) else 1
 
 
 if __name__ == "__main__":

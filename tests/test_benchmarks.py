@@ -4,6 +4,7 @@ benchmarks/results/index.md, the scripts run as `python -m benchmarks.<name>` wi
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -133,6 +134,74 @@ def test_the_gpu_check_steps_are_commands_mist_ds_accepts(tmp_path):
     for step in (profile_step(s), tune):
         compose_config([a for a in step.argv[1:] if not a.startswith("hydra.")])
     assert measure.argv[:2] == ("measure", f"plan={tmp_path / 'tune-mist' / 'plan.json'}")
+
+
+def test_the_gpu_check_skips_a_step_the_deadline_leaves_no_time_for(tmp_path):
+    import time
+
+    from benchmarks.gpu_check import LEAST_STEP_S, Step, run_step
+
+    outcome = run_step(Step("tune-mist", ("tune", "model=tiny"), 120.0), tmp_path,
+                       deadline=time.monotonic() + LEAST_STEP_S / 2)
+    assert outcome.skipped and not outcome.ok and outcome.status == "skipped: no time left"
+    assert not (tmp_path / "tune-mist.log").exists()
+
+
+def test_the_gpu_check_interrupts_a_step_at_its_limit_so_it_can_stop_its_ranks(tmp_path):
+    """A step past its limit gets SIGINT first (mist-ds then kills its ranks' session), even where the check itself
+    was started with SIGINT ignored (a background job's)."""
+    import signal
+    import time
+
+    from benchmarks.gpu_check import run_command
+
+    marker = tmp_path / "interrupted"
+    step = ("import pathlib, time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+            f"    pathlib.Path({str(marker)!r}).write_text('yes')\n")
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = run_command([sys.executable, "-c", step], tmp_path / "step.log", timeout_s=2.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code is None and marker.read_text() == "yes" and time.monotonic() - start < 30
+    assert run_command([sys.executable, "-c", "print('done')"], tmp_path / "ok.log", 30.0) == 0
+    assert (tmp_path / "ok.log").read_text() == "done\n"
+    assert subprocess.run(["pgrep", "-f", str(marker)], capture_output=True).returncode == 1  # nothing left
+
+
+def test_the_gpu_check_packs_the_steps_folder_into_one_archive(tmp_path):
+    import tarfile
+
+    from benchmarks.gpu_check import PACKED_FILE_MAX_BYTES, pack
+
+    steps = tmp_path / "steps"
+    (steps / "logs").mkdir(parents=True)
+    (steps / "logs" / "profile.log").write_text("profiled")
+    (steps / "huge.db").write_bytes(b"0" * (PACKED_FILE_MAX_BYTES + 1))
+    pack(steps, tmp_path / "gpu_check.tgz")
+    with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
+        assert tar.getnames() == ["steps/logs/profile.log"]
+        assert tar.extractfile("steps/logs/profile.log").read() == b"profiled"
+
+
+def test_the_gpu_check_reports_a_measure_file_it_cannot_read_and_goes_on(tmp_path):
+    from benchmarks.gpu_check import measured_rows
+
+    (tmp_path / "measure-deepspeed").mkdir()
+    (tmp_path / "measure-deepspeed" / "measure.json").write_text(json.dumps({"measured_iteration_time_s": None}))
+    [row] = measured_rows(tmp_path)
+    assert row[0] == "deepspeed" and "measure.json unreadable here (TypeError" in row[1] and len(row) == 9
+
+
+def test_the_gpu_check_names_its_commit_without_git(tmp_path, monkeypatch):
+    from benchmarks.gpu_check import commit_here
+
+    monkeypatch.delenv("MIST_DS_COMMIT", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on this PATH
+    assert commit_here().startswith("unknown (no git history here")
+    monkeypatch.setenv("MIST_DS_COMMIT", "abc1234 (clean)")
+    assert commit_here() == "abc1234 (clean)"
 
 
 def test_the_runs_spread_floor_is_the_least_mean_error_of_one_prediction_per_pair():

@@ -300,6 +300,34 @@ def test_the_profile_measures_zero12s_reduction_on_the_host_and_prices_it(profil
     assert priced > free or zero12["tensor_s"] == zero12["byte_s"] == 0
 
 
+def test_a_one_rank_profile_keeps_the_clusters_collective_figures(profiled, tmp_path, monkeypatch):
+    """One rank (a one-GPU machine: benchmarks/gpu_check.py) times no collective: the fit keeps the cluster's
+    intra-node bandwidth and collective latency, the ZeRO fits take no collective off, and every file is written
+    (profile.json once refused the unfitted infinite bandwidth)."""
+    from omegaconf import OmegaConf
+
+    from mist_ds.config import compose_config, specs_from_config
+    from mist_ds.profiling.run import write_profile
+    from mist_ds.report.profile import render_profile
+
+    out, _ = profiled
+    raw = json.loads((out / "measurements.json").read_text())
+    raw["per_rank"] = [dict(raw["per_rank"][0], all_reduce=[])]  # what group_all_reduce returns on one rank
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "measurements.json").write_text(json.dumps(raw))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    cfg = compose_config(["cluster=cpu", "cluster.gpus_per_node=1", "cluster.intra_node_gbps=12.5",
+                          "cluster.collective_latency_us=40", *TINY])
+    cfg = OmegaConf.merge(cfg, {"cluster": {"constants": "file"}})
+    summary = write_profile(specs_from_config(cfg, with_strategy=False),
+                            OmegaConf.to_container(cfg.cluster, resolve=True), tmp_path, "one")
+    assert "collectives" not in summary["constants"] and "zero12" in summary["constants"]
+    assert "collectives not timed (one rank)" in render_profile(summary)
+    one = compose([f"hydra.searchpath=[file://{tmp_path}]", "cluster=one", *TINY]).cluster
+    assert one.intra_node_bytes_per_s == 12.5e9 and one.collective_latency_s == pytest.approx(40e-6)
+    assert json.loads((tmp_path / "profile.json").read_text())["ranks"] == 1
+
+
 def test_the_profile_measures_the_eager_op_cost_and_prices_the_step_with_it(profiled):
     """The quick profile times torch's AdamW over lists of small tensors (microbench.eager_op_sweep, ten ops per
     tensor counted through the dispatcher), fits the per-op figure into the cluster file, and the step grows with it."""

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu_check.py's docstring): on a lent GPU machine, from the repository's root, with the
-# wheels of benchmarks/gpu/wheels.sh carried in .whl/:
-#   MIST_DS_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu/check.sh [gpu_check's options]
-# Writes $OUT/gpu_check.md (and the steps' logs under $OUT/logs) and prints the results last.
+# wheels and commit.txt of benchmarks/gpu/wheels.sh carried in .whl/:
+#   bash benchmarks/gpu/check.sh [gpu_check's options]     # device call: carry=[".whl"], timeout_s=500
+# Writes into $OUT (the device tool returns at most 8 files from it) gpu_check.md, gpu_check.tgz (the steps' files
+# and logs) and nvidia-smi.txt, the first two again after every step; prints a line per step and the results last.
+# The steps end by MIST_DS_DEADLINE_S seconds (default 450), inside the device call's timeout.
 set -uo pipefail
 out=${OUT:-outputs/gpu_check}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mist_ds_site \
   .whl/*.whl || { echo "check.sh: installing the carried wheels failed (run benchmarks/gpu/wheels.sh here first)"; exit 1; }
 export PYTHONPATH="/tmp/mist_ds_site:$PWD" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/mist_ds_torch_extensions
+export MIST_DS_COMMIT="${MIST_DS_COMMIT:-$(cat .whl/commit.txt 2>/dev/null)}"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-python3 -m benchmarks.gpu_check --out "$out" "$@"
+rm -rf /tmp/mist_ds_gpu_check  # a rerun on the same machine reports only its own steps
+python3 -m benchmarks.gpu_check --out /tmp/mist_ds_gpu_check --results "$out" \
+  --deadline-s "${MIST_DS_DEADLINE_S:-450}" "$@"

@@ -228,21 +228,33 @@ def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int
                                                                  for f, t in attention if t > 0))
     points = [{"bytes": p["bytes"] * 2 * (p["group"] - 1) / p["group"], "steps": 2 * (p["group"] - 1), "s": p["s"]}
               for p in r["all_reduce"] if p["s"] > 0]
-    bandwidth, latency, rms = fit_alpha_beta(points, 2, math.inf)
-    out["collectives"] = {"bytes_per_s": bandwidth, "latency_s": max(latency, 0.0), "rms_relative": rms}
+    if points:  # one rank has no group to time: the cluster keeps its collective figures (measured_fields)
+        bandwidth, latency, rms = fit_alpha_beta(points, 2, math.inf)
+        out["collectives"] = {"bytes_per_s": bandwidth, "latency_s": max(latency, 0.0), "rms_relative": rms}
     if r.get("zero3") or r.get("zero12"):
-        from mist_ds.hardware.network import RingGroup
-
-        # the collectives as the cost model prices them on these ranks (NCCL's model on a GPU, one node)
-        group = RingGroup.of(ranks, 1, ranks, bandwidth, 0.0, out["collectives"]["latency_s"],
-                             intra_link=None if device == "cpu" else "nvlink")
+        all_gather_s, reduce_scatter_s, all_reduce_s = _priced_collectives(out.get("collectives"), ranks, device)
         if r.get("zero3"):
-            out["zero3"] = fit_zero3(r["zero3"], group.all_gather_time_s, group.reduce_scatter_time_s)
+            out["zero3"] = fit_zero3(r["zero3"], all_gather_s, reduce_scatter_s)
         if r.get("zero12"):
-            out["zero12"] = fit_zero12(r["zero12"], group.all_reduce_time_s)
+            out["zero12"] = fit_zero12(r["zero12"], all_reduce_s)
     out["cpu_adam_params_per_s"] = ranks * statistics.median(f["elements"] / f["s"] for f in r["adam"]["flat"])
     out["interference"] = fit_factors(r["interference"])
     return out
+
+
+def _priced_collectives(collectives: dict | None, ranks: int, device: str) -> tuple:
+    """(all-gather, reduce-scatter, all-reduce) seconds of a message's bytes as the cost model prices them on the
+    profile's ranks (NCCL's model on a GPU, one node); nothing on one rank, whose engines exchange nothing."""
+    from mist_ds.hardware.network import RingGroup
+
+    if collectives is None:
+        if ranks > 1:
+            raise ValueError(f"no all-reduce was timed on {ranks} ranks: the profile's collectives section is empty")
+        nothing = lambda message_bytes: np.zeros_like(np.asarray(message_bytes, dtype=float))  # noqa: E731
+        return nothing, nothing, nothing
+    group = RingGroup.of(ranks, 1, ranks, collectives["bytes_per_s"], 0.0, collectives["latency_s"],
+                         intra_link=None if device == "cpu" else "nvlink")
+    return group.all_gather_time_s, group.reduce_scatter_time_s, group.all_reduce_time_s
 
 
 def db_rows(r: dict, shapes: OpShapes) -> list[tuple[str, tuple[int, ...], float]]:
@@ -279,8 +291,11 @@ def measured_fields(base_gpu: dict, c: dict, dtype: str) -> dict:
                    host_dispatch_us=_round(c["host_dispatch_s"] * 1e6, 3))
     if "eager_op" in c:
         gpu["eager_op_us"] = _round(c["eager_op"]["op_s"] * 1e6, 3)
-    return {"gpu": gpu, "intra_node_gbps": _round(c["collectives"]["bytes_per_s"] / 1e9, 4),
-            "collective_latency_us": _round(c["collectives"]["latency_s"] * 1e6, 2),
+    collectives = {}  # none timed on one rank: the cluster's stay
+    if "collectives" in c:
+        collectives = {"intra_node_gbps": _round(c["collectives"]["bytes_per_s"] / 1e9, 4),
+                       "collective_latency_us": _round(c["collectives"]["latency_s"] * 1e6, 2)}
+    return {"gpu": gpu, **collectives,
             "pcie_gbps": _round(c["pcie_bytes_per_s"] / 1e9, 3),
             "cpu_adam_gparams_per_s": _round(c["cpu_adam_params_per_s"] / 1e9, 4),
             "interference": {"fallback": 1.0, "factors": c["interference"].as_config()}}

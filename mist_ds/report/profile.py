@@ -9,14 +9,13 @@ from mist_ds.specs.cluster import MIB
 
 def render_profile(summary: dict[str, Any]) -> str:
     c = summary["constants"]
-    gemm, net, fit = c["gemm"], c["collectives"], c["interference"]
+    gemm, fit = c["gemm"], c["interference"]
     lines = [f"profiled {summary['ranks']} {summary['device']} ranks in {summary['dtype']} "
              f"({'quick' if summary['quick'] else 'full'} grid) in {summary['seconds']:.0f} s; "
              f"(b, t) points of the tuner: {', '.join(f'({b}, {t})' for b, t in summary['points_bt'])}",
              f"  GEMM peak {gemm['peak_flops_per_s'] / 1e12:.4g} TFLOP/s, {_curve_text(gemm)} "
              f"(RMS log error {gemm['rms_log']:.3f} over {gemm['rows']} GEMMs)",
-             f"  collectives {net['bytes_per_s'] / 1e9:.3g} GB/s, latency {net['latency_s'] * 1e6:.3g} us per step "
-             f"(RMS relative error {net['rms_relative']:.0%}); host copies {c['pcie_bytes_per_s'] / 1e9:.3g} GB/s; "
+             f"  {_collectives_text(c.get('collectives'))}; host copies {c['pcie_bytes_per_s'] / 1e9:.3g} GB/s; "
              f"host optimizer {c['cpu_adam_params_per_s'] / 1e9:.3g} Gparams/s per node",
              f"  interference: {len(fit['factors'])} concurrent sets fitted, RMS relative error of finishing times "
              f"{fit['rms_relative']:.0%}",
@@ -24,6 +23,13 @@ def render_profile(summary: dict[str, Any]) -> str:
              f"wrote {summary['profile_db']} ({summary['db_rows']} op times) and {summary['cluster_yaml']}",
              f"use it: mist-ds tune -cd {_config_dir(summary['cluster_yaml'])} cluster={summary['cluster']} ..."]
     return "\n".join(lines)
+
+
+def _collectives_text(net: dict[str, Any] | None) -> str:
+    if net is None:
+        return "collectives not timed (one rank): the cluster's intra_node_gbps and collective_latency_us kept"
+    return (f"collectives {net['bytes_per_s'] / 1e9:.3g} GB/s, latency {net['latency_s'] * 1e6:.3g} us per step "
+            f"(RMS relative error {net['rms_relative']:.0%})")
 
 
 def _zero3_lines(constants: dict[str, Any]) -> list[str]:
