@@ -130,8 +130,27 @@ def test_a_config_read_once_is_planned_again_without_transformers_or_torch(confi
 def test_an_unknown_path_says_mist_ds_never_downloads(tmp_path):
     with pytest.raises(ConfigError, match="never downloads"):
         hf("someone/not-a-cached-model", "model.seq_len=64")
+    with pytest.raises(ConfigError, match="never downloads"):
+        hf("not/an/id", "model.seq_len=64")  # huggingface_hub refuses the id itself
     with pytest.raises(ConfigError, match="no config.json"):
         hf(tmp_path, "model.seq_len=64")
+    for path in (tmp_path / "absent", "./absent"):  # a path, never a model id
+        with pytest.raises(ConfigError, match="no such file or directory") as error:
+            hf(path, "model.seq_len=64")
+        assert error.value.field == "model.name_or_path"
+
+
+def test_a_sequence_past_the_models_positions_is_refused_naming_both_ways(configs):
+    """A learned position table fails past its length at the first step, after the ranks started: refused when
+    planned, with the limit, the config file and the rotary models' way past it."""
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel \(.*gpt2-1.3b.config.json\) has max_position_embeddings "
+                                          "2048: use model.seq_len <= 2048") as error:
+        hf(configs["gpt2-1.3b"], "model.seq_len=4096")
+    assert error.value.field == "model.seq_len" and error.value.value == 4096
+    with pytest.raises(ConfigError, match=r"\+model.hf.max_position_embeddings=512"):
+        hf(configs["llama"], "model.seq_len=512")
+    assert hf(configs["llama"], "model.seq_len=512", "+model.hf.max_position_embeddings=512").model.seq_len == 512
+    assert hf(configs["llama"], "model.seq_len=256").model.seq_len == 256
 
 
 @pytest.mark.parametrize("name, overrides", [pytest.param("qwen2", (), marks=pytest.mark.slow),

@@ -21,6 +21,7 @@ PLAN_CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "grad
 
 
 def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_batch_and_zero(tmp_path):
+    """Merging: the plan's batch keys and ZeRO over the user's (said with both values); what the user owns stays."""
     user_file = tmp_path / "ds.json"
     user_file.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 3},
                                      "fp16": {"enabled": True}, "gradient_clipping": 0.5,
@@ -28,9 +29,9 @@ def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_
                                      "scheduler": {"type": "WarmupLR"}}))
     user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
     assert user.source == f"--deepspeed_config {user_file}"
-    assert planner_overrides(user) == ["train.precision=fp16", "train.grad_clip=0.5"]
+    assert planner_overrides(user) == ["train.global_batch_size=64", "train.precision=fp16", "train.grad_clip=0.5"]
     merged, replaced = merged_config(user, PLAN_CONFIG, client_optimizer=False)
-    assert replaced == ["train_batch_size", "zero_optimization.stage"]
+    assert replaced == ["train_batch_size (64 -> 8)", "zero_optimization.stage"]
     assert {k: merged[k] for k in ("train_batch_size", "zero_optimization", "mist")} == {
         k: PLAN_CONFIG[k] for k in ("train_batch_size", "zero_optimization", "mist")}
     assert merged["optimizer"]["params"]["lr"] == 3e-4 and merged["scheduler"] == {"type": "WarmupLR"}
@@ -49,7 +50,7 @@ def test_a_users_config_takes_the_plans_sequence_parallel_settings():
     user = read_user_config(None, {"bf16": {"enabled": True}, "seq_parallel_communication_data_type": "fp32"})
     merged, replaced = merged_config(user, plan, client_optimizer=True)
     assert merged["seq_parallel_communication_data_type"] == "bf16"
-    assert replaced == ["seq_parallel_communication_data_type"]
+    assert replaced == ["seq_parallel_communication_data_type (fp32 -> bf16)"]
 
 
 def test_without_a_users_config_the_plans_own_is_used_and_said():
@@ -80,6 +81,51 @@ def test_what_cannot_be_priced_is_refused_naming_the_field(args, config, optimiz
     with pytest.raises(ConfigError) as error:
         planner_overrides(read_user_config(args, config), client)
     assert error.value.field == field and says in str(error.value)
+
+
+@pytest.mark.parametrize("batch_keys, ranks, planned", [
+    ({"train_batch_size": 8}, 2, 8),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2, 8),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 24),  # DeepSpeed's arithmetic
+    ({"train_micro_batch_size_per_gpu": 2}, 2, 4),  # accumulation 1 where not given
+    ({}, 2, None),  # none given: the planner's (and a notice that it is its default)
+])
+def test_the_plan_is_for_the_global_batch_of_the_users_config(batch_keys, ranks, planned):
+    """The global batch is the user's (a training hyperparameter): the plan chooses only how to split it."""
+    user = read_user_config(None, {**batch_keys, "bf16": {"enabled": True}})
+    overrides = planner_overrides(user, None, ranks, ("cluster=cpu",))
+    assert [o for o in overrides if o.startswith("train.global_batch_size=")] == (
+        [f"train.global_batch_size={planned}"] if planned else [])
+
+
+def test_a_global_batch_given_twice_differently_is_refused_naming_both(tmp_path):
+    user_file = tmp_path / "ds.json"
+    user_file.write_text(json.dumps({"train_batch_size": 8}))
+    user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
+    assert "train.global_batch_size=8" in planner_overrides(user, None, 2, ("train.global_batch_size=8",))
+    with pytest.raises(ConfigError, match=f"--deepspeed_config {user_file} trains with a global batch of 8 "
+                                          r"\(train_batch_size 8\)") as error:
+        planner_overrides(user, None, 2, ("cluster=cpu", "++train.global_batch_size=16"))
+    assert error.value.field == "train.global_batch_size" and error.value.value == "16"
+    with pytest.raises(ConfigError, match="a whole number > 0") as error:
+        planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": 0}), None, 2)
+    assert error.value.field == "train_micro_batch_size_per_gpu"
+
+
+def test_the_launch_command_names_the_scripts_config_by_its_absolute_path(tmp_path, monkeypatch):
+    """cmd.txt runs from any directory: the script and its --deepspeed_config by their absolute paths (the script's
+    other arguments are its own, as given)."""
+    from mist_ds.cli.script_launch import launch_command
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "my_ds.json"):
+        (tmp_path / name).write_text("{}")
+    config = tmp_path / "my_ds.json"
+    for config_args, absolute in ((["--deepspeed_config", "my_ds.json"], ["--deepspeed_config", str(config)]),
+                                  (["--deepspeed_config=my_ds.json"], [f"--deepspeed_config={config}"]),
+                                  (["--deepspeed_config", "absent.json"], ["--deepspeed_config", "absent.json"])):
+        assert launch_command(["--num_gpus", "2"], "train.py", ["--data", "d", "--deepspeed", *config_args]) == [
+            "--num_gpus", "2", str(tmp_path / "train.py"), "--data", "d", "--deepspeed", *absolute]
 
 
 def test_a_config_is_read_as_deepspeed_reads_it_and_named_when_it_cannot_be(tmp_path):
@@ -122,6 +168,13 @@ def test_the_plan_runs_only_with_the_config_it_was_priced_with(tmp_path):
     assert error.value.field == "bf16/fp16" and error.value.value == "fp32"
     with pytest.raises(ConfigError, match="priced with 1.0"):
         check_priced_as_given(read_user_config(None, {"bf16": {"enabled": True}}), PLAN_CONFIG, None, "plan.json")
+    priced = {"bf16": {"enabled": True}, "gradient_clipping": 1.0}
+    check_priced_as_given(read_user_config(None, {**priced, "train_micro_batch_size_per_gpu": 2,
+                                                  "gradient_accumulation_steps": 2}), PLAN_CONFIG, None, "plan.json", 2)
+    with pytest.raises(ConfigError, match="priced with 8") as error:
+        check_priced_as_given(read_user_config(None, {**priced, "train_batch_size": 16}), PLAN_CONFIG, None,
+                              "plan.json", 2)
+    assert error.value.field == "train_batch_size" and error.value.value == 16
     with pytest.raises(ConfigError, match="placeholder") as error:
         planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": "auto"}))
     assert error.value.field == "train_micro_batch_size_per_gpu"

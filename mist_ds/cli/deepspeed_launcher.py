@@ -44,15 +44,13 @@ from mist_ds.specs import ConfigError
 from mist_ds.specs.errors import EXIT_BAD_INPUT
 from mist_ds.specs.strategy import degrees_text
 from mist_ds.report.command import TRAIN_SCRIPT, command_file
-from mist_ds.cli.script_launch import ScriptLaunchError
+from mist_ds.cli.script_launch import CONFIG_FLAG, ScriptLaunchError
 from mist_ds.script.settings import ENV_PREFIX
 
 MODES = ("tune", "run")
 RUN_DIR_KEY = "hydra.run.dir="
 TOKENS_FILE_KEY = "run.tokens_file"
 """launch/train.py's token file: a path the launcher makes absolute in what it hands over and writes to cmd.txt."""
-CONFIG_FLAG = "--deepspeed_config"
-"""The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch)."""
 ACCELERATOR_ENV = "DS_ACCELERATOR"
 """DeepSpeed's accelerator choice: `cpu` runs CPU ranks, and cmd.txt then sets it with OMP_NUM_THREADS=1."""
 USAGE = """usage: mist-deepspeed [--autotune-mist {tune,run}] [--plan PLAN_JSON] [DeepSpeed's launcher arguments]

@@ -59,20 +59,29 @@ def settings_file(settings: ScriptSettings, name: str) -> Path:
 
 PATH_FLAGS = ("--hostfile",)
 """DeepSpeed launcher flags whose value is a file: made absolute, as the script is (cmd.txt runs from anywhere)."""
+CONFIG_FLAG = "--deepspeed_config"
+"""The config path argument of deepspeed.add_config_arguments (`--deepspeed` is its on/off switch): made absolute
+in a script's arguments too."""
 
 
 def launch_command(launcher_args: Sequence[str], script: str, user_args: Sequence[str]) -> list[str]:
-    """The launcher command line, the script and the hostfile by their absolute paths (cmd.txt runs from any
-    directory)."""
-    launcher = list(launcher_args)
-    for i, arg in enumerate(launcher):
-        name, equals, value = arg.partition("=")
-        if name in PATH_FLAGS and equals and Path(value).is_file():
-            launcher[i] = f"{name}={Path(value).resolve()}"
-        elif arg in PATH_FLAGS and i + 1 < len(launcher) and Path(launcher[i + 1]).is_file():
-            launcher[i + 1] = str(Path(launcher[i + 1]).resolve())
+    """The launcher command line, the script, the hostfile and the script's DeepSpeed config by their absolute paths
+    (cmd.txt runs from any directory)."""
     path = Path(script)
-    return [*launcher, str(path.resolve()) if path.is_file() else script, *user_args]
+    return [*absolute_flag_paths(launcher_args, PATH_FLAGS), str(path.resolve()) if path.is_file() else script,
+            *absolute_flag_paths(user_args, (CONFIG_FLAG,))]
+
+
+def absolute_flag_paths(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """`args` with the file each of `flags` names ("--flag F" or "--flag=F") by its absolute path, where it is one."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        name, equals, value = arg.partition("=")
+        if name in flags and equals and Path(value).is_file():
+            out[i] = f"{name}={Path(value).resolve()}"
+        elif arg in flags and i + 1 < len(out) and Path(out[i + 1]).is_file():
+            out[i + 1] = str(Path(out[i + 1]).resolve())
+    return out
 
 
 def launch_phase(command: Sequence[str], settings_path: Path, timeout_s: float | None = None,

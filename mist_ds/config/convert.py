@@ -55,7 +55,7 @@ def model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
 def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
     """A Hugging Face model's spec: its shape read from its config (mist_ds/specs/hf.py), overridden through
     model.hf; the zoo's shape fields are refused (they would be silently ignored)."""
-    from mist_ds.specs.hf import read_hf_shape
+    from mist_ds.specs.hf import check_positions, read_hf_shape
 
     require(cfg.name_or_path is not None, "model.name_or_path", None,
             "required with model=hf: a folder holding config.json, a config.json, or a model id in the local "
@@ -68,6 +68,7 @@ def hf_model_spec(cfg: ModelConfig) -> ModelSpec:
                 f"a Hugging Face model takes its shape from its config: override it as +model.hf.{hf_name}=...")
     shape, source = read_hf_shape(cfg.name_or_path, dict(cfg.hf), cfg.attn_implementation,
                                   tuple(sorted(set(cfg.frozen))))
+    check_positions(cfg.seq_len, source)
     name = cfg.name or cfg.name_or_path.rstrip("/").split("/")[-1].removesuffix(".json")
     return ModelSpec(name=name, family=HF, **shape, seq_len=cfg.seq_len, tie_embeddings=source["tied"],
                      flash_attention=cfg.attn_implementation != "eager", dropout=cfg.dropout, hf=source)

@@ -35,8 +35,8 @@ from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_par
                                      sequence_parallel_rank)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
-from mist_ds.script.user_config import (UserConfig, check_priced_as_given, merged_config, planner_overrides,
-                                        read_user_config)
+from mist_ds.script.user_config import (GLOBAL_BATCH_FIELD, UserConfig, check_priced_as_given, merged_config,
+                                        override_value, planner_overrides, read_user_config)
 from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_NO_PLAN_FITS, ConfigError
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,12 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             hf = is_hf_model(model)
             model_part = hf_model_overrides(model, settings.plan_dir / type(model).__name__) if hf else []
             client_optimizer, client_scheduler = deepspeed_args["optimizer"], deepspeed_args["lr_scheduler"]
-            overrides = [*model_part, *settings.overrides, *planner_overrides(user, client_optimizer)]
+            overrides = [*model_part, *settings.overrides,
+                         *planner_overrides(user, client_optimizer, dist.get_world_size(), settings.overrides)]
+            if override_value(overrides, GLOBAL_BATCH_FIELD) is None:
+                log.warning("no global batch given (no train_batch_size in a DeepSpeed config, no --mist %s): "
+                            "planning for the planner's default; give yours with --mist %s=N", GLOBAL_BATCH_FIELD,
+                            GLOBAL_BATCH_FIELD)
             overrides += pipeline_overrides(overrides, pipeline,
                                             pipelines_held_because(hf, client_optimizer, client_scheduler))
             overrides += sequence_overrides(overrides, deepspeed_args["training_data"])
@@ -221,7 +226,7 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     spec = check_plan_is_for(plan, plan_json, model, loss, scratch)
     strategy = plan.strategy
     check_runs_in_script(strategy, "plan", str(plan_json))
-    check_priced_as_given(user, plan_config, deepspeed_args["optimizer"], str(plan_json))
+    check_priced_as_given(user, plan_config, deepspeed_args["optimizer"], str(plan_json), dist.get_world_size())
     if strategy.parallelism.pp > 1 and not pipeline:
         raise ConfigError("plan", str(plan_json), f"a pipeline plan (pp {strategy.parallelism.pp}) for a loop that "
                                                   "steps with engine(...), backward and step: pass pipeline=True to "
@@ -311,8 +316,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                           dist_init_required=dist_init_required, collate_fn=collate_fn)
     try:
         user = read_user_config(args, config if config is not None else config_params)
-    except ConfigError as error:  # the same on every rank: they leave together
-        _leave(EXIT_BAD_INPUT, f"error: {error}")
+    except ConfigError as error:  # the same on every rank: they leave together, rank 0 says why
+        from deepspeed import comm as dist
+
+        _leave(EXIT_BAD_INPUT, f"error: {error}" if dist.get_rank() == 0 else None)
     if settings.phase == "plan":
         _plan_phase(settings, model, loss, user, deepspeed_args, pipeline)
     try:

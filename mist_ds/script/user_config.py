@@ -1,10 +1,11 @@
 """The user's DeepSpeed config beside the plan's (docs/design.md, Your own script).
 
-The plan owns the batch arithmetic, ZeRO and offload, AutoTP and the pipeline's settings (`PLAN_KEYS`); the user
-owns optimizer, scheduler, clipping and precision, given as DeepSpeed takes them (`--deepspeed_config` or
-`config=`). The planner reads the user's precision and clipping before pricing (`planner_overrides`), so the plan is
-priced as it will run; the engine gets one merged config (`merged_config`). Without a user config the plan's own
-(AdamW, the planner's precision) is used, and the plan summary says so.
+The plan owns the batch arithmetic (micro-batch and accumulation for the global batch), ZeRO and offload, AutoTP
+and the pipeline's settings (`PLAN_KEYS`); the user owns the global batch, optimizer, scheduler, clipping and
+precision, given as DeepSpeed takes them (`--deepspeed_config` or `config=`). The planner reads the user's global
+batch, precision and clipping before pricing (`planner_overrides`), so the plan is priced as it will run; the engine
+gets one merged config (`merged_config`). Without a user config the plan's own (AdamW, the planner's precision) is
+used, and the plan summary says so.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ PRICED_OPTIMIZERS = ("adam", "adamw")
 """DeepSpeed optimizer types priced as the planner's AdamW (two fp32 states per weight)."""
 PRICED_OPTIMIZER_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
 """Client optimizers priced as AdamW: torch's, and DeepSpeed's fused and CPU Adam (what its offload asks for)."""
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""The batch keys of a DeepSpeed config, global first."""
+GLOBAL_BATCH_FIELD = "train.global_batch_size"
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"), ("bfloat16", "bf16"))
 """(DeepSpeed config section, train.precision) pairs; neither enabled is fp32."""
 
@@ -108,31 +112,68 @@ def _check_optimizer(user: UserConfig, client_optimizer: Any) -> None:
                                                   "per weight); use type Adam or AdamW")
 
 
-def planner_overrides(user: UserConfig, client_optimizer: Any = None) -> list[str]:
-    """What the planner must price from the user's config: precision and gradient clipping (ConfigError when the
-    optimizer is not one mist_ds prices). Nothing without a user config: the planner's defaults then hold."""
+def user_global_batch(user: UserConfig, ranks: int) -> tuple[int, str] | None:
+    """(the global batch the user's config trains with, how it follows from the config), as DeepSpeed derives it with
+    data parallelism over all `ranks` (a plain DeepSpeed script's): train_batch_size where given, else
+    train_micro_batch_size_per_gpu x gradient_accumulation_steps (1 where not given) x ranks; None where it gives
+    neither (ConfigError for a value that is no whole number > 0)."""
+    given = {key: user.values[key] for key in BATCH_KEYS if key in user.values}
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(key, value, f"in {user.source}: a whole number > 0")
+    if "train_batch_size" in given:
+        return given["train_batch_size"], f"train_batch_size {given['train_batch_size']}"
+    if "train_micro_batch_size_per_gpu" not in given:
+        return None
+    micro, accumulation = given["train_micro_batch_size_per_gpu"], given.get("gradient_accumulation_steps", 1)
+    return (micro * accumulation * ranks, f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
+                                          f"{accumulation} x {ranks} ranks")
+
+
+def override_value(overrides: list[str] | tuple[str, ...], field: str) -> str | None:
+    """The value the last of `overrides` ("key=value", "+key=value", "++key=value") gives `field`; None if none."""
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") == field]
+    return values[-1] if values else None
+
+
+def planner_overrides(user: UserConfig, client_optimizer: Any = None, ranks: int = 1,
+                      given: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """What the planner must price from the user's config: its global batch on `ranks` ranks (user_global_batch;
+    ConfigError where `given`, the --mist overrides, set train.global_batch_size otherwise), precision and gradient
+    clipping (ConfigError when the optimizer is not one mist_ds prices). Nothing without a user config: the planner's
+    settings then hold."""
     _check_optimizer(user, client_optimizer)
     if not user.given:
         return []
     auto = _auto_values(user.values)
     if auto:
         raise ConfigError(auto[0], "auto", f"in {user.source}: \"auto\" is HF Trainer's placeholder; give the "
-                                           "value (the plan sets batch, ZeRO and offload itself: drop those keys)")
+                                           "value (the plan sets micro-batch, ZeRO and offload itself: drop those "
+                                           "keys)")
     clip = user.values.get("gradient_clipping", 0.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError("gradient_clipping", clip, f"in {user.source}: a number >= 0")
-    return [f"train.precision={user_precision(user)}", f"train.grad_clip={float(clip)}"]
+    batch = user_global_batch(user, ranks)
+    asked = override_value(given, GLOBAL_BATCH_FIELD)
+    if batch is not None and asked is not None and asked.strip() != str(batch[0]):
+        raise ConfigError(GLOBAL_BATCH_FIELD, asked, f"and {user.source} trains with a global batch of {batch[0]} "
+                                                     f"({batch[1]}): give the global batch once (drop one of them)")
+    return ([f"{GLOBAL_BATCH_FIELD}={batch[0]}"] if batch else []) + [
+        f"train.precision={user_precision(user)}", f"train.grad_clip={float(clip)}"]
 
 
 def check_priced_as_given(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: Any,
-                          plan: str) -> None:
+                          plan: str, ranks: int = 1) -> None:
     """The user's config at training time prices as the plan did (a plan given with --plan, or a config edited since):
-    the same precision and gradient clipping, an optimizer mist_ds prices (ConfigError naming the field)."""
+    the same global batch (where the config gives one, on `ranks` ranks), precision and gradient clipping, an
+    optimizer mist_ds prices (ConfigError naming the field)."""
     _check_optimizer(user, client_optimizer)
     if not user.given:
         return
     planned = UserConfig(dict(plan_config), f"the plan's ds_config.json ({plan})")
-    for field, mine, theirs in (("bf16/fp16", user_precision(user), user_precision(planned)),
+    batch = user_global_batch(user, ranks)
+    for field, mine, theirs in ((BATCH_KEYS[0], batch and batch[0], batch and plan_config.get(BATCH_KEYS[0])),
+                                ("bf16/fp16", user_precision(user), user_precision(planned)),
                                 ("gradient_clipping", float(user.values.get("gradient_clipping", 0.0)),
                                  float(plan_config.get("gradient_clipping", 0.0)))):
         if mine != theirs:
@@ -143,8 +184,9 @@ def check_priced_as_given(user: UserConfig, plan_config: Mapping[str, Any], clie
 def config_note(user: UserConfig, precision: str) -> str:
     """summary.md's line on the DeepSpeed config the plan was priced with."""
     if user.given:
-        return (f"DeepSpeed config: yours ({user.source}), its precision ({precision}) and clipping priced; the plan "
-                "sets batch, ZeRO, offload and tensor-parallel settings in it.")
+        return (f"DeepSpeed config: yours ({user.source}), its global batch, precision ({precision}) and clipping "
+                "priced; the plan sets micro-batch and accumulation, ZeRO, offload and tensor-parallel settings in "
+                "it.")
     return (f"DeepSpeed config: none given, so the plan's own: AdamW (torch, the ds_config.json's optimizer) in "
             f"{precision} (train.precision); give yours with --deepspeed_config or config=.")
 
@@ -167,6 +209,12 @@ def merged_zero(user_zero: Mapping[str, Any], plan_zero: Mapping[str, Any]) -> t
     return merged, replaced
 
 
+def _replaced_text(key: str, mine: Any, theirs: Any) -> str:
+    """A replaced key as the notice says it: with both values where they are numbers or words."""
+    plain = (int, float, str, bool, type(None))
+    return f"{key} ({mine} -> {theirs})" if isinstance(mine, plain) and isinstance(theirs, plain) else key
+
+
 def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: bool
                   ) -> tuple[dict[str, Any], list[str]]:
     """(the config the engine gets, the user's keys the plan replaced). The user's config with the plan's
@@ -178,7 +226,8 @@ def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optim
             merged.pop("optimizer", None)
         return merged, []
     merged = dict(user.values)
-    replaced = [key for key in PLAN_KEYS if key in merged and merged[key] != plan_config.get(key)]
+    replaced = [_replaced_text(key, merged[key], plan_config.get(key)) for key in PLAN_KEYS
+                if key in merged and merged[key] != plan_config.get(key)]
     for key in PLAN_KEYS:
         merged.pop(key, None)
         if key in plan_config:

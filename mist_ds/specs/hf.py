@@ -88,6 +88,8 @@ class HfSource:
     buffers: tuple[ModuleBuffer, ...] = ()
     frozen: tuple[str, ...] = ()
     """`model.frozen`: patterns (fnmatch) of the parameter names the user's script freezes (requires_grad off)."""
+    max_positions: int | None = None
+    """The config's max_position_embeddings (GPT-2's n_positions), tokens; None where it has none (ALiBi)."""
     autotp_memo: dict = field(default_factory=dict, compare=False, repr=False)
     """AutoTpShapes by degree, read on first use (specs/autotp.py: a process per degree, cached on disk)."""
 
@@ -126,7 +128,13 @@ def _config_file(name_or_path: str) -> Path:
         raise ConfigError("model.name_or_path", name_or_path,
                           "is no file or directory here, and transformers is "
                           "not installed to look in the Hugging Face cache") from error
-    cached = try_to_load_from_cache(name_or_path, "config.json") if "/" in name_or_path else None
+    if path.is_absolute() or name_or_path.startswith((".", "~")):  # a path, never a model id
+        raise ConfigError("model.name_or_path", name_or_path, "no such file or directory: give the folder of a "
+                                                              "Hugging Face model or its config.json")
+    try:
+        cached = try_to_load_from_cache(name_or_path, "config.json") if "/" in name_or_path else None
+    except ValueError:  # huggingface_hub's HFValidationError: no model id either
+        cached = None
     if isinstance(cached, str):
         return Path(cached).resolve()
     raise ConfigError("model.name_or_path", name_or_path,
@@ -390,8 +398,27 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
                       attn_implementation=attn_implementation,
                       params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model),
                       buffers=read_buffers(model, blocks, {id(b) for module in head_modules(model, blocks_attr)
-                                                           for b in module.buffers()}), frozen=frozen)
+                                                           for b in module.buffers()}), frozen=frozen,
+                      max_positions=_max_positions(config))
     return config, source
+
+
+def _max_positions(config) -> int | None:
+    """max_position_embeddings as the config has it (GPT-2's attribute_map names n_positions so), tokens."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_positions(seq_len: int, source: dict[str, Any]) -> None:
+    """A sequence no longer than the model's positions (`source`: an HfSource as a dict): a learned position table
+    (GPT-2, OPT) fails past it at the first step, after the ranks have started; rotary positions (Llama, Mistral,
+    Qwen) run past it, untrained, where the user raises the config's limit (ConfigError naming both ways)."""
+    limit = source.get("max_positions")
+    if limit is not None and seq_len > limit:
+        raise ConfigError("model.seq_len", seq_len,
+                          f"{source['architecture']} ({source['config_path']}) has max_position_embeddings {limit}: "
+                          f"use model.seq_len <= {limit}, or, where its positions are rotary (not a learned table), "
+                          f"+model.hf.max_position_embeddings={seq_len}")
 
 
 def kv_heads(config) -> int:
