@@ -128,6 +128,28 @@ def test_the_launch_command_names_the_scripts_config_by_its_absolute_path(tmp_pa
             "--num_gpus", "2", str(tmp_path / "train.py"), "--data", "d", "--deepspeed", *absolute]
 
 
+@pytest.mark.parametrize("overrides, field, says", [
+    (("cluster=cpu", "model.seq_len=64", "train.global_bach_size=8"), "train.global_bach_size", "global_batch_size"),
+    (("cluster=cpux", "model.seq_len=64"), "cluster", "no such cluster"),
+    (("clustr=cpu", "model.seq_len=64"), "clustr", "did you mean cluster"),
+])
+def test_a_scripts_planner_settings_are_checked_before_any_rank_starts(overrides, field, says):
+    """mist-deepspeed composes the --mist settings but the model's (the script's) before it starts the ranks."""
+    from mist_ds.cli.deepspeed_launcher import check_script_overrides
+
+    with pytest.raises(ConfigError, match=says) as error:
+        check_script_overrides(overrides)
+    assert error.value.field == field
+
+
+def test_a_scripts_sequence_length_must_be_given():
+    from mist_ds.cli.deepspeed_launcher import LauncherUsageError, check_script_overrides
+
+    with pytest.raises(LauncherUsageError, match="--mist model.seq_len=4096"):
+        check_script_overrides(("cluster=cpu", "train.global_batch_size=8"))
+    check_script_overrides(("cluster=cpu", "model.seq_len=64", "+model.hf.num_hidden_layers=2", "model.frozen=[a]"))
+
+
 def test_a_config_is_read_as_deepspeed_reads_it_and_named_when_it_cannot_be(tmp_path):
     commented = tmp_path / "ds.json"
     commented.write_text('{\n  // hjson, as DeepSpeed reads it\n  "gradient_clipping": 0.5\n}')

@@ -188,6 +188,20 @@ def check_cluster_named(overrides: Sequence[str]) -> None:
                                  "cpu; or your own cluster YAML with --mist hydra.searchpath=[file://DIR])")
 
 
+def check_script_overrides(overrides: Sequence[str]) -> None:
+    """The planner's settings for a user's script, checked before any rank starts (a mistake found on rank 0 costs a
+    launch and the model's build): the sequence length, which no model config says, named; every setting but the
+    model's composing (unknown fields, groups and options refused naming the fix; the model's own fields are checked
+    with the model the script hands over)."""
+    from mist_ds.config import compose_config
+
+    planner = [o for o in overrides if o.lstrip("+").split("=")[0].split(".")[0] != "model"]
+    compose_config([*planner, "model=tiny"])  # a stand-in: the model is the script's
+    if not names_group(overrides, "model.seq_len"):
+        raise LauncherUsageError("--autotune-mist plans your script's model at the sequence length it trains on, "
+                                 "which no model config says: give it, e.g. --mist model.seq_len=4096")
+
+
 def checked_script_plan(plan: str, world_size: int) -> Path:
     """--plan P for a script that calls mist_ds.initialize: a plan.json with its ds_config.json, for `world_size`
     ranks (the script's ranks check it is for the model they build)."""
@@ -340,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             planner = [o for o in mist_overrides if not o.startswith(RUN_DIR_KEY)]
             plan_path = checked_script_plan(plan, nodes * gpus) if plan is not None else None
             if plan_path is None:
+                check_script_overrides(planner)
                 check_cluster_named(planner)
             return run_user_script(mode, plan_path, launch_command(launcher_args, script, user_args),
                                    [*planner, f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus}"],
