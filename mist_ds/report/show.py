@@ -86,15 +86,28 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
+SI_PREFIXES = (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
+COUNT_PREFIXES = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3))
+"""Parameter counts as the field writes them (7B, 350M)."""
+
+
+def _scaled(value: float, unit: str, prefixes=SI_PREFIXES) -> str:
+    """`value` with the largest prefix that leaves it >= 1 (a tiny model too: 2.13 M parameters, not 0.002 B)."""
+    for prefix, scale in prefixes:
+        if abs(value) >= scale:
+            return f"{value / scale:,.3g} {prefix}{unit}"
+    return f"{value:,.3g} {unit}"
+
+
 def render_show(facts: dict[str, Any]) -> str:
     """Plain-text form of `show_facts`, derived numbers first."""
     par, model, parts = facts["parallelism"], facts["model"], facts["params_by_part"]
     lines = [
-        f"{model['name']}: {facts['params_total'] / 1e9:,.3f} B parameters "
+        f"{model['name']}: {_scaled(facts['params_total'], ' parameters', COUNT_PREFIXES)} "
         f"(embedding {parts['embedding']:,}, {model['num_layers']} blocks x {parts['block']:,}, head {parts['head']:,}"
         f"{', tied to the embedding' if parts['tied_head_counted_once'] else ''})",
-        f"training FLOPs per token: {facts['flops_per_token'] / 1e9:,.2f} GFLOP (no recompute); "
-        f"per step: {facts['flops_per_step'] / 1e15:,.1f} PFLOP",
+        f"training FLOPs per token: {_scaled(facts['flops_per_token'], 'FLOP')} (no recompute); "
+        f"per step: {_scaled(facts['flops_per_step'], 'FLOP')}",
         f"batch: {par['micro_batch_size']} micro x {par['grad_accum']} accum x {par['dp']} dp = "
         f"{par['global_batch_size']} sequences = {facts['tokens_per_step']:,} tokens per step",
         f"layout: {degrees_text(par)} on {facts['gpus']} GPUs "
