@@ -21,6 +21,7 @@ rank; a model nothing fits, exit 3.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import sys
@@ -98,6 +99,17 @@ def check_runs_in_script(strategy, field: str, source: str) -> None:
                                                    "tuner.runtime=deepspeed (or leave it out)")
 
 
+def _discard_plan(plan_dir: Path, model: Any) -> None:
+    """What a plan phase that ended without a plan leaves: no plan.json the launcher would train, no config of the
+    handed model written for planning (the folder itself where nothing else is in it)."""
+    import shutil
+
+    (plan_dir / "plan.json").unlink(missing_ok=True)
+    shutil.rmtree(plan_dir / type(model).__name__, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        plan_dir.rmdir()  # only if empty
+
+
 def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig,
                 deepspeed_args: dict[str, Any], pipeline: bool) -> None:
     """Rank 0 plans and writes the plan files; every rank exits with its outcome."""
@@ -127,7 +139,7 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
                 check_runs_in_script(load_plan(path).strategy, "tuner.runtime", str(path))
             outcome = (0, None)
         except ConfigError as error:
-            (settings.plan_dir / "plan.json").unlink(missing_ok=True)  # no plan the launcher would train
+            _discard_plan(settings.plan_dir, model)
             outcome = (EXIT_BAD_INPUT, f"error: {error}")
         except NoPlanFits as reason:
             outcome = (EXIT_NO_PLAN_FITS, f"no plan fits: {reason}")
