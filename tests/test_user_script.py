@@ -315,15 +315,17 @@ def test_a_sequence_parallel_plan_trains_as_sp1_does_and_as_priced(configs, tmp_
 
 @pytest.mark.slow  # one launch of 2 ranks
 def test_eager_attention_under_a_sequence_parallel_plan_is_refused_before_training(configs, tmp_path):
-    """The model handed over loads eager attention, the plan has sp 2: every rank exits 2 naming the attention and the
-    fix before DeepSpeed's engine is built; nothing trains."""
+    """The model handed over loads eager attention, the plan (sp 2) was tuned for sdpa: every rank exits 2 naming the
+    attention and the fix before DeepSpeed's engine is built; nothing trains. (The plan's model check refuses it
+    first; sequence parallelism's own refusal of eager attention is the tuner's, test_sequence_parallel.)"""
     given_plan(configs["llama"], tmp_path / "plan", *SEQUENCE_PLAN, "strategy.sp=2", "strategy.zero_stage=1")
     done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
                            str(USER_SCRIPT), "--model_config", str(configs["llama"]), "--training_data", "--attn",
                            "eager"], tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "mist_ds.initialize: error: model.attn_implementation='eager'" in done.stderr
-    assert 'attn_implementation="sdpa"' in done.stderr and "loss " not in done.stdout
+    assert "mist_ds.initialize: error: plan=" in done.stderr
+    assert "differs in attention (sdpa planned, eager here): tune for this model" in done.stderr
+    assert "loss " not in done.stdout
 
 
 def printed_steps(folder: Path, configs, *strategy: str) -> list[float]:
