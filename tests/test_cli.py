@@ -322,3 +322,17 @@ def test_hydra_outside_the_checked_range_is_refused(version, ok):
     else:
         with pytest.raises(ConfigError, match=r"hydra-core.*install 'hydra-core>=1\.3,<1\.4'"):
             check_hydra_version(version)
+
+
+def test_measure_refuses_a_users_model_and_names_where_it_is_measured(tmp_path):
+    """mist_ds.runtime builds the zoo's models; a plan of a Hugging Face config is measured in the user's script
+    (verify), said with exit 2 before any rank starts (a traceback from the ranks before)."""
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64
+                             ).save_pretrained(tmp_path / "llama")
+    run = mist_ds("measure", "model=hf", f"model.name_or_path={tmp_path / 'llama'}", "model.seq_len=32",
+                  "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=4", cwd=tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "measure runs the zoo's models" in run.stderr and "tuner.verify_top_n=3" in run.stderr

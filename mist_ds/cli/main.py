@@ -243,6 +243,11 @@ def _measure(cfg: DictConfig) -> int:
     specs = _specs_with_plan(cfg)
     if specs.cluster.nodes != 1:
         raise ConfigError("cluster.nodes", specs.cluster.nodes, "measure runs on this machine: use cluster.nodes=1")
+    if specs.model.hf is not None or specs.model.module is not None:  # mist_ds.runtime builds the zoo's models only
+        raise ConfigError("model", specs.model.name, "measure runs the zoo's models, which mist_ds builds; your own "
+                          "model is measured in your script: mist-deepspeed --autotune-mist tune --mist "
+                          "tuner.verify_top_n=3 ... your_script.py (each of the best 3 plans trained a few steps; "
+                          "plan/verify.md), e.g. examples/hf_causal_lm/train.py for a Hugging Face config")
     settings = cfg.measure
     if settings.num_warmup_steps < 0 or settings.num_steps < 1:
         raise ConfigError("measure.num_steps", settings.num_steps,
