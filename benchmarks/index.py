@@ -39,6 +39,8 @@ HEADLINES: dict[str, tuple[tuple[str, str], ...]] = {
                       ("mist-paper", r"runtime mist-paper: time \+ memory \| ([\d.]+)")),
     "cpu_constants.md": (("peak fp32 TFLOP/s", r"\| peak_tflops\.fp32 \| ([\d.]+)"),
                          ("bf16", r"\| peak_tflops\.bf16 \| ([\d.]+)")),
+    "hf_verify_cpu.md": (("median |error| profiled", r"\| profiled \(`mist-ds profile`, quick\) \| " + PERCENT),
+                         ("zoo cpu", r"\| zoo `cpu` \(committed constants\) \| " + PERCENT)),
     "hf_tune.md": (("cold s", r"\| hf, cold cache \| ([\d.]+)"), ("warm s", r"\| hf, warm cache \| ([\d.]+)"),
                    ("zoo warm s", r"\| zoo llama3-8b, warm cache \| ([\d.]+)")),
     "interference_fit.md": (("held-out mean |error|, table", r"held-out mean \|error\| of the elapsed time "
