@@ -1,6 +1,7 @@
 """A Hugging Face model's plans trained in a DeepSpeed script on 2 CPU ranks, predicted beside measured.
 
-    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.hf_verify_cpu > benchmarks/results/hf_verify_cpu.md
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.hf_verify_cpu \\
+        > benchmarks/results/hf_verify_cpu.md
 
 A model mist_ds did not write, in a script written the way a DeepSpeed user writes one: a Llama config made here
 with transformers' own LlamaConfig (tiny shapes, no download) and examples/hf_causal_lm/train.py (its one changed
@@ -75,9 +76,9 @@ def main() -> None:
     config_dir = root / "llama"
     transformers.LlamaConfig(**LLAMA).save_pretrained(config_dir)
     zoo = verified(config_dir, ["cluster=cpu"], root / "zoo")
-    profile_s = run([sys.executable, "-m", "mist_ds.cli.main", "profile", "model=hf", f"model.name_or_path={config_dir}",
-                     "cluster=cpu", *PLANNER[:2], "profile.quick=true", f"profile.out_dir={root / 'profile'}",
-                     "tuner.quiet=true"], root / "profile.log")
+    profile_s = run([sys.executable, "-m", "mist_ds.cli.main", "profile", "model=hf",
+                     f"model.name_or_path={config_dir}", "cluster=cpu", *PLANNER[:2], "profile.quick=true",
+                     f"profile.out_dir={root / 'profile'}", "tuner.quiet=true"], root / "profile.log")
     profiled = verified(config_dir, [f"hydra.searchpath=[file://{root / 'profile'}]", "cluster=cpu-profiled"],
                         root / "profiled")
 
