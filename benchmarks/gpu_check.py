@@ -49,7 +49,9 @@ INTERRUPT_GRACE_S = 15.0
 """Seconds a step has, once interrupted at its limit, to stop its ranks (observe.ranks.run_in_session kills their
 session on an interrupt) before its process group is killed."""
 PACKED_FILE_MAX_BYTES = 4 * 2**20
-"""Files larger than this stay out of the archive (the device tool returns at most 16 MiB a file)."""
+PACKED_MAX_BYTES = 12 * 2**20
+"""Files larger than the first, and files past the second in all, stay out of the archive (the device tool returns
+at most 16 MiB a file; the archive's compression only shrinks them)."""
 
 
 def cluster_for_gpu(name: str, memory_mib: int) -> str:
@@ -114,24 +116,30 @@ def _interruptible() -> None:
 def run_command(cmd: list[str], log: Path, timeout_s: float) -> int | None:
     """`cmd`'s exit code, its output in `log`; None where it ran past `timeout_s`: then it is interrupted (SIGINT to
     its process group, so mist-ds stops its ranks' own session) and killed if still running INTERRUPT_GRACE_S
-    later, so no rank of a step outlives it on the GPU."""
+    later (_stop)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_interruptible)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)  # the session leader's pid is its group's id
-            try:
-                proc.wait(timeout=INTERRUPT_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop(proc)
             return None
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        except BaseException:  # the check itself interrupted: the step stops its ranks as at its limit
+            _stop(proc)
             raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the step's process group (the session leader's pid is its id), SIGKILL if it still runs
+    INTERRUPT_GRACE_S later: mist-ds kills its ranks' own session on the interrupt; a step that ignores it for that
+    long loses only its own group (its ranks' session is then left to its own launch limit)."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=INTERRUPT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def run_step(step: Step, logs: Path, deadline: float | None = None) -> Outcome:
@@ -270,14 +278,17 @@ def machine_text(gpu: tuple[str, int] | None) -> str:
 
 
 def pack(folder: Path, archive: Path) -> None:
-    """`folder`'s files (but those over PACKED_FILE_MAX_BYTES) as the gzipped tar `archive`, written atomically."""
+    """`folder`'s files (within PACKED_FILE_MAX_BYTES and PACKED_MAX_BYTES) as the gzipped tar `archive`, written
+    atomically."""
     from mist_ds.files import write_atomic
 
-    data = io.BytesIO()
+    data, packed = io.BytesIO(), 0
     with tarfile.open(fileobj=data, mode="w:gz") as tar:
         for path in sorted(folder.rglob("*")):
-            if path.is_file() and path.stat().st_size <= PACKED_FILE_MAX_BYTES:
+            size = path.stat().st_size if path.is_file() else None
+            if size is not None and size <= PACKED_FILE_MAX_BYTES and packed + size <= PACKED_MAX_BYTES:
                 tar.add(path, arcname=str(path.relative_to(folder.parent)))
+                packed += size
     write_atomic(archive, data.getvalue())
 
 

@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.hf_verify_cpu > "
            "benchmarks/results/hf_verify_cpu.md")
 DATA = ("fitted and validation: the profiled constants are fitted on the profile's microbenchmarks of this model's "
-        "ops; the trained steps are validation, in no fit (the first run of this benchmark; nothing changed after it)")
+        "ops; the trained steps are validation, in no fit (nothing in the cost model changed after this benchmark's "
+        "first runs)")
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=256)
 """The model's shapes (LlamaConfig fields)."""

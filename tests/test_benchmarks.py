@@ -170,9 +170,10 @@ def test_the_gpu_check_interrupts_a_step_at_its_limit_so_it_can_stop_its_ranks(t
     assert subprocess.run(["pgrep", "-f", str(marker)], capture_output=True).returncode == 1  # nothing left
 
 
-def test_the_gpu_check_packs_the_steps_folder_into_one_archive(tmp_path):
+def test_the_gpu_check_packs_the_steps_folder_into_one_archive(tmp_path, monkeypatch):
     import tarfile
 
+    import benchmarks.gpu_check
     from benchmarks.gpu_check import PACKED_FILE_MAX_BYTES, pack
 
     steps = tmp_path / "steps"
@@ -183,6 +184,11 @@ def test_the_gpu_check_packs_the_steps_folder_into_one_archive(tmp_path):
     with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
         assert tar.getnames() == ["steps/logs/profile.log"]
         assert tar.extractfile("steps/logs/profile.log").read() == b"profiled"
+    (steps / "logs" / "tune.log").write_text("tuned")
+    monkeypatch.setattr(benchmarks.gpu_check, "PACKED_MAX_BYTES", len("profiled") + 1)  # one small file's room
+    pack(steps, tmp_path / "gpu_check.tgz")
+    with tarfile.open(tmp_path / "gpu_check.tgz") as tar:
+        assert tar.getnames() == ["steps/logs/profile.log"]
 
 
 def test_the_gpu_check_reports_a_measure_file_it_cannot_read_and_goes_on(tmp_path):

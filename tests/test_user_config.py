@@ -29,7 +29,8 @@ def test_the_users_config_keeps_its_optimizer_and_precision_and_takes_the_plans_
                                      "scheduler": {"type": "WarmupLR"}}))
     user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
     assert user.source == f"--deepspeed_config {user_file}"
-    assert planner_overrides(user) == ["train.global_batch_size=64", "train.precision=fp16", "train.grad_clip=0.5"]
+    assert planner_overrides(user, None, 2, ()) == ["train.global_batch_size=64", "train.precision=fp16",
+                                                     "train.grad_clip=0.5"]
     merged, replaced = merged_config(user, PLAN_CONFIG, client_optimizer=False)
     assert replaced == ["train_batch_size (64 -> 8)", "zero_optimization.stage"]
     assert {k: merged[k] for k in ("train_batch_size", "zero_optimization", "mist")} == {
@@ -55,14 +56,15 @@ def test_a_users_config_takes_the_plans_sequence_parallel_settings():
 
 def test_without_a_users_config_the_plans_own_is_used_and_said():
     user = read_user_config(argparse.Namespace(deepspeed_config=None), None)
-    assert not user.given and planner_overrides(user) == []
+    assert not user.given and planner_overrides(user, None, 2, ()) == []
     merged, replaced = merged_config(user, PLAN_CONFIG, client_optimizer=False)
     assert merged == PLAN_CONFIG and replaced == []
     merged, _ = merged_config(user, PLAN_CONFIG, client_optimizer=True)  # the user's optimizer object, not the plan's
     assert "optimizer" not in merged
     assert "none given" in config_note(user, "bf16") and "AdamW" in config_note(user, "bf16")
     mine = read_user_config(None, {"optimizer": {"type": "AdamW"}})
-    assert mine.source == "config=" and planner_overrides(mine) == ["train.precision=fp32", "train.grad_clip=0.0"]
+    assert mine.source == "config=" and planner_overrides(mine, None, 2, ()) == ["train.precision=fp32",
+                                                                                  "train.grad_clip=0.0"]
     merged, _ = merged_config(mine, PLAN_CONFIG, client_optimizer=False)
     assert merged["optimizer"] == {"type": "AdamW"}
 
@@ -79,7 +81,7 @@ def test_what_cannot_be_priced_is_refused_naming_the_field(args, config, optimiz
 
     client = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1) if optimizer == "sgd" else None
     with pytest.raises(ConfigError) as error:
-        planner_overrides(read_user_config(args, config), client)
+        planner_overrides(read_user_config(args, config), client, 2, ())
     assert error.value.field == field and says in str(error.value)
 
 
@@ -88,6 +90,10 @@ def test_what_cannot_be_priced_is_refused_naming_the_field(args, config, optimiz
     ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 2, 8),
     ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 4, 24),  # DeepSpeed's arithmetic
     ({"train_micro_batch_size_per_gpu": 2}, 2, 4),  # accumulation 1 where not given
+    # DeepSpeed counts AutoTP's ranks as data parallel and divides the world by the sequence-parallel size
+    ({"train_batch_size": 16, "tensor_parallel": {"autotp_size": 2}}, 2, 8),
+    ({"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}}, 4, 4),
+    ({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}, 4, 4),
     ({}, 2, None),  # none given: the planner's (and a notice that it is its default)
 ])
 def test_the_plan_is_for_the_global_batch_of_the_users_config(batch_keys, ranks, planned):
@@ -102,13 +108,14 @@ def test_a_global_batch_given_twice_differently_is_refused_naming_both(tmp_path)
     user_file = tmp_path / "ds.json"
     user_file.write_text(json.dumps({"train_batch_size": 8}))
     user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
-    assert "train.global_batch_size=8" in planner_overrides(user, None, 2, ("train.global_batch_size=8",))
+    for same in ("8", "'8'", "8.0"):
+        assert "train.global_batch_size=8" in planner_overrides(user, None, 2, (f"train.global_batch_size={same}",))
     with pytest.raises(ConfigError, match=f"--deepspeed_config {user_file} trains with a global batch of 8 "
                                           r"\(train_batch_size 8\)") as error:
         planner_overrides(user, None, 2, ("cluster=cpu", "++train.global_batch_size=16"))
     assert error.value.field == "train.global_batch_size" and error.value.value == "16"
     with pytest.raises(ConfigError, match="a whole number > 0") as error:
-        planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": 0}), None, 2)
+        planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": 0}), None, 2, ())
     assert error.value.field == "train_micro_batch_size_per_gpu"
 
 
@@ -147,7 +154,8 @@ def test_a_scripts_sequence_length_must_be_given():
 
     with pytest.raises(LauncherUsageError, match="--mist model.seq_len=4096"):
         check_script_overrides(("cluster=cpu", "train.global_batch_size=8"))
-    check_script_overrides(("cluster=cpu", "model.seq_len=64", "+model.hf.num_hidden_layers=2", "model.frozen=[a]"))
+    check_script_overrides(("cluster=cpu", "model.seq_len=64", "+model.hf.num_hidden_layers=2", "model.frozen=[a]",
+                            "~model.frozen"))
 
 
 def test_a_config_is_read_as_deepspeed_reads_it_and_named_when_it_cannot_be(tmp_path):
@@ -184,21 +192,28 @@ def test_the_plan_runs_only_with_the_config_it_was_priced_with(tmp_path):
     from mist_ds.script.user_config import check_priced_as_given
 
     check_priced_as_given(read_user_config(None, {"bf16": {"enabled": True}, "gradient_clipping": 1.0}), PLAN_CONFIG,
-                          None, "plan.json")
+                          None, "plan.json", 2, 8)
     with pytest.raises(ConfigError, match="priced with bf16") as error:
-        check_priced_as_given(read_user_config(None, {"gradient_clipping": 1.0}), PLAN_CONFIG, None, "plan.json")
+        check_priced_as_given(read_user_config(None, {"gradient_clipping": 1.0}), PLAN_CONFIG, None, "plan.json", 2, 8)
     assert error.value.field == "bf16/fp16" and error.value.value == "fp32"
     with pytest.raises(ConfigError, match="priced with 1.0"):
-        check_priced_as_given(read_user_config(None, {"bf16": {"enabled": True}}), PLAN_CONFIG, None, "plan.json")
+        check_priced_as_given(read_user_config(None, {"bf16": {"enabled": True}}), PLAN_CONFIG, None, "plan.json", 2,
+                              8)
     priced = {"bf16": {"enabled": True}, "gradient_clipping": 1.0}
-    check_priced_as_given(read_user_config(None, {**priced, "train_micro_batch_size_per_gpu": 2,
-                                                  "gradient_accumulation_steps": 2}), PLAN_CONFIG, None, "plan.json", 2)
-    with pytest.raises(ConfigError, match="priced with 8") as error:
+    micro = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    check_priced_as_given(read_user_config(None, {**priced, **micro}), PLAN_CONFIG, None, "plan.json", 2, 8)
+    with pytest.raises(ConfigError, match="priced for a global batch of 8") as error:
         check_priced_as_given(read_user_config(None, {**priced, "train_batch_size": 16}), PLAN_CONFIG, None,
-                              "plan.json", 2)
-    assert error.value.field == "train_batch_size" and error.value.value == 16
+                              "plan.json", 2, 8)
+    assert error.value.field == "train.global_batch_size" and error.value.value == 16
+    # an AutoTP plan's config counts its tp ranks in train_batch_size (16 for 8 sequences at t 2): the user's 8 is it
+    autotp = {**PLAN_CONFIG, "train_batch_size": 16, "tensor_parallel": {"autotp_size": 2}}
+    check_priced_as_given(read_user_config(None, {**priced, "train_batch_size": 8}), autotp, None, "plan.json", 2, 8)
+    _, replaced = merged_config(read_user_config(None, {**priced, "train_batch_size": 8}), autotp, False)
+    assert replaced[0] == ("train_batch_size (8 -> 16: DeepSpeed counts the 2 AutoTP ranks, the global batch stays "
+                           "8)")
     with pytest.raises(ConfigError, match="placeholder") as error:
-        planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": "auto"}))
+        planner_overrides(read_user_config(None, {"train_micro_batch_size_per_gpu": "auto"}), None, 2, ())
     assert error.value.field == "train_micro_batch_size_per_gpu"
 
 

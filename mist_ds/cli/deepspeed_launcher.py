@@ -195,7 +195,7 @@ def check_script_overrides(overrides: Sequence[str]) -> None:
     with the model the script hands over)."""
     from mist_ds.config import compose_config
 
-    planner = [o for o in overrides if o.lstrip("+").split("=")[0].split(".")[0] != "model"]
+    planner = [o for o in overrides if o.lstrip("+~").split("=")[0].split(".")[0] != "model"]
     compose_config([*planner, "model=tiny"])  # a stand-in: the model is the script's
     if not names_group(overrides, "model.seq_len"):
         raise LauncherUsageError("--autotune-mist plans your script's model at the sequence length it trains on, "

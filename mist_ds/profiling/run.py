@@ -228,6 +228,8 @@ def fit_constants(r: dict, shapes: OpShapes, dtype: str, device: str, ranks: int
                                                                  for f, t in attention if t > 0))
     points = [{"bytes": p["bytes"] * 2 * (p["group"] - 1) / p["group"], "steps": 2 * (p["group"] - 1), "s": p["s"]}
               for p in r["all_reduce"] if p["s"] > 0]
+    if not points and ranks > 1:
+        raise ValueError(f"no all-reduce was timed on {ranks} ranks: the profile's collectives section is empty")
     if points:  # one rank has no group to time: the cluster keeps its collective figures (measured_fields)
         bandwidth, latency, rms = fit_alpha_beta(points, 2, math.inf)
         out["collectives"] = {"bytes_per_s": bandwidth, "latency_s": max(latency, 0.0), "rms_relative": rms}
@@ -247,9 +249,7 @@ def _priced_collectives(collectives: dict | None, ranks: int, device: str) -> tu
     profile's ranks (NCCL's model on a GPU, one node); nothing on one rank, whose engines exchange nothing."""
     from mist_ds.hardware.network import RingGroup
 
-    if collectives is None:
-        if ranks > 1:
-            raise ValueError(f"no all-reduce was timed on {ranks} ranks: the profile's collectives section is empty")
+    if collectives is None:  # one rank (fit_constants)
         nothing = lambda message_bytes: np.zeros_like(np.asarray(message_bytes, dtype=float))  # noqa: E731
         return nothing, nothing, nothing
     group = RingGroup.of(ranks, 1, ranks, collectives["bytes_per_s"], 0.0, collectives["latency_s"],

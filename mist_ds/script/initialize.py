@@ -21,7 +21,6 @@ rank; a model nothing fits, exit 3.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import sys
@@ -99,15 +98,12 @@ def check_runs_in_script(strategy, field: str, source: str) -> None:
                                                    "tuner.runtime=deepspeed (or leave it out)")
 
 
-def _discard_plan(plan_dir: Path, model: Any) -> None:
-    """What a plan phase that ended without a plan leaves: no plan.json the launcher would train, no config of the
-    handed model written for planning (the folder itself where nothing else is in it)."""
+def _discard_plan(plan_dir: Path) -> None:
+    """A plan phase refused for bad input leaves no plan folder: no plan.json the launcher would train, and none of
+    what planning wrote before the refusal (the handed model's config, plan files of a plan refused afterwards)."""
     import shutil
 
-    (plan_dir / "plan.json").unlink(missing_ok=True)
-    shutil.rmtree(plan_dir / type(model).__name__, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        plan_dir.rmdir()  # only if empty
+    shutil.rmtree(plan_dir, ignore_errors=True)
 
 
 def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, user: UserConfig,
@@ -139,7 +135,7 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
                 check_runs_in_script(load_plan(path).strategy, "tuner.runtime", str(path))
             outcome = (0, None)
         except ConfigError as error:
-            _discard_plan(settings.plan_dir, model)
+            _discard_plan(settings.plan_dir)
             outcome = (EXIT_BAD_INPUT, f"error: {error}")
         except NoPlanFits as reason:
             outcome = (EXIT_NO_PLAN_FITS, f"no plan fits: {reason}")
@@ -238,7 +234,8 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
     spec = check_plan_is_for(plan, plan_json, model, loss, scratch)
     strategy = plan.strategy
     check_runs_in_script(strategy, "plan", str(plan_json))
-    check_priced_as_given(user, plan_config, deepspeed_args["optimizer"], str(plan_json), dist.get_world_size())
+    check_priced_as_given(user, plan_config, deepspeed_args["optimizer"], str(plan_json), dist.get_world_size(),
+                          plan.strategy.parallelism.global_batch_size)
     if strategy.parallelism.pp > 1 and not pipeline:
         raise ConfigError("plan", str(plan_json), f"a pipeline plan (pp {strategy.parallelism.pp}) for a loop that "
                                                   "steps with engine(...), backward and step: pass pipeline=True to "
@@ -328,10 +325,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                           dist_init_required=dist_init_required, collate_fn=collate_fn)
     try:
         user = read_user_config(args, config if config is not None else config_params)
-    except ConfigError as error:  # the same on every rank: they leave together, rank 0 says why
-        from deepspeed import comm as dist
-
-        _leave(EXIT_BAD_INPUT, f"error: {error}" if dist.get_rank() == 0 else None)
+    except ConfigError as error:  # the same on every rank, where the file is: they leave together, each saying why
+        _leave(EXIT_BAD_INPUT, f"error: {error}")
     if settings.phase == "plan":
         _plan_phase(settings, model, loss, user, deepspeed_args, pipeline)
     try:

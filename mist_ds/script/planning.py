@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mist_ds.script.user_config import UserConfig, config_note
+from mist_ds.script.user_config import UserConfig, config_note, override_value
 from mist_ds.specs.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,14 +54,6 @@ def hf_model_overrides(model: Any, config_dir: Path) -> list[str]:
             f"model.frozen=[{','.join(frozen)}]"]
 
 
-def _tuner_value(overrides: Sequence[str], field: str) -> str | None:
-    for override in reversed(overrides):
-        key, _, value = override.lstrip("+").partition("=")
-        if key == field:
-            return value
-    return None
-
-
 def _asks_more_than_one(value: str | None) -> bool:
     return value is not None and value.strip("[] ") not in ("1", "")
 
@@ -75,7 +67,7 @@ def pipeline_overrides(overrides: Sequence[str], pipeline: bool, held_because: s
     why = held_because if pipeline else (
         "the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
         "(say so with mist_ds.initialize(..., pipeline=True))")
-    asked = _tuner_value(overrides, "tuner.pp")
+    asked = override_value(overrides, "tuner.pp")
     if _asks_more_than_one(asked):
         raise ConfigError("tuner.pp", asked, f"{why}; drop --mist tuner.pp or give tuner.pp=[1]")
     log.info("pipeline parallelism held to pp 1: %s", why)
@@ -91,7 +83,7 @@ def sequence_overrides(overrides: Sequence[str], training_data: Any) -> list[str
     try:
         check_sequence_parallel_data(training_data)
     except ConfigError as error:
-        asked = _tuner_value(overrides, "tuner.sp")
+        asked = override_value(overrides, "tuner.sp")
         if _asks_more_than_one(asked):
             raise ConfigError("tuner.sp", asked, f"{error}; drop --mist tuner.sp or give tuner.sp=[1]") from error
         log.info("sequence parallelism held to sp 1: %s", error)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from mist_ds.specs.errors import ConfigError
 
@@ -33,6 +33,7 @@ PRICED_OPTIMIZER_CLASSES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """The batch keys of a DeepSpeed config, global first."""
 GLOBAL_BATCH_FIELD = "train.global_batch_size"
+"""The planner's global batch (sequences per optimizer step), which a user's DeepSpeed config sets."""
 PRECISIONS = (("bf16", "bf16"), ("fp16", "fp16"), ("bfloat16", "bf16"))
 """(DeepSpeed config section, train.precision) pairs; neither enabled is fp32."""
 
@@ -112,32 +113,58 @@ def _check_optimizer(user: UserConfig, client_optimizer: Any) -> None:
                                                   "per weight); use type Adam or AdamW")
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def user_global_batch(user: UserConfig, ranks: int) -> tuple[int, str] | None:
-    """(the global batch the user's config trains with, how it follows from the config), as DeepSpeed derives it with
-    data parallelism over all `ranks` (a plain DeepSpeed script's): train_batch_size where given, else
-    train_micro_batch_size_per_gpu x gradient_accumulation_steps (1 where not given) x ranks; None where it gives
-    neither (ConfigError for a value that is no whole number > 0)."""
+    """(the global batch the user's config trains with, in sequences per optimizer step; how it follows from the
+    config), as DeepSpeed derives it on `ranks` ranks: train_batch_size, else train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps (1 where not given) x ranks / sequence_parallel_size, each divided by
+    tensor_parallel.autotp_size (DeepSpeed counts AutoTP's ranks, which see the same sequences, as data parallel);
+    None where it gives neither batch key (ConfigError for a value that is no whole number > 0 or does not divide)."""
     given = {key: user.values[key] for key in BATCH_KEYS if key in user.values}
-    for key, value in given.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    tp = (user.values.get("tensor_parallel") or {}).get("autotp_size", 1)
+    sp = user.values.get("sequence_parallel_size", 1)
+    for key, value in (*given.items(), ("tensor_parallel.autotp_size", tp), ("sequence_parallel_size", sp)):
+        if not _whole(value):
             raise ConfigError(key, value, f"in {user.source}: a whole number > 0")
     if "train_batch_size" in given:
-        return given["train_batch_size"], f"train_batch_size {given['train_batch_size']}"
-    if "train_micro_batch_size_per_gpu" not in given:
+        counted, how = given["train_batch_size"], f"train_batch_size {given['train_batch_size']}"
+    elif "train_micro_batch_size_per_gpu" in given:
+        micro, accumulation = given["train_micro_batch_size_per_gpu"], given.get("gradient_accumulation_steps", 1)
+        if ranks % sp:
+            raise ConfigError("sequence_parallel_size", sp, f"in {user.source}: divide the {ranks} ranks")
+        counted = micro * accumulation * ranks // sp
+        how = (f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps {accumulation} x {ranks} ranks"
+               + (f" / sequence_parallel_size {sp}" if sp > 1 else ""))
+    else:
         return None
-    micro, accumulation = given["train_micro_batch_size_per_gpu"], given.get("gradient_accumulation_steps", 1)
-    return (micro * accumulation * ranks, f"train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-                                          f"{accumulation} x {ranks} ranks")
+    if counted % tp:
+        raise ConfigError("tensor_parallel.autotp_size", tp, f"in {user.source}: divide the batch DeepSpeed counts "
+                                                             f"({how} = {counted})")
+    return counted // tp, how + (f" / tensor_parallel.autotp_size {tp}" if tp > 1 else "")
 
 
-def override_value(overrides: list[str] | tuple[str, ...], field: str) -> str | None:
+def override_value(overrides: Sequence[str], field: str) -> str | None:
     """The value the last of `overrides` ("key=value", "+key=value", "++key=value") gives `field`; None if none."""
-    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+") == field]
-    return values[-1] if values else None
+    for override in reversed(overrides):
+        key, equals, value = override.lstrip("+").partition("=")
+        if equals and key == field:
+            return value
+    return None
 
 
-def planner_overrides(user: UserConfig, client_optimizer: Any = None, ranks: int = 1,
-                      given: list[str] | tuple[str, ...] = ()) -> list[str]:
+def _as_whole(text: str) -> int | None:
+    """A Hydra value's whole number ('8', "'8'", '8.0'); None where it is none."""
+    try:
+        number = float(text.strip().strip("'\""))
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
+
+
+def planner_overrides(user: UserConfig, client_optimizer: Any, ranks: int, given: Sequence[str]) -> list[str]:
     """What the planner must price from the user's config: its global batch on `ranks` ranks (user_global_batch;
     ConfigError where `given`, the --mist overrides, set train.global_batch_size otherwise), precision and gradient
     clipping (ConfigError when the optimizer is not one mist_ds prices). Nothing without a user config: the planner's
@@ -155,7 +182,7 @@ def planner_overrides(user: UserConfig, client_optimizer: Any = None, ranks: int
         raise ConfigError("gradient_clipping", clip, f"in {user.source}: a number >= 0")
     batch = user_global_batch(user, ranks)
     asked = override_value(given, GLOBAL_BATCH_FIELD)
-    if batch is not None and asked is not None and asked.strip() != str(batch[0]):
+    if batch is not None and asked is not None and _as_whole(asked) != batch[0]:
         raise ConfigError(GLOBAL_BATCH_FIELD, asked, f"and {user.source} trains with a global batch of {batch[0]} "
                                                      f"({batch[1]}): give the global batch once (drop one of them)")
     return ([f"{GLOBAL_BATCH_FIELD}={batch[0]}"] if batch else []) + [
@@ -163,17 +190,20 @@ def planner_overrides(user: UserConfig, client_optimizer: Any = None, ranks: int
 
 
 def check_priced_as_given(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: Any,
-                          plan: str, ranks: int = 1) -> None:
+                          plan: str, ranks: int, planned_batch: int) -> None:
     """The user's config at training time prices as the plan did (a plan given with --plan, or a config edited since):
-    the same global batch (where the config gives one, on `ranks` ranks), precision and gradient clipping, an
-    optimizer mist_ds prices (ConfigError naming the field)."""
+    the same global batch (where the config gives one, on `ranks` ranks, against the plan's `planned_batch`
+    sequences), precision and gradient clipping, an optimizer mist_ds prices (ConfigError naming the field)."""
     _check_optimizer(user, client_optimizer)
     if not user.given:
         return
     planned = UserConfig(dict(plan_config), f"the plan's ds_config.json ({plan})")
     batch = user_global_batch(user, ranks)
-    for field, mine, theirs in ((BATCH_KEYS[0], batch and batch[0], batch and plan_config.get(BATCH_KEYS[0])),
-                                ("bf16/fp16", user_precision(user), user_precision(planned)),
+    if batch is not None and batch[0] != planned_batch:
+        raise ConfigError(GLOBAL_BATCH_FIELD, batch[0], f"from {user.source} ({batch[1]}), and {plan} was priced "
+                                                        f"for a global batch of {planned_batch}: give that batch, or "
+                                                        "re-plan for this config (drop --plan)")
+    for field, mine, theirs in (("bf16/fp16", user_precision(user), user_precision(planned)),
                                 ("gradient_clipping", float(user.values.get("gradient_clipping", 0.0)),
                                  float(plan_config.get("gradient_clipping", 0.0)))):
         if mine != theirs:
@@ -228,6 +258,11 @@ def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optim
     merged = dict(user.values)
     replaced = [_replaced_text(key, merged[key], plan_config.get(key)) for key in PLAN_KEYS
                 if key in merged and merged[key] != plan_config.get(key)]
+    tp = (plan_config.get("tensor_parallel") or {}).get("autotp_size", 1)
+    if tp > 1:  # DeepSpeed's batch rule counts AutoTP's ranks, which see the same sequences
+        replaced = [f"{text[:-1]}: DeepSpeed counts the {tp} AutoTP ranks, the global batch stays "
+                    f"{plan_config[BATCH_KEYS[0]] // tp})" if text.startswith(f"{BATCH_KEYS[0]} (") else text
+                    for text in replaced]
     for key in PLAN_KEYS:
         merged.pop(key, None)
         if key in plan_config:

@@ -89,7 +89,7 @@ class HfSource:
     frozen: tuple[str, ...] = ()
     """`model.frozen`: patterns (fnmatch) of the parameter names the user's script freezes (requires_grad off)."""
     max_positions: int | None = None
-    """The config's max_position_embeddings (GPT-2's n_positions), tokens; None where it has none (ALiBi)."""
+    """The config's max_position_embeddings (GPT-2's n_positions), tokens; None where it has none (BLOOM)."""
     autotp_memo: dict = field(default_factory=dict, compare=False, repr=False)
     """AutoTpShapes by degree, read on first use (specs/autotp.py: a process per degree, cached on disk)."""
 
@@ -410,14 +410,16 @@ def _max_positions(config) -> int | None:
 
 
 def check_positions(seq_len: int, source: dict[str, Any]) -> None:
-    """A sequence no longer than the model's positions (`source`: an HfSource as a dict): a learned position table
-    (GPT-2, OPT) fails past it at the first step, after the ranks have started; rotary positions (Llama, Mistral,
-    Qwen) run past it, untrained, where the user raises the config's limit (ConfigError naming both ways)."""
+    """A sequence of `seq_len` tokens no longer than the model's positions (`source`: an HfSource as a dict): a learned
+    position table (GPT-2, OPT) fails past it at the first step, after the ranks have started; rotary or ALiBi
+    positions (Llama, Mistral, Qwen, Falcon) run past it, untrained, where the user raises the config's limit
+    (ConfigError naming both ways)."""
     limit = source.get("max_positions")
     if limit is not None and seq_len > limit:
         raise ConfigError("model.seq_len", seq_len,
                           f"{source['architecture']} ({source['config_path']}) has max_position_embeddings {limit}: "
-                          f"use model.seq_len <= {limit}, or, where its positions are rotary (not a learned table), "
+                          f"use model.seq_len <= {limit}, or, where its positions are no learned table (rotary, "
+                          "ALiBi), "
                           f"+model.hf.max_position_embeddings={seq_len}")
 
 
