@@ -3,11 +3,12 @@
 
     # plan for 2 ranks, then train (CPU ranks: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 first; on GPUs drop them):
     mist-deepspeed --autotune-mist run --num_gpus 2 --mist model.seq_len=128 --mist cluster=cpu \
-        train.py --model_config path/to/config.json --steps 20
+        --mist train.global_batch_size=8 train.py --model_config path/to/config.json --steps 20
     # plan only (plan files and cmd.txt in outputs/...), measuring the best 3 plans first:
     mist-deepspeed --autotune-mist tune --num_gpus 2 --mist model.seq_len=128 --mist cluster=cpu \
-        --mist tuner.verify_top_n=3 train.py --model_config path/to/config.json
-    # your own optimizer and precision: a DeepSpeed config, as usual (the plan sets batch, ZeRO, offload, AutoTP):
+        --mist train.global_batch_size=8 --mist tuner.verify_top_n=3 train.py --model_config path/to/config.json
+    # your own batch, optimizer and precision: a DeepSpeed config, as usual (its train_batch_size the global batch;
+    # the plan sets micro-batch and accumulation, ZeRO, offload, AutoTP):
     mist-deepspeed --autotune-mist run --num_gpus 2 --mist model.seq_len=128 --mist cluster=cpu \
         train.py --model_config path/to/config.json --deepspeed --deepspeed_config my_ds_config.json
 
