@@ -113,6 +113,15 @@ def _check_optimizer(user: UserConfig, client_optimizer: Any) -> None:
                                                   "per weight); use type Adam or AdamW")
 
 
+REPLAN = "or re-plan for this config (drop --plan)"
+"""How a plan priced for another config is left: the fix both of check_priced_as_given's refusals end with."""
+
+
+def _autotp_size(values: Mapping[str, Any]) -> Any:
+    """A DeepSpeed config's tensor_parallel.autotp_size (1 where it has none)."""
+    return (values.get("tensor_parallel") or {}).get("autotp_size", 1)
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -124,8 +133,7 @@ def user_global_batch(user: UserConfig, ranks: int) -> tuple[int, str] | None:
     tensor_parallel.autotp_size (DeepSpeed counts AutoTP's ranks, which see the same sequences, as data parallel);
     None where it gives neither batch key (ConfigError for a value that is no whole number > 0 or does not divide)."""
     given = {key: user.values[key] for key in BATCH_KEYS if key in user.values}
-    tp = (user.values.get("tensor_parallel") or {}).get("autotp_size", 1)
-    sp = user.values.get("sequence_parallel_size", 1)
+    tp, sp = _autotp_size(user.values), user.values.get("sequence_parallel_size", 1)
     for key, value in (*given.items(), ("tensor_parallel.autotp_size", tp), ("sequence_parallel_size", sp)):
         if not _whole(value):
             raise ConfigError(key, value, f"in {user.source}: a whole number > 0")
@@ -201,14 +209,14 @@ def check_priced_as_given(user: UserConfig, plan_config: Mapping[str, Any], clie
     batch = user_global_batch(user, ranks)
     if batch is not None and batch[0] != planned_batch:
         raise ConfigError(GLOBAL_BATCH_FIELD, batch[0], f"from {user.source} ({batch[1]}), and {plan} was priced "
-                                                        f"for a global batch of {planned_batch}: give that batch, or "
-                                                        "re-plan for this config (drop --plan)")
+                                                        f"for a global batch of {planned_batch}: give that batch, "
+                                                        f"{REPLAN}")
     for field, mine, theirs in (("bf16/fp16", user_precision(user), user_precision(planned)),
                                 ("gradient_clipping", float(user.values.get("gradient_clipping", 0.0)),
                                  float(plan_config.get("gradient_clipping", 0.0)))):
         if mine != theirs:
             raise ConfigError(field, mine, f"in {user.source}, and {plan} was priced with {theirs}: give {theirs}, "
-                                           "or re-plan for this config (drop --plan)")
+                                           f"{REPLAN}")
 
 
 def config_note(user: UserConfig, precision: str) -> str:
@@ -239,10 +247,10 @@ def merged_zero(user_zero: Mapping[str, Any], plan_zero: Mapping[str, Any]) -> t
     return merged, replaced
 
 
-def _replaced_text(key: str, mine: Any, theirs: Any) -> str:
-    """A replaced key as the notice says it: with both values where they are numbers or words."""
+def _replaced_text(key: str, mine: Any, theirs: Any, why: str = "") -> str:
+    """A replaced key as the notice says it: with both values where they are numbers or words, and `why`."""
     plain = (int, float, str, bool, type(None))
-    return f"{key} ({mine} -> {theirs})" if isinstance(mine, plain) and isinstance(theirs, plain) else key
+    return f"{key} ({mine} -> {theirs}{why})" if isinstance(mine, plain) and isinstance(theirs, plain) else key
 
 
 def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: bool
@@ -256,13 +264,11 @@ def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optim
             merged.pop("optimizer", None)
         return merged, []
     merged = dict(user.values)
-    replaced = [_replaced_text(key, merged[key], plan_config.get(key)) for key in PLAN_KEYS
+    tp = _autotp_size(plan_config)
+    why = {BATCH_KEYS[0]: f": DeepSpeed counts the {tp} AutoTP ranks, the global batch stays "  # same sequences
+                          f"{plan_config.get(BATCH_KEYS[0], 0) // tp}"} if tp > 1 else {}
+    replaced = [_replaced_text(key, merged[key], plan_config.get(key), why.get(key, "")) for key in PLAN_KEYS
                 if key in merged and merged[key] != plan_config.get(key)]
-    tp = (plan_config.get("tensor_parallel") or {}).get("autotp_size", 1)
-    if tp > 1:  # DeepSpeed's batch rule counts AutoTP's ranks, which see the same sequences
-        replaced = [f"{text[:-1]}: DeepSpeed counts the {tp} AutoTP ranks, the global batch stays "
-                    f"{plan_config[BATCH_KEYS[0]] // tp})" if text.startswith(f"{BATCH_KEYS[0]} (") else text
-                    for text in replaced]
     for key in PLAN_KEYS:
         merged.pop(key, None)
         if key in plan_config:
