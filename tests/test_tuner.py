@@ -307,6 +307,23 @@ def test_tuner_degree_limits_shape_the_plan(limits, check):
     assert all(check(p.point) for p in result.search.points)
 
 
+@pytest.mark.parametrize("batch, sizes, says", [
+    (7, "[1,2,4]", ["dp 2", "6 or 8"]),  # no micro-batch size helps: dp 2 divides no multiple of 7
+    (14, "[2,4]", ["12 or 16", "a micro-batch size dividing 7"]),
+])
+def test_a_global_batch_no_layout_splits_is_bad_input_naming_the_nearest_that_split(batch, sizes, says):
+    """Only dp 2 (tp and pp held to 1) on 2 GPUs: a global batch it does not split is the user's field to change,
+    exit 2 naming it, the layouts and the nearest batches that split; not 'no plan fits' (exit 3)."""
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", "tuner.tp=[1]", "tuner.pp=[1]",
+                     f"train.global_batch_size={batch}", f"tuner.micro_batch_sizes={sizes}",
+                     "tuner.compare_baselines=false"], with_strategy=False)
+    with pytest.raises(ConfigError) as error:
+        tune_specs(specs, progress=False)
+    assert error.value.field == "train.global_batch_size" and error.value.value == batch
+    assert all(text in str(error.value) for text in says), str(error.value)
+    assert "a micro-batch size" not in str(error.value) or batch == 14
+
+
 def test_deepspeed_runtime_never_tunes_replicated_kv_heads():
     """t above the KV heads replicates them, which mist_ds.runtime does not run: never a point."""
     specs = compose(["model=tiny", "model.num_kv_heads=2", "cluster=cpu", "cluster.gpus_per_node=4",

@@ -229,9 +229,13 @@ def degrees_text(par: Any) -> str:
     (a Parallelism, any value with its fields such as the tuner's points, or a mapping with those keys such as the
     strategy's serialization; sp absent means 1)."""
     get = par.get if isinstance(par, Mapping) else lambda key, default=None: getattr(par, key, default)
-    sp = get("sp", 1)
-    return (f"tp {get('tp')} x pp {get('pp')} x dp {get('dp')}{f' x sp {sp}' if sp != 1 else ''}, "
+    return (f"{parallel_degrees_text(get('tp'), get('pp'), get('dp'), get('sp', 1))}, "
             f"b {get('micro_batch_size')} x G {get('grad_accum')}")
+
+
+def parallel_degrees_text(tp: int, pp: int, dp: int, sp: int = 1) -> str:
+    """The parallel degrees of a layout, without its batch split: `tp 2 x pp 4 x dp 8` (`... x sp 2`)."""
+    return f"tp {tp} x pp {pp} x dp {dp}{f' x sp {sp}' if sp != 1 else ''}"
 
 
 def layout_text(strategy: StrategySpec) -> str:

@@ -11,19 +11,20 @@ only when asked for; partition_model.py: what they share); then the best points 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 from mist_ds.cost.host import PER_NODE, host_use
 from mist_ds.cost.predict import MEMORY_PARTS, Prediction, model_costs, predict_strategy
 from mist_ds.hardware import hardware_model
-from mist_ds.specs import ExecutorCapabilities, Specs
-from mist_ds.specs.strategy import degrees_text
+from mist_ds.specs import ConfigError, ExecutorCapabilities, Specs
+from mist_ds.specs.strategy import degrees_text, parallel_degrees_text
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.tuner.rerank import Reranking, rank_by_simulation
 from mist_ds.tuner.search import PointResult, SearchResult, search
-from mist_ds.tuner.space import tuner_executor
+from mist_ds.tuner.space import layouts, tuner_executor
 
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
 
@@ -66,15 +67,39 @@ def _predict(specs: Specs, strategy, costs, hw, caps: ExecutorCapabilities) -> P
     return predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw, caps)
 
 
+def check_batch_splits(specs: Specs, space: str, caps: ExecutorCapabilities) -> None:
+    """Raises ConfigError naming train.global_batch_size when layouts of the GPUs suit the model but none splits the
+    global batch (a layout's data parallel d times a micro-batch b of tuner.micro_batch_sizes must divide it): the
+    layouts, and the nearest global batches that split."""
+    found = layouts(specs.model, specs.cluster, specs.tuner, space, caps)
+    batch, sizes = specs.train.global_batch_size, specs.tuner.micro_batch_sizes
+    data = sorted({d for _, _, _, d in found})
+    splits = lambda n: any(n % (b * d) == 0 for b in sizes for d in data)  # noqa: E731
+    if not found or splits(batch):
+        return
+    below = next((n for n in range(batch - 1, 0, -1) if splits(n)), None)
+    above = next(n for n in itertools.count(batch + 1) if splits(n))
+    shown = ", ".join(parallel_degrees_text(t, S, d, q) for t, S, q, d in found[:6])
+    more = f" and {len(found) - 6} more" if len(found) > 6 else ""
+    dividing = [d for d in data if batch % d == 0]
+    sizes_fix = (f", or a micro-batch size dividing {batch // dividing[0]} in tuner.micro_batch_sizes"
+                 if dividing else "")
+    raise ConfigError("train.global_batch_size", batch,
+                      f"no layout of {specs.cluster.num_gpus} GPUs for model {specs.model.name} (space {space}) "
+                      f"splits it: a layout's data parallel dp times a micro-batch of tuner.micro_batch_sizes="
+                      f"{list(sizes)} must divide it, and the layouts are {shown}{more}; give a global batch that "
+                      f"splits (the nearest: {f'{below} or {above}' if below else above}){sizes_fix}")
+
+
 def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: ExecutorCapabilities) -> str:
     """Least memory any plan needs per GPU against what the GPU has, what takes it, what would help."""
     usable = specs.cluster.gpu.usable_memory_bytes
     tried = [p for p in result.points if p.closest is not None]
     if not tried:
-        return (f"no layout of {specs.cluster.num_gpus} GPUs suits model {specs.model.name} in space "
-                f"{result.space} (tensor parallel must divide the heads; global batch {specs.train.global_batch_size} "
-                f"must split over micro-batches x data parallel): change train.global_batch_size or "
-                f"tuner.micro_batch_sizes")
+        return (f"no layout of {specs.cluster.num_gpus} GPUs suits model {specs.model.name} in space {result.space} "
+                f"(tensor parallel must divide the heads and stay in a node, pipeline stages at most the layers, "
+                f"the degrees tuner.tp / tuner.pp allow): change cluster.gpus_per_node, cluster.nodes, tuner.tp or "
+                f"tuner.pp")
     nearest = min(tried, key=lambda p: (p.least_peak_bytes, p.point))
     prediction = _predict(specs, nearest.closest, costs, hw, caps)
     stage = max(range(len(prediction.peak_memory_bytes)), key=lambda i: prediction.peak_memory_bytes[i])
@@ -137,6 +162,8 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     runtime = capabilities_of(caps or tuner_executor(specs.tuner), "tuner.runtime")
     result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
     if result.best is None:
+        if not result.points:
+            check_batch_splits(specs, result.space, runtime)
         raise NoPlanFits(explain_no_fit(specs, result, costs, hw, runtime))
     result, ranking = best_by_simulation(specs, result, costs, hw, runtime, specs.tuner.top_n, cache_dir)
     prediction = ranking.plan.prediction
@@ -158,4 +185,4 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
 
 
 __all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "Reranking", "TuneResult", "best_by_simulation",
-           "explain_no_fit", "tune_specs"]
+           "check_batch_splits", "explain_no_fit", "tune_specs"]

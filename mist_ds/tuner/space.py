@@ -119,11 +119,11 @@ def node_sequence_degrees(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     return [q for q in divisors(cluster.gpus_per_node) if q == 1 or _sp_ok(model, q)]
 
 
-def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
-                  space: str, caps: ExecutorCapabilities) -> list[GlobalPoint]:
-    """Every (t, S, d, q, b, G) the space, the runtime, the tuner's degree limits and its target allow, in a fixed
-    order (q = 1 first, as without sequence parallelism). TP stays inside a node; q > 1 where the executor runs it
-    (its SequenceParallel rules: pp and tp)."""
+def layouts(model: ModelSpec, cluster: ClusterSpec, tuner: TunerSpec, space: str,
+            caps: ExecutorCapabilities) -> list[tuple[int, int, int, int]]:
+    """Every (t, S, q, d) the space, the runtime, the tuner's degree limits and its target allow for the model on
+    the cluster's GPUs, whatever the global batch, in a fixed order (q = 1 first, as without sequence parallelism).
+    TP stays inside a node; q > 1 where the executor runs it (its SequenceParallel rules: pp and tp)."""
     gpus = cluster.num_gpus
     target = tuner.target_row
     check_target_tuning(target, tuner, caps, model)
@@ -135,7 +135,7 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
         model.check_tensor_parallel(tuner.tp[0], "tuner.tp")  # every degree asked for is refused: say why
     degrees = sequence_degrees(model, cluster, tuner, caps, space)
     rules = caps.sequence_parallel
-    points = []
+    found = []
     for t in divisors(cluster.gpus_per_node):
         if t > tuner.max_tp or not _tp_ok(model, t) or gpus % t:
             continue
@@ -152,12 +152,18 @@ def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tune
                 if q > 1 and ((gpus // (t * S)) % q or (S > 1 and not rules.with_pipeline)
                               or (t > 1 and not rules.with_tensor_parallel)):
                     continue
-                d = gpus // (t * S * q)
-                for b in tuner.micro_batch_sizes:
-                    if train.global_batch_size % (b * d):
-                        continue
-                    points.append(GlobalPoint(t, S, d, b, train.global_batch_size // (b * d), q))
-    return points
+                found.append((t, S, q, gpus // (t * S * q)))
+    return found
+
+
+def global_points(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tuner: TunerSpec,
+                  space: str, caps: ExecutorCapabilities) -> list[GlobalPoint]:
+    """Every (t, S, d, q, b, G) of the allowed layouts (`layouts`) whose data parallel d and a micro-batch b of
+    tuner.micro_batch_sizes split the global batch, in a fixed order."""
+    batch = train.global_batch_size
+    return [GlobalPoint(t, S, d, b, batch // (b * d), q)
+            for t, S, q, d in layouts(model, cluster, tuner, space, caps)
+            for b in tuner.micro_batch_sizes if batch % (b * d) == 0]
 
 
 def layer_counts(num_layers: int, num_stages: int, slack: int) -> list[int]:
