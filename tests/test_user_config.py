@@ -119,6 +119,23 @@ def test_a_global_batch_given_twice_differently_is_refused_naming_both(tmp_path)
     assert error.value.field == "train_micro_batch_size_per_gpu"
 
 
+def test_a_global_batch_the_plan_cannot_split_is_traced_to_the_users_config(tmp_path):
+    """The planner refuses a global batch no layout splits naming train.global_batch_size; where the user's config
+    gave it, the plan phase says so (the fix is in that file), and not where --mist gave it."""
+    from mist_ds.script.user_config import batch_origin
+
+    user_file = tmp_path / "ds.json"
+    user_file.write_text(json.dumps({"train_micro_batch_size_per_gpu": 7}))
+    user = read_user_config(argparse.Namespace(deepspeed_config=str(user_file)), None)
+    refused = ConfigError("train.global_batch_size", 7, "no layout splits it")
+    assert batch_origin(refused, user, ("cluster=cpu",), 1) == (
+        f" (the global batch of --deepspeed_config {user_file}: train_micro_batch_size_per_gpu 7 x "
+        "gradient_accumulation_steps 1 x 1 ranks; change it there)")
+    assert batch_origin(refused, user, ("train.global_batch_size=7",), 1) == ""
+    assert batch_origin(ConfigError("model.seq_len", 7, "too long"), user, (), 1) == ""
+    assert batch_origin(refused, read_user_config(None, None), (), 1) == ""
+
+
 def test_the_launch_command_names_the_scripts_config_by_its_absolute_path(tmp_path, monkeypatch):
     """cmd.txt runs from any directory: the script and its --deepspeed_config by their absolute paths (the script's
     other arguments are its own, as given)."""

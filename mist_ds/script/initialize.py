@@ -35,8 +35,8 @@ from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_par
                                      sequence_parallel_rank)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
-from mist_ds.script.user_config import (GLOBAL_BATCH_FIELD, UserConfig, check_priced_as_given, merged_config,
-                                        override_value, planner_overrides, read_user_config)
+from mist_ds.script.user_config import (GLOBAL_BATCH_FIELD, UserConfig, batch_origin, check_priced_as_given,
+                                        merged_config, override_value, planner_overrides, read_user_config)
 from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_NO_PLAN_FITS, ConfigError
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,8 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             outcome = (0, None)
         except ConfigError as error:
             _discard_plan(settings.plan_dir)
-            outcome = (EXIT_BAD_INPUT, f"error: {error}")
+            outcome = (EXIT_BAD_INPUT, f"error: {error}"
+                                       f"{batch_origin(error, user, settings.overrides, dist.get_world_size())}")
         except NoPlanFits as reason:
             outcome = (EXIT_NO_PLAN_FITS, f"no plan fits: {reason}")
         except Exception as error:  # noqa: BLE001 (the other ranks wait for an outcome: never leave them waiting)

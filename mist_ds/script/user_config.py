@@ -197,6 +197,15 @@ def planner_overrides(user: UserConfig, client_optimizer: Any, ranks: int, given
         f"train.precision={user_precision(user)}", f"train.grad_clip={float(clip)}"]
 
 
+def batch_origin(error: ConfigError, user: UserConfig, given: Sequence[str], ranks: int) -> str:
+    """Where a refused global batch came from, for the plan phase's message: the user's config when it gave the
+    batch (no --mist train.global_batch_size among `given`), the fix then being there; else nothing."""
+    batch = user_global_batch(user, ranks) if user.given else None
+    if error.field != GLOBAL_BATCH_FIELD or batch is None or override_value(given, GLOBAL_BATCH_FIELD) is not None:
+        return ""
+    return f" (the global batch of {user.source}: {batch[1]}; change it there)"
+
+
 def check_priced_as_given(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: Any,
                           plan: str, ranks: int, planned_batch: int) -> None:
     """The user's config at training time prices as the plan did (a plan given with --plan, or a config edited since):
