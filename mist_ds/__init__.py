@@ -69,9 +69,11 @@ def predict_many(override_lists: Sequence[Sequence[str]]):
 def tune(overrides: Sequence[str] = (), model=None, loss=None):
     """The best plan for `overrides` -> Plan; raises mist_ds.tuner.NoPlanFits when nothing fits. `model`: your own
     nn.Module, `loss` its loss function (this module's docstring)."""
+    from mist_ds.config import refuse_strategy_overrides
     from mist_ds.report.tune import plan_from_result
     from mist_ds.tuner import tune_specs
 
+    refuse_strategy_overrides(overrides)
     specs = _compose_traced(overrides, False, model, loss)
     return plan_from_result(tune_specs(specs, progress=False), overrides)
 

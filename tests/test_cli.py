@@ -168,6 +168,7 @@ BAD_INPUTS = [
     (["predict", "strategy.pp=2", "strategy.zero_stage=3"], "deepspeed.pipeline-zero"),
     (["predict", "plan=missing.json"], "plan"),
     (["tune", "-m", "model=tiny,nope"], "model"),
+    (["tune", "model=tiny", "cluster=cpu", "strategy.tp=2"], "tuner.tp=[2]"),  # the tuner would ignore it
     (["show", "--cfg", "everything"], "--cfg"),
     (["show", "-cd", "missing"], "--config-dir"),
     (["predict", "--plan"], "--plan"),

@@ -4,6 +4,7 @@ tests/test_cli.py)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -289,3 +290,24 @@ def test_a_users_config_dir_is_read_at_every_compose(tmp_path):
     for gpus in (1, 3):
         mine.write_text(f"defaults:\n  - cpu\n  - _self_\nname: mine\ngpus_per_node: {gpus}\n")
         assert compose(overrides, with_strategy=False).cluster.gpus_per_node == gpus
+
+
+@pytest.mark.parametrize("override, says", [
+    ("strategy.tp=2", "strategy.tp=2: tune chooses the strategy and would ignore this: limit the search with "
+                      "tuner.tp=[2] instead"),
+    ("strategy.micro_batch_size=4", "tuner.micro_batch_sizes=[4]"),
+    ("++strategy.zero_stage=3", "strategy.zero_stage=3: tune chooses the strategy and would ignore this: the tuner "
+                                "chooses it for each stage; or price this strategy as given with mist-ds predict"),
+    ("strategy=default", "strategy='default'"),
+])
+def test_the_tuner_refuses_a_strategy_override_it_would_ignore(override, says):
+    """tune composes without the strategy group: a strategy override would be dropped silently; refused naming the
+    tuner's limit of that field (mist_ds.tune and the CLI's tune alike)."""
+    import mist_ds
+    from mist_ds.config import refuse_strategy_overrides
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        refuse_strategy_overrides(["model=tiny", override])
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        mist_ds.tune(["model=tiny", "cluster=cpu", override])
+    refuse_strategy_overrides(["model=tiny", "tuner.tp=[2]", "train.strategy_note=1"])  # not the strategy group

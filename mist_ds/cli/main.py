@@ -179,7 +179,7 @@ def _tune(cfg: DictConfig) -> int:
     """Tune, write the plan files, and in every case the job's result.json (its row of a sweep summary)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from mist_ds.config import specs_from_config
+    from mist_ds.config import refuse_strategy_overrides, specs_from_config
     from mist_ds.files import write_json_atomic
     from mist_ds.report.sweep import RESULT_FILE, tune_result
     from mist_ds.report.tune import plan_from_result, render_summary, write_plan
@@ -187,6 +187,7 @@ def _tune(cfg: DictConfig) -> int:
 
     out, overrides, specs = Path(HydraConfig.get().runtime.output_dir), task_overrides(), None
     try:
+        refuse_strategy_overrides(overrides)
         specs = specs_from_config(cfg, with_strategy=False)
         result = tune_specs(specs)
     except NoPlanFits as reason:  # a status, not an exception: a sweep's other jobs still run

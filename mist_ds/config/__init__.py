@@ -216,6 +216,29 @@ def job_overrides(exclude_keys: Sequence[str]) -> list[str]:
     return [line for line, o in zip(lines, parsed) if o.key_or_group.split(".")[0] not in exclude_keys]
 
 
+TUNER_LIMIT_OF = {"tp": "tuner.tp=[{v}]", "pp": "tuner.pp=[{v}]", "sp": "tuner.sp=[{v}]",
+                  "micro_batch_size": "tuner.micro_batch_sizes=[{v}]", "schedule": "tuner.schedules=[{v}]",
+                  "runtime": "tuner.runtime={v}"}
+"""The tuner's field that limits its search to a strategy field's value, where it has one (`{v}` the value)."""
+
+
+def refuse_strategy_overrides(overrides: Sequence[str], command: str = "tune") -> None:
+    """ConfigError for a `strategy` override (strategy.<field>=v or strategy=<option>) given to the tuner, which
+    chooses the strategy itself and would ignore it: the tuner's limit for that field where there is one (tuner.tp
+    for strategy.tp), else `mist-ds predict` for pricing the strategy as given."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key != "strategy" and not key.startswith("strategy."):
+            continue
+        field = key.removeprefix("strategy.").split(".")[0]
+        limit = TUNER_LIMIT_OF.get(field)
+        fix = (f"limit the search with {limit.format(v=value)} instead" if limit else
+               "the tuner chooses it for each stage")
+        raise ConfigError(key, int(value) if value.isdigit() else value,
+                          f"{command} chooses the strategy and would ignore this: {fix}; or price this strategy as "
+                          "given with mist-ds predict")
+
+
 CLUSTER_CONSTANTS = ("file", "machine")
 """cluster.constants: the cluster file's figures, or those measured on this machine."""
 
@@ -266,5 +289,5 @@ def compose(overrides: Sequence[str] = (), with_strategy: bool = True, module=No
     return specs_from_config(compose_config(overrides), with_strategy=with_strategy, module=module, loss=loss)
 
 
-__all__ = ["ConfigError", "compose", "job_overrides", "compose_config", "recompose_in_app", "register_configs",
-           "specs_from_config"]
+__all__ = ["ConfigError", "compose", "job_overrides", "compose_config", "recompose_in_app",
+           "refuse_strategy_overrides", "register_configs", "specs_from_config"]

@@ -121,13 +121,14 @@ def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, pla
     """Tune `module` (None: the model `overrides` name) with `overrides`, write the plan files into `plan_dir`, and
     those of the candidates (candidate_count) into plan_dir/candidates/<i> with the verify settings beside them
     (ConfigError, NoPlanFits). `user`: the script's DeepSpeed config, which summary.md names."""
-    from mist_ds.config import compose
+    from mist_ds.config import compose, refuse_strategy_overrides
     from mist_ds.symbolic import analyze_model
     from mist_ds.files import write_atomic
     from mist_ds.report.tune import plan_from_result, write_plan
     from mist_ds.script.settings import CANDIDATES_DIR, VERIFY_FILE
     from mist_ds.tuner import tune_specs
 
+    refuse_strategy_overrides(overrides, "mist_ds.initialize's plan phase")
     specs = compose(overrides, with_strategy=False, module=module, loss=loss)
     if module is not None:  # traced now (once: cached), so that the cost model reads its analysis
         analyze_model(specs.model, specs.train.precision, module=module, loss=loss)
