@@ -159,6 +159,19 @@ def test_a_typo_in_a_users_config_file_names_the_file_the_key_and_the_nearest_ke
     assert _names(tmp_path) == {"myconf"}
 
 
+@pytest.mark.parametrize("bad_line, says", [
+    ("num_layers: [2", "while parsing a flow sequence (line 6, column 13)"),
+    ("name: again", "found duplicate key name (line 6, column 1)"),
+])
+def test_a_users_config_file_that_is_no_yaml_names_the_file_the_line_and_the_problem(tmp_path, bad_line, says):
+    """A bracket left open or a key given twice in a file of the user's -cd DIR: one line naming the file, the line and
+    the parser's words, exit 2; not yaml's traceback and exit 1."""
+    user_config_dir(tmp_path / "myconf", "broken", bad_line, "mycpu", "")
+    run = mist_ds("show", "-cd", "myconf", "model=broken", cwd=tmp_path)
+    assert run.returncode == 2 and len(run.stderr.splitlines()) == 1, run.stderr
+    assert "myconf/model/broken.yaml" in run.stderr and says in run.stderr and "Traceback" not in run.stderr
+
+
 BAD_INPUTS = [
     (["show", "model.hidden_size=-1"], "model.hidden_size"),
     (["show", "model=nope"], "model"),

@@ -506,12 +506,13 @@ def _input_error(error: Exception, config_dirs: Sequence[str], output_key: str) 
     search path; a file of the user's `config_dirs` named), or of an output dir Hydra could not make or
     write (`output_key`: hydra.run.dir, or hydra.sweep.dir in a multirun); None for anything else, a bug
     to re-raise. Only what fails outside the jobs comes here: a job's own OSError is a crash."""
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from mist_ds.config.errors import as_config_error
 
-    if isinstance(error, (ConfigError, HydraException, OmegaConfBaseException)):
+    if isinstance(error, (ConfigError, HydraException, OmegaConfBaseException, yaml.YAMLError)):
         return as_config_error(error, config_dirs)
     if isinstance(error, OSError) and error.filename is not None:
         return ConfigError(output_key, str(error.filename), f"cannot be written ({error.strerror}); give a "

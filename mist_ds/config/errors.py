@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+import yaml
 from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException,
                           SearchPathException)
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -51,11 +52,24 @@ def _unknown_key(cause: OmegaConfBaseException, source: str | None) -> ConfigErr
     return ConfigError(field, NO_VALUE, f"unknown field{where}; {hint}fields here: {', '.join(known)}")
 
 
+def _yaml_error(error: yaml.YAMLError) -> ConfigError:
+    """A config file that is no valid YAML (a bracket left open, a duplicate key, a tab indent): the file, and the
+    parser's words each with its line and column (1-based)."""
+    parts = [(getattr(error, key, None), getattr(error, f"{key}_mark", None)) for key in ("context", "problem")]
+    marks = [mark for _, mark in parts if mark is not None]
+    text = "; ".join(f"{words} (line {mark.line + 1}, column {mark.column + 1})" if mark else words
+                     for words, mark in parts if words)
+    return ConfigError("config file", marks[0].name if marks else NO_VALUE,
+                       f"not valid YAML: {text or error}; fix the file")
+
+
 def as_config_error(error: BaseException, config_dirs: Sequence[str] = ()) -> ConfigError:
     """ConfigError for a composition failure, naming the field when the library knows it, and the file
     when the failure is in a config file (looked up in `config_dirs`, the user's own config directories)."""
     if isinstance(error, ConfigError):
         return error
+    if isinstance(error, yaml.YAMLError):
+        return _yaml_error(error)
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and "/" in error.missing_cfg_file:
         group, option = error.missing_cfg_file.rsplit("/", 1)
         options = [o for o in error.options or () if not o.startswith(HIDDEN_OPTION_PREFIX)]
