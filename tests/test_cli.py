@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import sympy
 from omegaconf import OmegaConf
 
 from mist_ds.config import compose
+from mist_ds.config.override_text import hydra_quoted
 from mist_ds.symbolic.layer_cost import PUBLIC_KEYS
 from tests.test_cost import BASE
 from tests.test_tuner import SMALL
@@ -63,6 +65,22 @@ def test_tune_writes_the_plan_and_predict_reproduces_it(tmp_path):
     assert "plan/plan.json is a plan for model=tiny model.num_layers=7, run here with model.num_layers=5" in \
         other.stderr
     assert _names(tmp_path) == {"plan"}  # predict wrote nothing
+
+
+def test_the_hint_and_cmd_txt_name_a_run_dir_holding_hydras_own_characters(tmp_path):
+    """A sweep folder named by ${hydra.job.override_dirname} holds `=` and `,`: the printed hint, copied to a shell,
+    predicts the plan, and cmd.txt hands launch/train.py the plan and run dir as those very paths."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = tmp_path / "model=tiny,b=8 x"
+    run = mist_ds("tune", *SMALL, f"hydra.run.dir={hydra_quoted(str(out))}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    hint = re.search(r"Reproduce the prediction: `mist-ds (.+)`", run.stdout).group(1)
+    assert mist_ds(*shlex.split(hint), "json=true", cwd=tmp_path).returncode == 0, hint
+    parsed = OverridesParser.create().parse_overrides(
+        [a for a in shlex.split((out / "cmd.txt").read_text().splitlines()[-1]) if a.startswith(("mist.", "hydra."))])
+    assert {o.key_or_group: o.value() for o in parsed} == {"mist.plan": str(out / "plan.json"),
+                                                            "hydra.run.dir": str(out / "train")}
 
 
 def test_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):

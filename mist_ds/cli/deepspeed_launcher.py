@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from mist_ds.config.override_text import path_override
 from mist_ds.files import write_atomic
 from mist_ds.specs import ConfigError
 from mist_ds.specs.errors import EXIT_BAD_INPUT
@@ -48,7 +49,8 @@ from mist_ds.cli.script_launch import CONFIG_FLAG, ScriptLaunchError
 from mist_ds.script.settings import ENV_PREFIX
 
 MODES = ("tune", "run")
-RUN_DIR_KEY = "hydra.run.dir="
+RUN_DIR_FIELD = "hydra.run.dir"
+RUN_DIR_KEY = f"{RUN_DIR_FIELD}="
 TOKENS_FILE_KEY = "run.tokens_file"
 """launch/train.py's token file: a path the launcher makes absolute in what it hands over and writes to cmd.txt."""
 ACCELERATOR_ENV = "DS_ACCELERATOR"
@@ -233,7 +235,7 @@ def plan_for(overrides: Sequence[str], nodes: int, gpus_per_node: int, plan_dir:
     """`mist-ds tune` in its own process with the planner's overrides; its exit code."""
     command = [sys.executable, "-m", "mist_ds.cli.main", "tune", *overrides,
                f"cluster.nodes={nodes}", f"cluster.gpus_per_node={gpus_per_node}", "tuner.quiet=true",
-               f"{RUN_DIR_KEY}{plan_dir}"]
+               path_override(RUN_DIR_FIELD, plan_dir)]
     print("mist-deepspeed: planning: " + shlex.join(command), file=sys.stderr)
     return subprocess.run(command).returncode
 
@@ -293,7 +295,7 @@ def hand_over(launcher_args: list[str], user_args: list[str], plan_json: Path, r
     launcher = launcher_args if "--no_local_rank" in launcher_args else [*launcher_args, "--no_local_rank"]
     pinned = [_absolute_tokens_file(a) for a in user_args if not a.startswith(RUN_DIR_KEY)
               and not a.startswith("mist.plan=")]
-    return launcher, [*pinned, f"mist.plan={plan_json}", f"{RUN_DIR_KEY}{run_dir}"]
+    return launcher, [*pinned, path_override("mist.plan", plan_json), path_override(RUN_DIR_FIELD, run_dir)]
 
 
 def _absolute_tokens_file(arg: str) -> str:

@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from mist_ds.config.override_text import hydra_quoted
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_NO_PLAN_FITS, EXIT_OK, NO_VALUE
 PROG = "mist-ds"
@@ -328,14 +329,6 @@ A multirun exits 0 when every job succeeded, else with the largest job status (t
 hydra/launcher=joblib; its sweep dir gets sweep.csv and sweep.md, one row per job)."""
 
 
-def _quoted(value: str) -> str:
-    """`value` as a quoted string of Hydra's override grammar, so it stays a string whatever it holds
-    (',' would sweep, `null` would be None). In a quoted value (hydra/grammar/OverrideLexer.g4, Hydra
-    1.3) backslashes are literal except a run of them before a quote or the end, which is halved."""
-    escaped = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
-    return f"'{escaped}'"
-
-
 def _config_path(value: str) -> str:
     """-cp DIR relative to the cwd: Hydra takes a relative one relative to the file declaring
     @hydra.main (hydra/_internal/utils.py, compute_search_path_dir), here mist_ds/cli."""
@@ -344,8 +337,8 @@ def _config_path(value: str) -> str:
 
 FLAG_OPTIONS = {"--json": "json=true"}
 VALUE_OPTIONS: dict[str, tuple[str, Callable[[str, str], list[str]]]] = {
-    "--plan": ("PLAN_JSON", lambda _, value: [f"plan={_quoted(value)}"]),
-    "--out": ("DIR", lambda _, value: [f"hydra.run.dir={_quoted(value)}"]),
+    "--plan": ("PLAN_JSON", lambda _, value: [f"plan={hydra_quoted(value)}"]),
+    "--out": ("DIR", lambda _, value: [f"hydra.run.dir={hydra_quoted(value)}"]),
     "-cp": ("DIR", lambda name, value: [name, _config_path(value)]),
     "--config-path": ("DIR", lambda name, value: [name, _config_path(value)]),
 }
@@ -379,7 +372,7 @@ def _names_own_out_dir(command: str, overrides: Sequence[str]) -> bool:
 
 def hydra_settings(command: str, overrides: Sequence[str] = ()) -> list[str]:
     """Overrides put before the user's (`overrides`), so that theirs (later) still win."""
-    settings = [f"hydra.job.name={command}", f"hydra.help.app_name={_quoted(f'{PROG} {command}')}"]
+    settings = [f"hydra.job.name={command}", f"hydra.help.app_name={hydra_quoted(f'{PROG} {command}')}"]
     if COMMANDS[command].summarizes_sweeps:
         settings.append(f"++{SWEEP_CALLBACK}._target_={SWEEP_SUMMARY}")
     if COMMANDS[command].writes_files and not _names_own_out_dir(command, overrides):
@@ -579,7 +572,7 @@ def run_command(command: str, args: Sequence[str]) -> int:
             config_dirs += searchpath_dirs(parsed.overrides)
             output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             if COMMANDS[command].summarizes_sweeps:
-                parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={_quoted(str(sweep_status))}")
+                parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={hydra_quoted(str(sweep_status))}")
             _run_hydra_app(jobs, hydra_command_line(parsed))
         except Exception as error:
             crashed = jobs.full_error or error in jobs.crashed

@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 from typing import Sequence
 
+from mist_ds.config.override_text import path_override
 from mist_ds.specs.cluster import CPU_RANKS_ENV
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
@@ -20,7 +21,7 @@ def train_command(plan_json: Path, nodes: int, gpus_per_node: int, run_dir: Path
     one node needs DeepSpeed's hostfile: --hostfile HOSTFILE, a placeholder."""
     hosts = ["--hostfile", HOSTFILE] if nodes > 1 else []
     return ["deepspeed", *hosts, "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node), "--no_local_rank",
-            str(TRAIN_SCRIPT), f"mist.plan={plan_json}", f"hydra.run.dir={run_dir}"]
+            str(TRAIN_SCRIPT), path_override("mist.plan", plan_json), path_override("hydra.run.dir", run_dir)]
 
 
 def command_file(command: Sequence[str], cpu_ranks: bool, nodes: int = 1, gpus_per_node: int = 0) -> str:

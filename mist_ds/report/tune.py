@@ -3,9 +3,11 @@ times, memory and its margin; the iteration; the baselines) and the files of a p
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from pathlib import Path
 from typing import Any, Sequence
 
+from mist_ds.config.override_text import path_override
 from mist_ds.emit import ds_config
 from mist_ds.emit.hf_trainer import TRAINER_ARGS, USAGE, trainer_args, trainer_ds_config
 from mist_ds.files import json_text, write_files_atomic
@@ -106,7 +108,7 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
             lines.append(f"| {b['space']} | {b['iteration_time_s']:.3f} | {b['speedup']:.2f}x | "
                          f"{layout}{_interleaving(s)} |")
     lines += runner_up_lines(plan.runner_ups)
-    lines += ["", f"Reproduce the prediction: `mist-ds predict plan={plan_json}`."]
+    lines += ["", f"Reproduce the prediction: `mist-ds predict {shlex.quote(path_override('plan', plan_json))}`."]
     return "\n".join(lines) + "\n"
 
 

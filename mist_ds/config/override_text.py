@@ -1,0 +1,33 @@
+"""The text of one Hydra override as mist_ds writes it for a user or a child process to read back: a value such as a
+path may hold what Hydra's grammar reads otherwise (`,` sweeps, `=` ends a key, a space splits, `null` is None)."""
+from __future__ import annotations
+
+import re
+
+PLAIN_VALUE = re.compile(r"[\w./@+-]+")
+"""A value Hydra's override grammar reads back unquoted, as the same string (no sweep, no interpolation, no spaces)."""
+
+
+def hydra_quoted(value: str, quote: str = "'") -> str:
+    """`value` as a quoted string of Hydra's override grammar (in `quote`, ' or "), so it stays a string whatever it
+    holds. In a quoted value (hydra/grammar/OverrideLexer.g4, Hydra 1.3) backslashes are literal except a run of
+    them before the quote or the end, which is halved."""
+    escaped = re.sub(rf"(\\*)({quote}|$)", lambda m: m.group(1) * 2 + (f"\\{quote}" if m.group(2) else ""), value)
+    return f"{quote}{escaped}{quote}"
+
+
+def path_override(key: str, path: object) -> str:
+    """`key=path` as Hydra reads it back as that very path: in double quotes (a shell then wraps the whole in single
+    quotes, readably) where the path holds anything but letters, digits and `_ . / @ + -` (a sweep folder named by
+    `${hydra.job.override_dirname}` holds `=` and `,`)."""
+    text = str(path)
+    return f"{key}={text if _reads_back_plain(text) else hydra_quoted(text, chr(34))}"
+
+
+def _reads_back_plain(text: str) -> bool:
+    """Whether Hydra reads `text` unquoted as that string: only safe characters, and not a number or a keyword."""
+    try:
+        float(text)
+        return False
+    except ValueError:
+        return bool(PLAIN_VALUE.fullmatch(text)) and text.lower() not in ("null", "true", "false")
