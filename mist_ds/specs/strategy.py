@@ -330,10 +330,12 @@ def resolve_strategy(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
     require(isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1, "strategy.sp", sp,
             "the sequence-parallel degree is a whole number >= 1 (1: no sequence parallelism)")
     gpus = cluster.num_gpus
-    blamed = ("strategy.sp", sp) if sp > 1 and gpus % (tp * pp) == 0 else ("strategy.tp", tp)
-    require(gpus % (tp * pp * sp) == 0, *blamed,
-            f"tp x pp x sp = {tp} x {pp} x {sp} must divide the cluster's {gpus} GPUs "
-            f"(cluster.nodes={cluster.nodes} x cluster.gpus_per_node={cluster.gpus_per_node})")
+    if gpus % (tp * pp * sp):  # blamed on the first degree whose product with those before it does not divide
+        name, degree = next((name, degree) for name, degree, product in
+                            (("tp", tp, tp), ("pp", pp, tp * pp), ("sp", sp, tp * pp * sp)) if gpus % product)
+        raise ConfigError(f"strategy.{name}", degree, f"tp x pp x sp = {tp} x {pp} x {sp} must divide the cluster's "
+                                                      f"{gpus} GPUs (cluster.nodes={cluster.nodes} x "
+                                                      f"cluster.gpus_per_node={cluster.gpus_per_node})")
     derived_dp = gpus // (tp * pp * sp)
     if dp is None:
         dp = derived_dp
