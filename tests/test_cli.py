@@ -85,6 +85,9 @@ def test_the_hint_and_cmd_txt_name_a_run_dir_holding_hydras_own_characters(tmp_p
 
 def test_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
     # llama2-70b, which test_symbolic traces too (one trace per run), needs more host memory than 8 L4s' node has
+    (tmp_path / "x").mkdir()
+    for name in PLAN_FILES:  # an earlier tune's plan in the run dir used again: its cmd.txt would train that plan
+        (tmp_path / "x" / name).write_text("an earlier plan's")
     run = mist_ds("tune", "model=llama2-70b", "cluster=l4-24g", "tuner.compare_baselines=false",
                   "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert run.returncode == 3, run.stderr

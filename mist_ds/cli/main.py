@@ -183,7 +183,7 @@ def _tune(cfg: DictConfig) -> int:
     from mist_ds.config import refuse_strategy_overrides, specs_from_config
     from mist_ds.files import write_json_atomic
     from mist_ds.report.sweep import RESULT_FILE, tune_result
-    from mist_ds.report.tune import plan_from_result, render_summary, write_plan
+    from mist_ds.report.tune import plan_from_result, remove_plan_files, render_summary, write_plan
     from mist_ds.tuner import NoPlanFits, tune_specs
 
     out, overrides, specs = Path(HydraConfig.get().runtime.output_dir), task_overrides(), None
@@ -193,13 +193,16 @@ def _tune(cfg: DictConfig) -> int:
         result = tune_specs(specs)
     except NoPlanFits as reason:  # a status, not an exception: a sweep's other jobs still run
         print(f"{PROG} tune: {reason}", file=sys.stderr)
+        remove_plan_files(out)  # an earlier tune's in a run dir used again: none stays beside this result.json
         write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_NO_PLAN_FITS, str(reason), specs))
         return EXIT_NO_PLAN_FITS
     except ConfigError as error:  # reported by Jobs.run; the row keeps the reason
+        remove_plan_files(out)
         write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_BAD_INPUT, " ".join(str(error).split()),
                                                          specs))
         raise
     plan = plan_from_result(result, overrides)
+    remove_plan_files(out)  # only this plan's files (no trainer_args.json of an earlier tune's other target)
     written = write_plan(out, plan, specs, result.caps)
     write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_OK, None, specs, plan))
     _emit(cfg, plan.to_dict(), lambda: render_summary(plan, specs, _as_typed_here(out / "plan.json")) + "\nwrote "

@@ -206,6 +206,18 @@ def plan_pictures(plan: Plan, specs: Specs, caps: ExecutorCapabilities) -> dict[
     return figure_files(timeline_figure(sim, title), "timeline") | figure_files(memory, "memory")
 
 
+PLAN_FILE_NAMES = ("plan.json", "summary.md", "ds_config.json", TRAINER_ARGS, "cmd.txt", "timeline.png",
+                   "timeline.svg", "memory.png", "memory.svg")
+"""Every file write_plan may write (which of them depends on the plan's runtime and target)."""
+
+
+def remove_plan_files(directory: Path) -> None:
+    """Remove the plan files an earlier tune left in `directory` (a run dir used again): a tune that finds no plan
+    leaves none beside its result.json, one that does leaves only its own (no trainer_args.json of another target)."""
+    for name in PLAN_FILE_NAMES:
+        (directory / name).unlink(missing_ok=True)
+
+
 def write_plan(directory: Path, plan: Plan, specs: Specs, caps: ExecutorCapabilities, with_command: bool = True
                ) -> list[Path]:
     """The plan files (plan_files), its pictures and, for a plan DeepSpeed runs with mist_ds's launcher (the tuner's
