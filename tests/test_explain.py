@@ -71,6 +71,22 @@ def test_memory_rows_and_no_bound_when_nothing_helps():
     assert bound_of(none, facts["iteration_time_s"]) is None
 
 
+def test_a_plan_that_does_not_fit_is_said_so_and_no_yardstick():
+    """The memory case's plan explained on a GPU with less memory: it does not fit, and the relaxations' speed-ups
+    are measured against the best plan that fits there (re-tuned), never against the plan that does not fit."""
+    plan, _ = _explained("memory")
+    smaller = mist_ds.compose(plan.overrides(["cluster.gpu.memory_gib=16"]))
+    facts = explain_facts(smaller, plan)
+    assert not facts["fits"] and facts["retuned_iteration_time_s"] > facts["iteration_time_s"]
+    for r in facts["relaxations"]:
+        if r["iteration_time_s"] is not None:
+            assert r["speedup"] == pytest.approx(facts["retuned_iteration_time_s"] / r["iteration_time_s"])
+    text = render_explain(facts)
+    assert "does not fit: a stage peaks at" in text and "best plan that fits takes" in text, text
+    runner_up = [line for line in text.splitlines() if line.startswith("  1: ")]
+    assert len(runner_up) == 1 and runner_up[0].endswith("; does not fit") == (not facts["runner_ups"][0]["fits"])
+
+
 def test_cli_explains_a_plan_file_and_refuses_bad_ones(tmp_path):
     plan, _ = _explained("network")
     (tmp_path / "plan.json").write_text(json.dumps(plan.to_dict()))

@@ -26,6 +26,7 @@ with sp > 1 is re-tuned without it too (`without_sp`), which says what sp saves 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -188,7 +189,7 @@ def _retuned(specs: Specs, relaxation: Relaxation, best_s: float) -> dict[str, A
                               "changes": {}}
     time_s, strategy = _tuned_s(relaxed) if relaxed is not None else (None, None)
     if time_s is not None:
-        record.update(iteration_time_s=time_s, speedup=best_s / time_s,
+        record.update(iteration_time_s=time_s, speedup=best_s / time_s if math.isfinite(best_s) else None,
                       changes=strategy_differences(specs.strategy.to_dict(), strategy.to_dict()))
     return record
 
@@ -225,7 +226,7 @@ def _why_lost(specs: Specs, plan_mean: dict[str, float], entry: dict[str, Any], 
     prediction = predict_strategy(runner_specs, costs, hw)
     mean = mean_breakdown(time_breakdown(runner_specs, prediction))
     more = {k: mean[k] - plan_mean[k] for k in TIME_PARTS}
-    return {"rank": entry.get("rank"), "iteration_time_s": prediction.iteration_time_s,
+    return {"rank": entry.get("rank"), "iteration_time_s": prediction.iteration_time_s, "fits": prediction.fits,
             "ranked_by": entry.get("ranked_by", CLOSED_FORM),
             "differs": strategy_differences(plan_strategy.to_dict(), strategy.to_dict()),
             "more_s": more, "lost_on": max(TIME_PARTS, key=lambda k: more[k])}
@@ -258,9 +259,11 @@ def explain_facts(specs: Specs, plan: Plan | None) -> dict[str, Any]:
     plan_s = prediction.iteration_time_s
     stages = time_breakdown(specs, prediction)
     # The bound is what speeds the best plan of the setting most: that is the plan itself for a plan
-    # `tune` wrote, and the re-tuned one for a strategy from elsewhere.
+    # `tune` wrote, and the re-tuned one for a strategy from elsewhere or one that does not fit (a plan that does
+    # not fit is no yardstick: with no plan that fits, any relaxation's plan is faster than none).
     tuned_s, _ = _tuned_s(specs)
-    best_s = plan_s if tuned_s is None else min(plan_s, tuned_s)
+    fitting_s = plan_s if prediction.fits else math.inf
+    best_s = fitting_s if tuned_s is None else min(fitting_s, tuned_s)
     relaxations = [_retuned(specs, r, best_s) for r in RELAXATIONS]
     bound = bound_of(relaxations, best_s)
     without_sp = None
@@ -297,6 +300,12 @@ def _loss_text(runner_up: dict[str, Any], plan_s: float) -> str:
     return f"lost on {PART_WORDS[runner_up['lost_on']]} ({parts})"
 
 
+def _outcome_text(record: dict[str, Any]) -> str:
+    """A re-tuned plan's speed-up over the yardstick (none where no plan of the setting fits) and what it changes."""
+    changed = f"changes {', '.join(record['changes'])}" if record["changes"] else "the same strategy"
+    return (f"{record['speedup']:.3f}x; " if record["speedup"] is not None else "") + changed
+
+
 def _without_sp_lines(facts: dict[str, Any]) -> list[str]:
     """What the plan's sequence parallelism buys: the setting re-tuned without it."""
     record = facts.get("without_sp")
@@ -306,9 +315,7 @@ def _without_sp_lines(facts: dict[str, Any]) -> list[str]:
     if record["iteration_time_s"] is None:
         outcome = "no plan fits without it"
     else:
-        changed = ", ".join(record["changes"]) or "same strategy"
-        outcome = (f"without it the best plan takes {record['iteration_time_s']:.3f} s "
-                   f"({record['speedup']:.3f}x of the plan's speed; changes {changed})")
+        outcome = f"without it the best plan takes {record['iteration_time_s']:.3f} s ({_outcome_text(record)})"
     return ["", f"sequence parallelism binds: sp {sp} (its all-to-alls are in exposed communication); {outcome}"]
 
 
@@ -319,13 +326,19 @@ def render_explain(facts: dict[str, Any]) -> str:
     if recorded is not None and recorded != total:
         lines.append(f"note: the plan records {recorded:.3f} s; priced now at {total:.3f} s")
     tuned = facts["retuned_iteration_time_s"]
-    if tuned is not None and tuned < total:
-        lines.append(f"note: re-tuned, this setting's best plan takes {tuned:.3f} s: the relaxations are measured "
-                     "against that plan")
+    if not facts["fits"]:
+        worst = max(facts["memory_per_stage"], key=lambda row: row["peak_bytes"])
+        lines.append(f"does not fit: a stage peaks at {worst['peak_bytes'] / GIB:.2f} GiB, "
+                     f"{-worst['margin_bytes'] / GIB:.2f} GiB over the {facts['usable_memory_bytes'] / GIB:.2f} "
+                     "usable" + ("" if tuned is not None else "; no plan of this setting fits (the relaxations "
+                                                              "say what would make one fit)"))
+    if tuned is not None and (tuned < total or not facts["fits"]):
+        lines.append(f"note: re-tuned, this setting's best plan that fits takes {tuned:.3f} s: the relaxations are "
+                     "measured against that plan")
     lines += ["", "Where the time goes (seconds of one iteration; each stage adds up to the iteration):",
               "stage " + " ".join(f"{PART_WORDS[k]:>12.12}" for k in TIME_PARTS)]
     for i, row in enumerate(facts["time_per_stage"]):
-        lines.append(f"{i:>5} " + " ".join(f"{row[k]:12.4f}" for k in TIME_PARTS))
+        lines.append(f"{i:>5} " + " ".join(f"{round(row[k], 4) + 0.0:12.4f}" for k in TIME_PARTS))  # no -0.0000
     split = facts.get("split_backward")
     if split is not None:
         lines.append(f"{s['schedule']}: W (weight gradients, in compute) per stage, s: "
@@ -345,17 +358,20 @@ def render_explain(facts: dict[str, Any]) -> str:
         elif r["iteration_time_s"] is None:
             outcome = "no plan fits"
         else:
-            changed = ", ".join(r["changes"]) or "same strategy"
-            outcome = f"{r['iteration_time_s']:.3f} s ({r['speedup']:.3f}x; changes {changed})"
+            outcome = f"{r['iteration_time_s']:.3f} s ({_outcome_text(r)})"
         lines.append(f"  {r['relaxation']}: {outcome}")
     named = next((r for r in facts["relaxations"] if r["name"] == facts["bound"]), None)
-    lines.append(f"bound: {named['bound']} ({named['relaxation']} speeds it most, {named['speedup']:.3f}x)" if named
-                 else "bound: none of these relaxations speeds it: compute")
+    if named is not None and named["speedup"] is None:
+        lines.append(f"bound: {named['bound']} ({named['relaxation']} gives the fastest plan that fits)")
+    else:
+        lines.append(f"bound: {named['bound']} ({named['relaxation']} speeds it most, {named['speedup']:.3f}x)"
+                     if named else "bound: none of these relaxations speeds it: compute")
     lines += _without_sp_lines(facts)
     if facts["runner_ups"]:
         lines += ["", "Runner-ups, and where each spends more than the plan (stage mean, seconds):"]
         for r in facts["runner_ups"]:
-            lines.append(f"  {r['rank']}: {r['iteration_time_s']:.3f} s, {_loss_text(r, total)}")
+            lines.append(f"  {r['rank']}: {r['iteration_time_s']:.3f} s, {_loss_text(r, total)}"
+                         + ("" if r["fits"] else "; does not fit"))
     return "\n".join(lines)
 
 
