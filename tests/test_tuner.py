@@ -335,6 +335,19 @@ def test_deepspeed_runtime_never_tunes_replicated_kv_heads():
     assert 4 in {p.point.tp for p in tune_specs(paper, progress=False).search.points}
 
 
+def test_no_fit_explanation_offers_only_fixes_that_could_help():
+    """gpt3-175b on the 2 CPU ranks at micro-batch 1: its least-memory plan offloads more than the host holds. The
+    explanation says so and asks for host memory with the GPU memory, and offers no smaller micro-batch (b is 1
+    already) nor sequence-parallel degrees beyond a node's 2 GPUs."""
+    specs = compose(["model=gpt3-175b", "cluster=cpu", "tuner.compare_baselines=false", "tuner.micro_batch_sizes=[1]"],
+                    with_strategy=False)
+    with pytest.raises(NoPlanFits) as reason:
+        tune_specs(specs, progress=False)
+    text = str(reason.value)
+    assert "offloads more than the host holds" in text and "more host memory (cluster.cpu_memory_gib > 16)" in text
+    assert "tuner.micro_batch_sizes" not in text and "tuner.sp=[1, 2])" in text, text
+
+
 def test_no_fit_explanation_when_stages_fit_alone_but_not_together():
     """Each stage position has an option that fits, no split fits them all: the explanation says so
     instead of blaming host memory, which does not bind here."""

@@ -24,7 +24,8 @@ from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import capabilities_of
 from mist_ds.tuner.rerank import Reranking, rank_by_simulation
 from mist_ds.tuner.search import PointResult, SearchResult, search
-from mist_ds.tuner.space import layouts, tuner_executor
+from mist_ds.tuner.space import (layouts, node_sequence_degrees, plans_sequence_parallel,
+                                  tuner_executor)
 
 BASELINE_SPACES = ("megatron", "deepspeed", "aceso")
 
@@ -128,18 +129,26 @@ def explain_no_fit(specs: Specs, result: SearchResult, costs, hw, caps: Executor
                 "a GPU with more memory, so that less is offloaded.")
     fixes = []
     if binding == "activations" or parts["activations"] > states:
-        fixes.append("a smaller micro-batch (tuner.micro_batch_sizes=[1]) or a shorter model.seq_len")
-        if caps.sequence_parallel.priced and not any(r.point.sp > 1 for r in tried):
-            fixes.append("sequence parallelism, each rank holding 1 / sp of every sequence (tuner.sp=[1, 2, 4, 8])")
+        smaller = "a smaller micro-batch (tuner.micro_batch_sizes=[1]) or " if p.micro_batch_size > 1 else ""
+        fixes.append(f"{smaller}a shorter model.seq_len")
+        degrees = node_sequence_degrees(specs.model, specs.cluster)
+        if plans_sequence_parallel(caps, specs.tuner, result.space) and len(degrees) > 1 and \
+                not any(r.point.sp > 1 for r in tried):
+            fixes.append(f"sequence parallelism, each rank holding 1 / sp of every sequence (tuner.sp={degrees})")
     fixes.append(f"more GPUs (cluster.nodes > {specs.cluster.nodes}): ZeRO and pipelines shard the model states")
     if not caps.offloads_fractions:
         fixes.append("a runtime with more offload (tuner.runtime=mist-paper prices what DeepSpeed cannot run)")
-    fixes.append(f"a GPU with more than {need / GIB:.1f} GiB (cluster=a100-80g, h100-80g, h200-141g)")
+    if host.fits:
+        fixes.append(f"a GPU with more than {need / GIB:.3g} GiB (cluster=a100-80g, h100-80g, h200-141g)")
+    else:  # the least GPU memory is reached by offloading more than the host holds: more of both, or of the GPU's
+        fixes.append(f"more host memory (cluster.cpu_memory_gib > {specs.cluster.cpu_memory_bytes / GIB:g}) with a "
+                     f"GPU of more than {need / GIB:.3g} GiB, or a GPU that holds what the host cannot")
+    host_text = "" if host.fits else f" That plan also offloads more than the host holds: {host.excess_text(rule)}."
     return (f"no plan fits: the least any plan needs is {need / GIB:.2f} GiB per GPU ({layout}), the GPU has "
             f"{usable / GIB:.2f} GiB usable "
             f"(cluster.gpu.memory_gib minus cluster.gpu.reserve_gib). On its fullest stage {binding} take the most "
             f"({parts[binding] / GIB:.2f} GiB; model states {states / GIB:.2f} GiB, activations "
-            f"{parts['activations'] / GIB:.2f} GiB). What would fit: " + "; ".join(fixes) + ".")
+            f"{parts['activations'] / GIB:.2f} GiB).{host_text} What would fit: " + "; ".join(fixes) + ".")
 
 
 def best_by_simulation(specs: Specs, result: SearchResult, costs, hw, caps: ExecutorCapabilities, top_n: int,
