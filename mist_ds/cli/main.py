@@ -157,21 +157,26 @@ def _explain(cfg: DictConfig) -> int:
 
 
 def _predict_many(cfg: DictConfig) -> int:
-    """Every case of cases=FILE after the job's own overrides, priced together (mist_ds.predict_many)."""
-    import mist_ds
+    """Every case of cases=FILE after the job's own overrides, priced together (mist_ds.predict_many, composed in
+    this app: a user's -cd / -cp / -cn hold for the cases as for the job)."""
     from hydra.utils import to_absolute_path
 
+    from mist_ds.config import recompose_in_app
+    from mist_ds.config.many import compose_many
+    from mist_ds.cost.batch import predict_specs_many
     from mist_ds.report.batch import CASES_FIELD, case_error, many_records, read_cases, render_many
 
     path = OmegaConf.select(cfg, CASES_FIELD)
     if path is None:
         raise ConfigError(CASES_FIELD, NO_VALUE, "give cases=FILE: one line of overrides per strategy to price")
-    cases = read_cases(Path(to_absolute_path(path)))
+    cases_file = Path(to_absolute_path(path))
+    cases = read_cases(cases_file)
     common = task_overrides()
     try:
-        predictions = mist_ds.predict_many([[*common, *case] for case in cases.values()])
+        predictions = predict_specs_many(compose_many([[*common, *case] for case in cases.values()],
+                                                      composed=recompose_in_app))
     except ConfigError as error:  # name the case by its line in the file
-        raise case_error(cases, error) from error
+        raise case_error(cases_file, cases, error) from error
     _emit(cfg, many_records(cases, predictions), lambda: render_many(cases, predictions))
     return EXIT_OK
 

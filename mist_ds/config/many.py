@@ -7,20 +7,26 @@ applied to the merged config in order (`_apply_overrides_to_config`: OmegaConf.u
 Here the first step runs once per distinct list of non-value overrides (the base); the value
 overrides of each top-level group (`model.hidden_size=2048`) are applied to a copy of that group's
 node only, once per distinct (base, group, overrides), and each group is converted to its spec once.
-The groups hold no interpolation into each other, so a group's node depends on its own overrides
-alone. A list the fast path cannot take (a bad key, a value OmegaConf refuses) is composed by
-`compose` itself, which raises the same ConfigError as one-by-one composition, with a note naming the
-case (`case <i>`, the list's index).
+mist_ds's groups hold no interpolation into each other, so a group's node depends on its own overrides
+alone; a group node is read detached from the rest of its config, so that a user's file that interpolates another
+group fails the fast path instead of reading that group before the case's overrides. A list the fast path cannot
+take (a bad key, a value OmegaConf refuses, such an interpolation, `cluster.constants=machine`) is composed whole,
+which raises the same ConfigError as one-by-one composition, with a note naming the case (`case <i>`, the list's
+index).
+
+Whole lists and bases are composed by `compose_config` (mist_ds's configs), or by the function given: inside a
+running `mist-ds` command, `recompose_in_app`, so that the cases see the command line's -cd / -cp / -cn as the job
+did.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from mist_ds.config import compose, compose_config
+from mist_ds.config import compose_config, specs_from_config
 from mist_ds.config.convert import cluster_spec, model_spec, specs_of, train_spec, tuner_spec
 from mist_ds.specs import Specs, check_executor
 from mist_ds.specs.errors import noting_case
@@ -28,11 +34,15 @@ from mist_ds.specs.errors import noting_case
 GROUP_SPECS = {"model": model_spec, "cluster": cluster_spec, "train": train_spec, "tuner": tuner_spec}
 """Groups converted alone; `strategy` is resolved against the model, cluster and training setup."""
 
+ComposeConfig = Callable[[Sequence[str]], DictConfig]
+"""The composed config of an override list (ConfigError on bad input): compose_config, or recompose_in_app."""
+
 
 @dataclass
 class _Memo:
-    """What composing the lists found so far, keyed by override strings."""
+    """What composing the lists found so far, keyed by override strings, and what composes a list."""
 
+    composed: ComposeConfig = compose_config
     parsed: dict[str, Any] = field(default_factory=dict)
     bases: dict[tuple[str, ...], Any] = field(default_factory=dict)
     groups: dict[tuple, Any] = field(default_factory=dict)
@@ -74,8 +84,9 @@ def _group_config(memo: _Memo, base: tuple[str, ...], group: str, lines: tuple[s
     key = (base, group, lines)
     if key not in memo.groups:
         if base not in memo.bases:
-            memo.bases[base] = compose_config(base)
+            memo.bases[base] = memo.composed(base)
         node = copy.deepcopy(memo.bases[base][group])
+        node._set_parent(None)  # an interpolation into another group would read it without the case's overrides
         OmegaConf.set_struct(node, True)  # as in the composed config: a key the schema lacks is refused
         for line in lines:
             override = _parse(memo, line)
@@ -91,8 +102,12 @@ def _converted(memo: _Memo, base, group: str, lines: tuple[str, ...]):
     return memo.specs[key]
 
 
-def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs:
+def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs | None:
+    """The list's Specs from its groups' nodes; None for a list whose cluster takes this machine's measured figures
+    (cluster.constants other than `file`: read over the whole config by specs_from_config)."""
     base, values = _split(memo, overrides)
+    if _group_config(memo, base, "cluster", values.get("cluster", ())).constants != "file":
+        return None
     parts = {g: _converted(memo, base, g, values.get(g, ())) for g in GROUP_SPECS}
     # the strategy's overrides are applied even when the strategy is not read: compose refuses a bad one either way
     strategy = _group_config(memo, base, "strategy", values.get("strategy", ()))
@@ -106,22 +121,25 @@ def _fast(memo: _Memo, overrides: Sequence[str], with_strategy: bool) -> Specs:
 
 class ManyComposer:
     """compose() for list after list, sharing what the lists share (the memo lives as long as this object): each
-    list gives the same Specs, or raises the same ConfigError, as `compose(overrides, with_strategy)`."""
+    list gives the same Specs, or raises the same ConfigError, as `compose(overrides, with_strategy)` (composing
+    with `composed`: compose_config, or recompose_in_app in a mist-ds command)."""
 
-    def __init__(self) -> None:
-        self._memo = _Memo()
+    def __init__(self, composed: ComposeConfig = compose_config) -> None:
+        self._memo = _Memo(composed)
 
     def compose(self, overrides: Sequence[str], with_strategy: bool = True) -> Specs:
         try:
-            return _fast(self._memo, overrides, with_strategy)
-        except Exception:  # noqa: BLE001 - compose gives the error exactly as one-by-one composition does
-            return compose(overrides, with_strategy)
+            specs = _fast(self._memo, overrides, with_strategy)
+        except Exception:  # noqa: BLE001 - composed whole below: the error exactly as one-by-one composition's
+            specs = None
+        return specs if specs is not None else specs_from_config(self._memo.composed(overrides), with_strategy)
 
 
-def compose_many(override_lists: Sequence[Sequence[str]], with_strategy: bool = True) -> list[Specs]:
+def compose_many(override_lists: Sequence[Sequence[str]], with_strategy: bool = True,
+                 composed: ComposeConfig = compose_config) -> list[Specs]:
     """[compose(o, with_strategy) for o in override_lists], sharing what the lists share; an error names its
-    case (`case <i>`)."""
-    composer = ManyComposer()
+    case (`case <i>`). `composed`: what composes a list (module docstring; recompose_in_app in a mist-ds command)."""
+    composer = ManyComposer(composed)
     return [noting_case(i, composer.compose, overrides, with_strategy) for i, overrides in enumerate(override_lists)]
 
 
