@@ -371,3 +371,19 @@ def test_measure_refuses_a_users_model_and_names_where_it_is_measured(tmp_path):
                   "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=4", cwd=tmp_path)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert "measure runs the zoo's models" in run.stderr and "tuner.verify_top_n=3" in run.stderr
+
+
+def test_a_plan_of_a_users_model_says_how_it_trains_and_writes_no_launch_command(tmp_path):
+    """launch/train.py builds the zoo's models only: a Hugging Face config's plan gets no cmd.txt (it would fail
+    after a launch) and summary.md names the user's own script's launch instead."""
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64
+                             ).save_pretrained(tmp_path / "llama")
+    run = mist_ds("tune", "model=hf", f"model.name_or_path={tmp_path / 'llama'}", "model.seq_len=32", "cluster=cpu",
+                  "train.global_batch_size=4", "tuner.compare_baselines=false", "hydra.run.dir=plan", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "cmd.txt" not in _names(tmp_path / "plan")
+    assert (f"`mist-deepspeed --autotune-mist run --plan {tmp_path / 'plan' / 'plan.json'} --num_nodes 1 --num_gpus 2 "
+            "your_script.py`") in (tmp_path / "plan" / "summary.md").read_text()

@@ -85,7 +85,7 @@ def render_summary(plan: Plan, specs: Specs, plan_json: str = "plan.json") -> st
         f"lower bound, {search['candidates_evaluated']:,} stage candidates, {search['seconds']:.2f} s, "
         f"largest optimality gap {search['max_gap']:.2%}",
         *_ranking_lines(search),
-        *_target_lines(specs),
+        *_target_lines(specs, plan_json),
         "",
         "| stage | layers | recomputed | ZeRO | offload w / g / o / a | stable s | delta s | peak GiB | margin GiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -124,11 +124,27 @@ def _ranking_lines(search: dict) -> list[str]:
             f"points by the closed form ({where}; objective {search['objective_s']:.3f} s)"]
 
 
-def _target_lines(specs: Specs) -> list[str]:
+OWN_SCRIPT_HINT = ("train it in your own DeepSpeed script, mist_ds.initialize in place of deepspeed.initialize: "
+                   "`mist-deepspeed --autotune-mist run --plan {plan} --num_nodes {nodes} --num_gpus {gpus} "
+                   "your_script.py` "
+                   "(docs/design.md, Your own script)")
+"""How a plan of a model mist_ds did not write is trained: launch/train.py builds only the zoo's models."""
+
+
+def trains_with_launch_script(specs: Specs) -> bool:
+    """Whether launch/train.py can train the plan (cmd.txt): it builds the zoo's models; a Hugging Face config's or
+    a user's nn.Module's plan trains in the user's own script."""
+    return specs.model.read_model is None
+
+
+def _target_lines(specs: Specs, plan_json: str) -> list[str]:
     """How the tuner's target takes the plan, where it is not mist_ds's launcher (cmd.txt says that one)."""
     target = specs.tuner.target_row
     if not target.trainer_args:
-        return []
+        if trains_with_launch_script(specs):
+            return []
+        return ["- " + OWN_SCRIPT_HINT.format(plan=shlex.quote(plan_json), nodes=specs.cluster.nodes,
+                                              gpus=specs.cluster.gpus_per_node)]
     return [f"- target `{target.name}`: `{USAGE}` in your Trainer script, ds_config.json and {TRAINER_ARGS} from "
             f"this folder, launched on {specs.cluster.num_gpus} ranks (`deepspeed`, `torchrun` or `accelerate "
             "launch`); Trainer refuses arguments that differ from the plan's"]
@@ -227,7 +243,8 @@ def write_plan(directory: Path, plan: Plan, specs: Specs, caps: ExecutorCapabili
     absolute = directory.resolve()  # summary.md's hint works wherever it is read from
     files: dict[str, str | bytes] = {**plan_files(plan, specs, caps, str(absolute / "plan.json")),
                                      **plan_pictures(plan, specs, caps)}
-    if caps.executes_on_deepspeed and with_command and specs.tuner.target_row.writes_train_command:
+    if caps.executes_on_deepspeed and with_command and specs.tuner.target_row.writes_train_command and \
+            trains_with_launch_script(specs):
         cluster = specs.cluster
         command = train_command(absolute / "plan.json", cluster.nodes, cluster.gpus_per_node, absolute / "train")
         files["cmd.txt"] = command_file(command, cluster.gpu.is_cpu_process, cluster.nodes, cluster.gpus_per_node)

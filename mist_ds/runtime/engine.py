@@ -258,8 +258,9 @@ def check_executable(plan: MistBlock, model: ModelSpec, world_size: int, module:
         check_hf_plan(plan, model, module)
     if model.module is not None:
         raise ConfigError("model", f"module {model.module.class_name}", "mist_ds.runtime builds the zoo's models; your "
-                          "own nn.Module trains in your own DeepSpeed script with the plan's ds_config.json (pp = 1 "
-                          "plans; mist_ds.initialize for the whole plan is not built yet)", rule="runtime.user-module")
+                          "own nn.Module trains in your own DeepSpeed script: mist_ds.initialize in place of "
+                          "deepspeed.initialize, launched by mist-deepspeed --autotune-mist run (docs/design.md, Your "
+                          "own script)", rule="runtime.user-module")
     if not (caps.built and caps.executes_on_deepspeed):
         raise ConfigError("strategy.runtime", strategy.runtime, f"mist_ds.runtime runs plans of built DeepSpeed "
                           f"runtimes only [rule {caps.name}.not-built]", rule=f"{caps.name}.not-built")
