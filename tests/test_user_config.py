@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -379,3 +381,17 @@ def test_a_script_can_ask_which_phase_it_runs_in(tmp_path, monkeypatch):
     path.write_text(ScriptSettings("plan", str(tmp_path)).to_json())
     monkeypatch.setenv(SETTINGS_ENV, str(path))
     assert mist_ds.phase() == "plan"
+
+
+def test_a_script_run_without_mist_deepspeed_is_told_how_to_start_it(tmp_path):
+    """`python your_script.py` (no mist-deepspeed, so no phase settings): one line saying how to start it, exit 2, no
+    traceback; before any process group exists."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "user_script.py"
+    env = {key: value for key, value in os.environ.items() if key != "MIST_DS_SETTINGS"}
+    run = subprocess.run([sys.executable, str(script), "--module", "tests.test_user_module:make_gpt"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**env, "DS_ACCELERATOR": "cpu"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "start the script with `mist-deepspeed --autotune-mist run" in run.stderr.splitlines()[-1]

@@ -296,16 +296,9 @@ def _pipeline(settings: ScriptSettings, plan_json: Path, model: Any, spec: Any, 
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
-               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = DEFAULT_PORT,
-               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: Any = None, mesh_param: Any = None, config_params: Any = None, *, pipeline: bool = False,
-               loss: Callable | None = None):
-    """deepspeed.initialize with mist_ds's plan for `model` (module docstring): (engine, optimizer, dataloader,
-    lr_scheduler), as DeepSpeed returns them. `pipeline`: the loop can step with engine.train_batch(data_iter);
-    `loss`: the loss function of a plain nn.Module (default: next-token cross entropy)."""
-    from mist_ds.runtime import join_process_group
-
+def _launch_settings(model: Any, mpu: Any, mesh_param: Any) -> ScriptSettings:
+    """The settings mist-deepspeed started this process with, for a call that hands a model and no layout of its own
+    (ConfigError otherwise: the script's own mistake, or a script started without mist-deepspeed)."""
     if model is None:
         raise ConfigError("model", None, "mist_ds.initialize plans the model it is handed: pass model=")
     for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
@@ -317,6 +310,23 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         raise ConfigError(SETTINGS_ENV, None, "mist_ds.initialize plans inside a launch by mist-deepspeed: start the "
                                               "script with `mist-deepspeed --autotune-mist run [deepspeed's "
                                               "arguments] your_script.py ...` (or call deepspeed.initialize)")
+    return settings
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None, distributed_port: int = DEFAULT_PORT,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None, *, pipeline: bool = False,
+               loss: Callable | None = None):
+    """deepspeed.initialize with mist_ds's plan for `model` (module docstring): (engine, optimizer, dataloader,
+    lr_scheduler), as DeepSpeed returns them. `pipeline`: the loop can step with engine.train_batch(data_iter);
+    `loss`: the loss function of a plain nn.Module (default: next-token cross entropy)."""
+    from mist_ds.runtime import join_process_group
+
+    try:
+        settings = _launch_settings(model, mpu, mesh_param)
+    except ConfigError as error:  # a script run without mist-deepspeed: one line, no traceback, before any group
+        _leave(EXIT_BAD_INPUT, f"error: {error}", together=False)
     # in the plan phase the other ranks wait for rank 0's plan in one collective: a long trace or search must not
     # outlast DeepSpeed's default timeout (10 minutes)
     join_process_group(PLAN_PHASE_TIMEOUT_S if settings.phase == "plan" else None)
