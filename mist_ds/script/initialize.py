@@ -262,8 +262,9 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
             model, is_hf_model(model), par.sp, par.micro_batch_size, config.get("zero_optimization", {}),
             lambda mistake: _leave(EXIT_BAD_INPUT, f"error: a batch: {mistake}", together=False))}
     if dist.get_rank() == 0:
-        log.info("%s; DeepSpeed config: %s", plan_json, "the plan's (AdamW, its precision)" if not user.given else
-                 f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
+        optimizer = "your optimizer object" if deepspeed_args["optimizer"] is not None else "AdamW"
+        log.info("%s; DeepSpeed config: %s", plan_json, f"the plan's ({optimizer}, its precision)" if not user.given
+                 else f"{user.source} with the plan's batch, ZeRO, offload and tensor-parallel settings")
     out = _initialize_deepspeed(deepspeed_args, model, config)
     if par.sp > 1 and training_data is not None:
         out = (out[0], out[1], sequence_parallel_loader(out[0], training_data, deepspeed_args["collate_fn"]), out[3])

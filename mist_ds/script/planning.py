@@ -86,9 +86,20 @@ def sequence_overrides(overrides: Sequence[str], training_data: Any) -> list[str
         asked = override_value(overrides, "tuner.sp")
         if _asks_more_than_one(asked):
             raise ConfigError("tuner.sp", asked, f"{error}; drop --mist tuner.sp or give tuner.sp=[1]") from error
-        log.info("sequence parallelism held to sp 1: %s", error)
+        if _searches_sequence_parallel(overrides):  # said only where the tuner would have tried sp > 1
+            log.info("sequence parallelism held to sp 1: %s", error)
         return [SEQUENCE_HELD]
     return []
+
+
+def _searches_sequence_parallel(overrides: Sequence[str]) -> bool:
+    """Whether the tuner would search sp > 1 for these overrides: tuner.sp given, or a sequence of
+    LONG_SEQUENCE_TOKENS or more (or one the overrides do not say)."""
+    from mist_ds.tuner.space import LONG_SEQUENCE_TOKENS
+
+    seq_len = override_value(overrides, "model.seq_len")
+    return (override_value(overrides, "tuner.sp") is not None or seq_len is None or not seq_len.isdigit()
+            or int(seq_len) >= LONG_SEQUENCE_TOKENS)
 
 
 def pipelines_held_because(hf: bool, client_optimizer: Any, client_scheduler: Any) -> str | None:

@@ -238,28 +238,34 @@ def config_note(user: UserConfig, precision: str) -> str:
             f"{precision} (train.precision); give yours with --deepspeed_config or config=.")
 
 
-def merged_zero(user_zero: Mapping[str, Any], plan_zero: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(zero_optimization as the engine gets it, the user's keys the plan replaced): the plan's keys (stage, buckets,
-    overlap, offload) over the user's others (stage3_gather_16bit_weights_on_model_save, ...); an offload section
-    the plan has keeps the user's other settings of it (pin_memory, ...), one the plan lacks is dropped."""
+def merged_zero(user_zero: Mapping[str, Any], plan_zero: Mapping[str, Any]
+                ) -> tuple[dict[str, Any], list[tuple[str, Any, Any]]]:
+    """(zero_optimization as the engine gets it, (key, the user's value, the plan's) of what the plan changed): the
+    plan's keys (stage, buckets, overlap, offload) over the user's others (stage3_gather_16bit_weights_on_model_save,
+    ...); an offload section the plan has keeps the user's other settings of it (pin_memory, ...), one the plan lacks
+    is dropped. An offload section is said by its device (None: no offload), also where the plan adds one."""
     merged = {key: value for key, value in user_zero.items() if key not in OFFLOAD_KEYS}
-    replaced = [key for key, value in plan_zero.items() if key in user_zero and user_zero[key] != value
-                and key not in OFFLOAD_KEYS]
+    changed = [(key, user_zero[key], value) for key, value in plan_zero.items()
+               if key in user_zero and user_zero[key] != value and key not in OFFLOAD_KEYS]
     for key, value in plan_zero.items():
         merged[key] = value
     for key in OFFLOAD_KEYS:
         mine, theirs = user_zero.get(key), plan_zero.get(key)
         if theirs is not None:
             merged[key] = {**(mine or {}), **theirs}
-        if mine is not None and (theirs is None or mine.get("device") != theirs.get("device")):
-            replaced.append(key)
-    return merged, replaced
+        devices = [None if section is None or section.get("device") == "none" else section.get("device")
+                   for section in (mine, theirs)]
+        if devices[0] != devices[1]:
+            changed.append((key, *devices))
+    return merged, changed
 
 
 def _replaced_text(key: str, mine: Any, theirs: Any, why: str = "") -> str:
     """A replaced key as the notice says it: with both values where they are numbers or words, and `why`."""
     plain = (int, float, str, bool, type(None))
-    return f"{key} ({mine} -> {theirs}{why})" if isinstance(mine, plain) and isinstance(theirs, plain) else key
+    if not (isinstance(mine, plain) and isinstance(theirs, plain)):
+        return key
+    return f"{key} ({'none' if mine is None else mine} -> {'none' if theirs is None else theirs}{why})"
 
 
 def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optimizer: bool
@@ -284,7 +290,7 @@ def merged_config(user: UserConfig, plan_config: Mapping[str, Any], client_optim
             merged[key] = plan_config[key]
     zero, zero_replaced = merged_zero(user.values.get(ZERO_KEY, {}), plan_config.get(ZERO_KEY, {}))
     merged[ZERO_KEY] = zero
-    replaced += [f"{ZERO_KEY}.{key}" for key in zero_replaced]
+    replaced += [_replaced_text(f"{ZERO_KEY}.{key}", mine, theirs) for key, mine, theirs in zero_replaced]
     if "optimizer" not in merged and not client_optimizer:
         merged["optimizer"] = plan_config["optimizer"]
         replaced.append(f"optimizer (yours gives none: {merged['optimizer']['type']}, lr "
