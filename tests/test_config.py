@@ -312,3 +312,12 @@ def test_the_tuner_refuses_a_strategy_override_it_would_ignore(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         mist_ds.tune(["model=tiny", "cluster=cpu", override])
     refuse_strategy_overrides(["model=tiny", "tuner.tp=[2]", "train.strategy_note=1"])  # not the strategy group
+
+
+def test_a_missing_field_says_to_give_it():
+    """A field without a default (model.seq_len of a model of your own) names itself and how to give it, not
+    OmegaConf's 'Structured config of type ... has missing mandatory value'."""
+    with pytest.raises(ConfigError, match=re.escape("model.seq_len: has no default and none was given: give "
+                                                    "model.seq_len=VALUE (the sequence length")) as error:
+        compose(["model=module", "model._target_=tests.test_user_module.make_gpt"])
+    assert error.value.field == "model.seq_len"

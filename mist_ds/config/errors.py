@@ -9,7 +9,8 @@ from typing import Sequence
 import yaml
 from hydra.errors import (ConfigCompositionException, MissingConfigException, OverrideParseException,
                           SearchPathException)
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException,
+                               ValidationError)
 
 from mist_ds.specs import ConfigError
 from mist_ds.specs.errors import NO_VALUE
@@ -52,6 +53,10 @@ def _unknown_key(cause: OmegaConfBaseException, source: str | None) -> ConfigErr
     return ConfigError(field, NO_VALUE, f"unknown field{where}; {hint}fields here: {', '.join(known)}")
 
 
+MISSING_HINTS = {"model.seq_len": " (the sequence length you train with, in tokens; a model of your own has no default)"}
+"""What a missing field means, where its name does not say enough."""
+
+
 def _yaml_error(error: yaml.YAMLError) -> ConfigError:
     """A config file that is no valid YAML (a bracket left open, a duplicate key, a tab indent): the file, and the
     parser's words each with its line and column (1-based)."""
@@ -87,6 +92,9 @@ def as_config_error(error: BaseException, config_dirs: Sequence[str] = ()) -> Co
     where = f" (in {source})" if source else ""
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         return _unknown_key(cause, source)
+    if isinstance(cause, MissingMandatoryValue) and cause.full_key:
+        return ConfigError(cause.full_key, NO_VALUE, f"has no default and none was given{where}: give "
+                                                     f"{cause.full_key}=VALUE{MISSING_HINTS.get(cause.full_key, '')}")
     if isinstance(cause, ValidationError):
         expected = str(cause).split("\n")[0]
         return ConfigError(cause.full_key or "config", NO_VALUE, f"{expected}{where}; give a value of the field's type")
