@@ -324,7 +324,7 @@ def test_eager_attention_under_a_sequence_parallel_plan_is_refused_before_traini
                            "eager"], tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "mist_ds.initialize: error: plan=" in done.stderr
-    assert "differs in attention (sdpa planned, eager here): tune for this model" in done.stderr
+    assert "differs in attention (sdpa planned, eager here): plan this model again" in done.stderr
     assert "loss " not in done.stdout
 
 

@@ -198,10 +198,25 @@ def check_plan_is_for(plan, plan_json: Path, model: Any, loss: Callable | None, 
     elif here["kind"] == "hf":
         differ += _hf_fields_that_differ(plan, spec)
     if differ:
-        raise ConfigError("plan", str(plan_json), f"a plan for {planned}, and the model the script hands over differs "
-                                                  f"in {', '.join(differ)}: tune for this model (drop --plan)",
+        raise ConfigError("plan", str(plan_json), f"{_model_change_text(planned, here, differ)}: plan this model "
+                                                  "again (mist-deepspeed --autotune-mist run without --plan; a "
+                                                  "cmd.txt trains the model it was planned for)",
                           rule="plan.model-source")
     return spec
+
+
+def _model_change_text(planned: dict[str, Any], here: dict[str, Any], differ: list[str]) -> str:
+    """What differs between the planned model and the handed one, in words (a module's hash covers its code,
+    structure, settings and loss; an hf model's fields come described)."""
+    def said(key: str) -> str:
+        if key == "module_sha256":
+            return "its code, structure, settings or loss (module_sha256)"
+        if key in here or key in planned:
+            return f"{key} ({planned.get(key)} planned, {here.get(key)} here)"
+        return key
+
+    name = planned.get("class") or planned.get("architecture") or planned.get("kind")
+    return f"the plan is for {name}, and the model the script hands over differs in {', '.join(map(said, differ))}"
 
 
 def _initialize_deepspeed(deepspeed_args: dict[str, Any], model: Any, config: dict[str, Any]):
