@@ -112,18 +112,35 @@ def model_source_of(model: ModelSpec) -> dict[str, Any]:
         return {"kind": "module", "class": model.module.class_name, "target": model.module.target,
                 "module_sha256": model.module.module_sha256}
     if model.hf is None:
-        return {"kind": "zoo", "name": model.name, "family": model.family}
+        return {"kind": "zoo", "name": model.name, "family": model.family, "shape_sha256": _shape_sha256(model)}
     frozen = {"frozen": list(model.hf.frozen)} if model.hf.frozen else {}
     return {"kind": "hf", "name_or_path": model.hf.name_or_path, "architecture": model.hf.architecture,
             "config_sha256": model.hf.config_sha256, **frozen}
 
 
+SHAPE_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size", "seq_len",
+                "tie_embeddings", "flash_attention", "dropout")
+"""A zoo or YAML model's fields that price it (its name and family are recorded beside them)."""
+RECORDED_LATER = ("shape_sha256",)
+"""model_source keys newer than some plan files: a plan without one is not refused for lacking it."""
+
+
+def _shape_sha256(model: ModelSpec) -> str:
+    """The hash of a zoo or YAML model's priced fields: a model file edited since a plan was tuned is told apart."""
+    import hashlib
+
+    fields = {name: getattr(model, name) for name in SHAPE_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
-    """A plan composed again must describe the model it was tuned for: a Hugging Face config changed on disk since
-    (or another model) is refused, naming both (a plan without a record, from before it existed, is taken as is)."""
-    if not plan.model_source or plan.model_source == model_source_of(model):
+    """A plan composed again must describe the model it was tuned for: a Hugging Face config or a YAML model file
+    changed on disk since (or another model) is refused, naming both (a plan without a record, from before it
+    existed, is taken as is)."""
+    planned = plan.model_source
+    now = {k: v for k, v in model_source_of(model).items() if k in planned or k not in RECORDED_LATER}
+    if not planned or planned == now:
         return
-    planned, now = plan.model_source, model_source_of(model)
     same_hf = planned.get("kind") == now["kind"] == "hf" and planned.get("name_or_path") == now["name_or_path"]
     if same_hf and planned.get("frozen", []) != now.get("frozen", []):
         fix = (f"the plan was tuned with model.frozen={planned.get('frozen', [])} and this job freezes "
@@ -136,6 +153,10 @@ def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
         fix = (f"{now['class']} changed since the plan was tuned (its structure, code, kwargs or loss: sha256 "
                f"{planned.get('module_sha256', '?')[:12]} then, {now['module_sha256'][:12]} now): "
                "re-run `mist-ds tune`")
+    elif planned.get("kind") == now["kind"] == "zoo" and planned.get("name") == now["name"]:
+        fix = (f"model {now['name']}'s config changed since the plan was tuned (its priced fields: sha256 "
+               f"{planned.get('shape_sha256', '?')[:12]} then, {now['shape_sha256'][:12]} now; a YAML file of "
+               "your -cd DIR edited?): re-run `mist-ds tune`")
     else:
         fix = f"it is a plan for {planned}, and the model here is {now}: tune a plan for this model"
     raise ConfigError(PLAN_FIELD, source, fix, rule="plan.model-source")

@@ -387,3 +387,20 @@ def test_a_plan_of_a_users_model_says_how_it_trains_and_writes_no_launch_command
     assert "cmd.txt" not in _names(tmp_path / "plan")
     assert (f"`mist-deepspeed --autotune-mist run --plan {tmp_path / 'plan' / 'plan.json'} --num_nodes 1 --num_gpus 2 "
             "your_script.py`") in (tmp_path / "plan" / "summary.md").read_text()
+
+
+def test_a_plan_tuned_with_a_users_config_dir_is_predicted_from_its_hint_and_a_changed_model_file_refused(tmp_path):
+    """tune -cd DIR records DIR (a hydra.searchpath override): the printed hint predicts the plan from anywhere; a
+    YAML model file edited since is refused naming the change, not priced silently as the new model."""
+    user_config_dir(tmp_path / "mine", "mymodel", "num_layers: 4", "mycpu", "gpus_per_node: 2")
+    run = mist_ds("tune", "-cd", "mine", "model=mymodel", "cluster=mycpu", "train.global_batch_size=16",
+                  "tuner.compare_baselines=false", "hydra.run.dir=plan", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    hint = re.search(r"Reproduce the prediction: `mist-ds (.+)`", (tmp_path / "plan" / "summary.md").read_text())[1]
+    again = mist_ds(*shlex.split(hint), "json=true", cwd=tmp_path / "plan")  # elsewhere: the folder is absolute
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == json.loads((tmp_path / "plan" / "plan.json").read_text())["prediction"]
+    model_file = tmp_path / "mine" / "model" / "mymodel.yaml"
+    model_file.write_text(model_file.read_text().replace("hidden_size: 128", "hidden_size: 256"))
+    changed = mist_ds(*shlex.split(hint), cwd=tmp_path)
+    assert changed.returncode == 2 and "model mymodel's config changed since the plan was tuned" in changed.stderr

@@ -89,6 +89,19 @@ def task_overrides() -> list[str]:
     return job_overrides(CLI_KEYS)
 
 
+def search_path_overrides() -> list[str]:
+    """The running job's own config folders (-cd DIR, -cp DIR, hydra.searchpath's file:// entries) as one
+    hydra.searchpath override, so that a plan records where its model and cluster files are: `predict plan=P`,
+    `explain` and launch/train.py then compose it as tune did. [] without any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    folders = [str(Path(source.path).resolve()) for source in HydraConfig.get().runtime.config_sources
+               if source.schema == "file"]
+    if not folders:
+        return []
+    return [f"hydra.searchpath=[{','.join(hydra_quoted('file://' + folder) for folder in dict.fromkeys(folders))}]"]
+
+
 def _specs_with_plan(cfg: DictConfig) -> Specs:
     """The job's specs; given plan=P, those of P's overrides with the job's own after them (a job's
     model= other than the plan's is refused naming the plan's).
@@ -191,7 +204,8 @@ def _tune(cfg: DictConfig) -> int:
     from mist_ds.report.tune import plan_from_result, remove_plan_files, render_summary, write_plan
     from mist_ds.tuner import NoPlanFits, tune_specs
 
-    out, overrides, specs = Path(HydraConfig.get().runtime.output_dir), task_overrides(), None
+    out, specs = Path(HydraConfig.get().runtime.output_dir), None
+    overrides = task_overrides() + search_path_overrides()  # a plan records where its user's config files are
     try:
         refuse_strategy_overrides(overrides)
         specs = specs_from_config(cfg, with_strategy=False)
