@@ -53,7 +53,8 @@ def _unknown_key(cause: OmegaConfBaseException, source: str | None) -> ConfigErr
     return ConfigError(field, NO_VALUE, f"unknown field{where}; {hint}fields here: {', '.join(known)}")
 
 
-MISSING_HINTS = {"model.seq_len": " (the sequence length you train with, in tokens; a model of your own has no default)"}
+MISSING_HINTS = {"model.seq_len": " (the sequence length you train with, in tokens; a model of your own has no "
+                                  "default)"}
 """What a missing field means, where its name does not say enough."""
 
 
