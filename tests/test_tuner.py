@@ -8,6 +8,7 @@ import functools
 import itertools
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -322,6 +323,15 @@ def test_a_global_batch_no_layout_splits_is_bad_input_naming_the_nearest_that_sp
     assert error.value.field == "train.global_batch_size" and error.value.value == batch
     assert all(text in str(error.value) for text in says), str(error.value)
     assert "a micro-batch size" not in str(error.value) or batch == 14
+
+
+@pytest.mark.parametrize("limit, field", [("tuner.pp=[16]", "tuner.pp"), ("tuner.tp=[4]", "tuner.tp")])
+def test_a_degree_limit_no_layout_meets_is_bad_input_naming_the_degrees_that_would(limit, field):
+    specs = compose(["model=tiny", "cluster=cpu", "cluster.gpus_per_node=2", limit, "tuner.compare_baselines=false"],
+                    with_strategy=False)
+    with pytest.raises(ConfigError, match=re.escape("give some of [1, 2] or leave")) as error:
+        tune_specs(specs, progress=False)
+    assert error.value.field == field
 
 
 def test_deepspeed_runtime_never_tunes_replicated_kv_heads():

@@ -68,11 +68,21 @@ def _predict(specs: Specs, strategy, costs, hw, caps: ExecutorCapabilities) -> P
     return predict_strategy(dataclasses.replace(specs, strategy=strategy), costs, hw, caps)
 
 
-def check_batch_splits(specs: Specs, space: str, caps: ExecutorCapabilities) -> None:
-    """Raises ConfigError naming train.global_batch_size when layouts of the GPUs suit the model but none splits the
-    global batch (a layout's data parallel d times a micro-batch b of tuner.micro_batch_sizes must divide it): the
-    layouts, and the nearest global batches that split."""
+def check_input_gives_points(specs: Specs, space: str, caps: ExecutorCapabilities) -> None:
+    """Raises ConfigError for the user's input that leaves the space no global point: a tuner.pp / tuner.tp limit
+    no layout of the GPUs meets (the degrees that would), or a global batch no layout splits (a layout's data
+    parallel d times a micro-batch b of tuner.micro_batch_sizes must divide it: the layouts, and the nearest global
+    batches that split)."""
     found = layouts(specs.model, specs.cluster, specs.tuner, space, caps)
+    for field in ("tuner.pp", "tuner.tp"):  # a limit that leaves no layout is the user's to change
+        asked = getattr(specs.tuner, field.split(".")[1])
+        unlimited = dataclasses.replace(specs.tuner, **{field.split(".")[1]: None})
+        if not found and asked is not None and layouts(specs.model, specs.cluster, unlimited, space, caps):
+            possible = sorted({(t, S)[field == "tuner.pp"] for t, S, _, _ in
+                               layouts(specs.model, specs.cluster, unlimited, space, caps)})
+            raise ConfigError(field, list(asked), f"no layout of {specs.cluster.num_gpus} GPUs for model "
+                                                  f"{specs.model.name} (space {space}) has these degrees: give some of "
+                                                  f"{possible} or leave {field} out")
     batch, sizes = specs.train.global_batch_size, specs.tuner.micro_batch_sizes
     data = sorted({d for _, _, _, d in found})
     splits = lambda n: any(n % (b * d) == 0 for b in sizes for d in data)  # noqa: E731
@@ -172,7 +182,7 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
     result = search(specs, runtime=runtime, cache_dir=cache_dir, progress=None if show else False)
     if result.best is None:
         if not result.points:
-            check_batch_splits(specs, result.space, runtime)
+            check_input_gives_points(specs, result.space, runtime)
         raise NoPlanFits(explain_no_fit(specs, result, costs, hw, runtime))
     result, ranking = best_by_simulation(specs, result, costs, hw, runtime, specs.tuner.top_n, cache_dir)
     prediction = ranking.plan.prediction
@@ -194,4 +204,4 @@ def tune_specs(specs: Specs, cache_dir: Path | None = None, progress: bool | Non
 
 
 __all__ = ["BASELINE_SPACES", "Baseline", "NoPlanFits", "Reranking", "TuneResult", "best_by_simulation",
-           "check_batch_splits", "explain_no_fit", "tune_specs"]
+           "check_input_gives_points", "explain_no_fit", "tune_specs"]
