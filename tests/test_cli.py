@@ -404,3 +404,13 @@ def test_a_plan_tuned_with_a_users_config_dir_is_predicted_from_its_hint_and_a_c
     model_file.write_text(model_file.read_text().replace("hidden_size: 128", "hidden_size: 256"))
     changed = mist_ds(*shlex.split(hint), cwd=tmp_path)
     assert changed.returncode == 2 and "model mymodel's config changed since the plan was tuned" in changed.stderr
+
+
+def test_a_multirun_with_json_prints_one_document_per_job_and_line(tmp_path):
+    """json=true in a multirun: JSON Lines (one compact document per job), each readable alone; pretty-printed
+    documents one after another are no JSON a reader can split."""
+    run = mist_ds("predict", "-m", "model=tiny", "cluster=cpu", "strategy.zero_stage=0,1", "json=true",
+                  f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(records) == 2 and all("iteration_time_s" in r for r in records)

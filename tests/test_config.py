@@ -102,6 +102,7 @@ BAD_INPUTS = [
     (["train.optimizer=sgd"], "train.optimizer"),
     (["train.grad_clip=-1"], "train.grad_clip"),
     (["strategy.tp=3"], "strategy.tp"),
+    (["cluster.gpu.kernel_overhead_us=inf"], "cluster.gpu.kernel_overhead_us"),  # OmegaConf takes inf for a float
     (["strategy.tp=2", "strategy.pp=8"], "strategy.pp"),  # the degree that does not divide, not tp
     (["strategy.tp=16", "cluster.nodes=2"], "strategy.tp"),
     (["model=falcon-7b", "strategy.tp=2"], "strategy.tp"),

@@ -75,9 +75,14 @@ mkdir creates nothing), no .hydra/ copy of the config, a sweep's jobs share hydr
 
 
 def _emit(cfg: DictConfig, data: Any, render: Callable[[], str]) -> None:
-    """Print a command's result: JSON when the config says json=true, else the text report."""
+    """Print a command's result: JSON when the config says json=true (one line per job in a multirun: JSON Lines, so
+    that the jobs' documents can be read one by one), else the text report."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     if OmegaConf.select(cfg, "json", default=False):
-        print(json.dumps(data, indent=2, default=str))
+        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+        print(json.dumps(data, indent=None if multirun else 2, default=str))
     else:
         print(render())
 
@@ -478,7 +483,9 @@ class Jobs:
         command = COMMANDS[self.command]
         try:
             if not command.reads_plan and OmegaConf.select(cfg, "plan") is not None:
-                raise ConfigError("plan", cfg.plan, f"only `{PROG} predict` reads a plan; drop plan=")
+                readers = " / ".join(f"`{PROG} {name}`" for name, c in COMMANDS.items() if c.reads_plan)
+                raise ConfigError("plan", cfg.plan, f"{readers} read a plan, `{PROG} {self.command}` does not; drop "
+                                                    "plan=")
             if self.command != "profile" and OmegaConf.select(cfg, "cluster.constants") == "machine":
                 from mist_ds.profiling.run import measure_machine_once
 

@@ -1,12 +1,18 @@
 """Schema objects (datasheet units) -> validated SI specs. The one place units are converted."""
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig
+
 from mist_ds.config.schema import ClusterConfig, MistDsConfig, ModelConfig, StrategyConfig, TrainConfig, TunerConfig
 from mist_ds.specs import (ClusterSpec, GpuSpec, InterferenceSpec, ModelSpec, Specs, StrategySpec, TrainSpec,
                            TunerSpec, executor_capabilities)
 from mist_ds.specs.tuner import VerifySpec
 from mist_ds.specs.cluster import DTYPES, GB, GIB, GIGA, MIB, TERA
-from mist_ds.specs.errors import require
+from mist_ds.specs.errors import ConfigError, require
 from mist_ds.specs.model import HF, MODULE, default_ffn_hidden_size
 from mist_ds.specs.strategy import StrategyRequest, resolve_strategy
 from mist_ds.specs.target_rules import check_target
@@ -127,8 +133,24 @@ def gpu_fields(cfg: ClusterConfig, precision: str) -> dict:
     return fields
 
 
+def _require_finite(node: Any, path: str) -> None:
+    """ConfigError naming the first number under `node` that is inf or nan (OmegaConf takes `inf` for a float field;
+    a price in seconds from it would be NaN in every report)."""
+    if dataclasses.is_dataclass(node):  # the schema's objects (OmegaConf.to_object)
+        node = vars(node)
+    if isinstance(node, (DictConfig, dict)):
+        for key, value in node.items():
+            _require_finite(value, f"{path}.{key}")
+    elif isinstance(node, (ListConfig, list)):
+        for i, value in enumerate(node):
+            _require_finite(value, f"{path}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(path, node, "must be a finite number")
+
+
 def cluster_spec(cfg: ClusterConfig, precision: str = "bf16") -> ClusterSpec:
     """The cluster for training in `precision` (the gpu fields `cluster.gpu.per_precision` gives for it)."""
+    _require_finite(cfg, "cluster")
     f = gpu_fields(cfg, precision)
     gpu = GpuSpec(
         name=cfg.gpu.name, memory_bytes=cfg.gpu.memory_gib * GIB,
