@@ -414,3 +414,15 @@ def test_a_multirun_with_json_prints_one_document_per_job_and_line(tmp_path):
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in run.stdout.splitlines()]
     assert len(records) == 2 and all("iteration_time_s" in r for r in records)
+
+
+def test_a_command_that_writes_nothing_leaves_no_empty_run_dir(tmp_path):
+    """predict / explain / show given hydra.run.dir=D (or --out D), as a tune would be, leave no empty D (nor its
+    parents Hydra made), also after a refusal; a folder that existed stays."""
+    (tmp_path / "kept").mkdir()
+    for args in (["predict", *SMALL, "hydra.run.dir=new/run"], ["show", *SMALL, "--out", "other"],
+                 ["predict", *SMALL, "strategy.zero_stage=9", "hydra.run.dir=refused"],
+                 ["show", *SMALL, "hydra.run.dir=kept"]):
+        run = mist_ds(*args, cwd=tmp_path)
+        assert run.returncode in (0, 2), run.stderr
+    assert _names(tmp_path) == {"kept"}

@@ -583,6 +583,31 @@ def searchpath_dirs(overrides: Sequence[str]) -> list[str]:
     return [str(entry).removeprefix("file://") for entry in entries if not str(entry).startswith("pkg://")]
 
 
+@contextlib.contextmanager
+def _leaving_no_empty_folder(command: str, overrides: Sequence[str]) -> Iterator[None]:
+    """Run the block; a command that writes nothing given hydra.run.dir=D or hydra.sweep.dir=D (a habit from tune)
+    leaves no empty D behind: Hydra makes D (and its missing parents) before the job runs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if COMMANDS[command].writes_files:
+        yield
+        return
+    folders = []
+    for override in OverridesParser.create().parse_overrides(
+            [o for o in overrides if o.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir="))]):
+        value = override.value()
+        if isinstance(value, str) and "${" not in value:  # an interpolation's folder is known only inside Hydra
+            folder = Path(value).absolute()
+            folders.append((folder, next(p for p in (folder, *folder.parents) if p.exists())))
+    try:
+        yield
+    finally:
+        for folder, existing in folders:
+            while folder != existing and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+                folder = folder.parent
+
+
 def run_command(command: str, args: Sequence[str]) -> int:
     """`mist-ds <command> <args>`: the exit status (module docstring)."""
     from hydra import __version__ as hydra_version
@@ -602,7 +627,8 @@ def run_command(command: str, args: Sequence[str]) -> int:
             output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             if COMMANDS[command].summarizes_sweeps:
                 parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={hydra_quoted(str(sweep_status))}")
-            _run_hydra_app(jobs, hydra_command_line(parsed))
+            with _leaving_no_empty_folder(command, parsed.overrides):
+                _run_hydra_app(jobs, hydra_command_line(parsed))
         except Exception as error:
             crashed = jobs.full_error or error in jobs.crashed
             bad_input = None if crashed else _input_error(error, config_dirs, output_key)
