@@ -139,7 +139,7 @@ def test_a_plan_autotp_cannot_run_is_refused_in_the_plan_phase(configs, tmp_path
                            str(USER_SCRIPT), "--model_config", str(configs["gpt2"])], tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "mist_ds.initialize: error:" in done.stderr and "AutoTP" in done.stderr, done.stderr[-3000:]
-    assert not (run_dir_of(tmp_path) / "plan" / "plan.json").exists()
+    assert not (run_dir_of(tmp_path) / "plan").exists() and not (run_dir_of(tmp_path) / "settings.plan.json").exists()
 
 
 @pytest.mark.slow  # four launches of 2 ranks

@@ -277,8 +277,10 @@ def run_user_script(mode: str, plan: Path | None, command: Sequence[str], overri
         for stale in ("plan.json", "verify.md", "verify.csv"):  # a run dir used before: nothing of that run's
             (plan_dir / stale).unlink(missing_ok=True)
         shutil.rmtree(plan_dir / CANDIDATES_DIR, ignore_errors=True)
-        code, _ = launch_phase(command, settings_file(base, "plan"))
-        if code != 0:
+        plan_settings = settings_file(base, "plan")
+        code, _ = launch_phase(command, plan_settings)
+        if code != 0:  # refused or failed: the run dir keeps nothing of the plan phase (its plan folder is gone too)
+            plan_settings.unlink(missing_ok=True)
             return code
         plan = plan_dir / "plan.json"
         if not plan.is_file():
