@@ -82,8 +82,12 @@ def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     return {k: v for k, v in vars(obj).items() if k not in skip}
 
 
+BINARY_PREFIXES = (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10))
+"""Bytes as GiB, or MiB / KiB below one GiB (a small model's states would read 0.00 GiB)."""
+
+
 def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+    return next((f"{n / scale:,.2f} {prefix}B" for prefix, scale in BINARY_PREFIXES if n >= scale), f"{n:,.0f} B")
 
 
 SI_PREFIXES = (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3))
