@@ -426,3 +426,10 @@ def test_a_command_that_writes_nothing_leaves_no_empty_run_dir(tmp_path):
         run = mist_ds(*args, cwd=tmp_path)
         assert run.returncode in (0, 2), run.stderr
     assert _names(tmp_path) == {"kept"}
+
+
+def test_show_prints_a_small_models_states_in_a_unit_that_shows_them(tmp_path):
+    run = mist_ds("show", "model=tiny", "cluster=cpu", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    zero = [line for line in run.stdout.splitlines() if line.strip().startswith("ZeRO-")]
+    assert len(zero) == 4 and all(line.endswith(" MiB") and "0.00" not in line for line in zero), zero
