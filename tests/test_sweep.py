@@ -1,7 +1,9 @@
 """`mist-ds tune -m`: one plan, its pictures and cmd.txt per job dir, and the sweep's summary (sweep.csv,
 sweep.md, sweep.json) assembled from the jobs' result.json by the end-of-sweep callback, the same under
 the basic launcher and hydra-joblib-launcher (jobs in other processes), whose exit code is the largest
-job status all the same."""
+job status all the same. Only this sweep's jobs count (each records itself in the sweep's journal): not
+an earlier sweep's folders in a reused sweep dir, nor a result.json the job did not write; a job's
+result that cannot be read, jobs sharing one dir or a summary that cannot be made never give status 0."""
 from __future__ import annotations
 
 import csv
@@ -11,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import DictConfig, OmegaConf
+
+from mist_ds.cli.sweep import JOURNAL_PREFIX, LOST, SweepStatus, SweepSummary
 from mist_ds.report.sweep import CHEAPEST, FASTEST, mark_best, usd_per_million_tokens
 from tests.test_cli import PLAN_FILES, mist_ds
 
@@ -80,7 +86,16 @@ def test_each_plan_dir_has_the_command_that_trains_it(basic_sweep):
         assert ("# 2 nodes: replace `hostfile` by DeepSpeed's hostfile" in text) == (nodes == 2), text
 
 
+def _leave_an_earlier_sweeps_jobs(sweep: Path, jobs: list[str]) -> None:
+    """Job dirs as a finished earlier sweep into `sweep` left them: Hydra's .hydra/ and a result.json."""
+    for job in jobs:
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / "result.json").write_text(json.dumps({"status": 3, "model": "earlier", "reason": "no plan"}))
+
+
 def test_the_same_sweep_under_joblib_gives_the_same_plans(basic_sweep, tmp_path):
+    """Also into a sweep dir reused from an earlier, bigger sweep: its jobs 4 and 5 are no rows of this one."""
+    _leave_an_earlier_sweeps_jobs(tmp_path / "sweep", ["0", "4", "5"])
     run = mist_ds("tune", "-m", *JOBLIB, *GRID, "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     joblib_plans, basic_plans = _plans(tmp_path / "sweep"), _plans(basic_sweep)
@@ -88,10 +103,13 @@ def test_the_same_sweep_under_joblib_gives_the_same_plans(basic_sweep, tmp_path)
     for job, plan in joblib_plans.items():
         assert plan["strategy"] == basic_plans[job]["strategy"]
         assert plan["prediction"] == basic_plans[job]["prediction"]
-    assert len(_rows(tmp_path / "sweep")) == 4
+    rows = _rows(tmp_path / "sweep")
+    assert [(row["job"], row["status"], row["model"]) for row in rows] == [(job, "0", "tiny") for job in "0123"]
+    assert (tmp_path / "sweep" / "sweep.md").read_text().startswith("# Sweep: 4 jobs, status 0\n")
+    assert not list((tmp_path / "sweep").glob(JOURNAL_PREFIX + "*"))  # the journal went into the summary
 
 
-@pytest.mark.slow  # the fast lane checks the status file with test_a_job_that_left_no_result_is_a_lost_row
+@pytest.mark.slow  # the fast lane checks the status file with test_rows_are_this_sweeps_jobs_as_each_ended
 def test_under_joblib_a_job_that_fits_nothing_is_a_row_and_sets_the_exit_code(tmp_path):
     """The jobs run in joblib's workers, which leave no status in the launching process: the exit code
     comes from the jobs' result files, as the summary does."""
@@ -103,20 +121,100 @@ def test_under_joblib_a_job_that_fits_nothing_is_a_row_and_sets_the_exit_code(tm
     assert "no plan fits" in rows[0]["reason"]
 
 
-def test_a_job_that_left_no_result_is_a_lost_row(tmp_path):
-    from omegaconf import OmegaConf
+def _job_config(sweep: Path, num: int, subdir: str) -> DictConfig:
+    """What Hydra hands a job's callbacks: the job's number, dir and overrides."""
+    return OmegaConf.create({"hydra": {"job": {"num": num}, "runtime": {"output_dir": str(sweep / subdir)},
+                                       "overrides": {"task": [f"model=m{num}"]}}})
 
-    from mist_ds.cli.sweep import LOST, SweepSummary
 
-    (tmp_path / "sweep" / "0" / ".hydra").mkdir(parents=True)  # Hydra made the job dir; the job never finished
-    (tmp_path / "sweep" / "1").mkdir()
-    (tmp_path / "sweep" / "1" / "result.json").write_text(json.dumps({"status": 3, "reason": "no plan fits"}))
-    status_file = tmp_path / "status"
-    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}})
-    SweepSummary(str(status_file)).on_multirun_end(config)
-    rows = _rows(tmp_path / "sweep")
-    assert [(row["job"], row["status"]) for row in rows] == [("0", str(LOST)), ("1", "3")]
+def _sweep_config(sweep: Path, subdir: str = "${hydra.job.num}") -> DictConfig:
+    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep), "subdir": subdir}}})
+
+
+def _ended(returned: int | Exception) -> JobReturn:
+    if isinstance(returned, Exception):
+        return JobReturn(status=JobStatus.FAILED, _return_value=returned)
+    return JobReturn(status=JobStatus.COMPLETED, _return_value=returned)
+
+
+def _run_sweep(callback: SweepStatus, sweep: Path, jobs: list[tuple], subdir: str = "${hydra.job.num}") -> None:
+    """The callback's hooks as Hydra calls them around `jobs`: (subdir, what the job writes as result.json: a dict,
+    raw text or None, what it returns or raises: None for a job that never ends)."""
+    callback.on_multirun_start(_sweep_config(sweep, subdir))
+    for num, (job_dir, result, returned) in enumerate(jobs):
+        config = _job_config(sweep, num, job_dir)
+        (sweep / job_dir).mkdir(parents=True, exist_ok=True)
+        callback.on_job_start(config, task_function=print)  # Hydra hands the job's task function
+        if result is not None:
+            (sweep / job_dir / "result.json").write_text(result if isinstance(result, str) else json.dumps(result))
+        if returned is not None:
+            callback.on_job_end(config, _ended(returned))
+    callback.on_multirun_end(_sweep_config(sweep, subdir))
+
+
+def test_rows_are_this_sweeps_jobs_as_each_ended(tmp_path):
+    """A job that never ended (killed) is a LOST row, one that raised too; one that wrote no result.json is a row
+    with its exit status, not the earlier sweep's result.json its dir still holds; an earlier sweep's job is none."""
+    sweep, status_file = tmp_path / "sweep", tmp_path / "status"
+    _leave_an_earlier_sweeps_jobs(sweep, ["2", "9"])
+    _run_sweep(SweepSummary(str(status_file)), sweep, [
+        ("0", None, None), ("1", {"status": 3, "reason": "no plan fits"}, 3), ("2", None, 2),
+        ("3", None, ValueError("a bug"))])
+    rows = _rows(sweep)
+    assert [(row["job"], row["status"]) for row in rows] == [("0", str(LOST)), ("1", "3"), ("2", "2"),
+                                                             ("3", str(LOST))]
+    assert "never ended" in rows[0]["reason"] and rows[1]["reason"] == "no plan fits"
+    assert "no result.json of its own" in rows[2]["reason"] and not rows[2].get("model")
+    assert "raised ValueError: a bug" in rows[3]["reason"]
     assert int(status_file.read_text()) == 3
+    assert not list(sweep.glob(JOURNAL_PREFIX + "*"))
+
+
+def test_a_result_that_is_no_json_is_a_row_saying_so_and_fails_the_sweep(tmp_path):
+    sweep, status_file = tmp_path / "sweep", tmp_path / "status"
+    _run_sweep(SweepSummary(str(status_file)), sweep, [("0", '{"status": 0', 0), ("1", {"status": 0}, 0)])
+    rows = _rows(sweep)
+    assert [(row["job"], row["status"]) for row in rows] == [("0", str(LOST)), ("1", "0")]
+    assert "result.json cannot be read (JSONDecodeError" in rows[0]["reason"]
+    assert int(status_file.read_text()) == LOST
+
+
+def test_a_summary_that_cannot_be_made_leaves_a_failing_status(tmp_path, monkeypatch):
+    """Hydra turns a callback's exception into a warning: the status file must say the sweep failed."""
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mist_ds.cli.sweep.write_files_atomic", fail)
+    status_file = tmp_path / "status"
+    with pytest.raises(OSError, match="disk full"):
+        _run_sweep(SweepSummary(str(status_file)), tmp_path / "sweep", [("0", {"status": 0}, 0)])
+    assert int(status_file.read_text()) == LOST
+
+
+def test_jobs_that_shared_one_dir_are_rows_naming_the_subdir_and_fail_the_sweep(tmp_path):
+    """hydra.sweep.subdir=. puts every job in the sweep dir, each overwriting the others' plan files."""
+    sweep, status_file = tmp_path / "sweep", tmp_path / "status"
+    _run_sweep(SweepSummary(str(status_file)), sweep, [(".", {"status": 0}, 0), (".", {"status": 0}, 0)], subdir=".")
+    rows = _rows(sweep)
+    assert [(row["job"], row["status"]) for row in rows] == [(". (job 0)", "2"), (". (job 1)", "2")]
+    assert all(row["reason"].startswith("hydra.sweep.subdir=.: jobs 0, 1 all wrote into") for row in rows)
+    assert "drop hydra.sweep.subdir" in rows[0]["reason"]
+    assert int(status_file.read_text()) == 2
+
+
+def test_any_commands_sweep_gets_its_status_from_its_jobs_records(tmp_path):
+    """predict, explain, show: no result.json, one dir for all jobs (they write nothing); the status is the jobs'."""
+    sweep, status_file = tmp_path / "sweep", tmp_path / "status"
+    _run_sweep(SweepStatus(str(status_file)), sweep, [(".", None, 0), (".", None, 2)], subdir=".")
+    assert int(status_file.read_text()) == 2
+    assert sorted(p.name for p in sweep.iterdir()) == []  # no summary, and the journal is gone
+
+
+def test_a_predict_sweep_under_joblib_exits_with_its_jobs_largest_status(tmp_path):
+    run = mist_ds("predict", "-m", *JOBLIB, "model=tiny", "cluster=cpu", "strategy.zero_stage=0,9",
+                  "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert "strategy.zero_stage" in run.stderr
+    assert run.returncode == 2, run.stderr
 
 
 def test_best_marks_the_fastest_and_the_cheapest_row_per_model():
@@ -127,6 +225,26 @@ def test_best_marks_the_fastest_and_the_cheapest_row_per_model():
     assert [row["best"] for row in mark_best(rows)] == [CHEAPEST, FASTEST, "", FASTEST]
     assert usd_per_million_tokens(None, 8, 1e4) is None
     assert usd_per_million_tokens(3.6, 10, 1e6 / 3600) == pytest.approx(10.0 * 3.6, rel=1e-12)
+
+
+@pytest.mark.slow  # the fast lane: test_jobs_that_shared_one_dir_are_rows_naming_the_subdir_and_fail_the_sweep
+def test_under_joblib_jobs_sharing_one_dir_fail_the_sweep_naming_hydra_sweep_subdir(tmp_path):
+    """A subdir that interpolates, yet the same for every job (the job's name): known only once the jobs ran."""
+    run = mist_ds("tune", "-m", *JOBLIB, "model=tiny", "cluster=cpu", "train.global_batch_size=128,64",
+                  "tuner.compare_baselines=false", "tuner.quiet=true", "hydra.sweep.dir=sweep",
+                  "hydra.sweep.subdir=${hydra.job.name}", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "hydra.sweep.subdir=${hydra.job.name}: jobs 0, 1 all wrote into" in run.stderr
+    rows = _rows(tmp_path / "sweep")
+    assert [(row["job"], row["status"]) for row in rows] == [("tune (job 0)", "2"), ("tune (job 1)", "2")]
+
+
+def test_a_sweep_whose_jobs_would_share_one_dir_is_refused_before_any_job_runs(tmp_path):
+    run = mist_ds("tune", "-m", "model=tiny", "cluster=cpu", "train.global_batch_size=0,-1", "hydra.sweep.dir=sweep",
+                  "hydra.sweep.subdir=.", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "hydra.sweep.subdir='.': the same dir for every job" in run.stderr and "drop it" in run.stderr
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.slow

@@ -29,10 +29,11 @@ and makes a relative -cp DIR absolute (Hydra would take it relative to this file
 Exit codes: 0 done; 2 bad input: one stderr line naming the field and the fix, no traceback, also for
 what Hydra refuses while composing (a key of a user's config file: the file named) and for an output dir
 it cannot make (set HYDRA_FULL_ERROR=1 for Hydra's traceback instead); 3 no plan
-fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status;
-for tune the statuses are read from the jobs' result.json (mist_ds/cli/sweep.py), so the same holds
-under launchers that run jobs in other processes (hydra/launcher=joblib, submitit_local); a job dir
-left without result.json (a job killed) counts 1.
+fits (tune). A multirun runs every job and exits 0 when all succeeded, else with the largest status:
+each job records its own status in the sweep's journal (mist_ds/cli/sweep.py), so the same holds for
+every command under launchers that run jobs in other processes (hydra/launcher=joblib, submitit_local);
+a job that raised or never ended (killed) counts 1, and a tune job without a readable result.json of its
+own too.
 
 Files: tune writes plan.json, ds_config.json, summary.md, cmd.txt (the command that trains the plan),
 timeline.png/.svg, memory.png/.svg and result.json (its row of a sweep summary; also when no plan fits)
@@ -68,7 +69,10 @@ FULL_ERROR_ENV = "HYDRA_FULL_ERROR"
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
 SWEEP_CALLBACK = "hydra.callbacks.mist_ds_sweep"
 SWEEP_SUMMARY = "mist_ds.cli.sweep.SweepSummary"
-"""The end-of-sweep callback of the commands that summarize sweeps, under its key in Hydra's callbacks."""
+SWEEP_STATUS = "mist_ds.cli.sweep.SweepStatus"
+"""The end-of-sweep callbacks, under their key in Hydra's callbacks: tune's makes the sweep's summary and status,
+every other command's its status alone (a launcher may run any command's jobs in other processes)."""
+SWEEP_SUBDIR = "hydra.sweep.subdir"
 NO_FILES = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra.sweep.subdir=.")
 """Hydra settings of the commands that write nothing: the run dir is the cwd (exists: run_job's
 mkdir creates nothing), no .hydra/ copy of the config, a sweep's jobs share hydra.sweep.dir."""
@@ -352,8 +356,8 @@ Everything after the command is Hydra's command line ({PROG} <command> --help, -
 Older spellings: --json = json=true, --plan P = plan=P, --out D = hydra.run.dir=D.
 
 exit codes: 0 done; 2 bad input (one line naming the field and the fix); 3 no plan fits (tune).
-A multirun exits 0 when every job succeeded, else with the largest job status (tune: also under
-hydra/launcher=joblib; its sweep dir gets sweep.csv and sweep.md, one row per job)."""
+A multirun exits 0 when every job succeeded, else with the largest job status (any launcher, e.g.
+hydra/launcher=joblib); a tune sweep's dir gets sweep.csv and sweep.md, one row per job."""
 
 
 def _config_path(value: str) -> str:
@@ -390,18 +394,34 @@ def rewrite_options(args: Sequence[str]) -> list[str]:
     return rewritten
 
 
+def _last_value(overrides: Sequence[str], key: str | None) -> str | None:
+    """The value the last of `overrides` setting `key` gives it (later overrides win, as in Hydra); None if none."""
+    values = [o.partition("=")[2] for o in overrides if key is not None and o.lstrip("+").partition("=")[0] == key]
+    return values[-1] if values else None
+
+
 def _names_own_out_dir(command: str, overrides: Sequence[str]) -> bool:
     """The user's overrides give the command's own output folder (Command.out_dir_key), not null."""
-    key = COMMANDS[command].out_dir_key
-    values = [o.partition("=")[2] for o in overrides if key is not None and o.lstrip("+").partition("=")[0] == key]
-    return bool(values) and values[-1] not in ("", "null")
+    return _last_value(overrides, COMMANDS[command].out_dir_key) not in (None, "", "null")
+
+
+def refuse_one_dir_for_all_jobs(command: str, multirun: bool, overrides: Sequence[str]) -> None:
+    """A sweep of a command that writes files into Hydra's job dirs, with a hydra.sweep.subdir the same for every
+    job (it interpolates nothing, e.g. `.`): refused before any job runs, as each job would write over the others'
+    files (the sweep callback fails such a sweep too, where the setting comes from a config file)."""
+    if not multirun or not COMMANDS[command].writes_files or _names_own_out_dir(command, overrides):
+        return
+    subdir = _last_value(overrides, SWEEP_SUBDIR)
+    if subdir is not None and "${" not in subdir:
+        raise ConfigError(SWEEP_SUBDIR, subdir, "the same dir for every job of the sweep, each writing over the "
+                          "others' files; drop it (Hydra's default, ${hydra.job.num}, gives each job its own dir)")
 
 
 def hydra_settings(command: str, overrides: Sequence[str] = ()) -> list[str]:
     """Overrides put before the user's (`overrides`), so that theirs (later) still win."""
-    settings = [f"hydra.job.name={command}", f"hydra.help.app_name={hydra_quoted(f'{PROG} {command}')}"]
-    if COMMANDS[command].summarizes_sweeps:
-        settings.append(f"++{SWEEP_CALLBACK}._target_={SWEEP_SUMMARY}")
+    callback = SWEEP_SUMMARY if COMMANDS[command].summarizes_sweeps else SWEEP_STATUS
+    settings = [f"hydra.job.name={command}", f"hydra.help.app_name={hydra_quoted(f'{PROG} {command}')}",
+                f"++{SWEEP_CALLBACK}._target_={callback}"]
     if COMMANDS[command].writes_files and not _names_own_out_dir(command, overrides):
         return settings
     return [*settings, *NO_FILES]
@@ -444,6 +464,7 @@ def hydra_parser(command: str) -> argparse.ArgumentParser:
 def parse_hydra_args(command: str, args: Sequence[str]) -> argparse.Namespace:
     """The user's arguments as Hydra reads them, hydra_settings before their overrides."""
     parsed = hydra_parser(command).parse_args(rewrite_options(args))
+    refuse_one_dir_for_all_jobs(command, parsed.multirun, parsed.overrides)
     if parsed.experimental_rerun is not None:
         raise ConfigError("--experimental-rerun", parsed.experimental_rerun,
                           f"not supported by {PROG}; rerun with the overrides in the job's .hydra/overrides.yaml")
@@ -625,8 +646,7 @@ def run_command(command: str, args: Sequence[str]) -> int:
             config_dirs = [d for d in (parsed.config_dir, parsed.config_path) if d is not None]
             config_dirs += searchpath_dirs(parsed.overrides)
             output_key = "hydra.sweep.dir" if parsed.multirun else output_key
-            if COMMANDS[command].summarizes_sweeps:
-                parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={hydra_quoted(str(sweep_status))}")
+            parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={hydra_quoted(str(sweep_status))}")
             with _leaving_no_empty_folder(command, parsed.overrides):
                 _run_hydra_app(jobs, hydra_command_line(parsed))
         except Exception as error:
