@@ -150,7 +150,8 @@ def check_model_source(plan: Plan, model: ModelSpec, source: str) -> None:
                f"{planned.get('config_sha256', '?')[:12]} then, {now['config_sha256'][:12]} now): "
                "re-run `mist-ds tune`")
     elif planned.get("kind") == now["kind"] == "module" and planned.get("class") == now["class"]:
-        fix = (f"{now['class']} changed since the plan was tuned (its structure, code, kwargs or loss: sha256 "
+        fix = (f"{now['class']} changed since the plan was tuned (its structure, attributes, code or loss; "
+               f"model.kwargs change them: sha256 "
                f"{planned.get('module_sha256', '?')[:12]} then, {now['module_sha256'][:12]} now): "
                "re-run `mist-ds tune`")
     elif planned.get("kind") == now["kind"] == "zoo" and planned.get("name") == now["name"]:

@@ -74,8 +74,12 @@ class Gpt(nn.Module):
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.lm_head.weight = self.tokens.weight
 
+    def embed(self, tokens_BS):
+        """Token and learned position embeddings: the hidden states (b, s, h) the first block gets."""
+        return self.tokens(tokens_BS) + self.positions(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+
     def forward(self, tokens_BS):
-        x_BSD = self.tokens(tokens_BS) + self.positions(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+        x_BSD = self.embed(tokens_BS)
         for block in self.blocks:
             x_BSD = block(x_BSD)
         return self.lm_head(self.ln_f(x_BSD))
@@ -89,7 +93,7 @@ class TwoLists(Gpt):
         self.scales = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(layers - 1)])
 
     def forward(self, tokens_BS):
-        x_BSD = self.tokens(tokens_BS) + self.positions(torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
+        x_BSD = self.embed(tokens_BS)
         for block in self.blocks:
             x_BSD = block(x_BSD)
         for scale in self.scales:
@@ -137,6 +141,100 @@ class NeedsMask(nn.Module):
 
 def make_needs_mask() -> nn.Module:
     return NeedsMask()
+
+
+class SwitchedAttention(Attention):
+    """nanoGPT's switch: a plain attribute, `self.flash`, chooses sdpa or the eager softmax(q k^T / sqrt(d)) v."""
+
+    def __init__(self, hidden: int, heads: int, flash: bool) -> None:
+        super().__init__(hidden, heads)
+        self.flash = flash
+
+    def forward(self, x_BSD):
+        if self.flash:
+            return super().forward(x_BSD)
+        b, s, h = x_BSD.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x_BSD).view(b, s, 3, self.heads, h // self.heads).unbind(2))
+        causal_SS = torch.ones(s, s, dtype=torch.bool, device=x_BSD.device).tril()
+        scores = ((q @ k.transpose(-2, -1)) / k.shape[-1] ** 0.5).masked_fill(~causal_SS, float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h))
+
+
+def make_switched_gpt(flash: bool = True) -> nn.Module:
+    """The command line's model._target_ with +model.kwargs.flash=...: a kwarg that only sets an attribute."""
+    model = Gpt()
+    for block in model.blocks:
+        block.attn = SwitchedAttention(HIDDEN, HEADS, flash)
+    return model
+
+
+class SequentialGpt(Gpt):
+    """Karpathy's "Let's build GPT": the blocks in an nn.Sequential called as one; an MLP of mixed layers after them
+    (a Sequential longer than the blocks, never taken for them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*self.blocks)
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN))
+
+    def forward(self, tokens_BS):
+        x_BSD = self.embed(tokens_BS)
+        return self.lm_head(self.ln_f(self.mlp(self.blocks(x_BSD))))
+
+
+class AdapterGpt(Gpt):
+    """An adapter applied between each two blocks: outside the blocks' calls, so not priced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS - 1)])
+
+    def forward(self, tokens_BS):
+        x_BSD = self.embed(tokens_BS)
+        for index, block in enumerate(self.blocks):
+            x_BSD = block(x_BSD)
+            if index < len(self.adapters):
+                x_BSD = self.adapters[index](x_BSD)
+        return self.lm_head(self.ln_f(x_BSD))
+
+
+def make_adapter_gpt() -> nn.Module:
+    return AdapterGpt()
+
+
+class DictGpt(Gpt):
+    def forward(self, tokens_BS):
+        return {"logits": super().forward(tokens_BS), "aux": None}
+
+
+class NanoGpt(Gpt):
+    """nanoGPT's forward: (logits, loss), and without targets only the last position's logits."""
+
+    def forward(self, tokens_BS, targets_BS=None):
+        x_BSD = self.embed(tokens_BS)
+        for block in self.blocks:
+            x_BSD = block(x_BSD)
+        x_BSD = self.ln_f(x_BSD)
+        if targets_BS is None:
+            return self.lm_head(x_BSD[:, [-1], :]), None
+        logits_BSV = self.lm_head(x_BSD)
+        return logits_BSV, F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
+
+
+class AllPositions(nn.Module):
+    """The wrapper the refusal of NanoGpt asks for: its parts called as its forward calls them, every position's
+    logits returned."""
+
+    def __init__(self, gpt: NanoGpt) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens_BS):
+        gpt = self.gpt
+        x_BSD = gpt.embed(tokens_BS)
+        for block in gpt.blocks:
+            x_BSD = block(x_BSD)
+        return gpt.lm_head(gpt.ln_f(x_BSD))
 
 
 def traced(overrides, module: nn.Module, loss=None):
@@ -207,7 +305,7 @@ def test_the_head_is_what_the_forward_does_after_the_blocks():
 def test_the_blocks_are_the_longest_module_list_or_the_named_one():
     specs = mist_ds.compose([*RUN, "model.blocks_attr=scales", "model.num_heads=1"], model=TwoLists(layers=3))
     assert specs.model.num_layers == 2 and specs.model.module.blocks_attr == "scales"
-    with pytest.raises(ConfigError, match="several ModuleLists of 2 blocks"):
+    with pytest.raises(ConfigError, match="several ModuleLists or Sequentials of 2 blocks"):
         mist_ds.compose(list(RUN), model=_equal_lists())
     with pytest.raises(ConfigError, match="model.blocks_attr"):
         mist_ds.compose([*RUN, "model.blocks_attr=nothing.here"], model=Gpt())
@@ -293,8 +391,172 @@ def test_the_command_line_builds_the_module_from_its_target(tmp_path):
 
 @pytest.mark.parametrize("target, reason", [("tests.no_such_module.make", "cannot be imported"),
                                             ("tests.test_user_module.make_no_module", "not a torch.nn.Module"),
-                                            ("tests.test_user_module.make_needs_mask", "token ids")])
+                                            ("tests.test_user_module.make_needs_mask", "token ids"),
+                                            ("tests.test_user_module.make_adapter_gpt", "between its blocks")])
 def test_a_bad_target_exits_2_with_the_reason(target, reason):
     done = cli("show", "model=module", f"model._target_={target}", *RUN)
     assert done.returncode == 2, done.stderr[-2000:]
     assert reason in done.stderr and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def module_sha256(module: nn.Module, overrides=RUN, loss=None) -> str:
+    return mist_ds.compose(list(overrides), model=module, loss=loss).model.module.module_sha256
+
+
+def test_a_plain_attribute_that_steers_the_forward_is_part_of_the_identity():
+    """nanoGPT's `self.flash`: the same structure and code, another program (eager attention keeps the s x s scores).
+    A kwarg that only sets it changes the identity through it (the kwargs themselves are not hashed: a plan tuned
+    from model._target_ must match the same module handed over by a script)."""
+    hashes = {flash: module_sha256(make_switched_gpt(flash)) for flash in (True, False)}
+    assert hashes[True] != hashes[False]
+    target = ("model=module", "model._target_=tests.test_user_module.make_switched_gpt", *RUN)
+    assert mist_ds.compose([*target, "+model.kwargs.flash=false"]).model.module.module_sha256 == hashes[False]
+    saved = [traced(RUN, make_switched_gpt(flash))[1].block("saved_bytes", 2, SEQ, 1) for flash in (True, False)]
+    assert saved[1] > saved[0]  # the scores, priced: not the first one's analysis read back from the cache
+
+
+def plain_cross_entropy(logits_BSV, labels_BS):
+    return F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten())
+
+
+def scaled_cross_entropy(scale: float):
+    return lambda logits_BSV, labels_BS: scale * plain_cross_entropy(logits_BSV, labels_BS)
+
+
+def test_the_loss_is_identified_by_its_name_and_code():
+    """Two losses of one file, and two a factory made for other values, are other modules; the same loss the same."""
+    module = Gpt()
+    hashes = [module_sha256(module, loss=loss) for loss in (plain_cross_entropy, upcast_cross_entropy,
+                                                            scaled_cross_entropy(1.0), scaled_cross_entropy(2.0),
+                                                            plain_cross_entropy)]
+    assert len(set(hashes[:4])) == 4 and hashes[4] == hashes[0]
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+SCALE = {scale}
+
+
+def squash(x):
+    return torch.tanh(x){helper_edit}
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.n_head = 2
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = squash(block(x))
+        return (x * SCALE){forward_edit} @ self.embed.weight.T
+{elsewhere}'''
+TRAINING_LOOP = """
+# the script's own training loop, edited between runs
+def train(model, steps=100, lr=3e-4):
+    return [step * lr for step in range(steps)]
+"""
+
+
+def _tiny_from_file(folder, monkeypatch, **edits) -> nn.Module:
+    """The Tiny module of MODEL_FILE with `edits`, imported as `usermodel` from its own folder."""
+    import importlib.util
+
+    fields = {"scale": "1.0", "helper_edit": "", "forward_edit": "", "elsewhere": "", **edits}
+    folder.mkdir()
+    path = folder / "usermodel.py"
+    path.write_text(MODEL_FILE.format(**fields))
+    spec = importlib.util.spec_from_file_location("usermodel", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "usermodel", module)  # inspect.getsource finds a class's file through it
+    spec.loader.exec_module(module)
+    return module.Tiny()
+
+
+def test_the_identity_holds_the_classes_code_not_their_files(tmp_path, monkeypatch):
+    """A comment or a training loop elsewhere in the model's file keeps the hash; an edit of the forward, of a helper
+    it calls or of a constant it reads changes it."""
+    overrides = ("model.seq_len=16", "model.num_heads=2")
+    variants = {"plain": {}, "elsewhere": {"elsewhere": TRAINING_LOOP}, "forward": {"forward_edit": " * 2"},
+                "helper": {"helper_edit": " * 2"}, "constant": {"scale": "2.0"}}
+    hashes = {name: module_sha256(_tiny_from_file(tmp_path / name, monkeypatch, **edits), overrides)
+              for name, edits in variants.items()}
+    assert hashes["elsewhere"] == hashes["plain"]
+    assert len({hashes[name] for name in ("plain", "forward", "helper", "constant")}) == 4
+
+
+@dataclasses.dataclass
+class Settings:
+    window: int = 8
+    kinds: tuple = ("a", "b")
+
+
+def hash_in_a_process_of_its_own(seed: str) -> str:
+    code = ("from tests.test_user_module import *; module = Gpt(); module.settings = Settings(); "
+            "print(module_sha256(module, loss=lambda l, y: plain_cross_entropy(l, y) * (1 if 'x' in {'x', 'y', 'z'} "
+            "else 2)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONHASHSEED": seed})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()[-1]
+
+
+def test_the_identity_is_the_same_in_every_process():
+    """Names, values and code only: no id(), no address, no set order (string hashes differ between processes)."""
+    assert hash_in_a_process_of_its_own("1") == hash_in_a_process_of_its_own("2")
+
+
+def test_blocks_held_in_an_sequential_price_as_in_a_module_list():
+    specs, costs = traced(RUN, SequentialGpt())
+    assert (specs.model.module.blocks_attr, specs.model.num_layers) == ("blocks", LAYERS)  # not the longer mlp
+    listed_specs, listed = traced(RUN, Gpt())
+    assert specs.model.block_params() == listed_specs.model.block_params()
+    assert costs.block("fwd_flops", 2, SEQ, 1) == listed.block("fwd_flops", 2, SEQ, 1)
+    assert costs.head("fwd_flops", 2, SEQ, 1) == listed.head("fwd_flops", 2, SEQ, 1) + 2 * 2 * SEQ * 2 * HIDDEN**2
+    assert mist_ds.compose([*RUN, "model.blocks_attr=blocks"], model=SequentialGpt()).model.num_layers == LAYERS
+
+
+def test_a_sequential_of_mixed_layers_is_no_blocks_and_equal_candidates_are_named():
+    with pytest.raises(ConfigError, match="model.blocks_attr='mlp'.*differs from block 0 in class"):
+        mist_ds.compose([*RUN, "model.blocks_attr=mlp"], model=SequentialGpt())
+    module = SequentialGpt()
+    module.mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))  # one class, as long
+    with pytest.raises(ConfigError, match=r"several ModuleLists or Sequentials of 2 blocks \(blocks, mlp\)"):
+        mist_ds.compose(list(RUN), model=module)
+
+
+def test_parameters_used_between_blocks_are_refused_by_name():
+    with pytest.raises(ConfigError, match="adapters.0.weight, adapters.0.bias between its blocks") as refused:
+        mist_ds.compose(list(RUN), model=AdapterGpt())
+    assert (refused.value.field, refused.value.rule) == ("model", "module.between-blocks")
+
+
+def item_of_loss(logits_BSV, labels_BS):
+    return plain_cross_entropy(logits_BSV, labels_BS).item()
+
+
+@pytest.mark.parametrize("loss, reason", [
+    (item_of_loss, "raised RuntimeError"),
+    (lambda logits_BSV, labels_BS: F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), reduction="none"),
+     r"returned a tensor of shape \(3\d+,\)"),
+    (lambda logits_BSV, labels_BS, mask_BS: plain_cross_entropy(logits_BSV, labels_BS), "signature"),
+    (lambda logits_BSV, labels_BS: (plain_cross_entropy(logits_BSV, labels_BS), 0), "returned a tuple"),
+    (lambda logits_BSV, labels_BS: torch.zeros((), device=logits_BSV.device), "without a gradient"),
+    (5, "int is not callable")])
+def test_a_loss_that_is_not_a_scalar_function_of_logits_and_labels_is_refused(loss, reason):
+    with pytest.raises(ConfigError, match=reason) as refused:
+        mist_ds.compose(list(RUN), model=Gpt(), loss=loss)
+    assert refused.value.field == "loss" and "loss(logits (b, s, V), labels (b, s))" in str(refused.value)
+
+
+def test_logits_in_a_mapping_are_read_and_a_last_position_forward_is_refused_with_the_way_out():
+    assert mist_ds.compose(list(RUN), model=DictGpt()).model.vocab_size == VOCAB
+    with pytest.raises(ConfigError, match=r"returns torch.Size\(\[3, 1, 4096\]\).*wrapper module"):
+        mist_ds.compose(list(RUN), model=NanoGpt())
+    wrapped = mist_ds.compose(list(RUN), model=AllPositions(NanoGpt())).model
+    assert wrapped.total_params() == mist_ds.compose(list(RUN), model=Gpt()).model.total_params()

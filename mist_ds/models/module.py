@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_after_last_block, run_to_first_block
-from mist_ds.specs.module import ModuleSource, hidden_input, logits_of
+from mist_ds.specs.module import ModuleSource, call_loss, hidden_input, logits_of
 
 TIED = " (tied)"
 """Suffix of the head's record of a weight it shares with the embedding (mist_ds/specs/module.py)."""
@@ -59,7 +59,7 @@ class ModuleHead(nn.Module):
         super().__init__()
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "last_block", model.get_submodule(source.blocks_attr)[-1])
-        object.__setattr__(self, "loss_function", loss or next_token_cross_entropy)
+        object.__setattr__(self, "loss_function", loss)
         self.own = _own(model, source, "head")
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,11 @@ class ModuleHead(nn.Module):
         return logits_of(run_after_last_block(self.last_block, lambda: self.model(tokens_BS), x_BSD))
 
     def loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        return self.loss_function(logits_BSV, labels_BS)
+        """The user's loss (refused unless it returns a scalar tensor: it was tried when the module was read, and a
+        failure here is theirs too), else next-token cross entropy."""
+        if self.loss_function is None:
+            return next_token_cross_entropy(logits_BSV, labels_BS)
+        return call_loss(self.loss_function, logits_BSV, labels_BS)
 
 
 def parts(model: nn.Module, source: ModuleSource, loss: Callable | None = None) -> dict[str, nn.Module]:

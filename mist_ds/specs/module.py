@@ -5,10 +5,11 @@ part from what that run touches (docs/design.md, Your own model).
     mist-ds tune model=module model._target_=mypkg.models.make_model model.seq_len=1024  # command line
 
 The module's forward takes token ids (b, s) (int64) and returns logits (b, s, V): a tensor, or a tuple / list whose
-first item is one, or an object with `.logits`. Its blocks are an nn.ModuleList: the longest one whose items are of
-one class (each with the same parameter shapes), or the one `model.blocks_attr` names. Parts, as one run of the
-forward on token ids shows them: `embedding` holds the parameters used before the first block, and those the
-forward never uses; `block` the first block's (every block alike); `head` those used after the last block. A weight
+first item is one, a mapping's "logits", or an object's `.logits`. Its blocks are an nn.ModuleList or nn.Sequential:
+the longest one whose items are of one class (each with the same parameter shapes), or the one `model.blocks_attr`
+names. Parts, as one run of the forward on token ids shows them: `embedding` holds the parameters used before the
+first block, and those the forward never uses; `block` the first block's (every block alike); `head` those used after
+the last block; a parameter used between two blocks' calls is refused (module.between-blocks). A weight
 used both before and after the blocks (an LM head tied to the token embedding) must be the (V, h) vocabulary
 matrix: counted once, in the embedding, and held by the head part too (the zoo's convention). Read from the run:
 the hidden size h (the first block's input, (b, s, h)), the vocabulary V (the logits' last size), the tie, and
@@ -18,12 +19,16 @@ torch is imported only when a module is read (the zoo never loads it here).
 """
 from __future__ import annotations
 
+import dataclasses
+import dis
+import functools
 import hashlib
 import importlib
 import inspect
 import json
+import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from mist_ds.specs.errors import ConfigError
@@ -46,10 +51,11 @@ class ModuleSource:
     class_name: str
     """module.qualname of the module's class."""
     module_sha256: str
-    """Hash of its structure (repr, parameter and buffer names, shapes, dtypes, requires_grad), the source of its
-    classes outside torch, the blocks' path and the loss: the module's identity in caches."""
+    """Hash of its structure (repr, parameter and buffer names, shapes, dtypes, requires_grad), its submodules' plain
+    attributes, the code of its classes outside torch, the blocks' path and the loss (module_hash): the module's
+    identity in caches and plans."""
     blocks_attr: str
-    """Attribute path of the blocks (an nn.ModuleList), e.g. transformer.h."""
+    """Attribute path of the blocks (an nn.ModuleList or nn.Sequential), e.g. transformer.h."""
     num_blocks: int
     params: tuple[HfParam, ...]
     head_dim: int
@@ -112,27 +118,38 @@ def meta_copy(module):
     return copy.deepcopy(module, memo)
 
 
-def find_module_blocks(model, blocks_attr: str | None) -> tuple[str, Any]:
-    """(path, ModuleList) of the blocks: the one `blocks_attr` names, else the longest ModuleList of one class."""
+def block_containers(model) -> dict[str, Any]:
+    """{path: container} of the model's non-empty nn.ModuleLists and nn.Sequentials (not the model itself): where
+    blocks can be held. A Sequential calls its items one after another, each with its own hooks, as a forward's loop
+    over a ModuleList does (Karpathy's `self.blocks = nn.Sequential(*[Block(...) for _ in range(n)])`)."""
     import torch
 
+    return {path: m for path, m in model.named_modules()
+            if path and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m)}
+
+
+def find_module_blocks(model, blocks_attr: str | None) -> tuple[str, Any]:
+    """(path, container) of the blocks: the one `blocks_attr` names, else the longest nn.ModuleList or nn.Sequential
+    whose items are of one class (an MLP's Sequential(Linear, GELU, Linear) never is)."""
     name = type(model).__name__
-    lists = {path: m for path, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)}
+    containers = block_containers(model)
     if blocks_attr:
-        found = lists.get(blocks_attr)
+        found = containers.get(blocks_attr)
         if found is None:
-            raise ConfigError("model.blocks_attr", blocks_attr, f"{name} has no nn.ModuleList there; its ModuleLists: "
-                                                                f"{', '.join(lists) or 'none'}")
+            raise ConfigError("model.blocks_attr", blocks_attr,
+                              f"{name} has no nn.ModuleList or nn.Sequential there; its ModuleLists and Sequentials: "
+                              f"{', '.join(containers) or 'none'}")
         return blocks_attr, found
-    alike = {path: m for path, m in lists.items() if len({type(block) for block in m}) == 1}
+    alike = {path: m for path, m in containers.items() if len({type(block) for block in m}) == 1}
     if not alike:
-        raise ConfigError("model.blocks_attr", None, f"{name} has no nn.ModuleList of blocks of one class: mist_ds "
-                                                     "prices models whose repeated blocks are one (name it)")
+        raise ConfigError("model.blocks_attr", None, f"{name} has no nn.ModuleList or nn.Sequential of blocks of one "
+                                                     "class: mist_ds prices models whose repeated blocks are one "
+                                                     "(name it)")
     longest = max(len(m) for m in alike.values())
     top = [path for path, m in alike.items() if len(m) == longest]
     if len(top) > 1:
         raise ConfigError("model.blocks_attr", None,
-                          f"{name} has several ModuleLists of {longest} blocks "
+                          f"{name} has several ModuleLists or Sequentials of {longest} blocks "
                           f"({', '.join(top)}): name the blocks, e.g. model.blocks_attr={top[0]}")
     return top[0], alike[top[0]]
 
@@ -153,34 +170,38 @@ def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, Any]:
 
 
 def logits_of(output) -> Any:
-    """The logits in what a forward returns: the tensor, a tuple's / list's first item, or `.logits`."""
+    """The logits in what a forward returns: the tensor, a tuple's / list's first item, a mapping's "logits" or
+    `.logits`."""
     import torch
 
     if isinstance(output, (tuple, list)) and output:
         output = output[0]
+    if isinstance(output, Mapping):
+        output = output.get("logits")
     output = getattr(output, "logits", output)
     return output if isinstance(output, torch.Tensor) else None
 
 
 class _Run:
-    """What one forward on token ids showed: parameters used per phase, the first block's call, the output."""
+    """What one forward on token ids showed: parameters used per phase (before the first block, inside a block's
+    call, between two blocks' calls, after the last block), the first block's call, the output."""
 
     def __init__(self) -> None:
-        self.used: dict[str, set[int]] = {"embedding": set(), "block": set(), "head": set()}
+        self.used: dict[str, set[int]] = {"embedding": set(), "block": set(), "between": set(), "head": set()}
         self.block_calls = 0
         self.first_call: tuple | None = None
         self.output: Any = None
 
 
 def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
-    """Run `meta`'s forward on `tokens_BS`, noting each parameter a torch function receives before the first
-    block (embedding) and after the last (head)."""
+    """Run `meta`'s forward on `tokens_BS`, noting each parameter a torch function receives in each phase (_Run)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
 
     run = _Run()
     phase = ["embedding"]
+    depth = [0]  # calls of blocks under way (a block could call another)
 
     class ParamUse(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -194,11 +215,13 @@ def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
         run.block_calls += 1
         if run.first_call is None:
             run.first_call = (args, kwargs)
+        depth[0] += 1
         phase[0] = "block"
 
     def leave(module, args, output):
-        if module is blocks[-1]:
-            phase[0] = "head"
+        depth[0] -= 1
+        if depth[0] == 0:
+            phase[0] = "head" if module is blocks[-1] else "between"
 
     handles = [block.register_forward_pre_hook(enter, with_kwargs=True) for block in blocks]
     handles += [block.register_forward_hook(leave) for block in blocks]
@@ -211,8 +234,8 @@ def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
     return run
 
 
-def _refuse(model, why: str) -> ConfigError:
-    return ConfigError("model", type(model).__qualname__, why)
+def _refuse(model, why: str, rule: str = "") -> ConfigError:
+    return ConfigError("model", type(model).__qualname__, why, rule=rule)
 
 
 def _read_run(meta, blocks, seq_len: int) -> tuple[_Run, int, int]:
@@ -238,16 +261,64 @@ def _read_run(meta, blocks, seq_len: int) -> tuple[_Run, int, int]:
     logits_BSV = logits_of(run.output)
     if logits_BSV is None or logits_BSV.dim() != 3 or tuple(logits_BSV.shape[:2]) != (batch, seq_len):
         raise _refuse(meta, f"its forward returns {getattr(logits_BSV, 'shape', type(run.output).__name__)} for "
-                            f"token ids ({batch}, {seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V)")
+                            f"token ids ({batch}, {seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V): "
+                            f"{ALL_POSITIONS_HINT}")
     return run, int(hidden_BSD.shape[-1]), int(logits_BSV.shape[-1])
+
+
+ALL_POSITIONS_HINT = (
+    "mist_ds prices the logits of every position, as training computes them; a forward returning something else "
+    "(nanoGPT's GPT without targets: the last position's logits) is planned as a wrapper module whose "
+    "forward(tokens) returns them, e.g. calling its embeddings, blocks, final norm and output layer as its forward "
+    "does, with the loss as loss= (default: next-token cross entropy)")
+"""How to plan a module whose forward does not return the logits of every position (docs/design.md)."""
+
+LOSS_USAGE = "must be callable as loss(logits (b, s, V), labels (b, s)) returning a scalar tensor"
+
+
+def check_loss_callable(loss, field: str) -> None:
+    """ConfigError on `field` unless `loss` is None or can be called with two positional arguments."""
+    if loss is None:
+        return
+    if not callable(loss):
+        raise ConfigError(field, loss if isinstance(loss, (int, float, str)) else type(loss).__name__,
+                          f"{LOSS_USAGE}; a {type(loss).__name__} is not callable")
+    try:
+        inspect.signature(loss).bind(None, None)
+    except TypeError as error:
+        raise ConfigError(field, loss_name(loss), f"{LOSS_USAGE}; its signature does not take those two "
+                                                  f"arguments ({error})") from error
+    except ValueError:  # no signature to read (a builtin): calling it tells
+        pass
+
+
+def call_loss(loss: Callable, logits_BSV, labels_BS, field: str = "loss"):
+    """loss(logits, labels), refused on `field` unless it runs and returns a scalar tensor with a gradient where the
+    logits have one (a Python number, .item(), or reduction="none" cannot be trained on)."""
+    import torch
+
+    try:
+        result = loss(logits_BSV, labels_BS)
+    except Exception as error:  # the user's loss: any failure is bad input, reported with its own message
+        raise ConfigError(field, loss_name(loss), f"{LOSS_USAGE}; called on meta tensors of those shapes it raised "
+                                                  f"{type(error).__name__}: {error}") from error
+    if not isinstance(result, torch.Tensor) or result.dim() != 0:
+        got = f"a tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else \
+            f"a {type(result).__name__}"
+        raise ConfigError(field, loss_name(loss), f"{LOSS_USAGE}; it returned {got}")
+    if logits_BSV.requires_grad and not result.requires_grad:
+        raise ConfigError(field, loss_name(loss), f"{LOSS_USAGE}; it returned a tensor without a gradient: compute "
+                                                  "it from the logits")
+    return result
 
 
 def read_params(meta, blocks_attr: str, blocks, run: _Run, vocab: int, hidden: int) -> tuple[tuple[HfParam, ...], bool]:
     """(parameters by part, tied) from what the run touched (this module's docstring says which part is which)."""
     linear = linear_weights(meta)
     block_ids = {id(p) for block in blocks for p in block.parameters()}
-    if block_ids & (run.used["embedding"] | run.used["head"]):
+    if block_ids & (run.used["embedding"] | run.used["between"] | run.used["head"]):
         raise _refuse(meta, "a parameter of its blocks is also used outside them: not priced")
+    _refuse_work_between_blocks(meta, run)
     records = [HfParam("block", f"{blocks_attr}.0.{name}", tuple(p.shape), id(p) in linear, p.requires_grad)
                for name, p in blocks[0].named_parameters()]
     tied = False
@@ -266,41 +337,241 @@ def read_params(meta, blocks_attr: str, blocks, run: _Run, vocab: int, hidden: i
     return tuple(records), tied
 
 
+def _refuse_work_between_blocks(meta, run: _Run) -> None:
+    """Refused, naming them: parameters the forward uses between two blocks' calls, outside the blocks (an adapter
+    applied after each block). Each block is priced as block 0's trace and the work between blocks is in no part:
+    priced as it is, they would be missing from the time and filed under the embedding."""
+    between = [name for name, p in meta.named_parameters() if id(p) in run.used["between"]]
+    if not between:
+        return
+    shown = ", ".join(between[:6]) + (f" and {len(between) - 6} more" if len(between) > 6 else "")
+    raise _refuse(meta, f"its forward uses {shown} between its blocks, outside the blocks' own calls: mist_ds prices "
+                        "every block as block 0's trace and does not price work between blocks; make that work part "
+                        "of each block (a module calling the block and its adapter, held in the blocks' list)",
+                  rule="module.between-blocks")
+
+
 def _attribute(blocks, fields: tuple[str, ...]) -> set[int]:
     return {int(getattr(m, f)) for m in blocks[0].modules() for f in fields
             if isinstance(getattr(m, f, None), int) and not isinstance(getattr(m, f), bool)}
 
 
-def _source_digest(objects) -> str:
-    """Hash of the source files defining `objects`' classes or functions (outside torch); the bytecode where no
-    file can be read (a class typed into a REPL)."""
-    digest = hashlib.sha256()
-    for obj in objects:
-        if (getattr(obj, "__module__", "") or "").split(".")[0] == "torch":
-            continue
+NOT_PLAIN = object()
+"""What plain_value returns for a value that is not plain data."""
+
+
+def plain_value(value) -> Any:
+    """`value` as JSON when it is plain data that can steer a forward: bool, int, float, str, None, a torch dtype, a
+    function (by its qualified name); lists and tuples of such; of a str-keyed dict or a dataclass (a config) its
+    plain entries. Anything else (a tensor, a module, an object) is NOT_PLAIN: never an id() or an address."""
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"function {qualified_name(value)}"
+    if isinstance(value, (tuple, list)):
+        items = [plain_value(item) for item in value]
+        return NOT_PLAIN if any(item is NOT_PLAIN for item in items) else items
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"dataclass": qualified_name(type(value)),
+                **_plain_entries({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})}
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return _plain_entries(value)
+    return NOT_PLAIN
+
+
+def _plain_entries(mapping: dict) -> dict:
+    values = {key: plain_value(value) for key, value in mapping.items()}
+    return {key: value for key, value in values.items() if value is not NOT_PLAIN}
+
+
+def plain_or_type(value) -> Any:
+    """plain_value, else the value's type by name (a default argument or a closure's cell holding an object)."""
+    plain = plain_value(value)
+    return plain if plain is not NOT_PLAIN else f"<{qualified_name(type(value))}>"
+
+
+def qualified_name(obj) -> str:
+    """module.qualname of a class or function (of another object: of its class)."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(named, '__module__', None)}.{named.__qualname__}"
+
+
+def module_attributes(module) -> dict:
+    """The plain attributes of one submodule that can steer its forward (nanoGPT's `self.flash` choosing sdpa or
+    eager attention, a head count, an epsilon): its own, not nn.Module's bookkeeping (hooks, parameter and submodule
+    tables) nor `training`, which the tracer sets itself (a module is read and traced in training mode whatever mode
+    it was handed in)."""
+    import torch
+
+    bookkeeping = vars(torch.nn.Module())  # every module's own state: hooks, tables, `training`
+    return _plain_entries({key: value for key, value in vars(module).items() if key not in bookkeeping})
+
+
+def _outside_torch(obj) -> bool:
+    """A class or function of the user's (or a third party's) code: not torch's, not Python's builtins."""
+    root = (getattr(obj, "__module__", None) or "builtins").split(".")[0]
+    return root not in ("torch", "builtins")
+
+
+def _package(obj) -> str:
+    return (getattr(obj, "__module__", None) or "").split(".")[0]
+
+
+def _code_fingerprint(code) -> list:
+    """A code object's bytecode, names and constants (nested code objects alike), without addresses or line numbers:
+    an edit elsewhere in its file leaves it, an edit of the code changes it."""
+    return [code.co_code.hex(), list(code.co_names), list(code.co_varnames),
+            [_code_fingerprint(c) if inspect.iscode(c) else _constant(c) for c in code.co_consts]]
+
+
+def _constant(value) -> Any:
+    if isinstance(value, frozenset):  # `x in {...}`: iteration order varies from process to process
+        return sorted(repr(item) for item in value)
+    if isinstance(value, tuple):
+        return [_constant(item) for item in value]
+    return repr(value)
+
+
+def _cells(function) -> list:
+    contents = []
+    for cell in function.__closure__ or ():
         try:
-            digest.update(Path(inspect.getsourcefile(obj)).read_bytes())
-        except (OSError, TypeError):  # no file: a builtin, or typed into a REPL
-            functions = [obj] if callable(obj) and hasattr(obj, "__code__") else list(vars(obj).values())
-            for function in functions:
-                code = getattr(function, "__code__", None)
-                if code is not None:
-                    digest.update(code.co_code + repr(code.co_names).encode())
-    return digest.hexdigest()
+            contents.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            contents.append(None)
+    return contents
+
+
+def _function_code(function) -> list:
+    """A function's code, default arguments and closure values (two lambdas a factory made for different values)."""
+    return [_code_fingerprint(function.__code__), plain_or_type(function.__defaults__),
+            plain_or_type(function.__kwdefaults__), [plain_or_type(cell) for cell in _cells(function)]]
+
+
+def _functions_in(obj) -> list:
+    """The Python functions of a function (itself, unwrapped) or of a class body (methods, static and class methods,
+    properties' accessors)."""
+    if isinstance(obj, types.FunctionType):
+        return [inspect.unwrap(obj)]
+    found = []
+    for value in vars(obj).values() if isinstance(obj, type) else ():
+        for item in (value.fget, value.fset, value.fdel) if isinstance(value, property) else \
+                (getattr(value, "__func__", value),):
+            if isinstance(item, types.FunctionType):
+                found.append(inspect.unwrap(item))
+    return found
+
+
+def _own_code(obj) -> Any:
+    """A class's source (inspect.getsource: the class alone, not its file), else its methods' code and plain class
+    attributes (a class typed into a REPL); a function's code."""
+    if isinstance(obj, types.FunctionType):
+        return _function_code(inspect.unwrap(obj))
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError, SyntaxError, IndexError):  # no source file (a REPL), or none inspect can parse
+        return {name: _function_code(inspect.unwrap(getattr(value, "__func__", value)))
+                if isinstance(getattr(value, "__func__", value), types.FunctionType) else plain_or_type(value)
+                for name, value in sorted(vars(obj).items()) if not name.startswith("__")}
+
+
+def _global_names(code) -> set[str]:
+    """The names `code` (and the code nested in it) reads as globals."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
+def _referenced(obj) -> list[tuple[str, Any]]:
+    """(name, value) of the globals and closure values the code of `obj` reads."""
+    found = []
+    for function in _functions_in(obj):
+        found += [(name, function.__globals__[name]) for name in sorted(_global_names(function.__code__))
+                  if name in function.__globals__]
+        found += [(f"{function.__qualname__} closure", cell) for cell in _cells(function)]
+    return found
+
+
+def code_identity(roots) -> list:
+    """[qualified name, code] of each class or function of `roots` outside torch, and of what their code reads as a
+    global or closure value: functions and classes of their own package followed (a helper such as nanoGPT's
+    new_gelu, called by a forward), plain values recorded (a FLASH switch at the top of the file). The code of each,
+    not its whole file: a comment or a training loop elsewhere in the file changes nothing."""
+    entries, seen, pending = [], set(), list(roots)
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen or not _outside_torch(obj):
+            continue
+        seen.add(id(obj))  # only to visit each once: ids never enter the identity
+        entries.append([qualified_name(obj), _own_code(obj)])
+        for name, value in _referenced(obj):
+            plain = plain_value(value)
+            if isinstance(value, (type, types.FunctionType)) and _package(value) == _package(obj):
+                pending.append(value)
+            elif plain is not NOT_PLAIN:
+                entries.append([f"{qualified_name(obj)} reads {name}", plain])
+    return sorted(entries, key=lambda entry: json.dumps(entry, sort_keys=True))
+
+
+def callable_identity(function: Callable) -> list:
+    """A loss (any callable) by its qualified name and code: a function's own; a functools.partial's function and
+    plain arguments; a bound method's function and its object's plain attributes; another object's class and plain
+    attributes (nn.CrossEntropyLoss(label_smoothing=0.1))."""
+    if isinstance(function, functools.partial):
+        return ["partial", callable_identity(function.func), plain_or_type(function.args),
+                plain_or_type(function.keywords)]
+    if isinstance(function, types.MethodType):
+        return ["method", code_identity([function.__func__]), callable_identity(function.__self__)]
+    if isinstance(function, types.FunctionType):
+        return [qualified_name(function), code_identity([function])]
+    state = _plain_entries(vars(function)) if hasattr(function, "__dict__") else {}
+    return [qualified_name(type(function)), code_identity(list(type(function).__mro__)), state]
 
 
 def module_hash(meta, blocks_attr: str, loss: Callable | None) -> str:
-    """The module's identity (ModuleSource.module_sha256)."""
+    """The module's identity (ModuleSource.module_sha256): its structure (repr; parameter and buffer names, shapes,
+    dtypes, requires_grad), every submodule's plain attributes, the code of its classes (and their bases) outside
+    torch with what that code reads, the blocks' path and the loss by its name and code. Deterministic across
+    processes: names, values and code, never an id or an address.
+
+    model.kwargs are not in it: they reach the forward only through what the target builds (its submodules,
+    shapes, attributes and classes, all in it), and a plan tuned from model._target_ must match the same module a
+    script hands to mist_ds.initialize, which has no kwargs."""
+    modules = list(meta.named_modules())
     structure = [repr(meta), blocks_attr, [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in
-                                            meta.named_parameters()],
+                                           meta.named_parameters()],
                  [[n, list(b.shape), str(b.dtype)] for n, b in meta.named_buffers()]]
-    classes = sorted({type(m) for m in meta.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}")
-    code = _source_digest(classes + ([loss] if loss is not None else []))
-    return hashlib.sha256(json.dumps([structure, code]).encode()).hexdigest()
+    attributes = {path: module_attributes(m) for path, m in modules}
+    classes = sorted({cls for _, m in modules for cls in type(m).__mro__}, key=qualified_name)
+    held = [f for _, m in modules for v in vars(m).values()  # self.act = f, or a forward replaced on the object
+            for f in (getattr(v, "__func__", v),) if isinstance(f, types.FunctionType)]
+    identity = [structure, attributes, code_identity(classes + held),
+                None if loss is None else [loss_name(loss), callable_identity(loss)]]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
 def loss_name(loss: Callable | None) -> str:
-    return DEFAULT_LOSS if loss is None else f"{getattr(loss, '__module__', '?')}.{getattr(loss, '__qualname__', loss)}"
+    """The loss priced, by name: DEFAULT_LOSS, a function's module.qualname (its import path where it has one), or
+    the class of a callable object (never its repr: an address)."""
+    if loss is None:
+        return DEFAULT_LOSS
+    return qualified_name(loss.func if isinstance(loss, functools.partial) else loss)
+
+
+def plain_kwargs(value) -> Any:
+    """model.kwargs as plain JSON data: the command line's nested mappings and lists (omegaconf's) as dicts and
+    lists, so that the target is called again with what it was called with."""
+    if isinstance(value, Mapping):
+        return {str(key): plain_kwargs(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain_kwargs(item) for item in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -317,13 +588,16 @@ class ReadModule:
 
 def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: Callable | None = None,
                 num_heads: int | None = None, num_kv_heads: int | None = None, ffn_hidden_size: int | None = None,
-                target: str | None = None, target_kwargs: dict[str, Any] | None = None) -> ReadModule:
+                target: str | None = None, target_kwargs: dict[str, Any] | None = None,
+                loss_field: str = "loss") -> ReadModule:
     """Read `module` (any device; copied to the meta device) at sequence length `seq_len`; a ConfigError names
-    what cannot be priced or what must be given."""
+    what cannot be priced or what must be given (a bad loss: `loss_field`, `model.loss` where the command line
+    named it)."""
     import torch
 
     if not isinstance(module, torch.nn.Module):
         raise ConfigError("model", type(module).__name__, "give a torch.nn.Module")
+    check_loss_callable(loss, loss_field)
     meta = meta_copy(module).train()
     path, blocks = find_module_blocks(meta, blocks_attr)
     try:
@@ -337,6 +611,9 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     identity = module_hash(meta, path, loss)  # before its forward runs: a forward may register buffers on first use
     run, hidden, vocab = _read_run(meta, blocks, seq_len)
     params, tied = read_params(meta, path, blocks, run, vocab, hidden)
+    if loss is not None:  # on the run's own logits: refused now, not as an exception while tracing
+        logits_BSV = logits_of(run.output)
+        call_loss(loss, logits_BSV, torch.zeros(logits_BSV.shape[:2], dtype=torch.int64, device="meta"), loss_field)
     heads = _attribute(blocks, HEAD_FIELDS)
     if num_heads is None and len(heads) != 1:
         raise ConfigError("model.num_heads", None, f"required for {type(meta).__qualname__}: its blocks carry "
@@ -354,7 +631,8 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
                           module_sha256=identity, blocks_attr=path, num_blocks=len(blocks),
                           params=params, head_dim=head_dim, tied=tied, buffers=read_buffers(meta, blocks, set()),
                           loss=loss_name(loss), target=target,
-                          target_kwargs_json=json.dumps(target_kwargs or {}, sort_keys=True, default=str))
+                          target_kwargs_json=json.dumps(plain_kwargs(target_kwargs or {}), sort_keys=True,
+                                                        default=str))
     return ReadModule(hidden_size=hidden, vocab_size=vocab, num_heads=heads_value,
                       num_kv_heads=num_kv_heads or (kv.pop() if len(kv) == 1 else heads_value),
                       ffn_hidden_size=ffn_hidden_size or (max(widths) if widths else hidden), source=source)

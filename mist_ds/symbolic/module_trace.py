@@ -30,7 +30,8 @@ def module_of(model: ModelSpec, module: nn.Module | None, loss: Callable | None)
         loss = None if source.loss == DEFAULT_LOSS else import_object(source.loss, "model.loss")
     if module_hash(meta_copy(module), source.blocks_attr, loss) != source.module_sha256:
         raise ConfigError("model", source.class_name, "is not the module this spec was read from (its structure, "
-                                                      "code, kwargs or loss changed since): compose the spec again")
+                                                      "attributes, code or loss changed since; model.kwargs change "
+                                                      "them): compose the spec again")
     return module, loss
 
 
