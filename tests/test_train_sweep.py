@@ -39,6 +39,9 @@ def test_a_training_sweep_trains_each_plan_and_summarizes_the_runs(tmp_path):
 
 
 def test_a_failing_training_job_is_a_row_and_the_sweep_fails_after_every_job(tmp_path):
+    """...and a job folder an earlier sweep left in the sweep dir is no row of this one."""
+    (tmp_path / "train" / "7").mkdir(parents=True)
+    (tmp_path / "train" / "7" / "result.json").write_text(json.dumps({"status": 3, "reason": "an earlier sweep's"}))
     code, out = run([sys.executable, str(TRAIN), "-m", "hydra/launcher=mist_deepspeed", "hydra.launcher.num_gpus=2",
                      f"hydra.launcher.timeout_s={JOB_TIMEOUT_S}", "model=tiny", "cluster=cpu", "run.steps=2",
                      "mist.plan=missing.json,null", "hydra.sweep.dir=train"], tmp_path,

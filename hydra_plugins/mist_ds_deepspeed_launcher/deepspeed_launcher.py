@@ -81,7 +81,7 @@ class MistDeepSpeedLauncher(Launcher):
         self.config, self.hydra_context = config, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from mist_ds.cli.sweep import summarize
+        from mist_ds.cli.sweep import job_record, subdir_setting, summarize
 
         setup_globals()
         assert self.config is not None and self.hydra_context is not None
@@ -90,7 +90,10 @@ class MistDeepSpeedLauncher(Launcher):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info("Launching %d training jobs with DeepSpeed", len(job_overrides))
         returns = [self._run(list(overrides), initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
-        status, written = summarize(sweep_dir)
+        # this sweep's jobs, each row from the result.json it just wrote (a reused sweep dir's leftovers are no rows)
+        records = [job_record(initial_job_idx + i, Path(job.working_dir), job.overrides, 0)
+                   for i, job in enumerate(returns)]
+        status, written = summarize(sweep_dir, records, subdir_setting(self.config))
         log.info("sweep status %d; wrote %s", status, ", ".join(map(str, written)))
         return returns
 
