@@ -560,3 +560,26 @@ def test_logits_in_a_mapping_are_read_and_a_last_position_forward_is_refused_wit
         mist_ds.compose(list(RUN), model=NanoGpt())
     wrapped = mist_ds.compose(list(RUN), model=AllPositions(NanoGpt())).model
     assert wrapped.total_params() == mist_ds.compose(list(RUN), model=Gpt()).model.total_params()
+
+
+class BucketedPositions(Gpt):
+    """Positions through buckets (clamped), as relative-position schemes index a small table: not one row per
+    position, so no limit on the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(4, HIDDEN)
+
+    def embed(self, tokens_BS):
+        buckets = torch.clamp(torch.arange(tokens_BS.shape[1], device=tokens_BS.device), max=3)
+        return self.tokens(tokens_BS) + self.positions(buckets)
+
+
+def test_a_sequence_longer_than_the_position_table_is_refused_naming_it():
+    """Learned positions of SEQ rows indexed by torch.arange: model.seq_len past SEQ would fail at the first step
+    after the ranks started; refused at plan time naming the table. A bucketed index is no such limit."""
+    longer = [f"model.seq_len={2 * SEQ}" if o.startswith("model.seq_len=") else o for o in RUN]
+    with pytest.raises(ConfigError, match=f"indexes positions.weight \\({SEQ} rows\\) by position") as error:
+        mist_ds.compose(longer, model=Gpt())
+    assert error.value.field == "model.seq_len" and error.value.value == 2 * SEQ
+    assert mist_ds.compose(longer, model=BucketedPositions()).model.seq_len == 2 * SEQ

@@ -191,6 +191,29 @@ class _Run:
         self.block_calls = 0
         self.first_call: tuple | None = None
         self.output: Any = None
+        self.position_tables: list[Any] = []
+        """Embedding weights the forward indexed by position (torch.arange, reshaped or offset): each row a
+        position, so the sequence cannot pass their row count."""
+
+
+POSITION_OPS = frozenset({"unsqueeze", "view", "reshape", "expand", "expand_as", "__getitem__", "to", "long", "int",
+                          "repeat", "contiguous", "flatten", "__add__", "__radd__", "add"})
+"""Ops after which positions stay positions (shape, type, an offset): torch.arange's output through these still
+indexes one row per position. Arithmetic that buckets them (min, where, log: relative-position buckets) ends it."""
+
+
+def _positions_out(func, args, kwargs, output, positions: list) -> bool:
+    """Whether `output` holds positions: torch.arange's, or a POSITION_OPS op's on positions (an added offset only a
+    Python int)."""
+    import torch
+
+    if not isinstance(output, torch.Tensor) or output.is_floating_point():
+        return False
+    if func is torch.arange:
+        return True
+    name = getattr(func, "__name__", "")
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    return name in POSITION_OPS and bool(tensors) and all(any(x is p for p in positions) for x in tensors)
 
 
 def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
@@ -203,13 +226,23 @@ def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
     phase = ["embedding"]
     depth = [0]  # calls of blocks under way (a block could call another)
 
+    positions: list = []  # tensors holding positions (kept alive: compared by identity)
+
     class ParamUse(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             for x in tree_flatten((args, kwargs))[0]:
                 if isinstance(x, torch.nn.Parameter):
                     run.used[phase[0]].add(id(x))
-            return func(*args, **kwargs)
+            output = func(*args, **kwargs)
+            if _positions_out(func, args, kwargs, output, positions):
+                positions.append(output)
+            if func is torch.nn.functional.embedding:
+                indices = args[0] if args else kwargs.get("input")
+                weight = args[1] if len(args) > 1 else kwargs.get("weight")
+                if any(indices is p for p in positions):
+                    run.position_tables.append(weight)
+            return output
 
     def enter(module, args, kwargs):
         run.block_calls += 1
@@ -263,6 +296,14 @@ def _read_run(meta, blocks, seq_len: int) -> tuple[_Run, int, int]:
         raise _refuse(meta, f"its forward returns {getattr(logits_BSV, 'shape', type(run.output).__name__)} for "
                             f"token ids ({batch}, {seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V): "
                             f"{ALL_POSITIONS_HINT}")
+    names = {id(param): name for name, param in meta.named_parameters()}
+    for table in run.position_tables:
+        if table.shape[0] < seq_len:
+            raise ConfigError("model.seq_len", seq_len, f"{type(meta).__qualname__} indexes "
+                                                        f"{names.get(id(table), 'an embedding')} ({table.shape[0]} "
+                                                        "rows) by position, so a sequence longer than that fails in "
+                                                        f"training: give model.seq_len <= {table.shape[0]}, or a "
+                                                        "module built for this length")
     return run, int(hidden_BSD.shape[-1]), int(logits_BSV.shape[-1])
 
 
