@@ -85,14 +85,22 @@ def test_the_hint_and_cmd_txt_name_a_run_dir_holding_hydras_own_characters(tmp_p
 
 def test_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
     # llama2-70b, which test_symbolic traces too (one trace per run), needs more host memory than 8 L4s' node has
-    (tmp_path / "x").mkdir()
-    for name in PLAN_FILES:  # an earlier tune's plan in the run dir used again: its cmd.txt would train that plan
-        (tmp_path / "x" / name).write_text("an earlier plan's")
+    earlier = mist_ds("tune", *SMALL, "--out", str(tmp_path / "x"), cwd=tmp_path)  # a run dir used again
+    assert earlier.returncode == 0 and PLAN_FILES <= _names(tmp_path / "x"), earlier.stderr
+    typo = mist_ds("tune", *SMALL, "strategy.tp=2", "--out", str(tmp_path / "x"), cwd=tmp_path)
+    assert typo.returncode == 2 and PLAN_FILES <= _names(tmp_path / "x")  # a typo plans nothing and costs nothing
     run = mist_ds("tune", "model=llama2-70b", "cluster=l4-24g", "tuner.compare_baselines=false",
                   "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert run.returncode == 3, run.stderr
     assert "no plan fits" in run.stderr and "GiB" in run.stderr and "Traceback" not in run.stderr
-    assert not PLAN_FILES & _names(tmp_path / "x")  # Hydra made the run dir (and .hydra/) before the job ran
+    assert not PLAN_FILES & _names(tmp_path / "x")  # the earlier plan's cmd.txt would have trained it
+    (tmp_path / "mine").mkdir()
+    for name in ("plan.json", "summary.md", "cmd.txt"):  # the user's own files, no mist_ds plan among them
+        (tmp_path / "mine" / name).write_text("mine")
+    run = mist_ds("tune", "model=llama2-70b", "cluster=l4-24g", "tuner.compare_baselines=false",
+                  "--out", str(tmp_path / "mine"), cwd=tmp_path)
+    assert run.returncode == 3 and all((tmp_path / "mine" / name).read_text() == "mine"
+                                       for name in ("plan.json", "summary.md", "cmd.txt"))
 
 
 def test_multirun_tunes_each_job_into_its_own_dir(tmp_path):

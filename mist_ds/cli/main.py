@@ -224,8 +224,8 @@ def _tune(cfg: DictConfig) -> int:
         remove_plan_files(out)  # an earlier tune's in a run dir used again: none stays beside this result.json
         write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_NO_PLAN_FITS, str(reason), specs))
         return EXIT_NO_PLAN_FITS
-    except ConfigError as error:  # reported by Jobs.run; the row keeps the reason
-        remove_plan_files(out)
+    except ConfigError as error:  # reported by Jobs.run; the row keeps the reason. An earlier plan in the run dir
+        # stays: a typo planned nothing and must not cost the plan that was there
         write_json_atomic(out / RESULT_FILE, tune_result(overrides, EXIT_BAD_INPUT, " ".join(str(error).split()),
                                                          specs))
         raise

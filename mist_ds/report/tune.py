@@ -11,9 +11,9 @@ from mist_ds.config.override_text import path_override
 from mist_ds.emit import ds_config
 from mist_ds.emit.hf_trainer import TRAINER_ARGS, USAGE, trainer_args, trainer_ds_config
 from mist_ds.files import json_text, write_files_atomic
-from mist_ds.plan import Plan, model_source_of
+from mist_ds.plan import Plan, load_plan, model_source_of
 from mist_ds.report.command import command_file, train_command
-from mist_ds.specs import Specs
+from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.strategy import degrees_text, layout_text, strategy_from_dict
 from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import ExecutorCapabilities
@@ -228,8 +228,13 @@ PLAN_FILE_NAMES = ("plan.json", "summary.md", "ds_config.json", TRAINER_ARGS, "c
 
 
 def remove_plan_files(directory: Path) -> None:
-    """Remove the plan files an earlier tune left in `directory` (a run dir used again): a tune that finds no plan
-    leaves none beside its result.json, one that does leaves only its own (no trainer_args.json of another target)."""
+    """Remove the plan files an earlier tune left in `directory` (a run dir used again), so that a tune that finds no
+    plan leaves none beside its result.json and one that does only its own (no trainer_args.json of another target).
+    Only where the plan.json there is a mist_ds plan: files of the user's own are never touched."""
+    try:
+        load_plan(directory / "plan.json")
+    except ConfigError:  # none, or not ours
+        return
     for name in PLAN_FILE_NAMES:
         (directory / name).unlink(missing_ok=True)
 
