@@ -415,6 +415,21 @@ def test_a_plain_attribute_that_steers_the_forward_is_part_of_the_identity():
     assert saved[1] > saved[0]  # the scores, priced: not the first one's analysis read back from the cache
 
 
+class PlacedGpt(Gpt):
+    """A GPT that keeps where its rank runs, as scripts do (`self.device = f"cuda:{local_rank}"`, the rank)."""
+
+    def __init__(self, device: str, rank: int) -> None:
+        super().__init__()
+        self.device_name, self.local_rank, self.world_size = device, rank, 8
+
+
+def test_where_a_rank_runs_is_not_part_of_the_identity():
+    """Each rank checks the plan against the module it built: its device and rank differ from rank 0's (and from the
+    CPU node that tuned it) and change nothing traced, so the identity leaves them out."""
+    assert len({module_sha256(PlacedGpt(device, rank)) for device, rank in (("cuda:0", 0), ("cuda:1", 1),
+                                                                             ("cpu", 0))}) == 1
+
+
 def plain_cross_entropy(logits_BSV, labels_BS):
     return F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten())
 
@@ -563,8 +578,8 @@ def test_logits_in_a_mapping_are_read_and_a_last_position_forward_is_refused_wit
 
 
 class BucketedPositions(Gpt):
-    """Positions through buckets (clamped), as relative-position schemes index a small table: not one row per
-    position, so no limit on the sequence."""
+    """Positions through buckets (clamped), as relative-position schemes index a small table, and a few learned
+    prefix vectors by a fixed arange: not one row per position, so no limit on the sequence."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -572,7 +587,8 @@ class BucketedPositions(Gpt):
 
     def embed(self, tokens_BS):
         buckets = torch.clamp(torch.arange(tokens_BS.shape[1], device=tokens_BS.device), max=3)
-        return self.tokens(tokens_BS) + self.positions(buckets)
+        prefix = self.positions(torch.arange(4, device=tokens_BS.device)).sum(0)  # a fixed arange: no positions
+        return self.tokens(tokens_BS) + self.positions(buckets) + prefix
 
 
 def test_a_sequence_longer_than_the_position_table_is_refused_naming_it():

@@ -26,6 +26,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import re
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -202,15 +203,16 @@ POSITION_OPS = frozenset({"unsqueeze", "view", "reshape", "expand", "expand_as",
 indexes one row per position. Arithmetic that buckets them (min, where, log: relative-position buckets) ends it."""
 
 
-def _positions_out(func, args, kwargs, output, positions: list) -> bool:
-    """Whether `output` holds positions: torch.arange's, or a POSITION_OPS op's on positions (an added offset only a
+def _positions_out(func, args, kwargs, output, positions: list, seq_len: int) -> bool:
+    """Whether `output` holds positions: torch.arange's as long as the sequence (a fixed arange, e.g. of a few
+    learned prefix vectors, is no position index), or a POSITION_OPS op's on positions (an added offset only a
     Python int)."""
     import torch
 
     if not isinstance(output, torch.Tensor) or output.is_floating_point():
         return False
     if func is torch.arange:
-        return True
+        return output.dim() == 1 and output.shape[0] == seq_len
     name = getattr(func, "__name__", "")
     tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
     return name in POSITION_OPS and bool(tensors) and all(any(x is p for p in positions) for x in tensors)
@@ -235,7 +237,7 @@ def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
                 if isinstance(x, torch.nn.Parameter):
                     run.used[phase[0]].add(id(x))
             output = func(*args, **kwargs)
-            if _positions_out(func, args, kwargs, output, positions):
+            if _positions_out(func, args, kwargs, output, positions, tokens_BS.shape[1]):
                 positions.append(output)
             if func is torch.nn.functional.embedding:
                 indices = args[0] if args else kwargs.get("input")
@@ -441,6 +443,27 @@ def qualified_name(obj) -> str:
     return f"{getattr(named, '__module__', None)}.{named.__qualname__}"
 
 
+PLACEMENT_NAME = re.compile(r"_?((local|global|node)_)?rank|_?world_size", re.IGNORECASE)
+"""Attribute and global names that say where a rank runs (its rank, the world's size), not what it computes."""
+
+
+def is_placement(name: str, value) -> bool:
+    """Whether an attribute or global says where this process runs, which differs by rank or machine and never
+    changes the traced program (it runs on the meta device): a torch.device, a string naming one ('cuda:1', 'cpu'),
+    or a rank / world size by its name. Left out of the identity: each rank checks the plan against its own module."""
+    import torch
+
+    if isinstance(value, torch.device) or PLACEMENT_NAME.fullmatch(name):
+        return True
+    if not isinstance(value, str) or not value or len(value) > 32:
+        return False
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
 def module_attributes(module) -> dict:
     """The plain attributes of one submodule that can steer its forward (nanoGPT's `self.flash` choosing sdpa or
     eager attention, a head count, an epsilon): its own, not nn.Module's bookkeeping (hooks, parameter and submodule
@@ -449,7 +472,8 @@ def module_attributes(module) -> dict:
     import torch
 
     bookkeeping = vars(torch.nn.Module())  # every module's own state: hooks, tables, `training`
-    return _plain_entries({key: value for key, value in vars(module).items() if key not in bookkeeping})
+    return _plain_entries({key: value for key, value in vars(module).items()
+                           if key not in bookkeeping and not is_placement(key, value)})
 
 
 def _outside_torch(obj) -> bool:
@@ -555,7 +579,7 @@ def code_identity(roots) -> list:
             plain = plain_value(value)
             if isinstance(value, (type, types.FunctionType)) and _package(value) == _package(obj):
                 pending.append(value)
-            elif plain is not NOT_PLAIN:
+            elif plain is not NOT_PLAIN and not is_placement(name, value):
                 entries.append([f"{qualified_name(obj)} reads {name}", plain])
     return sorted(entries, key=lambda entry: json.dumps(entry, sort_keys=True))
 
