@@ -301,6 +301,8 @@ def test_a_users_config_dir_is_read_at_every_compose(tmp_path):
     ("++strategy.zero_stage=3", "strategy.zero_stage=3: tune chooses the strategy and would ignore this: the tuner "
                                 "chooses it for each stage; or price this strategy as given with mist-ds predict"),
     ("strategy=default", "strategy='default'"),
+    ("strategy.schedule=zb-h1", "tuner.schedules=[1f1b,zb-h1]"),  # tuner.schedules holds 1f1b always
+    ("strategy.schedule=dualpipev", "the tuner does not search this schedule"),
 ])
 def test_the_tuner_refuses_a_strategy_override_it_would_ignore(override, says):
     """tune composes without the strategy group: a strategy override would be dropped silently; refused naming the

@@ -217,9 +217,20 @@ def job_overrides(exclude_keys: Sequence[str]) -> list[str]:
 
 
 TUNER_LIMIT_OF = {"tp": "tuner.tp=[{v}]", "pp": "tuner.pp=[{v}]", "sp": "tuner.sp=[{v}]",
-                  "micro_batch_size": "tuner.micro_batch_sizes=[{v}]", "schedule": "tuner.schedules=[{v}]",
-                  "runtime": "tuner.runtime={v}"}
+                  "micro_batch_size": "tuner.micro_batch_sizes=[{v}]", "runtime": "tuner.runtime={v}"}
 """The tuner's field that limits its search to a strategy field's value, where it has one (`{v}` the value)."""
+
+
+def _tuner_limit(field: str, value: str) -> str | None:
+    """The tuner setting that searches a strategy field's value (TUNER_LIMIT_OF; a schedule the tuner searches is
+    added to 1f1b, which tuner.schedules always holds), None where the tuner has none."""
+    from mist_ds.specs.tuner import SEARCHED_SCHEDULES
+
+    if field == "schedule":
+        return None if value not in SEARCHED_SCHEDULES else (
+            "tuner.schedules=[1f1b]" if value == "1f1b" else f"tuner.schedules=[1f1b,{value}]")
+    limit = TUNER_LIMIT_OF.get(field)
+    return None if limit is None else limit.format(v=value)
 
 
 def refuse_strategy_overrides(overrides: Sequence[str], command: str = "tune") -> None:
@@ -231,9 +242,9 @@ def refuse_strategy_overrides(overrides: Sequence[str], command: str = "tune") -
         if key != "strategy" and not key.startswith("strategy."):
             continue
         field = key.removeprefix("strategy.").split(".")[0]
-        limit = TUNER_LIMIT_OF.get(field)
-        fix = (f"limit the search with {limit.format(v=value)} instead" if limit else
-               "the tuner chooses it for each stage")
+        limit = _tuner_limit(field, value)
+        fix = (f"limit the search with {limit} instead" if limit else "the tuner does not search this schedule"
+               if field == "schedule" else "the tuner chooses it for each stage")
         raise ConfigError(key, int(value) if value.isdigit() else value,
                           f"{command} chooses the strategy and would ignore this: {fix}; or price this strategy as "
                           "given with mist-ds predict")
