@@ -6,6 +6,7 @@ cross entropy)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -599,3 +600,32 @@ def test_a_sequence_longer_than_the_position_table_is_refused_naming_it():
         mist_ds.compose(longer, model=Gpt())
     assert error.value.field == "model.seq_len" and error.value.value == 2 * SEQ
     assert mist_ds.compose(longer, model=BucketedPositions()).model.seq_len == 2 * SEQ
+
+
+class SmoothedCrossEntropy:
+    """A loss object, as model.loss may name one (an instance at the top of a module)."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.smoothing = smoothing
+
+    def __call__(self, logits_BSV, labels_BS):
+        return F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), label_smoothing=self.smoothing)
+
+
+SMOOTHED_LOSS = SmoothedCrossEntropy(0.1)
+def smoothed_cross_entropy(logits_BSV, labels_BS, smoothing: float):
+    return F.cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), label_smoothing=smoothing)
+
+
+SMOOTHED_PARTIAL = functools.partial(smoothed_cross_entropy, smoothing=0.1)
+
+
+@pytest.mark.parametrize("loss", ["SMOOTHED_LOSS", "SMOOTHED_PARTIAL"])
+def test_model_loss_naming_an_object_is_imported_again_by_its_path(loss):
+    """model.loss naming a callable object or a functools.partial: the spec records that import path, so the
+    analysis built again from model._target_ (as the CLI and the tuner's workers do) has the same loss (it named the
+    object's class or function before, whose identity differs: refused as 'not the module this spec was read from')."""
+    overrides = ["model=module", "model._target_=tests.test_user_module.make_gpt",
+                 f"model.loss=tests.test_user_module.{loss}", *RUN]
+    assert mist_ds.compose(overrides).model.module.loss == f"tests.test_user_module.{loss}"
+    assert mist_ds.predict(overrides).iteration_time_s > 0

@@ -100,7 +100,8 @@ def module_model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
                                                               "leave model.dropout at 0")
     read = read_module(module, cfg.seq_len, blocks_attr=cfg.blocks_attr, loss=loss, num_heads=cfg.num_heads,
                        num_kv_heads=cfg.num_kv_heads, ffn_hidden_size=cfg.ffn_hidden_size, target=cfg._target_,
-                       target_kwargs=dict(cfg.kwargs), loss_field="model.loss" if cfg.loss is not None else "loss")
+                       target_kwargs=dict(cfg.kwargs), loss_field="model.loss" if cfg.loss is not None else "loss",
+                       loss_path=cfg.loss)
     source = read.source
     shown = {"hidden_size": read.hidden_size, "num_layers": source.num_blocks, "vocab_size": read.vocab_size,
              "tie_embeddings": source.tied}

@@ -654,10 +654,11 @@ class ReadModule:
 def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: Callable | None = None,
                 num_heads: int | None = None, num_kv_heads: int | None = None, ffn_hidden_size: int | None = None,
                 target: str | None = None, target_kwargs: dict[str, Any] | None = None,
-                loss_field: str = "loss") -> ReadModule:
+                loss_field: str = "loss", loss_path: str | None = None) -> ReadModule:
     """Read `module` (any device; copied to the meta device) at sequence length `seq_len`; a ConfigError names
     what cannot be priced or what must be given (a bad loss: `loss_field`, `model.loss` where the command line
-    named it)."""
+    named it). `loss_path`: the import path the loss came from (model.loss), which another process imports again:
+    the loss object itself, which loss_name would name by its class or function."""
     import torch
 
     if not isinstance(module, torch.nn.Module):
@@ -695,7 +696,7 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     source = ModuleSource(class_name=f"{type(module).__module__}.{type(module).__qualname__}",
                           module_sha256=identity, blocks_attr=path, num_blocks=len(blocks),
                           params=params, head_dim=head_dim, tied=tied, buffers=read_buffers(meta, blocks, set()),
-                          loss=loss_name(loss), target=target,
+                          loss=loss_path or loss_name(loss), target=target,
                           target_kwargs_json=json.dumps(plain_kwargs(target_kwargs or {}), sort_keys=True,
                                                         default=str))
     return ReadModule(hidden_size=hidden, vocab_size=vocab, num_heads=heads_value,
