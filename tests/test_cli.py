@@ -393,8 +393,9 @@ def test_a_plan_of_a_users_model_says_how_it_trains_and_writes_no_launch_command
                   "train.global_batch_size=4", "tuner.compare_baselines=false", "hydra.run.dir=plan", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "cmd.txt" not in _names(tmp_path / "plan")
-    assert (f"`mist-deepspeed --autotune-mist run --plan {tmp_path / 'plan' / 'plan.json'} --num_nodes 1 --num_gpus 2 "
-            "your_script.py`") in (tmp_path / "plan" / "summary.md").read_text()
+    assert (f"`DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 mist-deepspeed --autotune-mist run --plan "
+            f"{tmp_path / 'plan' / 'plan.json'} --num_nodes 1 --num_gpus 2 your_script.py`") in (
+        tmp_path / "plan" / "summary.md").read_text()  # CPU ranks: DeepSpeed's CPU environment, as cmd.txt
 
 
 def test_a_plan_tuned_with_a_users_config_dir_is_predicted_from_its_hint_and_a_changed_model_file_refused(tmp_path):

@@ -101,11 +101,18 @@ def task_overrides() -> list[str]:
 def search_path_overrides() -> list[str]:
     """The running job's own config folders (-cd DIR, -cp DIR, hydra.searchpath's file:// entries) as one
     hydra.searchpath override, so that a plan records where its model and cluster files are: `predict plan=P`,
-    `explain` and launch/train.py then compose it as tune did. [] without any."""
+    `explain` and launch/train.py then compose it as tune did. [] without any. A primary config of the user's own
+    (-cn NAME) cannot be recorded so: the plan's overrides are on top of it, which is said (give the same -cp / -cn)."""
     from hydra.core.hydra_config import HydraConfig
 
-    folders = [str(Path(source.path).resolve()) for source in HydraConfig.get().runtime.config_sources
-               if source.schema == "file"]
+    from mist_ds.config import PRIMARY_CONFIG
+
+    hydra = HydraConfig.get()
+    if hydra.job.config_name != PRIMARY_CONFIG:
+        print(f"{PROG} tune: note: plan.json records overrides on top of your primary config "
+              f"{hydra.job.config_name}: predict or explain the plan with the same -cp / -cn (launch/train.py "
+              "composes mist_ds's own)", file=sys.stderr)
+    folders = [str(Path(source.path).resolve()) for source in hydra.runtime.config_sources if source.schema == "file"]
     if not folders:
         return []
     return [f"hydra.searchpath=[{','.join(hydra_quoted('file://' + folder) for folder in dict.fromkeys(folders))}]"]

@@ -15,7 +15,7 @@ from mist_ds.plan import Plan, load_plan, model_source_of
 from mist_ds.report.command import command_file, train_command
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.strategy import degrees_text, layout_text, strategy_from_dict
-from mist_ds.specs.cluster import GIB
+from mist_ds.specs.cluster import CPU_RANKS_ENV, GIB
 from mist_ds.specs.executors import ExecutorCapabilities
 from mist_ds.tuner import Reranking, TuneResult
 from mist_ds.tuner.rerank import CLOSED_FORM, SIMULATION
@@ -125,7 +125,7 @@ def _ranking_lines(search: dict) -> list[str]:
 
 
 OWN_SCRIPT_HINT = ("train it in your own DeepSpeed script, mist_ds.initialize in place of deepspeed.initialize: "
-                   "`mist-deepspeed --autotune-mist run --plan {plan} --num_nodes {nodes} --num_gpus {gpus} "
+                   "`{env}mist-deepspeed --autotune-mist run --plan {plan} --num_nodes {nodes} --num_gpus {gpus} "
                    "your_script.py` "
                    "(docs/design.md, Your own script)")
 """How a plan of a model mist_ds did not write is trained: launch/train.py builds only the zoo's models."""
@@ -143,7 +143,9 @@ def _target_lines(specs: Specs, plan_json: str) -> list[str]:
     if not target.trainer_args:
         if trains_with_launch_script(specs):
             return []
-        return ["- " + OWN_SCRIPT_HINT.format(plan=shlex.quote(plan_json), nodes=specs.cluster.nodes,
+        env = "".join(f"{key}={value} " for key, value in CPU_RANKS_ENV.items()) \
+            if specs.cluster.gpu.is_cpu_process else ""  # as cmd.txt: DeepSpeed's CPU accelerator, a thread a rank
+        return ["- " + OWN_SCRIPT_HINT.format(env=env, plan=shlex.quote(plan_json), nodes=specs.cluster.nodes,
                                               gpus=specs.cluster.gpus_per_node)]
     return [f"- target `{target.name}`: `{USAGE}` in your Trainer script, ds_config.json and {TRAINER_ARGS} from "
             f"this folder, launched on {specs.cluster.num_gpus} ranks (`deepspeed`, `torchrun` or `accelerate "
