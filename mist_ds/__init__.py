@@ -60,9 +60,12 @@ def predict_many(override_lists: Sequence[Sequence[str]]):
     """[predict(o) for o in override_lists], bit for bit, sharing what the lists share: one Hydra
     compose per distinct set of group choices, the symbolic analysis per model, the hardware model per
     cluster, and one vectorized pricing of the stages of every strategy on the same setting."""
+    from mist_ds.config import refuse_command_keys
     from mist_ds.config.many import compose_many
     from mist_ds.cost.batch import predict_specs_many
 
+    for overrides in override_lists:
+        refuse_command_keys(overrides)
     return predict_specs_many(compose_many(override_lists))
 
 

@@ -324,3 +324,17 @@ def test_a_missing_field_says_to_give_it():
                                                     "model.seq_len=VALUE (the sequence length")) as error:
         compose(["model=module", "model._target_=tests.test_user_module.make_gpt"])
     assert error.value.field == "model.seq_len"
+
+
+@pytest.mark.parametrize("override", ["plan=plan.json", "json=true", "cases=cases.txt"])
+def test_python_refuses_the_command_lines_own_keys(override):
+    """plan= / json= / cases= are the mist-ds command line's: composed from Python they would be dropped without a
+    word (a plan's label over the default strategy's numbers)."""
+    import mist_ds
+
+    key = override.partition("=")[0]
+    for call in (lambda: mist_ds.predict(["model=tiny", "cluster=cpu", override]),
+                 lambda: mist_ds.predict_many([["model=tiny", "cluster=cpu", override]])):
+        with pytest.raises(ConfigError, match="the mist-ds command line's") as error:
+            call()
+        assert error.value.field == key

@@ -295,10 +295,26 @@ def specs_from_config(cfg: DictConfig, with_strategy: bool = True, module=None, 
 def compose(overrides: Sequence[str] = (), with_strategy: bool = True, module=None, loss=None) -> Specs:
     """Compose mist_ds's config with `overrides` (e.g. ["model=llama2-7b", "cluster.nodes=2"]). Given `module` (your
     own nn.Module; `loss` its loss function, optional), the model is that module: `model=module` is selected."""
+    refuse_command_keys(overrides)
     if module is not None:
         overrides = [MODULE_OPTION, *(o for o in overrides if o != MODULE_OPTION)]
     return specs_from_config(compose_config(overrides), with_strategy=with_strategy, module=module, loss=loss)
 
 
+COMMAND_KEYS = {"plan": "in Python, price a plan with mist_ds.predict(mist_ds.plan.load_plan(P).overrides())",
+                "json": "Python returns the result itself: drop json=", "cases": "in Python, give the cases as "
+                "lists to mist_ds.predict_many"}
+"""The command line's own top-level keys (mist-ds reads them, compose does not), and what to do in Python."""
+
+
+def refuse_command_keys(overrides: Sequence[str]) -> None:
+    """ConfigError for an override of a key only the `mist-ds` command line reads (plan=, json=, cases=): composed
+    here it would be dropped without a word."""
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in COMMAND_KEYS:
+            raise ConfigError(key, value, f"the mist-ds command line's; {COMMAND_KEYS[key]}")
+
+
 __all__ = ["ConfigError", "compose", "job_overrides", "compose_config", "recompose_in_app",
-           "refuse_strategy_overrides", "register_configs", "specs_from_config"]
+           "refuse_command_keys", "refuse_strategy_overrides", "register_configs", "specs_from_config"]
