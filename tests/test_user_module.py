@@ -629,3 +629,8 @@ def test_model_loss_naming_an_object_is_imported_again_by_its_path(loss):
                  f"model.loss=tests.test_user_module.{loss}", *RUN]
     assert mist_ds.compose(overrides).model.module.loss == f"tests.test_user_module.{loss}"
     assert mist_ds.predict(overrides).iteration_time_s > 0
+
+
+def test_a_module_handed_over_beside_a_zoo_model_names_the_zoo_model():
+    with pytest.raises(ConfigError, match="model='gpt3-1.3b': a module handed to mist_ds is its own model"):
+        mist_ds.compose(["model=gpt3-1.3b", *RUN], model=Gpt())

@@ -38,7 +38,7 @@ def _refuse_other_families_fields(cfg: ModelConfig) -> None:
 
 def model_spec(cfg: ModelConfig, module=None, loss=None) -> ModelSpec:
     """The model's spec; `module` (an nn.Module) and `loss` (a callable) come from Python with family module."""
-    require(module is None or cfg.family == MODULE, "model", cfg.family,
+    require(module is None or cfg.family == MODULE, "model", cfg.name,  # the option given, e.g. gpt3-1.3b
             "a module handed to mist_ds is its own model: drop the model= override (or give model=module)")
     _refuse_other_families_fields(cfg)
     if cfg.family == HF:
