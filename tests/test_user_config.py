@@ -362,6 +362,15 @@ def test_the_first_batch_is_checked_against_the_priced_shape():
     model(torch.zeros(8, 32, dtype=torch.long))
     assert len(said) == 1 and "a batch of 8 sequences" in said[0]
 
+    class ByKeyword(torch.nn.Module):  # nanoGPT-style `model(idx=x)`: the token ids by another keyword
+        def forward(self, idx, scale=None):
+            return idx
+
+    by_keyword = ByKeyword()
+    apply_batch_check(by_keyword, 2, 32, said.append)
+    by_keyword(idx=torch.zeros(8, 32, dtype=torch.long), scale=torch.ones(2, 2))
+    assert len(said) == 2 and "a batch of 8 sequences" in said[1]
+
 
 def test_planning_a_script_needs_the_gpu_kind(tmp_path, capsys, monkeypatch):
     """The launcher knows how many GPUs, not which: without --mist cluster=... the zoo's default (L4) would be planned

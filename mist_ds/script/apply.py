@@ -73,9 +73,10 @@ def batch_shape_mistake(shape: tuple[int, ...], micro_batch: int, seq_len: int, 
 
 
 def apply_batch_check(model: Any, micro_batch: int, seq_len: int, on_mistake, slices: int = 1) -> None:
-    """Check the first batch the loop feeds `model` (its token ids: `input_ids`, else the first tensor argument; under
-    sequence parallelism one of `slices` slices of each sequence); `on_mistake(message)` ends the run when it does
-    not fit the plan. Removed after that first call."""
+    """Check the first batch the loop feeds `model` (its token ids: `input_ids`, else the first tensor argument, else
+    the first integer tensor given by keyword, `engine(idx=x)`; under sequence parallelism one of `slices` slices of
+    each sequence); `on_mistake(message)` ends the run when it does not fit the plan. Removed after that first
+    call."""
     import torch
 
     def check(module, args, kwargs):
@@ -83,6 +84,9 @@ def apply_batch_check(model: Any, micro_batch: int, seq_len: int, on_mistake, sl
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tokens is None:
+            tokens = next((v for v in kwargs.values() if isinstance(v, torch.Tensor) and not v.is_floating_point()),
+                          None)
         mistake = batch_shape_mistake(tuple(tokens.shape), micro_batch, seq_len, slices) if tokens is not None else None
         if mistake:
             on_mistake(mistake)
