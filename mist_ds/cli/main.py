@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from mist_ds.config.override_text import hydra_quoted
+from mist_ds.config.override_text import hydra_quoted, override_value
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_NO_PLAN_FITS, EXIT_OK, NO_VALUE
 PROG = "mist-ds"
@@ -401,15 +401,10 @@ def rewrite_options(args: Sequence[str]) -> list[str]:
     return rewritten
 
 
-def _last_value(overrides: Sequence[str], key: str | None) -> str | None:
-    """The value the last of `overrides` setting `key` gives it (later overrides win, as in Hydra); None if none."""
-    values = [o.partition("=")[2] for o in overrides if key is not None and o.lstrip("+").partition("=")[0] == key]
-    return values[-1] if values else None
-
-
 def _names_own_out_dir(command: str, overrides: Sequence[str]) -> bool:
     """The user's overrides give the command's own output folder (Command.out_dir_key), not null."""
-    return _last_value(overrides, COMMANDS[command].out_dir_key) not in (None, "", "null")
+    key = COMMANDS[command].out_dir_key
+    return key is not None and override_value(overrides, key) not in (None, "", "null")
 
 
 def refuse_one_dir_for_all_jobs(command: str, multirun: bool, overrides: Sequence[str]) -> None:
@@ -418,7 +413,7 @@ def refuse_one_dir_for_all_jobs(command: str, multirun: bool, overrides: Sequenc
     files (the sweep callback fails such a sweep too, where the setting comes from a config file)."""
     if not multirun or not COMMANDS[command].writes_files or _names_own_out_dir(command, overrides):
         return
-    subdir = _last_value(overrides, SWEEP_SUBDIR)
+    subdir = override_value(overrides, SWEEP_SUBDIR)
     if subdir is not None and "${" not in subdir:
         raise ConfigError(SWEEP_SUBDIR, subdir, "the same dir for every job of the sweep, each writing over the "
                           "others' files; drop it (Hydra's default, ${hydra.job.num}, gives each job its own dir)")

@@ -3,6 +3,7 @@ path may hold what Hydra's grammar reads otherwise (`,` sweeps, `=` ends a key, 
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 PLAIN_VALUE = re.compile(r"[\w./@+-]+")
 """A value Hydra's override grammar reads back unquoted, as the same string (no sweep, no interpolation, no spaces)."""
@@ -31,3 +32,13 @@ def _reads_back_plain(text: str) -> bool:
         return False
     except ValueError:
         return bool(PLAIN_VALUE.fullmatch(text)) and text.lower() not in ("null", "true", "false")
+
+
+def override_value(overrides: Sequence[str], field: str) -> str | None:
+    """The value the last of `overrides` ("key=value", "+key=value", "++key=value") gives `field` (later overrides
+    win, as in Hydra); None if none."""
+    for override in reversed(overrides):
+        key, equals, value = override.lstrip("+").partition("=")
+        if equals and key == field:
+            return value
+    return None

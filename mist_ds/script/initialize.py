@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from mist_ds.config.override_text import override_value
 from mist_ds.script.apply import apply_batch_check, apply_recompute
 from mist_ds.script.planning import (hf_model_overrides, is_hf_model, pipeline_overrides, pipelines_held_because,
                                      plan_model, sequence_overrides)
@@ -36,7 +37,7 @@ from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_par
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
 from mist_ds.script.user_config import (GLOBAL_BATCH_FIELD, UserConfig, batch_origin, check_priced_as_given,
-                                        merged_config, override_value, planner_overrides, read_user_config)
+                                        merged_config, planner_overrides, read_user_config)
 from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_NO_PLAN_FITS, ConfigError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mist_ds.script.user_config import UserConfig, config_note, override_value
+from mist_ds.config.override_text import override_value
+from mist_ds.script.user_config import UserConfig, config_note
 from mist_ds.specs.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from mist_ds.config.override_text import override_value
 from mist_ds.specs.errors import ConfigError
 
 PLAN_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -152,15 +153,6 @@ def user_global_batch(user: UserConfig, ranks: int) -> tuple[int, str] | None:
         raise ConfigError("tensor_parallel.autotp_size", tp, f"in {user.source}: divide the batch DeepSpeed counts "
                                                              f"({how} = {counted})")
     return counted // tp, how + (f" / tensor_parallel.autotp_size {tp}" if tp > 1 else "")
-
-
-def override_value(overrides: Sequence[str], field: str) -> str | None:
-    """The value the last of `overrides` ("key=value", "+key=value", "++key=value") gives `field`; None if none."""
-    for override in reversed(overrides):
-        key, equals, value = override.lstrip("+").partition("=")
-        if equals and key == field:
-            return value
-    return None
 
 
 def _as_whole(text: str) -> int | None:
