@@ -24,13 +24,18 @@ def train_command(plan_json: Path, nodes: int, gpus_per_node: int, run_dir: Path
             str(TRAIN_SCRIPT), path_override("mist.plan", plan_json), path_override("hydra.run.dir", run_dir)]
 
 
+def cpu_ranks_env(cpu_ranks: bool) -> list[str]:
+    """DeepSpeed's CPU environment as the words before a command (`DS_ACCELERATOR=cpu OMP_NUM_THREADS=1`) for CPU
+    ranks; none otherwise."""
+    return [f"{key}={value}" for key, value in CPU_RANKS_ENV.items()] if cpu_ranks else []
+
+
 def command_file(command: Sequence[str], cpu_ranks: bool, nodes: int = 1, gpus_per_node: int = 0) -> str:
     """cmd.txt: `command` as one shell line, DeepSpeed's CPU environment before it for CPU ranks, after
     comments saying what to fill in (the hostfile of a plan spanning `nodes` > 1)."""
-    comments, env = [], []
+    comments, env = [], cpu_ranks_env(cpu_ranks)
     if cpu_ranks:
         comments.append("# CPU ranks: DeepSpeed's CPU accelerator (gloo), one thread per rank")
-        env = [f"{key}={value}" for key, value in CPU_RANKS_ENV.items()]
     if nodes > 1:
         comments.append(f"# {nodes} nodes: replace `{HOSTFILE}` by DeepSpeed's hostfile, one line per node "
                         f"(`<host> slots={gpus_per_node}`); the paths below must be on a file system every node sees")

@@ -12,10 +12,10 @@ from mist_ds.emit import ds_config
 from mist_ds.emit.hf_trainer import TRAINER_ARGS, USAGE, trainer_args, trainer_ds_config
 from mist_ds.files import json_text, write_files_atomic
 from mist_ds.plan import Plan, load_plan, model_source_of
-from mist_ds.report.command import command_file, train_command
+from mist_ds.report.command import command_file, cpu_ranks_env, train_command
 from mist_ds.specs import ConfigError, Specs
 from mist_ds.specs.strategy import degrees_text, layout_text, strategy_from_dict
-from mist_ds.specs.cluster import CPU_RANKS_ENV, GIB
+from mist_ds.specs.cluster import GIB
 from mist_ds.specs.executors import ExecutorCapabilities
 from mist_ds.tuner import Reranking, TuneResult
 from mist_ds.tuner.rerank import CLOSED_FORM, SIMULATION
@@ -143,8 +143,7 @@ def _target_lines(specs: Specs, plan_json: str) -> list[str]:
     if not target.trainer_args:
         if trains_with_launch_script(specs):
             return []
-        env = "".join(f"{key}={value} " for key, value in CPU_RANKS_ENV.items()) \
-            if specs.cluster.gpu.is_cpu_process else ""  # as cmd.txt: DeepSpeed's CPU accelerator, a thread a rank
+        env = "".join(f"{word} " for word in cpu_ranks_env(specs.cluster.gpu.is_cpu_process))  # as cmd.txt
         return ["- " + OWN_SCRIPT_HINT.format(env=env, plan=shlex.quote(plan_json), nodes=specs.cluster.nodes,
                                               gpus=specs.cluster.gpus_per_node)]
     return [f"- target `{target.name}`: `{USAGE}` in your Trainer script, ds_config.json and {TRAINER_ARGS} from "

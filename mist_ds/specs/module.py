@@ -693,7 +693,7 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
                                                           f"{type(meta).__qualname__} (its blocks carry no head_dim)")
     head_dim = head_dims.pop() if len(head_dims) == 1 else hidden // heads_value
     widths = [size for p in params if p.part == "block" and p.linear for size in p.shape if size != hidden]
-    source = ModuleSource(class_name=f"{type(module).__module__}.{type(module).__qualname__}",
+    source = ModuleSource(class_name=qualified_name(type(module)),
                           module_sha256=identity, blocks_attr=path, num_blocks=len(blocks),
                           params=params, head_dim=head_dim, tied=tied, buffers=read_buffers(meta, blocks, set()),
                           loss=loss_path or loss_name(loss), target=target,
