@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,21 +38,8 @@ from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_OK
 log = logging.getLogger("mist_ds.sweep")
 LOST = 1
 """Status of a job that raised, never ended (it crashed or was stopped) or left no readable result.json."""
-HYDRA_SUBDIR = ".hydra"
 JOURNAL_PREFIX = ".mist_ds_jobs-"
 NEVER_ENDED = "the job started and never ended: it crashed or was stopped (see its log)"
-
-
-def _natural(name: str) -> list:
-    """Sort key: job 10 after job 9."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def job_dirs(sweep_dir: Path) -> list[Path]:
-    """The jobs' dirs under `sweep_dir`: those holding a result.json or Hydra's .hydra/ (written before a job runs)."""
-    found = {p.parent for p in sweep_dir.rglob(RESULT_FILE)} | {p.parent for p in sweep_dir.rglob(HYDRA_SUBDIR)}
-    found.discard(sweep_dir)
-    return sorted(found, key=lambda d: _natural(d.relative_to(sweep_dir).as_posix()))
 
 
 def job_record(num: int, directory: Path, overrides: Sequence[str], status: int, reason: str | None = None,
@@ -106,12 +92,6 @@ def read_journal(journal: Path) -> list[dict[str, Any]]:
     """The sweep's job records, by job number (written atomically: each whole, or not there)."""
     records = [json.loads(path.read_text()) for path in journal.glob("*.json")]
     return sorted(records, key=lambda record: record["num"])
-
-
-def scanned_records(sweep_dir: Path) -> list[dict[str, Any]]:
-    """Records of the job dirs found under `sweep_dir` (job_dirs), for a caller that ran no journal: each job's
-    status is then the one in its result.json."""
-    return [job_record(num, directory, (), EXIT_OK) for num, directory in enumerate(job_dirs(sweep_dir))]
 
 
 def read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -178,11 +158,10 @@ def summary_rows(sweep_dir: Path, records: Sequence[dict[str, Any]], subdir: str
     return mark_best(rows)
 
 
-def summarize(sweep_dir: Path, records: Sequence[dict[str, Any]] | None = None,
-              subdir: str = "") -> tuple[int, list[Path]]:
+def summarize(sweep_dir: Path, records: Sequence[dict[str, Any]], subdir: str) -> tuple[int, list[Path]]:
     """(the sweep's status, the files written): sweep.csv, sweep.md, sweep.json in `sweep_dir`, a row for each of
-    `records` (the sweep's jobs; None: the job dirs found under `sweep_dir`, scanned_records)."""
-    rows = summary_rows(sweep_dir, scanned_records(sweep_dir) if records is None else records, subdir)
+    `records` (the sweep's jobs)."""
+    rows = summary_rows(sweep_dir, records, subdir)
     status = max((int(row["status"]) for row in rows), default=EXIT_OK)
     files = {"sweep.csv": render_csv(rows), "sweep.md": render_md(rows, f"Sweep: {len(rows)} jobs, status {status}"),
              "sweep.json": json_text({"status": status, "jobs": rows})}

@@ -74,15 +74,16 @@ def check_input_gives_points(specs: Specs, space: str, caps: ExecutorCapabilitie
     parallel d times a micro-batch b of tuner.micro_batch_sizes must divide it: the layouts, and the nearest global
     batches that split)."""
     found = layouts(specs.model, specs.cluster, specs.tuner, space, caps)
-    for field in ("tuner.pp", "tuner.tp"):  # a limit that leaves no layout is the user's to change
-        asked = getattr(specs.tuner, field.split(".")[1])
-        unlimited = dataclasses.replace(specs.tuner, **{field.split(".")[1]: None})
-        if not found and asked is not None and layouts(specs.model, specs.cluster, unlimited, space, caps):
-            possible = sorted({(t, S)[field == "tuner.pp"] for t, S, _, _ in
-                               layouts(specs.model, specs.cluster, unlimited, space, caps)})
-            raise ConfigError(field, list(asked), f"no layout of {specs.cluster.num_gpus} GPUs for model "
-                                                  f"{specs.model.name} (space {space}) has these degrees: give some of "
-                                                  f"{possible} or leave {field} out")
+    for name in ("pp", "tp"):  # a limit that leaves no layout is the user's to change
+        asked = getattr(specs.tuner, name)
+        if found or asked is None:
+            continue
+        without = layouts(specs.model, specs.cluster, dataclasses.replace(specs.tuner, **{name: None}), space, caps)
+        if without:
+            possible = sorted({S if name == "pp" else t for t, S, _, _ in without})
+            raise ConfigError(f"tuner.{name}", list(asked), f"no layout of {specs.cluster.num_gpus} GPUs for model "
+                                                            f"{specs.model.name} (space {space}) has these degrees: "
+                                                            f"give some of {possible} or leave tuner.{name} out")
     batch, sizes = specs.train.global_batch_size, specs.tuner.micro_batch_sizes
     data = sorted({d for _, _, _, d in found})
     splits = lambda n: any(n % (b * d) == 0 for b in sizes for d in data)  # noqa: E731
