@@ -83,6 +83,19 @@ def test_the_hint_and_cmd_txt_name_a_run_dir_holding_hydras_own_characters(tmp_p
                                                             "hydra.run.dir": str(out / "train")}
 
 
+@pytest.mark.parametrize("quote", ["'", '"'])
+def test_a_quoted_value_composes_to_that_very_string(tmp_path, quote):
+    """hydra_quoted's text, composed by Hydra, gives the string back: `${` stays text (a folder may be named so) and
+    backslashes before a quote, the end or `${` keep their number."""
+    from hydra import compose, initialize_config_dir
+
+    (tmp_path / "c.yaml").write_text("x: 1\nk: null\n")
+    values = ["a${x}", "a\\${x}b", "a\\\\${x}", "${", "a,b=c d", "x\\", f"it{quote}s", "${x", "$x", "null"]
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        for value in values:
+            assert compose("c", overrides=[f"k={hydra_quoted(value, quote)}"]).k == value, value
+
+
 def test_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):
     # llama2-70b, which test_symbolic traces too (one trace per run), needs more host memory than 8 L4s' node has
     earlier = mist_ds("tune", *SMALL, "--out", str(tmp_path / "x"), cwd=tmp_path)  # a run dir used again

@@ -1,5 +1,6 @@
 """The text of one Hydra override as mist_ds writes it for a user or a child process to read back: a value such as a
-path may hold what Hydra's grammar reads otherwise (`,` sweeps, `=` ends a key, a space splits, `null` is None)."""
+path may hold what Hydra's grammar reads otherwise (`,` sweeps, `=` ends a key, a space splits, `null` is None,
+`${` interpolates)."""
 from __future__ import annotations
 
 import re
@@ -12,8 +13,11 @@ PLAIN_VALUE = re.compile(r"[\w./@+-]+")
 def hydra_quoted(value: str, quote: str = "'") -> str:
     """`value` as a quoted string of Hydra's override grammar (in `quote`, ' or "), so it stays a string whatever it
     holds. In a quoted value (hydra/grammar/OverrideLexer.g4, Hydra 1.3) backslashes are literal except a run of
-    them before the quote or the end, which is halved."""
-    escaped = re.sub(rf"(\\*)({quote}|$)", lambda m: m.group(1) * 2 + (f"\\{quote}" if m.group(2) else ""), value)
+    them before the quote or the end, which is halved; the value then goes into the config, where OmegaConf reads
+    `${` as an interpolation unless escaped as `\\${`, and halves a run of backslashes before that escape too."""
+    no_interpolation = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    escaped = re.sub(rf"(\\*)({quote}|$)", lambda m: m.group(1) * 2 + (f"\\{quote}" if m.group(2) else ""),
+                     no_interpolation)
     return f"{quote}{escaped}{quote}"
 
 
