@@ -257,3 +257,18 @@ def test_submitit_local_mode_summarizes_the_sweep_and_sets_the_exit_code(tmp_pat
     rows = _rows(tmp_path / "sweep")
     assert [(row["job"], row["status"]) for row in rows] == [("0", "3"), ("1", "0")]
     assert PLAN_FILES <= {p.name for p in (tmp_path / "sweep" / "1").iterdir()}
+
+
+def test_a_job_that_raises_a_bug_leaves_no_journal_in_the_sweep_dir(tmp_path, monkeypatch):
+    """A non-ConfigError ends Hydra's sweep before on_multirun_end: the command still removes the sweep's journal
+    (the traceback is the user's report of the bug)."""
+    from mist_ds.cli import main
+
+    def bug(cfg: DictConfig) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(main.COMMANDS, "show", main.Command(bug, "raises"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main.run_command("show", ["-m", "model=tiny,gpt3-1.3b", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert not list((tmp_path / "sweep").glob(JOURNAL_PREFIX + "*"))

@@ -635,6 +635,7 @@ def run_command(command: str, args: Sequence[str]) -> int:
     """`mist-ds <command> <args>`: the exit status (module docstring)."""
     from hydra import __version__ as hydra_version
 
+    from mist_ds.cli.sweep import remove_left_journal
     from mist_ds.config.versions import check_hydra_version
 
     jobs = Jobs(command, full_error=os.environ.get(FULL_ERROR_ENV) == "1")
@@ -650,7 +651,10 @@ def run_command(command: str, args: Sequence[str]) -> int:
             output_key = "hydra.sweep.dir" if parsed.multirun else output_key
             parsed.overrides.append(f"++{SWEEP_CALLBACK}.status_file={hydra_quoted(str(sweep_status))}")
             with _leaving_no_empty_folder(command, parsed.overrides):
-                _run_hydra_app(jobs, hydra_command_line(parsed))
+                try:
+                    _run_hydra_app(jobs, hydra_command_line(parsed))
+                finally:  # a job that raised a bug ended the sweep before its callback cleared up
+                    remove_left_journal(sweep_status)
         except Exception as error:
             crashed = jobs.full_error or error in jobs.crashed
             bad_input = None if crashed else _input_error(error, config_dirs, output_key)

@@ -174,6 +174,21 @@ def subdir_setting(config: DictConfig) -> str:
     return str(OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir"))
 
 
+def journal_note(status_file: str | Path) -> Path:
+    """Where SweepStatus notes its journal's path beside `status_file`: a job that raises a non-ConfigError (a bug)
+    ends Hydra's sweep before on_multirun_end, and the command removes the journal then (remove_left_journal)."""
+    return Path(f"{status_file}.journal")
+
+
+def remove_left_journal(status_file: str | Path) -> None:
+    """Remove the journal a sweep noted beside `status_file` if on_multirun_end did not (the sweep ended by a raise)."""
+    note = journal_note(status_file)
+    if note.is_file():
+        journal = Path(note.read_text())
+        if journal.name.startswith(JOURNAL_PREFIX):
+            shutil.rmtree(journal, ignore_errors=True)
+
+
 class SweepStatus(Callback):
     """The multirun's status, from the records its jobs wrote in the sweep's journal (module docstring)."""
 
@@ -195,6 +210,8 @@ class SweepStatus(Callback):
             self.journal = tempfile.mkdtemp(prefix=JOURNAL_PREFIX, dir=sweep_dir)  # this sweep's own, never reused
         except OSError:  # left to the launcher, whose own mkdir fails next: mist-ds reports that as bad input
             return
+        if self.status_file:
+            write_atomic(journal_note(self.status_file), self.journal)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.journal is not None:
