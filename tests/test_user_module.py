@@ -222,6 +222,27 @@ class NanoGpt(Gpt):
         return logits_BSV, F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
 
 
+def make_nano_gpt(layers: int = LAYERS) -> nn.Module:
+    """The command line's model._target_ for a forward priced with its own loss."""
+    return NanoGpt(layers)
+
+
+class LastPositionAlways(Gpt):
+    """Given targets or not, only the last position's logits (and a loss of them): nothing to price every position."""
+
+    def forward(self, tokens_BS, targets_BS=None):
+        logits_BSV = super().forward(tokens_BS)[:, [-1], :]
+        return logits_BSV, None if targets_BS is None else logits_BSV.sum()
+
+
+class LogitsOnlyGivenTargets(Gpt):
+    """Every position's logits given targets, but no loss among what it returns."""
+
+    def forward(self, tokens_BS, targets_BS=None):
+        logits_BSV = super().forward(tokens_BS)
+        return logits_BSV if targets_BS is not None else logits_BSV[:, [-1], :]
+
+
 class AllPositions(nn.Module):
     """The wrapper the refusal of NanoGpt asks for: its parts called as its forward calls them, every position's
     logits returned."""
@@ -377,15 +398,17 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
 
 
-def test_the_command_line_builds_the_module_from_its_target(tmp_path):
+@pytest.mark.parametrize("make, cls", [("make_gpt", "Gpt"), ("make_nano_gpt", "NanoGpt")])
+def test_the_command_line_builds_the_module_from_its_target(tmp_path, make, cls):
     """tune with model._target_ (and model.kwargs) writes a plan that records the module (its class, target and
-    hash) and that predict reads back, the module built again from its target."""
-    done = cli("tune", "model=module", "model._target_=tests.test_user_module.make_gpt", "+model.kwargs.layers=3",
+    hash) and that predict reads back, the module built again from its target (also one priced with its own loss:
+    traced in the command's process, which builds it again)."""
+    done = cli("tune", "model=module", f"model._target_=tests.test_user_module.{make}", "+model.kwargs.layers=3",
                *RUN, "tuner.compare_baselines=false", f"hydra.run.dir={tmp_path}")
     assert done.returncode == 0, done.stderr[-2000:]
     source = json.loads((tmp_path / "plan.json").read_text())["model_source"]
-    assert source["kind"] == "module" and source["class"] == "tests.test_user_module.Gpt"
-    assert source["target"] == "tests.test_user_module.make_gpt" and len(source["module_sha256"]) == 64
+    assert source["kind"] == "module" and source["class"] == f"tests.test_user_module.{cls}"
+    assert source["target"] == f"tests.test_user_module.{make}" and len(source["module_sha256"]) == 64
     again = cli("predict", f"plan={tmp_path / 'plan.json'}", "json=true")
     assert again.returncode == 0 and json.loads(again.stdout)["iteration_time_s"] > 0, again.stderr[-2000:]
 
@@ -572,10 +595,29 @@ def test_a_loss_that_is_not_a_scalar_function_of_logits_and_labels_is_refused(lo
 
 def test_logits_in_a_mapping_are_read_and_a_last_position_forward_is_refused_with_the_way_out():
     assert mist_ds.compose(list(RUN), model=DictGpt()).model.vocab_size == VOCAB
-    with pytest.raises(ConfigError, match=r"returns torch.Size\(\[3, 1, 4096\]\).*wrapper module"):
-        mist_ds.compose(list(RUN), model=NanoGpt())
+    for module, reason in ((LastPositionAlways(), r"returns torch.Size\(\[3, 1, 4096\]\).*also given targets_BS="),
+                           (LogitsOnlyGivenTargets(), "given targets_BS=labels, .* but no scalar loss")):
+        with pytest.raises(ConfigError, match=f"{reason}.*wrapper module"):
+            mist_ds.compose(list(RUN), model=module)
     wrapped = mist_ds.compose(list(RUN), model=AllPositions(NanoGpt())).model
     assert wrapped.total_params() == mist_ds.compose(list(RUN), model=Gpt()).model.total_params()
+
+
+def test_a_forward_giving_every_positions_logits_only_with_targets_is_priced_with_its_own_loss():
+    """nanoGPT's forward(idx, targets=None): read, traced and priced as called with targets, the cross entropy it
+    computes the loss, so it prices as the same GPT returning every position's logits with mist_ds's default loss
+    (the same F.cross_entropy); given loss=, its own loss cannot be replaced and it is refused, saying so."""
+    nano, plain = traced(RUN, NanoGpt()), traced(RUN, Gpt())
+    source = nano[0].model.module
+    assert (source.labels_arg, source.loss) == ("targets_BS", "the forward's own loss")
+    assert plain[0].model.module.labels_arg is None
+    for key in ("fwd_flops", "bwd_flops", "saved_bytes", "fwd_memory_bytes", "output_bytes"):
+        assert nano[1].head(key, 2, SEQ, 1) == plain[1].head(key, 2, SEQ, 1), key
+    assert mist_ds.predict(list(RUN), model=NanoGpt()).iteration_time_s == \
+        mist_ds.predict(list(RUN), model=Gpt()).iteration_time_s
+    with pytest.raises(ConfigError, match=r"given labels \(targets_BS=\): drop loss= to price its own") as refused:
+        mist_ds.compose(list(RUN), model=NanoGpt(), loss=plain_cross_entropy)
+    assert refused.value.field == "model"
 
 
 class BucketedPositions(Gpt):

@@ -132,6 +132,25 @@ def test_a_plain_module_in_the_users_script_runs_as_priced(tmp_path):
 
 
 @pytest.mark.slow  # one launch of 2 ranks
+def test_a_module_computing_its_own_loss_runs_as_priced(tmp_path):
+    """nanoGPT's forward(idx, targets=None) (tests/test_user_module.py NanoGpt), the loop's `logits, loss =
+    engine(X, Y)`: priced with the cross entropy its forward computes, ZeRO-2; the step census and the model states
+    equal the plan's."""
+    from mist_ds.testing.given_plan import script_census_mismatches, write_given_plan
+
+    planned = write_given_plan(["model=module", "model._target_=tests.test_user_module.make_nano_gpt", *PLANNED,
+                                "strategy.zero_stage=2", "strategy.micro_batch_size=1"], tmp_path / "plan")
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["model_source"]["class"].endswith("NanoGpt")
+    census = tmp_path / "census.json"
+    done = mist_deepspeed(["--autotune-mist", "run", "--plan", str(tmp_path / "plan" / "plan.json"), "--num_gpus", "2",
+                           str(USER_SCRIPT), "--module", "tests.test_user_module:make_nano_gpt", "--own_loss",
+                           "--census", str(census)], tmp_path, PYTHONPATH=str(REPO))
+    assert done.returncode == 0, done.stderr[-3000:]
+    mismatches = script_census_mismatches(planned, json.loads(census.read_text()), "module")
+    assert not mismatches, mismatches
+
+
+@pytest.mark.slow  # one launch of 2 ranks
 def test_a_plan_autotp_cannot_run_is_refused_in_the_plan_phase(configs, tmp_path):
     """GPT-2 held to tp 2: every rank exits 2 with AutoTP's reason, and nothing trains."""
     done = mist_deepspeed(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", "--mist",

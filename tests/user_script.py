@@ -77,6 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model_config", default=None)
     parser.add_argument("--module", default=None, help="pkg.mod:function building a plain nn.Module")
+    parser.add_argument("--own_loss", action="store_true",
+                        help="the module computes its loss given targets: logits, loss = engine(tokens, targets)")
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--census", default=None)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (without --census)")
@@ -132,6 +134,8 @@ def main() -> None:
     def loss_of(tokens: torch.Tensor) -> torch.Tensor:
         if args.model_config:
             return engine(input_ids=tokens, labels=tokens).loss
+        if args.own_loss:  # nanoGPT's loop: `logits, loss = model(X, Y)`
+            return engine(tokens, tokens)[1]
         logits = engine(tokens)
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 

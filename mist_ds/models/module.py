@@ -3,7 +3,8 @@
 - `ModuleEmbedding`: what the forward runs before its first block; tokens (B, S) -> hidden states (B, S, D).
 - the block: the first block called as the forward calls it (parts.BlockCall, side inputs captured).
 - `ModuleHead`: what the forward runs after its last block (final norm, output projection, whatever it does) on
-  hidden states (B, S, D) -> logits (B, S, V); `loss` is the user's loss function, else next-token cross entropy.
+  hidden states (B, S, D) -> logits (B, S, V); `loss` is the user's loss function, else next-token cross entropy, or,
+  for a forward called with labels (ModuleSource.labels_arg, nanoGPT's targets), the loss that forward returns.
 
 Each part holds, as parameters, only its part's (mist_ds/specs/module.py `read_params` says which: the same
 records, by name). Shapes: B batch, S sequence, D hidden, V vocabulary.
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_after_last_block, run_to_first_block
-from mist_ds.specs.module import ModuleSource, call_loss, hidden_input, logits_of
+from mist_ds.specs.module import ModuleSource, call_loss, hidden_input, logits_of, own_loss_of
 
 TIED = " (tied)"
 """Suffix of the head's record of a weight it shares with the embedding (mist_ds/specs/module.py)."""
@@ -53,22 +54,32 @@ def next_token_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) 
 
 class ModuleHead(nn.Module):
     """The forward after its last block: hidden states (B, S, D) -> logits (B, S, V). The preamble and the blocks
-    run under no_grad, and the tracer records from the marker after the last block (parts.run_after_last_block)."""
+    run under no_grad, and the tracer records from the marker after the last block (parts.run_after_last_block).
+    A forward called with labels (ModuleSource.labels_arg) computes its own loss in that recorded part; `loss` then
+    hands back what its last call returned."""
 
     def __init__(self, model: nn.Module, source: ModuleSource, loss: Callable | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "last_block", model.get_submodule(source.blocks_attr)[-1])
         object.__setattr__(self, "loss_function", loss)
+        object.__setattr__(self, "labels_arg", source.labels_arg)
+        object.__setattr__(self, "own_loss", None)
         self.own = _own(model, source, "head")
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         tokens_BS = _tokens_like(x_BSD)
-        return logits_of(run_after_last_block(self.last_block, lambda: self.model(tokens_BS), x_BSD))
+        labels = {self.labels_arg: _tokens_like(x_BSD)} if self.labels_arg else {}
+        output = run_after_last_block(self.last_block, lambda: self.model(tokens_BS, **labels), x_BSD)
+        object.__setattr__(self, "own_loss", own_loss_of(output) if self.labels_arg else None)
+        return logits_of(output)
 
     def loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """The user's loss (refused unless it returns a scalar tensor: it was tried when the module was read, and a
-        failure here is theirs too), else next-token cross entropy."""
+        """The forward's own loss where it was given labels, else the user's loss (refused unless it returns a
+        scalar tensor: it was tried when the module was read, and a failure here is theirs too), else next-token
+        cross entropy."""
+        if self.labels_arg:
+            return self.own_loss
         if self.loss_function is None:
             return next_token_cross_entropy(logits_BSV, labels_BS)
         return call_loss(self.loss_function, logits_BSV, labels_BS)

@@ -5,7 +5,9 @@ part from what that run touches (docs/design.md, Your own model).
     mist-ds tune model=module model._target_=mypkg.models.make_model model.seq_len=1024  # command line
 
 The module's forward takes token ids (b, s) (int64) and returns logits (b, s, V): a tensor, or a tuple / list whose
-first item is one, a mapping's "logits", or an object's `.logits`. Its blocks are an nn.ModuleList or nn.Sequential:
+first item is one, a mapping's "logits", or an object's `.logits`. A forward that returns them only when given labels
+(nanoGPT's `forward(idx, targets=None)`: without targets only the last position's logits) is read and priced as
+called with labels, its own loss the loss (`labels_arg`). Its blocks are an nn.ModuleList or nn.Sequential:
 the longest one whose items are of one class (each with the same parameter shapes), or the one `model.blocks_attr`
 names. Parts, as one run of the forward on token ids shows them: `embedding` holds the parameters used before the
 first block, and those the forward never uses; `block` the first block's (every block alike); `head` those used after
@@ -42,6 +44,8 @@ KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_hea
 HEAD_DIM_FIELDS = ("head_dim", "head_size")
 DEFAULT_LOSS = "next-token cross entropy"
 """The loss priced unless the user gives one: F.cross_entropy(logits (b s, V), labels (b s)), labels shifted by one."""
+OWN_LOSS = "the forward's own loss"
+"""The loss priced for a forward that computes it from the labels it is given (ModuleSource.labels_arg)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,11 @@ class ModuleSource:
     """Its buffers after a forward (one may register them on first use): a block's in "block", the rest in
     "embedding"."""
     loss: str = DEFAULT_LOSS
-    """The loss priced: DEFAULT_LOSS, or the user's function (its import path or module.qualname)."""
+    """The loss priced: DEFAULT_LOSS, OWN_LOSS, or the user's function (its import path or module.qualname)."""
+    labels_arg: str | None = None
+    """The forward's parameter for labels when it returns every position's logits only when given them (nanoGPT's
+    `targets`): the module is read, traced and priced as `forward(tokens, **{labels_arg: labels})`, its own loss
+    the loss; None: as `forward(tokens)`."""
     target: str | None = None
     """The import path of the function that built it (model._target_), None for a module handed to Python."""
     target_kwargs_json: str = "{}"
@@ -183,6 +191,30 @@ def logits_of(output) -> Any:
     return output if isinstance(output, torch.Tensor) else None
 
 
+def own_loss_of(output) -> Any:
+    """The loss in what a forward given labels returns: a tuple's / list's scalar tensor (nanoGPT's (logits, loss)),
+    a mapping's "loss" or `.loss`; None if none."""
+    import torch
+
+    if isinstance(output, (tuple, list)):
+        return next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 0), None)
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def labels_parameter(module) -> str | None:
+    """The name of the forward's parameter after the token ids when it defaults to None (nanoGPT's `targets`), where
+    labels may be handed by keyword; None if the forward has none."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if len(parameters) < 2 or parameters[1].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                         inspect.Parameter.KEYWORD_ONLY):
+        return None
+    return parameters[1].name if parameters[1].default is None else None
+
+
 class _Run:
     """What one forward on token ids showed: parameters used per phase (before the first block, inside a block's
     call, between two blocks' calls, after the last block), the first block's call, the output."""
@@ -218,8 +250,9 @@ def _positions_out(func, args, kwargs, output, positions: list, seq_len: int) ->
     return name in POSITION_OPS and bool(tensors) and all(any(x is p for p in positions) for x in tensors)
 
 
-def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
-    """Run `meta`'s forward on `tokens_BS`, noting each parameter a torch function receives in each phase (_Run)."""
+def _run_on_tokens(meta, blocks, tokens_BS, labels: dict[str, Any]) -> _Run:
+    """Run `meta`'s forward on `tokens_BS` (and `labels`, by keyword), noting each parameter a torch function receives
+    in each phase (_Run)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten
@@ -262,7 +295,7 @@ def _run_on_tokens(meta, blocks, tokens_BS) -> _Run:
     handles += [block.register_forward_hook(leave) for block in blocks]
     try:
         with ParamUse():
-            run.output = meta(tokens_BS)
+            run.output = meta(tokens_BS, **labels)
     finally:
         for handle in handles:
             handle.remove()
@@ -273,31 +306,33 @@ def _refuse(model, why: str, rule: str = "") -> ConfigError:
     return ConfigError("model", type(model).__qualname__, why, rule=rule)
 
 
-def _read_run(meta, blocks, seq_len: int) -> tuple[_Run, int, int]:
-    """(the run, hidden size, vocabulary) of one forward of `meta` on token ids (b, s): each refused with the reason."""
+def _read_run(meta, blocks, seq_len: int, loss_given: bool) -> tuple[_Run, int, int, str | None]:
+    """(the run, hidden size, vocabulary, ModuleSource.labels_arg) of one forward of `meta` on token ids (b, s), with
+    labels where it returns every position's logits only so (and no loss is given): each refused with the reason."""
     import torch
 
     batch = 3 if seq_len != 3 else 2
     tokens_BS = torch.zeros(batch, seq_len, dtype=torch.int64, device="meta")
-    try:
-        run = _run_on_tokens(meta, blocks, tokens_BS)
-    except Exception as error:  # the user's forward: any failure is bad input, reported with its own message
-        raise _refuse(meta, f"its forward fails on token ids of shape ({batch}, {seq_len}) (int64, meta device): "
-                            f"{type(error).__name__}: {error}; mist_ds prices a forward(tokens (b, s)) -> logits "
-                            "(b, s, V)") from error
-    if run.block_calls != len(blocks):
-        raise _refuse(meta, f"its forward called its {len(blocks)} blocks {run.block_calls} times; each block must "
-                            "run once per forward (name the blocks with model.blocks_attr)")
-    _, hidden_BSD = hidden_input(*run.first_call)
-    if (not isinstance(hidden_BSD, torch.Tensor) or tuple(hidden_BSD.shape[:2]) != (batch, seq_len)
-            or hidden_BSD.dim() != 3):
-        raise _refuse(meta, f"its first block gets {getattr(hidden_BSD, 'shape', hidden_BSD)}, not hidden states "
-                            f"(b, s, h) = ({batch}, {seq_len}, h)")
-    logits_BSV = logits_of(run.output)
-    if logits_BSV is None or logits_BSV.dim() != 3 or tuple(logits_BSV.shape[:2]) != (batch, seq_len):
-        raise _refuse(meta, f"its forward returns {getattr(logits_BSV, 'shape', type(run.output).__name__)} for "
-                            f"token ids ({batch}, {seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V): "
-                            f"{ALL_POSITIONS_HINT}")
+    run = _checked_run(meta, blocks, tokens_BS, {})
+    logits_BSV, labels_arg = logits_of(run.output), None
+    if not _all_positions(logits_BSV, tokens_BS):
+        labels_arg = None if loss_given else labels_parameter(meta)
+        if labels_arg is None:
+            took = f"; it computes them when given labels ({labels_parameter(meta)}=): drop loss= to price its own" \
+                if loss_given and labels_parameter(meta) else ""
+            raise _refuse(meta, f"its forward returns {_shape_text(logits_BSV, run.output)} for token ids ({batch}, "
+                                f"{seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V){took}: "
+                                f"{ALL_POSITIONS_HINT}")
+        given = f"{labels_arg}=labels"
+        run = _checked_run(meta, blocks, tokens_BS, {labels_arg: torch.zeros_like(tokens_BS)})
+        logits_BSV, own_loss = logits_of(run.output), own_loss_of(run.output)
+        if not _all_positions(logits_BSV, tokens_BS):
+            raise _refuse(meta, f"its forward returns {_shape_text(logits_BSV, run.output)} for token ids ({batch}, "
+                                f"{seq_len}), also given {given}, not logits (b, s, V): {ALL_POSITIONS_HINT}")
+        if own_loss is None or (logits_BSV.requires_grad and not own_loss.requires_grad):
+            raise _refuse(meta, f"given {given}, its forward returns every position's logits but no scalar loss with "
+                                "a gradient (a tuple's 0-d tensor, 'loss' or .loss), which mist_ds would price as "
+                                f"its loss: {ALL_POSITIONS_HINT}")
     names = {id(param): name for name, param in meta.named_parameters()}
     for table in run.position_tables:
         if table.shape[0] < seq_len:
@@ -306,12 +341,45 @@ def _read_run(meta, blocks, seq_len: int) -> tuple[_Run, int, int]:
                                                         "rows) by position, so a sequence longer than that fails in "
                                                         f"training: give model.seq_len <= {table.shape[0]}, or a "
                                                         "module built for this length")
-    return run, int(hidden_BSD.shape[-1]), int(logits_BSV.shape[-1])
+    return run, int(hidden_input(*run.first_call)[1].shape[-1]), int(logits_BSV.shape[-1]), labels_arg
+
+
+def _all_positions(logits_BSV, tokens_BS) -> bool:
+    return logits_BSV is not None and logits_BSV.dim() == 3 and logits_BSV.shape[:2] == tokens_BS.shape
+
+
+def _shape_text(logits_BSV, output) -> str:
+    return str(getattr(logits_BSV, "shape", type(output).__name__))
+
+
+def _checked_run(meta, blocks, tokens_BS, labels: dict[str, Any]) -> _Run:
+    """One forward on `tokens_BS` (and `labels`): its blocks each called once, the first on hidden states (b, s, h);
+    refused with the reason otherwise."""
+    import torch
+
+    batch, seq_len = tokens_BS.shape
+    given = "".join(f" and {name}=labels" for name in labels)
+    try:
+        run = _run_on_tokens(meta, blocks, tokens_BS, labels)
+    except Exception as error:  # the user's forward: any failure is bad input, reported with its own message
+        raise _refuse(meta, f"its forward fails on token ids of shape ({batch}, {seq_len}) (int64, meta device)"
+                            f"{given}: {type(error).__name__}: {error}; mist_ds prices a forward(tokens (b, s)) -> "
+                            "logits (b, s, V)") from error
+    if run.block_calls != len(blocks):
+        raise _refuse(meta, f"its forward called its {len(blocks)} blocks {run.block_calls} times; each block must "
+                            "run once per forward (name the blocks with model.blocks_attr)")
+    _, hidden_BSD = hidden_input(*run.first_call)
+    if (not isinstance(hidden_BSD, torch.Tensor) or tuple(hidden_BSD.shape[:2]) != (batch, seq_len)
+            or hidden_BSD.dim() != 3):
+        raise _refuse(meta, f"its first block gets {getattr(hidden_BSD, 'shape', hidden_BSD)}, not hidden states "
+                            f"(b, s, h) = ({batch}, {seq_len}, h)")
+    return run
 
 
 ALL_POSITIONS_HINT = (
-    "mist_ds prices the logits of every position, as training computes them; a forward returning something else "
-    "(nanoGPT's GPT without targets: the last position's logits) is planned as a wrapper module whose "
+    "mist_ds prices the logits of every position, as training computes them: a forward that returns them when given "
+    "labels by its second parameter (defaulting to None, as nanoGPT's forward(idx, targets=None)) and a scalar loss is "
+    "priced so, with its own loss, where no loss= is given; any other is planned as a wrapper module whose "
     "forward(tokens) returns them, e.g. calling its embeddings, blocks, final norm and output layer as its forward "
     "does, with the loss as loss= (default: next-token cross entropy)")
 """How to plan a module whose forward does not return the logits of every position (docs/design.md)."""
@@ -675,7 +743,7 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
         raise ConfigError("model.blocks_attr", path,
                           f"{error}: mist_ds prices blocks of one class and shape") from error
     identity = module_hash(meta, path, loss)  # before its forward runs: a forward may register buffers on first use
-    run, hidden, vocab = _read_run(meta, blocks, seq_len)
+    run, hidden, vocab, labels_arg = _read_run(meta, blocks, seq_len, loss is not None)
     params, tied = read_params(meta, path, blocks, run, vocab, hidden)
     if loss is not None:  # on the run's own logits: refused now, not as an exception while tracing
         logits_BSV = logits_of(run.output)
@@ -696,7 +764,8 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     source = ModuleSource(class_name=qualified_name(type(module)),
                           module_sha256=identity, blocks_attr=path, num_blocks=len(blocks),
                           params=params, head_dim=head_dim, tied=tied, buffers=read_buffers(meta, blocks, set()),
-                          loss=loss_path or loss_name(loss), target=target,
+                          loss=OWN_LOSS if labels_arg else loss_path or loss_name(loss), labels_arg=labels_arg,
+                          target=target,
                           target_kwargs_json=json.dumps(plain_kwargs(target_kwargs or {}), sort_keys=True,
                                                         default=str))
     return ReadModule(hidden_size=hidden, vocab_size=vocab, num_heads=heads_value,

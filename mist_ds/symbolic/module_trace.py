@@ -12,7 +12,7 @@ from torch import nn
 from mist_ds.models.module import parts
 from mist_ds.models.parts import run_to_first_block
 from mist_ds.specs import ConfigError, ModelSpec
-from mist_ds.specs.module import DEFAULT_LOSS, build_target, import_object, meta_copy, module_hash
+from mist_ds.specs.module import DEFAULT_LOSS, OWN_LOSS, build_target, import_object, meta_copy, module_hash
 from mist_ds.symbolic.cut_trace import trace_cut_layer
 from mist_ds.symbolic.layers import DTYPES
 from mist_ds.symbolic.tracing import TracedLayer
@@ -27,7 +27,7 @@ def module_of(model: ModelSpec, module: nn.Module | None, loss: Callable | None)
                                                       "trace: pass it, mist_ds.predict(overrides, model=module)")
     if module is None:
         module = build_target(source.target, json.loads(source.target_kwargs_json))
-        loss = None if source.loss == DEFAULT_LOSS else import_object(source.loss, "model.loss")
+        loss = None if source.loss in (DEFAULT_LOSS, OWN_LOSS) else import_object(source.loss, "model.loss")
     if module_hash(meta_copy(module), source.blocks_attr, loss) != source.module_sha256:
         raise ConfigError("model", source.class_name, "is not the module this spec was read from (its structure, "
                                                       "attributes, code or loss changed since; model.kwargs change "
