@@ -270,6 +270,9 @@ def test_pipeline_stages_are_held_where_they_cannot_run():
     assert pipeline_overrides([], pipeline=False, held_because=None) == [PIPELINE_HELD]
     why = pipelines_held_because(hf=False, client_optimizer=None, client_scheduler=None)
     assert pipeline_overrides(["tuner.pp=[1]"], pipeline=True, held_because=why) == [PIPELINE_HELD]
+    with pytest.raises(ConfigError, match="runs as one module") as refused:  # not "say so with pipeline=True"
+        pipeline_overrides(["tuner.pp=[2]"], pipeline=False, held_because=why)
+    assert "pipeline=True" not in str(refused.value)
     with pytest.raises(ConfigError, match="engine.train_batch") as error:
         pipeline_overrides(["tuner.pp=[2]"], pipeline=False, held_because=None)
     assert error.value.field == "tuner.pp"

@@ -65,9 +65,13 @@ def pipeline_overrides(overrides: Sequence[str], pipeline: bool, held_because: s
     reason, and the user's own tuner.pp asking for more refused with it."""
     if pipeline and held_because is None:
         return [PIPELINES_PLANNED]
-    why = held_because if pipeline else (
-        "the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
-        "(say so with mist_ds.initialize(..., pipeline=True))")
+    if pipeline:
+        why = held_because
+    elif held_because is None:
+        why = ("the script's loop steps with engine(...), backward and step: pipeline stages need engine.train_batch "
+               "(say so with mist_ds.initialize(..., pipeline=True))")
+    else:  # what holds it would hold it with pipeline=True too: said first, so that no one adds only that
+        why = f"{held_because} (and the script's loop steps with engine(...), not engine.train_batch)"
     asked = override_value(overrides, "tuner.pp")
     if _asks_more_than_one(asked):
         raise ConfigError("tuner.pp", asked, f"{why}; drop --mist tuner.pp or give tuner.pp=[1]")
