@@ -485,3 +485,45 @@ def test_an_entry_missed_at_once_by_two_workers_is_computed_once(tmp_path):
         thread.join()
     assert computed == [1]
     assert cache.load(tmp_path, "k") == {"layers": {}}
+
+
+class _Products(torch.nn.Module):
+    """The products whose aten::matmul pinned symbolic sizes under torch 2.11: F.linear of a 3-D input without bias,
+    matmul of 4-D inputs, and `@` of a 3-D input and a 2-D weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16, bias=False)
+        self.weight = torch.nn.Parameter(torch.empty(16, 8))
+
+    def forward(self, x_BSH):
+        q_BNSD = self.proj(x_BSH).view(x_BSH.shape[0], x_BSH.shape[1], 2, 8).transpose(1, 2)
+        scores_BNSS = torch.matmul(q_BNSD, q_BNSD.transpose(-1, -2))
+        return (scores_BNSS @ q_BNSD).transpose(1, 2).reshape(x_BSH.shape) @ self.weight
+
+
+def test_products_of_inputs_above_2d_keep_the_sizes_symbolic():
+    """Their FLOPs grow with b and s, and no guard fixes either (refuse_fixed_sizes would raise)."""
+    def make_inputs(sizes):
+        return (torch.empty(sizes["b"], sizes["s"], 16, requires_grad=True),)
+
+    trace, rename = run_trace(lambda sizes: _Products(), make_inputs, None, {"b": 3, "s": 13})
+    b, s = (next(symbol for symbol, name in rename.items() if name == wanted) for wanted in ("b", "s"))
+    flops = sympy.expand(sum(op.flops for op in trace.ops))
+    assert flops.has(b) and flops.has(s) and trace.guards == [], (flops, trace.guards)
+
+
+class _BranchesOnTheBatch(torch.nn.Linear):
+    def forward(self, x_BSH):
+        return super().forward(x_BSH) * (2 if x_BSH.shape[0] == 3 else 1)
+
+
+def test_a_trace_that_fixes_a_size_is_refused_but_where_costs_are_evaluated_at_that_size_only():
+    from mist_ds.symbolic.trace import FixedSizeError
+
+    def make_inputs(sizes):
+        return (torch.empty(sizes["b"], sizes["s"], 16, requires_grad=True),)
+
+    with pytest.raises(FixedSizeError, match=r"fixed the traced size\(s\) b = 3: the costs would hold"):
+        run_trace(lambda sizes: _BranchesOnTheBatch(16, 16), make_inputs, None, {"b": 3, "s": 13})
+    run_trace(lambda sizes: _BranchesOnTheBatch(16, 16), make_inputs, None, {"b": 3, "s": 13}, evaluated_at={"b": 3})

@@ -62,7 +62,7 @@ def trace_cut_layer(model: ModelSpec, kind: str, precision: str, meta: nn.Module
 
     record_from = TRACE_MARKER_OP if kind == "head" and head_marked else None
     trace, rename = run_trace(build, make_inputs, head_loss if kind == "head" else None, trace_hints(model),
-                              record_from)
+                              record_from, evaluated_at={"s": model.seq_len})
     exprs, gemms = aggregate(trace)
     exprs = {k: _tidy(_rename(v, rename)) for k, v in exprs.items()}
     gemms = [Gemm(g.phase, *(_tidy(_rename(x, rename)) for x in (g.batch, g.m, g.n, g.k))) for g in gemms]

@@ -18,6 +18,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -179,22 +180,72 @@ def make_symint(env: ShapeEnv, name: str, hint: int, rename: dict) -> torch.SymI
 def run_trace(build: Callable[[dict[str, Any]], torch.nn.Module],
               make_inputs: Callable[[dict[str, Any]], tuple],
               loss_of: Callable[[Any, tuple], torch.Tensor] | None,
-              hints: dict[str, int], record_from: str | None = None) -> tuple[Trace, dict[sympy.Symbol, str]]:
+              hints: dict[str, int], record_from: str | None = None,
+              evaluated_at: dict[str, int] | None = None) -> tuple[Trace, dict[sympy.Symbol, str]]:
     """Build a layer with symbolic sizes, run forward and backward, return what was recorded.
 
     build(sizes) -> module; make_inputs(sizes) -> tuple of inputs (the first requires grad when the
     layer's input gradient is real); loss_of(output, inputs) -> scalar to backpropagate (None: the
     output's gradient is an incoming tensor like it). `sizes` maps each name of `hints` to a SymInt.
     record_from: an op name; the forward's ops up to and including its first call are not recorded (the part of
-    a whole model's forward after its blocks: mist_ds/models/parts.py). Returns the trace and
-    ShapeEnv-symbol -> name, to rename expressions afterwards.
+    a whole model's forward after its blocks: mist_ds/models/parts.py). evaluated_at: sizes whose hint is the one
+    value the costs are ever evaluated at (a whole model's sequence), which the trace may fix there; any other size
+    fixed at its hint is a FixedSizeError. Returns the trace and ShapeEnv-symbol -> name, to rename expressions
+    afterwards.
     """
     env = ShapeEnv()
     rename: dict = {}
     trace = Trace()
     with _no_cyclic_gc():
         _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from)
+    refuse_fixed_sizes(env, rename, evaluated_at or {})
     return trace, rename
+
+
+class FixedSizeError(RuntimeError):
+    """A trace fixed a size that must stay symbolic: every cost from it would hold at the trace's hint only."""
+
+
+def refuse_fixed_sizes(env: ShapeEnv, rename: dict[sympy.Symbol, str], evaluated_at: dict[str, int]) -> None:
+    """FixedSizeError for each guard `Eq(size, number)` on a traced size, but a size of `evaluated_at` at its
+    value: a guard that pins a size makes the expressions numbers (torch 2.11's matmul did so before
+    _FoldedProducts, silently: the costs no longer grew with the micro-batch or the sequence)."""
+    fixed = []
+    for guard in env.guards:
+        expr = guard.expr
+        if not isinstance(expr, sympy.Eq):
+            continue
+        for symbol, value in ((expr.lhs, expr.rhs), (expr.rhs, expr.lhs)):
+            if symbol in rename and value.is_Integer and evaluated_at.get(rename[symbol]) != int(value):
+                fixed.append(f"{rename[symbol]} = {value}")
+    if fixed:
+        raise FixedSizeError(f"tracing under torch {torch.__version__} fixed the traced size(s) {', '.join(fixed)}: "
+                             "the costs would hold at those sizes only, and no plan is priced from them: report the "
+                             "model and the torch version as a bug of mist_ds")
+
+
+class _FoldedProducts(TorchFunctionMode):
+    """F.linear and matmul (`@` too) of inputs above 2-D as the 2-D or batched GEMM they fold into, while tracing:
+    torch 2.11's aten::matmul (under F.linear without bias, and of 4-D inputs) reads the sizes of symbolic tensors
+    (aten::size in the recorded ops), which pins them at the hints (refuse_fixed_sizes). Torch folds them so itself
+    (`_reshape_fold` in aten's matmul): the same GEMMs, views and copies are recorded."""
+
+    MATMUL = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and not kwargs and args[0].dim() > 2:
+            x_ND, weight = args[0], args[1]
+            folded = torch.nn.functional.linear(x_ND.reshape(-1, x_ND.shape[-1]), *args[1:])
+            return folded.view(*x_ND.shape[:-1], weight.shape[0])
+        if func in self.MATMUL and not kwargs and len(args) == 2:
+            a, b = args
+            if a.dim() > 2 and b.dim() == 2:
+                return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
+            if a.dim() > 2 and a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:
+                product = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+                return product.view(*a.shape[:-1], b.shape[-1])
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -217,7 +268,7 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
     import torch._dynamo.config as dynamo_config
 
     # FakeTensor's dispatch cache costs more than it saves on one pass with symbolic shapes.
-    with dynamo_config.patch(fake_tensor_cache_enabled=False), FakeTensorMode(shape_env=env):
+    with dynamo_config.patch(fake_tensor_cache_enabled=False), FakeTensorMode(shape_env=env), _FoldedProducts():
         sizes = {name: make_symint(env, name, hint, rename) for name, hint in hints.items()}
         module = build(sizes)
         module.train()
