@@ -1,7 +1,7 @@
-"""One GPU in five minutes: profile this machine quickly, tune a 1.3B model for its one GPU, train each plan 20 steps
-under `mist-ds measure` on executor `deepspeed` and on executor `mist`, and write predicted beside measured (step
-time, peak memory, model states, FLOPs, collective bytes counted in the engine) into one results file
-(docs/design.md, The GPU check).
+"""One GPU in five minutes: trace the model's layers under this machine's torch, profile this machine quickly, tune a
+1.3B model for its one GPU, train each plan 20 steps under `mist-ds measure` on executor `deepspeed` and on executor
+`mist`, and write predicted beside measured (step time, peak memory, model states, FLOPs, collective bytes counted in
+the engine) into one results file (docs/design.md, The GPU check).
 
 On a lent GPU machine (the device tool runs it in the repository's root; benchmarks/gpu/wheels.sh, run here first,
 puts the packages the machine lacks and this checkout's commit into .whl/, which the run carries):
@@ -176,6 +176,13 @@ class Settings:
     """time.monotonic() by which the last step must end; None: each step's own limit alone."""
 
 
+def analyze_step(s: Settings) -> Step:
+    """`mist-ds analyze`: the model's layers traced under this machine's torch (cached for the steps after it), their
+    expressions in the log; a torch that fixes the traced sizes fails it (FixedSizeError) before any plan is priced."""
+    return Step("analyze", ("analyze", f"model={s.model}", f"cluster={s.cluster}",
+                            f"hydra.run.dir={s.out / 'analyze'}"), 90.0)
+
+
 def profile_step(s: Settings) -> Step:
     return Step("profile", ("profile", f"model={s.model}", f"cluster={s.cluster}", "cluster.gpus_per_node=1",
                             f"train.global_batch_size={s.global_batch_size}", "profile.quick=true",
@@ -198,8 +205,8 @@ def executor_steps(s: Settings, config_dir: tuple[str, ...], cluster: str, execu
 
 
 def run_flow(s: Settings, after_step: Callable[[list[Outcome]], None] = lambda outcomes: None) -> list[Outcome]:
-    """Profile (unless told not to), then tune and measure on each executor; every outcome, in order, each also
-    handed to `after_step` with those before it as it ends."""
+    """Analyze the model's layers, profile (unless told not to), then tune and measure on each executor; every
+    outcome, in order, each also handed to `after_step` with those before it as it ends."""
     outcomes, logs = [], s.out / "logs"
 
     def run(step: Step) -> bool:
@@ -209,6 +216,7 @@ def run_flow(s: Settings, after_step: Callable[[list[Outcome]], None] = lambda o
 
     config_dir: tuple[str, ...] = ()
     cluster = s.cluster
+    run(analyze_step(s))
     if s.profile and run(profile_step(s)):
         config_dir, cluster = ("-cd", str(s.out / "profile")), PROFILED_CLUSTER
     for executor in EXECUTORS:
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             pack(s.out, s.results / "gpu_check.tgz")
         return text
 
-    published: list[str] = []  # every run publishes after its first step (a tune, at least)
+    published: list[str] = []  # every run publishes after its first step (the analyze, at least)
     outcomes = run_flow(s, lambda done: published.append(publish(done)))
     print(published[-1])
     return 0 if outcomes and all(o.ok for o in outcomes) else 1

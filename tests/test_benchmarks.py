@@ -126,12 +126,12 @@ def test_the_gpu_check_names_an_unknown_gpu_and_the_fix():
 def test_the_gpu_check_steps_are_commands_mist_ds_accepts(tmp_path):
     """Each step's arguments compose as mist-ds composes them (the profiled cluster's -cd aside): a typo in a key
     would otherwise surface only on a lent GPU machine."""
-    from benchmarks.gpu_check import Settings, executor_steps, profile_step
+    from benchmarks.gpu_check import Settings, analyze_step, executor_steps, profile_step
     from mist_ds.config import compose_config
 
     s = Settings("h100-80g", "gpt3-1.3b", 8, 3, 20, True, tmp_path)
     tune, measure = executor_steps(s, (), "h100-80g", "mist")
-    for step in (profile_step(s), tune):
+    for step in (analyze_step(s), profile_step(s), tune):
         compose_config([a for a in step.argv[1:] if not a.startswith("hydra.")])
     assert measure.argv[:2] == ("measure", f"plan={tmp_path / 'tune-mist' / 'plan.json'}")
 
