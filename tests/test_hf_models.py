@@ -299,7 +299,7 @@ def test_frozen_parameters_are_refused_where_they_cannot_be_priced(configs):
 @pytest.mark.slow  # three processes read AutoTP's refusal
 def test_what_autotp_refuses_is_refused_with_its_reason(configs):
     """DeepSpeed's AutoTP does not shard GPT-2 (its fused attention): the plan is refused with AutoTP's words."""
-    with pytest.raises(ConfigError, match="AutoTP refuses GPT2LMHeadModel") as refused:
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel under DeepSpeed AutoTP at t = 2: ") as refused:
         hf(configs["gpt2-1.3b"], "model.seq_len=2048", "cluster=a100-80g", "cluster.gpus_per_node=2", "strategy.tp=2")
     assert refused.value.rule == "hf.autotp-refused"
 
@@ -328,3 +328,15 @@ def test_a_plan_records_its_model_and_is_refused_once_the_config_changed(configs
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
     done = subprocess.run(predict, capture_output=True, text=True, cwd=REPO, env=env)
     assert done.returncode == 2 and "changed since the plan was tuned" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow  # the AutoTP server's processes shard the model at each degree
+def test_a_tied_linear_head_is_planned_at_t_1_and_refused_where_autotp_makes_it_vocabulary_parallel(tmp_path):
+    """Llama / Qwen with tie_word_embeddings: DeepSpeed's AutoTP turns the tied nn.Linear LM head into a
+    VocabParallelLinear with its own vocabulary-parallel loss (not priced): the model is planned at t = 1 (its trace
+    at every degree failed: planning it at all raised) and t = 2 is refused naming that."""
+    path = saved_configs(tmp_path, {"llama_tied": transformers.LlamaConfig(**TINY, tie_word_embeddings=True)})
+    run = ("model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2")
+    assert predict(hf(path["llama_tied"], *run, "strategy.tp=1")).iteration_time_s > 0
+    with pytest.raises(ConfigError, match="LlamaForCausalLM under DeepSpeed AutoTP at t = 2: .*vocabulary-parallel"):
+        hf(path["llama_tied"], *run, "strategy.tp=2")

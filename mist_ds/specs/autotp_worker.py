@@ -18,6 +18,12 @@ def answer_at(request: dict, degree: int) -> dict:
         shard_with_autotp(model, degree)
     except (AssertionError, ValueError, NotImplementedError, RuntimeError) as error:
         return {"degree": degree, "refused": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
+    from deepspeed.module_inject.layers import VocabParallelLinear
+
+    vocab_parallel = [name for name, module in model.named_modules() if isinstance(module, VocabParallelLinear)]
+    if vocab_parallel:  # a tied nn.Linear head (Llama / Qwen with tie_word_embeddings): engine.py finalize_autotp
+        return {"degree": degree, "refused": f"it makes {vocab_parallel[0]} vocabulary-parallel (VocabParallelLinear) "
+                                             "with its own vocabulary-parallel loss, which mist_ds does not price yet"}
     blocks_attr = request["blocks_attr"]
     parts = split_parameters(model, blocks_attr)
     elements = lambda named: sum(p.numel() for _, p in named)  # noqa: E731

@@ -168,8 +168,8 @@ class ModelSpec:
             raise ConfigError(field, t, f"a Hugging Face model is priced under DeepSpeed AutoTP at t in "
                                         f"{(1, *AUTOTP_DEGREES)}", rule="hf.autotp-degree")
         if shapes.refused:
-            raise ConfigError(field, t, f"DeepSpeed AutoTP refuses {self.hf.architecture} ({shapes.refused}): plan "
-                                        "it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.autotp-refused")
+            raise ConfigError(field, t, f"{self.hf.architecture} under DeepSpeed AutoTP at t = {t}: {shapes.refused}; "
+                                        "plan it with strategy.tp=1 (tune: tuner.tp=[1])", rule="hf.autotp-refused")
         return shapes
 
     def embedding_params(self, t: int = 1) -> int:
