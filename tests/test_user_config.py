@@ -399,3 +399,109 @@ def test_a_script_can_ask_which_phase_it_runs_in(tmp_path, monkeypatch):
     monkeypatch.setenv(SETTINGS_ENV, str(path))
     assert mist_ds.phase() == "plan"
 
+
+
+def test_a_model_in_bf16_or_fp16_with_neither_enabled_is_refused_naming_the_config_field():
+    """DeepSpeed casts parameters only with bf16 or fp16 enabled: a bf16 (fp16) model beside a config enabling
+    neither would train in bf16 (fp16), not in the fp32 priced (at ZeRO-0 bf16 Adam states, no master copy: half the
+    model states). Refused naming the config's section, or train.precision without a config; a model the engine
+    casts (a precision enabled) or an fp32 model passes."""
+    import torch
+
+    from mist_ds.script.user_config import check_parameter_dtypes
+
+    given = UserConfig({"train_batch_size": 8}, "--deepspeed_config ds.json")
+    for dtype, section in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(dtype)
+        with pytest.raises(ConfigError) as error:
+            check_parameter_dtypes(model, "fp32", given)
+        assert error.value.field == f"{section}.enabled" and error.value.value is False
+        assert f'add "{section}": {{"enabled": true}} to the config, or build the model in fp32' in str(error.value)
+        assert f"4 of its 4 parameters in {str(dtype)[6:]} (e.g. 0.weight)" in str(error.value)
+        with pytest.raises(ConfigError, match=f"give --mist train.precision={section}") as error:
+            check_parameter_dtypes(model, "fp32", UserConfig({}, "none"))
+        assert error.value.field == "train.precision"
+        for precision in ("bf16", "fp16"):  # the engine casts every parameter to the enabled dtype
+            check_parameter_dtypes(model, precision, given)
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    with pytest.raises(ConfigError, match=r"2 of its 4 parameters in bfloat16 \(e.g. 1.weight\)"):
+        check_parameter_dtypes(mixed, "fp32", given)
+    check_parameter_dtypes(torch.nn.Linear(4, 4), "fp32", given)
+
+
+def test_the_plan_phase_refuses_an_hf_model_built_in_bf16_for_an_fp32_config(tmp_path):
+    """The plan phase's path, without a launch: a Llama built with dtype=bfloat16 (from_config), its config written as
+    the script's, priced with a DeepSpeed config that enables neither precision: refused before the search, naming
+    bf16.enabled; the same model with bf16 enabled in the config is planned."""
+    import torch
+    import transformers
+
+    from mist_ds.script.planning import hf_model_overrides, plan_model
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    base = [*hf_model_overrides(model, tmp_path / "lm"), "model.seq_len=16", "cluster=cpu", "cluster.gpus_per_node=2",
+            "tuner.compare_baselines=false"]
+    fp32 = read_user_config(None, {"train_batch_size": 4, "optimizer": {"type": "AdamW"}})
+    with pytest.raises(ConfigError, match='add "bf16": {"enabled": true} to the config') as error:
+        plan_model([*base, *planner_overrides(fp32, None, 2, ())], None, None, tmp_path / "plan", fp32, handed=model)
+    assert error.value.field == "bf16.enabled" and not (tmp_path / "plan" / "plan.json").exists()
+    bf16 = read_user_config(None, {**fp32.values, "bf16": {"enabled": True}})
+    planned = plan_model([*base, *planner_overrides(bf16, None, 2, ())], None, None, tmp_path / "plan", bf16,
+                         handed=model)
+    assert planned.plan_json.is_file()
+
+
+def test_a_script_that_never_calls_mist_ds_initialize_is_named_not_its_config(tmp_path, monkeypatch):
+    """A script that calls deepspeed.initialize trains to its end in the plan phase and plans nothing: the refusal
+    names the script (DeepSpeed's user_script), not the last word of its arguments (its --deepspeed_config file)."""
+    from mist_ds.cli import script_launch
+
+    script, config = tmp_path / "train.py", tmp_path / "ds_config.json"
+    script.write_text("import mist_ds, deepspeed\n")
+    config.write_text("{}")
+    monkeypatch.setattr(script_launch, "launch_phase", lambda command, settings, *rest, **kw: (0, ""))
+    command = script_launch.launch_command(["--num_gpus", "2"], str(script),
+                                           ["--family", "qwen2", "--deepspeed", "--deepspeed_config", str(config)])
+    with pytest.raises(script_launch.ScriptLaunchError) as error:
+        script_launch.run_user_script("run", None, command, ["cluster=cpu"], tmp_path / "run", cpu_ranks=True)
+    assert str(error.value).startswith(f"{script} ended without calling mist_ds.initialize"), error.value
+
+
+def test_a_module_wrapping_an_hf_causal_lm_is_told_to_hand_over_the_causal_lm():
+    """A user's nn.Module around a transformers causal LM: its blocks carry no head count (the config has it), so
+    model.num_heads is asked for, and the causal LM it holds is named as the other fix (planned from its config)."""
+    import torch
+    import transformers
+
+    from mist_ds.config import compose
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, hf):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, ids):
+            return self.hf(ids).logits
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ConfigError) as error:
+        compose(["model.seq_len=16", "cluster=cpu"], with_strategy=False,
+                module=Wrapper(transformers.LlamaForCausalLM(config)))
+    assert error.value.field == "model.num_heads"
+    assert ("give model.num_heads=..., or hand over the Hugging Face causal LM it holds (.hf, LlamaForCausalLM) in "
+            "place of the wrapper: mist_ds plans it from its config, heads included") in str(error.value)
+
+    class WithHead(torch.nn.Module):  # a bare base model and the script's own head: a causal LM is the other fix
+        def __init__(self, hf):
+            super().__init__()
+            self.hf, self.head = hf, torch.nn.Linear(32, 64, bias=False)
+
+        def forward(self, ids):
+            return self.head(self.hf(ids).last_hidden_state)
+
+    with pytest.raises(ConfigError, match=r"it holds .hf, LlamaModel, e.g. AutoModelForCausalLM.from_config"):
+        compose(["model.seq_len=16", "cluster=cpu"], with_strategy=False,
+                module=WithHead(transformers.LlamaModel(config)))

@@ -267,6 +267,17 @@ class ScriptLaunchError(ValueError):
     """A launch of the user's script that cannot go on (exit 2: the script, not mist_ds, must change)."""
 
 
+def script_of(command: Sequence[str]) -> str:
+    """The user's script in a launch command, as DeepSpeed's launcher parses it (its user_script): the command ends
+    with the script's own arguments (--deepspeed_config F, ...), so its last word names no script."""
+    from deepspeed.launcher import runner
+
+    try:
+        return runner.parse_args(list(command)).user_script
+    except SystemExit:  # not a command DeepSpeed parses (mist-deepspeed parsed it before: never in a launch)
+        return "the script"
+
+
 def run_user_script(mode: str, plan: Path | None, command: Sequence[str], overrides: Sequence[str], run_dir: Path,
                     cpu_ranks: bool) -> int:
     """The phases for a script that calls mist_ds.initialize (module docstring); the exit code: the plan phase's
@@ -284,9 +295,9 @@ def run_user_script(mode: str, plan: Path | None, command: Sequence[str], overri
             return code
         plan = plan_dir / "plan.json"
         if not plan.is_file():
-            raise ScriptLaunchError(f"{command[-1] if command else 'the script'} ended without calling "
-                                    "mist_ds.initialize, so nothing was planned: call it in place of "
-                                    "deepspeed.initialize, or name the model with --mist model=...")
+            raise ScriptLaunchError(f"{script_of(command)} ended without calling mist_ds.initialize, so nothing was "
+                                    "planned: call it in place of deepspeed.initialize, or name the model with "
+                                    "--mist model=...")
         knobs = plan_dir / CANDIDATES_DIR / VERIFY_FILE
         if knobs.is_file() and json.loads(knobs.read_text())["top_n"] > 0:
             chosen = choose(verify(command, base), plan_dir)

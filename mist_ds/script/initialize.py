@@ -36,8 +36,9 @@ from mist_ds.script.sequence import (apply_sequence_parallel, check_sequence_par
                                      sequence_parallel_rank)
 from mist_ds.script.settings import SETTINGS_ENV, ScriptSettings, settings_from_environment
 from mist_ds.script.teardown import Teardown
-from mist_ds.script.user_config import (GLOBAL_BATCH_FIELD, UserConfig, batch_origin, check_priced_as_given,
-                                        merged_config, planner_overrides, read_user_config)
+from mist_ds.script.user_config import (GLOBAL_BATCH_FIELD, UserConfig, batch_origin, check_parameter_dtypes,
+                                        check_priced_as_given, merged_config, planner_overrides, read_user_config,
+                                        user_precision)
 from mist_ds.specs.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_NO_PLAN_FITS, ConfigError
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def _plan_phase(settings: ScriptSettings, model: Any, loss: Callable | None, use
             overrides += pipeline_overrides(overrides, pipeline,
                                             pipelines_held_because(hf, client_optimizer, client_scheduler))
             overrides += sequence_overrides(overrides, deepspeed_args["training_data"])
-            planned = plan_model(overrides, None if hf else model, loss, settings.plan_dir, user)
+            planned = plan_model(overrides, None if hf else model, loss, settings.plan_dir, user, handed=model)
             from mist_ds.plan import load_plan
 
             for path in (planned.plan_json, *planned.candidates):
@@ -259,6 +260,8 @@ def _train_phase(settings: ScriptSettings, model: Any, loss: Callable | None, us
                                                   "mist_ds.initialize and step with engine.train_batch, or re-plan "
                                                   "without --plan")
     config, replaced = merged_config(user, plan_config, deepspeed_args["optimizer"] is not None)
+    # as the engine will cast (or keep) them: a --plan priced for fp32 beside a bf16 model is refused here
+    check_parameter_dtypes(model, user_precision(UserConfig(config, str(plan_json))), user)
     if replaced and dist.get_rank() == 0:
         log.warning("the plan sets %s in your DeepSpeed config (%s)", "; ".join(replaced), user.source)
     if settings.phase == "verify":

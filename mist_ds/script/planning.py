@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mist_ds.config.override_text import override_value
-from mist_ds.script.user_config import UserConfig, config_note
+from mist_ds.script.user_config import UserConfig, check_parameter_dtypes, config_note
 from mist_ds.specs.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -133,10 +133,11 @@ def candidate_count(tuner) -> int:
 
 
 def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, plan_dir: Path,
-               user: UserConfig | None = None) -> Planned:
+               user: UserConfig | None = None, handed: Any = None) -> Planned:
     """Tune `module` (None: the model `overrides` name) with `overrides`, write the plan files into `plan_dir`, and
     those of the candidates (candidate_count) into plan_dir/candidates/<i> with the verify settings beside them
-    (ConfigError, NoPlanFits). `user`: the script's DeepSpeed config, which summary.md names."""
+    (ConfigError, NoPlanFits). `user`: the script's DeepSpeed config, which summary.md names; `handed`: the model the
+    script handed over (an hf model too), whose parameters must train in the precision priced."""
     from mist_ds.config import compose, refuse_strategy_overrides
     from mist_ds.symbolic import analyze_model
     from mist_ds.files import write_atomic
@@ -146,6 +147,8 @@ def plan_model(overrides: Sequence[str], module: Any, loss: Callable | None, pla
 
     refuse_strategy_overrides(overrides, "mist_ds.initialize's plan phase")
     specs = compose(overrides, with_strategy=False, module=module, loss=loss)
+    if handed is not None:  # only now is the precision priced known (the user's config, --mist, or the default)
+        check_parameter_dtypes(handed, specs.train.precision, user or UserConfig({}, "none"))
     if module is not None:  # traced now (once: cached), so that the cost model reads its analysis
         analyze_model(specs.model, specs.train.precision, module=module, loss=loss)
     count = candidate_count(specs.tuner)

@@ -95,6 +95,41 @@ def user_precision(user: UserConfig) -> str:
     return enabled[0] if enabled else "fp32"
 
 
+SECTION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+"""The DeepSpeed config section that trains parameters of a low-precision dtype as mixed precision."""
+
+
+def check_parameter_dtypes(model: Any, precision: str, user: UserConfig) -> None:
+    """The handed model's parameters train in the precision priced (`precision`, train.precision). DeepSpeed 0.19.8
+    casts them only when bf16 or fp16 is enabled (engine._configure_distributed_model); in fp32 every parameter keeps
+    its own dtype, so a bf16 model trains in bf16: at ZeRO-0 torch's Adam over bf16 weights (bf16 gradients and
+    states, no fp32 master copy: half the model-state bytes fp32 prices, and updates below bf16's resolution lost),
+    at ZeRO 1-3 fp32 master weights and states beside bf16 weights and gradients. The planner prices neither, and
+    which one runs depends on the ZeRO stage it picks: ConfigError naming the config field and the fix."""
+    if precision != "fp32":  # DeepSpeed casts every floating parameter to the enabled dtype: priced as it runs
+        return
+    names: dict[str, list[str]] = {}
+    for name, param in model.named_parameters():
+        dtype = str(param.dtype).removeprefix("torch.")
+        if param.is_floating_point() and dtype != "float32":
+            names.setdefault(dtype, []).append(name)
+    if not names:
+        return
+    dtype, odd = max(names.items(), key=lambda item: len(item[1]))
+    total = sum(1 for _ in model.parameters())
+    section = SECTION_OF_DTYPE.get(dtype, "bf16")  # fp64 too: an enabled section casts it; fp32 would keep it
+    held = (f"the script's model holds {len(odd)} of its {total} parameters in {dtype} (e.g. {odd[0]}), which "
+            f"DeepSpeed then trains in {dtype} (it casts parameters only with bf16 or fp16 enabled), not in the fp32 "
+            "priced")
+    if user.given:
+        raise ConfigError(f"{section}.enabled", False, f"in {user.source}, and {held}: add \"{section}\": "
+                                                       "{\"enabled\": true} to the config, or build the model in "
+                                                       "fp32 (model.float())")
+    raise ConfigError("train.precision", precision, f"leaves the plan's DeepSpeed config without bf16 or fp16, and "
+                                                    f"{held}: give --mist train.precision={section}, or build the "
+                                                    "model in fp32 (model.float())")
+
+
 def _check_optimizer(user: UserConfig, client_optimizer: Any) -> None:
     """The optimizer the engine will step must be the one priced: Adam / AdamW (two fp32 states per weight)."""
     if client_optimizer is not None:

@@ -707,6 +707,28 @@ def plain_kwargs(value) -> Any:
     return value
 
 
+def _inner_hf_hint(module) -> str:
+    """For a module wrapping a transformers model (its heads in the model's config, not on its blocks): the causal LM
+    it holds, which mist_ds plans from its config (model=hf), as the other fix; empty where it holds none."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return ""
+    inner = next(((name, sub) for name, sub in module.named_modules()
+                  if name and isinstance(sub, PreTrainedModel)), None)
+    if inner is None:
+        return ""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name, hf = inner
+    what = type(hf).__name__
+    if what in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return (f", or hand over the Hugging Face causal LM it holds (.{name}, {what}) in place of the wrapper: "
+                "mist_ds plans it from its config, heads included")
+    return (f", or hand over a Hugging Face causal LM in place of the wrapper (it holds .{name}, {what}, e.g. "
+            "AutoModelForCausalLM.from_config of its config): mist_ds plans it from its config, heads included")
+
+
 @dataclass(frozen=True)
 class ReadModule:
     """The shape read from a module's run, with the user's fields where the run cannot tell."""
@@ -752,7 +774,8 @@ def read_module(module, seq_len: int, *, blocks_attr: str | None = None, loss: C
     if num_heads is None and len(heads) != 1:
         raise ConfigError("model.num_heads", None, f"required for {type(meta).__qualname__}: its blocks carry "
                                                    f"{'no head count' if not heads else f'several ({sorted(heads)})'} "
-                                                   f"(attributes {', '.join(HEAD_FIELDS)}); give model.num_heads=...")
+                                                   f"(attributes {', '.join(HEAD_FIELDS)}); give model.num_heads=..."
+                                                   f"{_inner_hf_hint(module)}")
     heads_value = num_heads if num_heads is not None else heads.pop()
     kv = _attribute(blocks, KV_HEAD_FIELDS)
     head_dims = _attribute(blocks, HEAD_DIM_FIELDS)
