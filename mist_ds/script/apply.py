@@ -13,17 +13,69 @@ RECOMPUTE_KWARGS = {"use_reentrant": False, "early_stop": False}
 """torch's checkpoint as the plan prices recompute: the whole block forward again in the backward. Non-reentrant
 (keyword inputs, such as HF's masks and rotary tables, need not require grad) without its early stop, which ends the
 replay once the saved tensors are back and so skips the block's last ops (its last GEMM: the FLOPs the step census
-counts would fall short of the price by that much)."""
+counts would fall short of the price by that much). The replay runs first in the block's backward (ReplayFirst)."""
+
+
+@functools.cache
+def _replay_first_function():
+    """The autograd Function that makes a checkpointed block replay as its backward starts (built on first use)."""
+    import torch
+
+    class ReplayFirst(torch.autograd.Function):
+        """Identity on a checkpointed block's output that saves it, so that the first of the block's backward nodes
+        unpacks a saved tensor and torch's checkpoint replays the whole block there, before any of the block's
+        modules starts its backward (as the reentrant checkpoint's replay does). Left to itself the replay starts
+        at the first node that unpacks, the block's last GEMM, after ZeRO-3's pre-backward hook gathered that
+        linear's weight: the replay's forward hooks then release it again (its module's ds_id leaves the weight's
+        ds_active_sub_modules, deepspeed/runtime/zero/partitioned_param_coordinator.py:527-529) and its gradient
+        meets a weight of 0 elements (`The size of tensor a (0) must match ...` in the backward)."""
+
+        @staticmethod
+        def forward(ctx, output):
+            ctx.save_for_backward(output)
+            return output.detach()  # not a view of the input: the script may still change it in place
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.saved_tensors  # unpacking is what starts the checkpoint's replay (if nothing unpacked before)
+            return grad
+
+    return ReplayFirst
+
+
+def _through_replay_first(outputs: Any) -> Any:
+    """A block's outputs (a tensor, a tuple or list of them, a dict such as HF's ModelOutput), each tensor that
+    requires grad through ReplayFirst."""
+    import torch
+
+    if isinstance(outputs, torch.Tensor):
+        return _replay_first_function().apply(outputs) if outputs.requires_grad else outputs
+    if type(outputs) in (tuple, list):
+        return type(outputs)(_through_replay_first(output) for output in outputs)
+    if isinstance(outputs, dict):
+        for key, value in list(outputs.items()):
+            outputs[key] = _through_replay_first(value)
+    return outputs
+
+
+def _checkpoint(function, *args, **kwargs):
+    """`function(*args, **kwargs)` under torch's checkpoint as the plan prices recompute (RECOMPUTE_KWARGS), its
+    outputs through ReplayFirst; the checkpoint function of the recomputed blocks, plain or Hugging Face."""
+    from torch.utils.checkpoint import checkpoint
+
+    def replaying_first(*args, **kwargs):
+        return _through_replay_first(function(*args, **kwargs))
+
+    return checkpoint(replaying_first, *args, **RECOMPUTE_KWARGS, **kwargs)
 
 
 def _checkpointed(forward):
-    """`forward` run under torch's non-reentrant activation checkpoint (RECOMPUTE_KWARGS): only its inputs are saved,
-    the block runs again in the backward (its submodules' hooks fire again: the engine's counters see it)."""
-    from torch.utils.checkpoint import checkpoint
+    """`forward` run under _checkpoint: only its inputs are saved, the block runs again in the backward (its
+    submodules' hooks fire again: the engine's counters see it)."""
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, **RECOMPUTE_KWARGS, **kwargs)
+        return _checkpoint(forward, *args, **kwargs)
 
     run.mist_ds_recompute = True
     return run
@@ -33,9 +85,11 @@ def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[i
     """Recompute the last `recompute` of `blocks` (an nn.ModuleList of `model`) and no other; the indices recomputed.
 
     A Hugging Face model: its own switch, read per decoder layer by transformers (`GradientCheckpointingLayer`):
-    enabled on the model, then turned off on the first L - c (whatever the script set before). Any other module:
-    each of the last c blocks' forward runs under torch's checkpoint."""
+    enabled on the model, then turned off on the first L - c (whatever the script set before), the last c
+    checkpointing with _checkpoint. Any other module: each of the last c blocks' forward runs under _checkpoint."""
     first = len(blocks) - recompute
+    users = [i for i, block in enumerate(blocks) if i < first and getattr(block, "gradient_checkpointing", False)
+             and getattr(block, "_gradient_checkpointing_func", None) is not _checkpoint]  # not a previous plan's
     if hf:
         if recompute:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=RECOMPUTE_KWARGS)
@@ -43,6 +97,8 @@ def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[i
             model.gradient_checkpointing_disable()
         for i, block in enumerate(blocks):
             block.gradient_checkpointing = i >= first
+            if i >= first:  # in place of HF's partial(checkpoint, ...): ReplayFirst must run inside the checkpoint
+                block._gradient_checkpointing_func = _checkpoint
     else:
         for i, block in enumerate(blocks):
             wrapped = getattr(block.__dict__.get("forward"), "mist_ds_recompute", False)
@@ -51,9 +107,20 @@ def apply_recompute(model: Any, blocks: Any, recompute: int, hf: bool) -> list[i
             elif i < first and wrapped:
                 del block.forward  # the class's forward again
     chosen = list(range(first, len(blocks)))
-    log.info("recompute %d of %d blocks (%s)", recompute, len(blocks),
-             f"blocks {first}..{len(blocks) - 1}" if recompute else "none")
+    log.info("recompute %d of %d blocks (%s)", recompute, len(blocks), _blocks_text(chosen) if recompute else "none")
+    if users:  # the script's own switch, overruled: said, as its memory and time are no longer what it chose
+        log.info("the gradient checkpointing your script enabled is turned off on %s, as the plan prices %s",
+                 _blocks_text(users), f"recompute of {_blocks_text(chosen)} only" if recompute else "no recompute")
     return chosen
+
+
+def _blocks_text(indices: list[int]) -> str:
+    """Block indices in words: `block 3`, `blocks 0..2` (a run), `blocks 0, 2`."""
+    if len(indices) == 1:
+        return f"block {indices[0]}"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"blocks {indices[0]}..{indices[-1]}"
+    return "blocks " + ", ".join(map(str, indices))
 
 
 def batch_shape_mistake(shape: tuple[int, ...], micro_batch: int, seq_len: int, slices: int = 1) -> str | None:
