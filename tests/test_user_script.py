@@ -372,3 +372,32 @@ def test_a_loop_drawing_its_own_batches_trains_sp2_as_sp1(configs, tmp_path):
     sp1 = printed_steps(tmp_path / "sp1", configs, "strategy.zero_stage=1")
     sp2 = printed_steps(tmp_path / "sp2", configs, "strategy.sp=2", "strategy.zero_stage=1")
     assert len(sp1) == 2 * 3 and sp2 == pytest.approx(sp1, rel=1e-5)
+
+
+BF16_MODEL_SCRIPT = """import argparse, deepspeed, torch, transformers, mist_ds
+parser = argparse.ArgumentParser()
+parser.add_argument("--model_config")
+parser.add_argument("--local_rank", type=int, default=-1)
+deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+config = transformers.AutoConfig.from_pretrained(args.model_config)
+model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+mist_ds.initialize(args=args, model=model, model_parameters=model.parameters())
+"""
+
+
+@pytest.mark.slow  # one launch of 2 ranks
+def test_a_model_built_in_bf16_beside_a_config_without_bf16_is_refused_in_the_plan_phase(configs, tmp_path):
+    """DeepSpeed casts parameters only with bf16 or fp16 enabled: a Llama the script builds in bf16, with a config
+    enabling neither, would train in bf16 (at ZeRO-0 bf16 Adam states: half the model states fp32 prices). Every
+    rank exits 2 naming the config's field and the fix; nothing is planned."""
+    script, config = tmp_path / "train.py", tmp_path / "ds_config.json"
+    script.write_text(BF16_MODEL_SCRIPT)
+    config.write_text(json.dumps({"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+    done = mist_deepspeed(["--autotune-mist", "tune", "--num_gpus", "2", "--mist", "model.seq_len=32", "--mist",
+                           "cluster=cpu", str(script), "--model_config", str(configs["llama"]), "--deepspeed",
+                           "--deepspeed_config", str(config)], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "mist_ds.initialize: error: bf16.enabled=False: in --deepspeed_config" in done.stderr, done.stderr[-3000:]
+    assert 'add "bf16": {"enabled": true} to the config, or build the model in fp32' in done.stderr
+    assert not (run_dir_of(tmp_path) / "plan").exists()
