@@ -13,7 +13,12 @@ optimizer offload on stage 0 in bf16 (losses near the fp32 model's), and executo
 activations to the host (losses bitwise; the bytes moved are the predicted host bytes).
 
 Fast (no launch): the cut on one process, every layer chained, gives the HF model's own loss and gradients bitwise,
-recompute included; what the runtime cannot run is refused with its rule."""
+recompute included; what the runtime cannot run is refused with its rule. The head and the embedding are what the
+model's own forward runs after and before its blocks, also where that is more than a final norm and an LM head: OPT
+(its final norm registered before its blocks; project_in / project_out where word_embed_proj_dim is not the hidden
+size), Granite (logits divided by logits_scaling) and Cohere (logits times logit_scale): the parts' outputs are the
+model's own bit for bit, each stage holds the parameters its part uses, as many as the plan counts by part, and a
+Granite pipeline (slow lane) trains with the model's own losses."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,7 +57,16 @@ CASES = {  # name -> (config, overrides)
                                                     "strategy.ckpt_layers=[0,1]", "strategy.runtime=mist",
                                                     "strategy.offload.activations=[1,0]",
                                                     "train.global_batch_size=4")),
+    # the head stage runs Granite's own division of the logits by logits_scaling before the loss
+    "granite-pp2-uneven": ("granite", (*RUN, *UNEVEN, "train.global_batch_size=4")),  # G = 2
 }
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=64)
+OPT = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=256,
+           max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+BEYOND_NORM_AND_LM_HEAD = ("opt", "opt-projections", "granite", "cohere")
+"""Models whose forward does more after its blocks than a final norm registered after them and an LM head."""
+TIED = ("gpt2", "opt", "opt-projections", "cohere")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +78,13 @@ def configs(tmp_path_factory) -> dict:
                                           max_position_embeddings=64),
         "gpt2": transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=256, n_positions=64,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                        eos_token_id=0)})
+                                        eos_token_id=0),
+        # tied; its final norm is registered before its blocks
+        "opt": transformers.OPTConfig(**OPT),
+        # as opt-350m: embeddings of 32 widened to the hidden size by project_in, narrowed back by project_out
+        "opt-projections": transformers.OPTConfig(**OPT, word_embed_proj_dim=32),
+        "granite": transformers.GraniteConfig(**TINY, logits_scaling=4.0, embedding_multiplier=2.0),
+        "cohere": transformers.CohereConfig(**TINY, logit_scale=0.25)})
 
 
 def hf_specs(configs, name: str, *overrides: str):
@@ -92,7 +112,7 @@ def _reference_losses(specs, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", *BEYOND_NORM_AND_LM_HEAD])
 def test_the_cut_is_the_model_bitwise(configs, name):
     """Embedding, blocks and head of the user's model, chained in one process as the plan's stages run them (the
     last block recomputed), give the model's own loss and every parameter's gradient bit for bit."""
@@ -117,7 +137,55 @@ def test_the_cut_is_the_model_bitwise(configs, name):
     assert torch.equal(loss, theirs)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(module.parameters(), reference.parameters()))
     assert [layer.forward_passes for layer in layers] == [1, 1, 1, 1, 2, 1]  # the recomputed block replayed
-    assert source.tie_embeddings == (name == "gpt2")
+    assert source.tie_embeddings == (name in TIED)
+
+
+@pytest.mark.parametrize("name", BEYOND_NORM_AND_LM_HEAD)
+def test_the_head_and_the_embedding_compute_what_the_model_s_forward_does(configs, name):
+    """The head part on the last block's output gives the model's own logits, and the embedding part the first
+    block's input, bit for bit (mist_ds's head was the final norm registered after the blocks and the LM head: 0.5
+    to 1.3 away for these models, and a crash for OPT's projections); the stages hold the parameters their parts
+    use, as many as the plan counts by part."""
+    from mist_ds.runtime.hf import HfLayers
+
+    model = hf_specs(configs, name).model
+    module = hf_model(model, seed=0).eval()  # no dropout: the logits compared are one forward's
+    source = HfLayers(module, model, 2, torch.float32)
+    seen = {}
+    blocks = module.get_submodule(model.hf.blocks_attr)
+    blocks[0].register_forward_pre_hook(lambda m, args, kwargs: seen.update(first=args[0] if args else
+                                                                            kwargs["hidden_states"]),
+                                        with_kwargs=True)
+    blocks[-1].register_forward_hook(lambda m, args, output: seen.update(last=output[0] if isinstance(
+        output, tuple) else output))
+    tokens, _ = next(synthetic_batches(model, 2, 1, DATA_SEED))
+    with torch.no_grad():
+        logits = module(input_ids=tokens).logits
+        assert torch.equal(source.head(seen["last"]), logits)
+        assert torch.equal(source.embedding(tokens), seen["first"])
+    count = lambda part: sum(p.numel() for p in part.parameters())  # noqa: E731
+    assert (count(source.embedding), count(source.blocks[0]), count(source.head)) == (
+        model.embedding_params(), model.block_params(), model.head_params())
+    decoder = getattr(module.model, "decoder", module.model)
+    after = [*decoder.final_layer_norm.parameters(), *(decoder.project_out.parameters() if name == "opt-projections"
+                                                        else ())] if name.startswith("opt") else [decoder.norm.weight]
+    assert {id(p) for p in source.head.parameters()} == {id(p) for p in (*after, module.lm_head.weight)}
+    before = [p for n, p in module.named_parameters()  # a tied LM head's weight under the embedding's name
+              if ".layers." not in n and n != "lm_head.weight" and all(p is not q for q in after)]
+    assert {id(p) for p in source.embedding.parameters()} == {id(p) for p in before}
+
+
+def test_a_model_whose_head_cannot_run_alone_is_refused_when_planned(tmp_path):
+    """BERT as a causal LM (BertLMHeadModel) runs its embeddings in BertModel, above the module holding its blocks,
+    which the head would have to run again: refused by name while the model is read (exit 2), where its head
+    was the LM head's last Linear alone (its transform and norm missing)."""
+    folder = saved_configs(tmp_path, {"bert": transformers.BertConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+        is_decoder=True)})["bert"]
+    with pytest.raises(ConfigError, match="BertLMHeadModel: its forward after its last block cannot run alone") \
+            as refused:
+        compose(["model=hf", f"model.name_or_path={folder}", f"model.seq_len={SEQ}"])
+    assert refused.value.field == "model.name_or_path"
 
 
 def test_the_stages_hold_the_plan_s_parts_of_the_user_s_model(configs):

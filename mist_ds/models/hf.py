@@ -1,25 +1,25 @@
 """A Hugging Face causal LM cut into the zoo's three layer kinds, from the real transformers modules.
 
 - `HfEmbedding`: everything the model's forward runs before its first block (token and position embeddings,
-  scaling, dropout, rotary tables, the attention mask), by running the base model's own forward until its first
-  block is called (mist_ds/models/parts.py); its output is what the first block receives.
+  scaling, dropout, rotary tables, the attention mask, OPT's project_in), by running the model's own forward until
+  its first block is called (mist_ds/models/parts.py); its output is what the first block receives.
 - `HfBlock`: one decoder block, called as the base model calls it (the side inputs its forward hands every
   block: rotary cos / sin, mask, positions, captured from that same run; parts.BlockCall).
-- `HfHead`: the modules of the base model after the blocks (the final norm), the LM head, the logit soft-cap
-  where the config has one, and the loss by the model's own `loss_function`.
+- `HfHead`: what the model's own forward runs after its last block (the final norm, OPT's project_out, the LM
+  head, Granite's and Cohere's logit scaling, Gemma 2's soft-cap: specs/hf.py `run_head`), and the loss by the
+  model's own `loss_function`.
 
 Each holds, as parameters, only its part's (mist_ds/specs/hf.py `read_params` counts the same). Shapes: B batch,
 S sequence, D hidden.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_to_first_block as run_to_block
-from mist_ds.specs.hf import HfSource, build_meta_model, config_from_json, freeze, head_modules, split_parameters
+from mist_ds.specs.hf import (HfSource, build_meta_model, config_from_json, freeze, masks_as_in_a_real_run,
+                              read_forward, run_head)
 from mist_ds.specs.module import hidden_input
 
 
@@ -30,41 +30,41 @@ def meta_model(source: HfSource, dtype: torch.dtype) -> nn.Module:
     implementation = "sdpa" if source.attn_implementation == "flash_attention_2" else source.attn_implementation
     model = build_meta_model(config_from_json(source.config_json), implementation, dtype)
     freeze(model, source.frozen)
+    read_forward(model, source.blocks_attr, meta=model)  # read here, outside the tracer's modes, for its parts
     return model
-
-
-def _parent_and_name(model: nn.Module, path: str) -> tuple[nn.Module, str]:
-    parent, _, name = path.rpartition(".")
-    return (model.get_submodule(parent) if parent else model), name
-
-
-@contextlib.contextmanager
-def _masks_as_in_a_real_run():
-    """transformers decides whether sdpa needs a materialized causal mask from the tensors it sees, and takes
-    fake tensors (the symbolic analysis) for a graph being exported, where it never skips the mask. A training run
-    on real tensors without padding skips it (sdpa's is_causal instead: masking_utils `_ignore_causal_mask_sdpa`):
-    the analysis must see what that run does. Likewise its positions are 0..S-1 in every row, so it finds no
-    packed sequences (`find_packed_sequence_indices` returns None), which fake tensors cannot read."""
-    import transformers.masking_utils as masking
-
-    saved = masking.is_tracing, masking.find_packed_sequence_indices
-    masking.is_tracing = lambda tensor=None: False
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking.is_tracing, masking.find_packed_sequence_indices = saved
 
 
 def run_to_first_block(model: nn.Module, source: HfSource, tokens_BS: torch.Tensor | None = None,
                        inputs_embeds_BSD: torch.Tensor | None = None) -> tuple[tuple, dict]:
-    """(args, kwargs) the base model's forward hands its first block for `tokens_BS` (or, instead, token embeddings
-    `inputs_embeds_BSD`, as the model's `inputs_embeds` takes them): the hidden states (B, S, D) and the side inputs
-    every block receives."""
-    base, _ = _parent_and_name(model, source.blocks_attr)
+    """(args, kwargs) the causal LM's own forward hands its first block for `tokens_BS` (or, instead, token
+    embeddings `inputs_embeds_BSD`, as the model's `inputs_embeds` takes them): the hidden states (B, S, D) and the
+    side inputs every block receives. The whole model's forward, not its base model's: what any module above the
+    base model does before it is part of the embedding too."""
     inputs = {"input_ids": tokens_BS} if inputs_embeds_BSD is None else {"inputs_embeds": inputs_embeds_BSD}
-    with _masks_as_in_a_real_run():
-        return run_to_block(model.get_submodule(source.blocks_attr)[0], lambda: base(**inputs, use_cache=False))
+    with masks_as_in_a_real_run():
+        return run_to_block(model.get_submodule(source.blocks_attr)[0], lambda: model(**inputs, use_cache=False))
+
+
+def part_parameters(model: nn.Module, source: HfSource, part: str) -> list[nn.Parameter]:
+    """The parameters of `part` (embedding or head) as the plan counts them (source.params), `model`'s own tensors;
+    a tied LM head's weight (its record named "... (tied)") is the input embedding's."""
+    return [model.get_parameter(p.name.removesuffix(" (tied)")) for p in source.part_params(part)]
+
+
+def buffer_owners(model: nn.Module, source: HfSource, part: str) -> list[nn.Module]:
+    """The modules owning `part`'s buffers (source.buffers: rotary tables before the blocks), which the part registers
+    so that DeepSpeed moves them with its stage; ValueError where such a module holds the blocks or parameters of
+    another part (registering it would bring them along)."""
+    blocks = model.get_submodule(source.blocks_attr)
+    own = {id(p) for p in part_parameters(model, source, part)}
+    owners = {}
+    for record in source.buffers:
+        if record.part == part:
+            owner = model.get_submodule(record.name.rpartition(".")[0])
+            if any(sub is blocks for sub in owner.modules()) or any(id(p) not in own for p in owner.parameters()):
+                raise ValueError(f"{type(owner).__name__} holds {record.name} and parameters outside the {part}")
+            owners[id(owner)] = owner
+    return list(owners.values())
 
 
 class WholeModel:
@@ -82,7 +82,7 @@ class HfEmbedding(nn.Module):
     def __init__(self, model: nn.Module, source: HfSource) -> None:
         super().__init__()
         self.whole = WholeModel(model, source)
-        self.own = nn.ParameterList([p for _, p in split_parameters(model, source.blocks_attr)["embedding"]])
+        self.own = nn.ParameterList(part_parameters(model, source, "embedding"))
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         args, kwargs = run_to_first_block(self.whole.model, self.whole.source, tokens_BS)
@@ -94,26 +94,21 @@ HfBlock = BlockCall
 
 
 class HfHead(nn.Module):
-    """Final norm, LM head and logit soft-cap: hidden states (B, S, D) -> logits (B, S, V); `loss` is the model's
-    own loss function on them."""
+    """What the model's own forward runs after its last block (specs/hf.py `run_head`: the base model's final norm
+    and whatever it calls there, then the causal LM's own code with the LM head, logit scaling or soft-cap): hidden
+    states (B, S, D) -> logits (B, S, V); `loss` is the model's own loss function on them. Holds the head part's
+    parameters (a tied LM head's weight among them)."""
 
     def __init__(self, model: nn.Module, source: HfSource) -> None:
         super().__init__()
-        modules = head_modules(model, source.blocks_attr)
-        self.norms = nn.ModuleList(modules[:-1])
-        self.lm_head = modules[-1]
-        config = model.config
-        self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.vocab_size = config.vocab_size
+        self.whole = WholeModel(model, source)
+        self.forward_around = read_forward(model, source.blocks_attr)
+        self.own = nn.ParameterList(part_parameters(model, source, "head"))
+        self.vocab_size = model.config.vocab_size
         object.__setattr__(self, "loss_function", model.loss_function)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        for norm in self.norms:
-            x_BSD = norm(x_BSD)
-        logits_BSV = self.lm_head(x_BSD)
-        if self.softcap:  # Gemma 2: as its forward does, before the loss
-            logits_BSV = torch.tanh(logits_BSV / self.softcap) * self.softcap
-        return logits_BSV
+        return run_head(self.whole.model, self.forward_around, x_BSD)
 
     def loss(self, logits_BSV: torch.Tensor, shift_labels_BS: torch.Tensor) -> torch.Tensor:
         """The model's own loss on labels already shifted by one (label i is token i + 1's id, the last ignored):

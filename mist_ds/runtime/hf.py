@@ -6,11 +6,12 @@ pipelines).
 `HfLayers` cuts the very model the script built or loaded into the zoo's three layer kinds, sharing its parameters
 (nothing is re-initialized or copied), and hands them to `build_stage` as the zoo's recipes are:
 
-- embedding (`StageEmbedding`): the base model's own forward run until its first block (mist_ds/models/hf.py
+- embedding (`StageEmbedding`): the model's own forward run until its first block (mist_ds/models/hf.py
   `HfEmbedding`), holding the parameters before the blocks and the modules whose buffers that run reads (rotary
   tables), so that DeepSpeed moves them with the stage;
 - block k: the model's own block k, called as its forward calls every block (`StageBlock`, with `SideInputs`);
-- head (`StageHead`): the final norm, the LM head and a logit soft-cap (`HfHead`); the loss is the model's own
+- head (`StageHead`): what the model's own forward runs after its last block (`HfHead`: the final norm, OPT's
+  project_out, the LM head, logit scaling or soft-cap), holding the parameters it uses; the loss is the model's own
   `loss_function` on (logits, labels), as `model(input_ids, labels=labels).loss` computes it (`HfLoss`).
 
 A micro-batch is (input_ids, labels) as the model takes them: labels unshifted (the loss shifts them), -100 ignored.
@@ -40,12 +41,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from mist_ds.emit import MistBlock
-from mist_ds.models.hf import HfEmbedding, HfHead, WholeModel, run_to_first_block
+from mist_ds.models.hf import HfEmbedding, HfHead, WholeModel, buffer_owners, run_to_first_block
 from mist_ds.models.parts import BlockCall, with_hidden
 from mist_ds.models.tp import TensorParallel
 from mist_ds.runtime.layers import BLOCK, EMBEDDING, HEAD
 from mist_ds.specs import ConfigError, ModelSpec
-from mist_ds.specs.hf import find_blocks, head_modules, read_params
+from mist_ds.specs.hf import UnpricedForward, find_blocks, read_params
 
 
 class SideInputs:
@@ -76,8 +77,10 @@ class SideInputs:
 
     def _compute(self, shape_BSD: tuple, dtype: torch.dtype) -> tuple[tuple, dict]:
         model, source = self.whole.model, self.whole.source
-        device = model.get_input_embeddings().weight.device
-        inputs_embeds_BSD = torch.zeros(shape_BSD, dtype=dtype, device=device)
+        embeddings = model.get_input_embeddings().weight
+        device = embeddings.device
+        # the token embeddings' width (OPT's word_embed_proj_dim where project_in widens them to the hidden size)
+        inputs_embeds_BSD = torch.zeros((*shape_BSD[:2], embeddings.shape[-1]), dtype=dtype, device=device)
         forked = [] if device.type == "cpu" else [device.index or 0]
         # a dropout before the blocks must not draw from this rank's random stream (the blocks' dropout does)
         with torch.random.fork_rng(devices=forked, device_type="cuda" if device.type == "cpu" else device.type):
@@ -105,28 +108,21 @@ class StageEmbedding(HfEmbedding):
 
     def __init__(self, model: nn.Module, source) -> None:
         super().__init__(model, source)
-        self.buffer_owners = nn.ModuleList(_buffer_owners(model, source))
+        self.buffer_owners = nn.ModuleList(_buffer_owners(model, source, "embedding"))
 
     @property
     def tied_weight(self) -> nn.Parameter:
         return self.whole.model.get_input_embeddings().weight
 
 
-def _buffer_owners(model: nn.Module, source) -> list[nn.Module]:
-    """Modules outside the blocks and the head owning buffers of their own (the embedding part's buffers, as
-    specs/hf.py `read_buffers` prices them)."""
-    blocks = model.get_submodule(source.blocks_attr)
-    inside = {id(m) for part in (blocks, *head_modules(model, source.blocks_attr)) for m in part.modules()}
-    owners = []
-    for module in model.modules():
-        if id(module) in inside or not any(True for _ in module.buffers(recurse=False)):
-            continue
-        if any(sub is blocks for sub in module.modules()):  # registering it would bring every block along
-            raise ConfigError("model", source.architecture, f"{type(module).__name__} holds buffers and the blocks: "
-                              "mist_ds cannot give its buffers to the first stage alone; plan it at pp = 1",
-                              rule="runtime.hf-buffers")
-        owners.append(module)
-    return owners
+def _buffer_owners(model: nn.Module, source, part: str) -> list[nn.Module]:
+    """The modules owning `part`'s buffers (models/hf.py `buffer_owners`), refused where one cannot be registered by
+    that part's stage alone."""
+    try:
+        return buffer_owners(model, source, part)
+    except ValueError as error:
+        raise ConfigError("model", source.architecture, f"{error}: mist_ds cannot give its buffers to one stage "
+                          "alone; plan it at pp = 1", rule="runtime.hf-buffers") from error
 
 
 class StageBlock(BlockCall):
@@ -141,11 +137,16 @@ class StageBlock(BlockCall):
 
 
 class StageHead(HfHead):
-    """Final norm, LM head and soft-cap: hidden states (B, S, D) -> logits (B, S, V)."""
+    """What the model's forward runs after its last block: hidden states (B, S, D) -> logits (B, S, V); also holds
+    the modules owning buffers that part reads, so that DeepSpeed moves them with the stage."""
+
+    def __init__(self, model: nn.Module, source) -> None:
+        super().__init__(model, source)
+        self.buffer_owners = nn.ModuleList(_buffer_owners(model, source, "head"))
 
     @property
     def tied_weight(self) -> nn.Parameter:
-        return self.lm_head.weight
+        return self.whole.model.get_input_embeddings().weight  # the LM head's, where tied
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,8 @@ def check_hf_plan(plan: MistBlock, model: ModelSpec, module: Any) -> None:
     try:
         blocks_attr, blocks = find_blocks(module)
         held = read_params(module, blocks_attr, blocks)
+    except UnpricedForward as error:  # not the planned model: the planned one was read
+        raise ConfigError("module", source.architecture, f"{error}", rule="runtime.hf-other-model") from error
     except ValueError as error:
         raise ConfigError("module", source.architecture, f"{error}", rule="runtime.hf-other-model") from error
     planned = {(p.part, p.name): p for p in source.params}

@@ -6,13 +6,16 @@ real transformers class built on the meta device (no weights, no memory).
 PATH: a directory holding `config.json`, a `config.json` itself, or a model id already in the local Hugging Face
 cache (mist_ds never downloads). `model.hf` overrides fields of the config; each must be a field of the
 architecture's config class. Accepted: decoder-only causal LMs whose blocks are one repeated class (Llama,
-Mistral, Qwen2/3, GPT-2, GPT-NeoX, Phi-3, Gemma 2, Falcon, ...); refused with the reason: encoder-decoder models,
-models without a causal-LM class, mixtures of experts (docs/design.md, Your own model).
+Mistral, Qwen2/3, GPT-2, GPT-NeoX, Phi-3, Gemma 2, Falcon, OPT, Granite, Cohere, ...); refused with the reason:
+encoder-decoder models, models without a causal-LM class, mixtures of experts, and forwards whose work before the
+first block or after the last the embedding and head parts cannot run exactly as the model does (`read_forward`;
+docs/design.md, Your own model).
 
 transformers and torch are imported only when an HF model is read (the zoo never loads them here).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -36,8 +39,8 @@ PARTS = ("embedding", "block", "head")
 @dataclass(frozen=True)
 class HfParam:
     """One parameter tensor of the model as transformers builds it: which part holds it (embedding: what runs
-    before the blocks; block: the first block, every block alike; head: the final norm and the LM head), its
-    name in the module, shape, and whether it is a Linear layer's weight (a GEMM's operand)."""
+    before the blocks; block: the first block, every block alike; head: what the forward uses after the last block,
+    read_forward), its name in the module, shape, and whether it is a Linear layer's weight (a GEMM's operand)."""
 
     part: str
     name: str
@@ -269,64 +272,416 @@ def freeze(model, patterns) -> None:
             param.requires_grad_(False)
 
 
+class UnpricedForward(ValueError):
+    """The model's forward does around its blocks what the head and embedding parts cannot run alone (the reason)."""
+
+
+HIDDEN = "mist_ds: the hidden states"
+"""Marks, in a recorded call's arguments, where the hidden states go (ForwardAround.tail)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TailCall:
+    """A module the blocks' parent (the base model) calls after its last block on the hidden states (its final norm,
+    OPT's project_out): its name and the call's arguments, HIDDEN where the hidden states go."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardAround:
+    """What the causal LM's own forward does around its blocks, read from one forward on the meta device
+    (`read_forward`): the head part is what it runs after its last block (`run_head` runs exactly that), the
+    embedding part what it runs before its first block. Parameters and buffers by name."""
+
+    parent: str
+    """The module holding the blocks (the base model), whose forward `run_head` replaces by its output."""
+    tail: tuple[TailCall, ...]
+    """What the parent runs after its last block, each call on the previous one's output."""
+    parent_output: type
+    """The class of what the parent returns (a ModelOutput holding only last_hidden_state)."""
+    head_params: tuple[str, ...]
+    """Parameters used after the last block and not before (a tied LM head's weight is the embedding's)."""
+    tied: bool
+    """The input embedding's weight is used after the last block too (a tied LM head)."""
+    head_buffers: tuple[str, ...]
+    head_modules: tuple[str, ...]
+    """The modules called after the last block by the parent or the modules above it (final norm, LM head)."""
+
+
+_FORWARDS: dict = {}
+"""read_forward's answers by model class, config and blocks, for the process."""
+
+
+def read_forward(model, blocks_attr: str, meta=None) -> ForwardAround:
+    """What `model`'s forward does around its blocks (ForwardAround), read once per class and config on `meta` (a
+    meta-device model of the same config; else one built here from `model.config`); UnpricedForward with the
+    reason where the parts cannot compute exactly what it does."""
+    key = (type(model).__qualname__, config_json(model.config), blocks_attr)
+    if key not in _FORWARDS:
+        with _outside_modes():  # a part may be built inside the tracer's fake and recording modes
+            _FORWARDS[key] = _read_forward(meta if meta is not None else _meta_like(model), blocks_attr)
+    return _FORWARDS[key]
+
+
+@contextlib.contextmanager
+def _outside_modes():
+    """No torch function or dispatch mode active: the meta model is built and run as it is, not traced."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        for _ in _get_current_function_mode_stack():
+            stack.enter_context(_pop_mode_temporarily())
+        stack.enter_context(_disable_current_modes())
+        yield
+
+
+def _meta_like(model):
+    """A causal LM of `model`'s class and config on the meta device (the attention's kind changes nothing around
+    the blocks: sdpa for flash_attention_2, which needs CUDA, eager where sdpa is not implemented)."""
+    import copy
+
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    for kind in dict.fromkeys(("sdpa" if implementation == "flash_attention_2" else implementation, "eager")):
+        try:
+            return build_meta_model(copy.deepcopy(model.config), kind)
+        except ValueError:  # transformers refuses an attention implementation the architecture lacks
+            continue
+    raise UnpricedForward(f"transformers cannot build {type(model).__name__} on the meta device")
+
+
+@contextlib.contextmanager
+def masks_as_in_a_real_run():
+    """transformers decides whether sdpa needs a materialized causal mask from the tensors it sees, and takes
+    fake tensors (the symbolic analysis) for a graph being exported, where it never skips the mask. A training run
+    on real tensors without padding skips it (sdpa's is_causal instead: masking_utils `_ignore_causal_mask_sdpa`):
+    the analysis must see what that run does. Likewise its positions are 0..S-1 in every row, so it finds no
+    packed sequences (`find_packed_sequence_indices` returns None), which fake (or meta) tensors cannot read."""
+    import transformers.masking_utils as masking
+
+    saved = masking.is_tracing, masking.find_packed_sequence_indices
+    masking.is_tracing = lambda tensor=None: False
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.is_tracing, masking.find_packed_sequence_indices = saved
+
+
+def _hidden_of(output):
+    """The hidden states a module returns: the tensor, or a tuple's / list's first item."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _same_values(a, b) -> bool:
+    """`a` is `b`, or the same view of the same storage (shape, strides and offset): the same values."""
+    import torch
+
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    root = lambda t: t._base if t._base is not None else t  # noqa: E731
+    return a is b or (root(a) is root(b) and a.shape == b.shape and a.stride() == b.stride()
+                      and a.storage_offset() == b.storage_offset())
+
+
+def _replaced_forward(module, forward):
+    """A context in which calling `module` runs `forward` (an instance attribute shadows the class's method, and
+    what was there before comes back)."""
+    saved = module.__dict__.get("forward")
+
+    @contextlib.contextmanager
+    def replaced():
+        object.__setattr__(module, "forward", forward)
+        try:
+            yield
+        finally:
+            if saved is None:
+                del module.__dict__["forward"]
+            else:
+                object.__setattr__(module, "forward", saved)
+    return replaced()
+
+
+def run_head(model, forward: ForwardAround, x_BSD, marks: list | None = None):
+    """The logits `model`'s own forward computes when its last block returns `x_BSD`, without running anything
+    before: the parent's calls after its last block (`forward.tail`), then the model's forward with the parent
+    returning that (what it returns there holds only last_hidden_state), so that everything the model does above
+    the base model (LM head, logit scaling, soft-cap) is its own code. `marks` (checks) gets an item when the tail
+    is done and another where the parent is called."""
+    from torch.utils._pytree import tree_map
+
+    from mist_ds.specs.module import logits_of
+
+    hidden = x_BSD
+    for call in forward.tail:
+        args, kwargs = tree_map(lambda v: hidden if v is HIDDEN else v, (call.args, call.kwargs))
+        hidden = _hidden_of(model.get_submodule(call.name)(*args, **kwargs))
+    output = forward.parent_output(last_hidden_state=hidden)
+    if marks is not None:
+        marks.append("tail")
+
+    def parent_forward(*args, **kwargs):
+        if marks is not None:
+            marks.append("parent")
+        return output
+
+    with _replaced_forward(model.get_submodule(forward.parent), parent_forward):
+        return logits_of(model(use_cache=False))
+
+
+def _read_forward(meta, blocks_attr: str) -> ForwardAround:
+    """ForwardAround of `meta` (on the meta device), checked (UnpricedForward)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten, tree_map
+    from transformers.utils import ModelOutput
+
+    from mist_ds.specs.module import logits_of
+
+    parent_path = blocks_attr.rpartition(".")[0]
+    parent, blocks = meta.get_submodule(parent_path), meta.get_submodule(blocks_attr)
+    if parent is meta:
+        raise UnpricedForward("its blocks are held by the causal LM itself, not by a base model: mist_ds cannot run "
+                              "its head alone")
+    names = {id(t): n for n, t in [*meta.named_parameters(), *meta.named_buffers()]}
+    module_names = {id(m): n for n, m in meta.named_modules()}
+    block_ids = {id(b) for b in blocks}
+    run = {"phase": "embedding", "depth": 0, "calls": 0, "last": None, "parent_out": None, "frames": set()}
+    used: dict[str, set[str]] = {phase: set() for phase in ("embedding", "block", "between", "head")}
+    stack, tail, top_calls, computed, after_ops = [], [], [], [], []
+
+    def enter(module, args, kwargs):
+        caller = stack[-1] if stack else None
+        stack.append(module)
+        if id(module) in block_ids:
+            run["calls"] += run["depth"] == 0
+            run["depth"] += 1
+            run["phase"] = "block"
+        elif run["phase"] == "head" and caller is not None and id(caller) in run["frames"]:
+            top_calls.append(module_names[id(module)])
+            if caller is parent:
+                tail.append([module_names[id(module)], args, kwargs, None])
+
+    def leave(module, args, kwargs, output):
+        stack.pop()
+        if id(module) in block_ids:
+            run["depth"] -= 1
+            if run["depth"] == 0:
+                run["phase"] = "head" if module is blocks[-1] else "between"
+                run["last"] = _hidden_of(output)
+                run["frames"] = {id(m) for m in stack}  # the parent and the modules above it
+        elif run["phase"] == "head" and tail and tail[-1][3] is None and module_names[id(module)] == tail[-1][0] \
+                and stack and stack[-1] is parent:
+            tail[-1][3] = _hidden_of(output)
+        if module is parent:
+            run["parent_out"] = output
+
+    class Uses(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+            used[run["phase"]].update(names[id(x)] for x in inputs if id(x) in names)
+            output = func(*args, **kwargs)
+            if run["phase"] == "head":
+                name = _name(func)
+                if run["parent_out"] is None and stack and stack[-1] is parent:  # the parent's own code
+                    made = [y for y in tree_flatten(output)[0] if isinstance(y, torch.Tensor)]
+                    if not all(any(_root_is(y, x) for x in inputs) for y in made):
+                        computed.append(name)
+                else:
+                    after_ops.append(name)
+            return output
+
+    handles = [m.register_forward_pre_hook(enter, with_kwargs=True) for m in meta.modules()]
+    handles += [m.register_forward_hook(leave, with_kwargs=True) for m in meta.modules()]
+    tokens_BS = torch.zeros(2, 8, dtype=torch.int64, device="meta")
+    try:
+        with masks_as_in_a_real_run(), _no_padding_warning(), Uses():
+            logits_BSV = logits_of(meta(input_ids=tokens_BS, use_cache=False))
+    except UnpricedForward:
+        raise
+    except Exception as error:  # transformers' code on meta tensors: a failure means it cannot be read
+        raise UnpricedForward(f"its forward fails on the meta device ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    if run["calls"] != len(blocks):
+        raise UnpricedForward(f"its forward calls its {len(blocks)} blocks {run['calls']} times, not once each")
+    _check_uses(meta, blocks, blocks_attr, used)
+    hidden = run["last"]
+    for name, args, kwargs, output in tail:
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if len(tensors) != 1 or not _same_values(tensors[0], hidden) or not isinstance(output, torch.Tensor):
+            raise UnpricedForward(f"after its last block the base model calls {name} on other tensors than the "
+                                  "hidden states it computed last")
+        hidden = output
+    out = run["parent_out"]
+    if computed:
+        raise UnpricedForward(f"after its last block the base model computes outside its modules "
+                              f"({', '.join(dict.fromkeys(computed))})")
+    if not isinstance(out, ModelOutput) or list(out.keys()) != ["last_hidden_state"] \
+            or not _same_values(out["last_hidden_state"], hidden):
+        raise UnpricedForward(f"its base model returns {type(out).__name__} holding "
+                              f"{list(out.keys()) if isinstance(out, ModelOutput) else '?'}, not its last hidden "
+                              "states alone")
+    tail_calls = tuple(TailCall(name, *tree_map(lambda v: HIDDEN if isinstance(v, torch.Tensor) else v,
+                                                (tuple(args), dict(kwargs)))) for name, args, kwargs, _ in tail)
+    input_weight = names[id(meta.get_input_embeddings().weight)]
+    tied = input_weight in used["head"]
+    head = {n for n in used["head"] if n != input_weight}
+    params = {n for n, _ in meta.named_parameters()}
+    forward = ForwardAround(parent=parent_path, tail=tail_calls, parent_output=type(out),
+                            head_params=tuple(n for n, _ in meta.named_parameters() if n in head),
+                            tied=tied, head_buffers=tuple(n for n in names.values() if n in head - params),
+                            head_modules=tuple(dict.fromkeys(top_calls)))
+    held = {names[id(p)] for name in forward.head_modules for p in meta.get_submodule(name).parameters()}
+    if held != head | ({input_weight} if tied else set()):
+        raise UnpricedForward(f"after its last block it uses parameters outside the modules it calls there "
+                              f"({sorted(held ^ head)})")
+    _check_head_replay(meta, forward, run["last"], logits_BSV, after_ops)
+    return forward
+
+
+@contextlib.contextmanager
+def _no_padding_warning():
+    """transformers' warning on padded token ids without a mask reads the ids (`.item()`), which meta tensors do not
+    hold; a training run's ids have no padding (docs/design.md, An hf model's pipeline stages)."""
+    from transformers import PreTrainedModel
+
+    saved = PreTrainedModel.warn_if_padding_and_no_attention_mask
+    PreTrainedModel.warn_if_padding_and_no_attention_mask = lambda self, input_ids, attention_mask: None
+    try:
+        yield
+    finally:
+        PreTrainedModel.warn_if_padding_and_no_attention_mask = saved
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+
+
+def _root_is(y, x) -> bool:
+    """`y` is a view of `x`'s storage (a reshape or slice of it: moves no value)."""
+    root = lambda t: t._base if t._base is not None else t  # noqa: E731
+    return root(y) is root(x)
+
+
+def _check_uses(meta, blocks, blocks_attr: str, used: dict[str, set[str]]) -> None:
+    """UnpricedForward unless each block uses its own parameters and buffers only, nothing runs between blocks, and
+    nothing but a tied input embedding is used both before the first block and after the last (each part holds what
+    it uses: a pipeline stage holds only its own)."""
+    names = {id(t): n for n, t in [*meta.named_parameters(), *meta.named_buffers()]}
+    inside = {names[id(t)] for block in blocks for t in [*block.parameters(), *block.buffers()] if id(t) in names}
+    outside = sorted(used["block"] - inside)
+    if outside:
+        raise UnpricedForward(f"its blocks use {', '.join(outside[:4])}, held outside {blocks_attr}")
+    if used["between"]:
+        raise UnpricedForward(f"its forward uses {', '.join(sorted(used['between'])[:4])} between its blocks")
+    leaked = sorted(inside & (used["embedding"] | used["head"]))
+    if leaked:
+        raise UnpricedForward(f"its forward uses {', '.join(leaked[:4])} of its blocks outside them")
+    input_weight = names[id(meta.get_input_embeddings().weight)]
+    both = sorted((used["embedding"] & used["head"]) - {input_weight})
+    if both:
+        raise UnpricedForward(f"its forward uses {', '.join(both[:4])} both before its first block and after its "
+                              "last (only a tied input embedding may be)")
+
+
+def _check_head_replay(meta, forward: ForwardAround, last_BSD, logits_BSV, after_ops: list[str]) -> None:
+    """UnpricedForward unless run_head on the last block's output runs the very torch functions the forward ran
+    after its last block (the parent's own view ops aside), nothing before reaching the parent, and gives logits
+    of the same shape."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten
+
+    ran: list[list[str]] = [[], [], []]  # the tail's, the modules' above the parent before it, after it
+    marks: list[str] = []
+
+    class Ops(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            output = func(*args, **kwargs)
+            inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+            made = [y for y in tree_flatten(output)[0] if isinstance(y, torch.Tensor)]
+            free = all(any(_root_is(y, x) for x in inputs) for y in made)
+            ran[len(marks)].append(_name(func) if len(marks) != 1 or not free else "")
+            return output
+
+    try:
+        with Ops():
+            logits = run_head(meta, forward, last_BSD, marks)
+    except Exception as error:  # the model's code run without what comes before the blocks
+        raise UnpricedForward(f"its forward after its last block cannot run alone ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    computed = [name for name in ran[1] if name]
+    if computed:
+        raise UnpricedForward(f"its forward computes before calling its base model ({', '.join(computed[:4])}), "
+                              "which the head would run again")
+    if len(marks) != 2 or not isinstance(logits, torch.Tensor) or logits.shape != logits_BSV.shape \
+            or ran[0] + ran[2] != after_ops:
+        raise UnpricedForward("its forward after its last block does not run alone as it runs after the blocks "
+                              f"(ran {(ran[0] + ran[2])[:8]}, expected {after_ops[:8]})")
+
+
 def head_modules(model, blocks_attr: str) -> list:
-    """The modules of the base model registered after the blocks that hold parameters (the final norm), then the
-    output embeddings (the LM head)."""
-    parent_path, _, name = blocks_attr.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    blocks, after, found = getattr(parent, name), False, []
-    for child in parent.children():
-        if child is blocks:
-            after = True
-        elif after and any(True for _ in child.parameters()):
-            found.append(child)
-    output = model.get_output_embeddings()
-    return found + ([output] if output is not None else [])
+    """The modules `model`'s forward calls after its last block, outside them (the final norm, OPT's project_out, the
+    LM head): their parameters are the head part's (read_forward)."""
+    return [model.get_submodule(name) for name in read_forward(model, blocks_attr).head_modules]
 
 
 def split_parameters(model, blocks_attr: str) -> dict[str, list]:
-    """(name, parameter) by part, each tensor once: the first block's; the head's (head_modules); the rest, the
-    embedding part, which holds a tied LM head's weight (it is the input embedding's)."""
+    """(name, parameter) by part, each tensor once: the first block's; the head's, what the forward uses after its
+    last block (read_forward); the rest, the embedding part, which holds a tied LM head's weight (it is the input
+    embedding's)."""
     blocks = model.get_submodule(blocks_attr)
     block_ids = {id(p) for block in blocks for p in block.parameters()}
-    head_ids = {id(p) for module in head_modules(model, blocks_attr) for p in module.parameters()}
-    input_weight = model.get_input_embeddings().weight
+    head = set(read_forward(model, blocks_attr).head_params)
     parts = {"embedding": [], "block": [(f"{blocks_attr}.0.{n}", p) for n, p in blocks[0].named_parameters()],
              "head": []}
     for name, p in model.named_parameters():  # a tied weight once, under the input embedding's name
         if id(p) not in block_ids:
-            parts["head" if id(p) in head_ids and p is not input_weight else "embedding"].append((name, p))
+            parts["head" if name in head else "embedding"].append((name, p))
     return parts
 
 
 def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
     """The model's parameters by part (split_parameters); every block must be block 0's class and shapes. A tied
-    LM head's weight is also listed in the head part, which holds it as the zoo's tied head does."""
+    LM head's weight is also listed in the head part, under the output embedding's name, which holds it as the zoo's
+    tied head does."""
     check_blocks_alike(blocks)
     linear = linear_weights(model)
     records = [HfParam(part, name, tuple(p.shape), id(p) in linear and part != "embedding", p.requires_grad)
                for part, named in split_parameters(model, blocks_attr).items() for name, p in named]
-    if _tied(model):
+    if read_forward(model, blocks_attr).tied:
         weight = model.get_input_embeddings().weight
-        records.append(HfParam("head", "lm_head.weight (tied)", tuple(weight.shape), True, weight.requires_grad))
+        records.append(HfParam("head", f"{_output_weight_name(model)} (tied)", tuple(weight.shape), True,
+                               weight.requires_grad))
     return tuple(records)
 
 
-def read_buffers(model, blocks, head_ids: set[int]) -> tuple[ModuleBuffer, ...]:
-    """The model's buffers by part: the first block's (every block alike), those of `head_ids`' owners (ids of
-    buffers) in the head, the rest in the embedding part; a shared buffer once."""
+def _output_weight_name(model) -> str:
+    """The LM head's weight's name (lm_head.weight), also where it is the input embedding's tensor."""
+    output = model.get_output_embeddings()
+    for name, module in model.named_modules(remove_duplicate=False):
+        if output is not None and module is output:
+            return f"{name}.weight"
+    return "lm_head.weight"
+
+
+def read_buffers(model, blocks, head: set[str]) -> tuple[ModuleBuffer, ...]:
+    """The model's buffers by part: the first block's (every block alike), those named in `head` (what the forward
+    uses after its last block) in the head, the rest in the embedding part; a shared buffer once."""
     block_ids = {id(b) for block in blocks for b in block.buffers()}
     records = [ModuleBuffer("block", name, b.numel() * b.element_size()) for name, b in blocks[0].named_buffers()]
     for name, b in model.named_buffers():
         if id(b) not in block_ids:
-            records.append(ModuleBuffer("head" if id(b) in head_ids else "embedding", name,
-                                        b.numel() * b.element_size()))
+            records.append(ModuleBuffer("head" if name in head else "embedding", name, b.numel() * b.element_size()))
     return tuple(records)
-
-
-def _tied(model) -> bool:
-    output = model.get_output_embeddings()
-    return output is not None and output.weight is model.get_input_embeddings().weight
 
 
 def config_from_json(text: str):
@@ -380,7 +735,12 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
     _freeze_as_asked(model, frozen, architecture)
     try:
         blocks_attr, blocks = find_blocks(model)
+        forward = read_forward(model, blocks_attr, meta=model)
         params = read_params(model, blocks_attr, blocks)
+    except UnpricedForward as error:
+        raise ConfigError("model.name_or_path", name_or_path, f"{architecture}: {error}; mist_ds runs and prices a "
+                                                              "model's head and embedding as its own forward computes "
+                                                              "them after and before its blocks") from error
     except BlocksTrainUnlike as error:
         raise ConfigError("model.frozen", list(frozen), f"{architecture}: {error}: freeze the same parameters in "
                                                         "every block (e.g. model.layers.*.mlp.*)") from error
@@ -396,9 +756,8 @@ def read_hf_model(name_or_path: str, overrides: dict[str, Any], attn_implementat
     source = HfSource(name_or_path=name_or_path, config_path=str(config_file), config_sha256=config_hash(config),
                       architecture=architecture, config_json=config_json(config),
                       attn_implementation=attn_implementation,
-                      params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=_tied(model),
-                      buffers=read_buffers(model, blocks, {id(b) for module in head_modules(model, blocks_attr)
-                                                           for b in module.buffers()}), frozen=frozen,
+                      params=params, blocks_attr=blocks_attr, head_dim=int(head_dim), tied=forward.tied,
+                      buffers=read_buffers(model, blocks, set(forward.head_buffers)), frozen=frozen,
                       max_positions=_max_positions(config))
     return config, source
 
