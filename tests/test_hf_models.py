@@ -340,3 +340,17 @@ def test_a_tied_linear_head_is_planned_at_t_1_and_refused_where_autotp_makes_it_
     assert predict(hf(path["llama_tied"], *run, "strategy.tp=1")).iteration_time_s > 0
     with pytest.raises(ConfigError, match="LlamaForCausalLM under DeepSpeed AutoTP at t = 2: .*vocabulary-parallel"):
         hf(path["llama_tied"], *run, "strategy.tp=2")
+
+
+def test_a_tied_embedding_narrower_than_the_hidden_size_is_counted_as_it_is(tmp_path):
+    """OPT with word_embed_proj_dim < hidden (opt-350m: project_in / project_out around the blocks): the tied (V, 32)
+    matrix is counted once at its own size in the model's total and the vocabulary tensor (the tied gradient's
+    all-reduce, the largest-tensor bound), as the model built by transformers holds it."""
+    config = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                    vocab_size=512, max_position_embeddings=128, word_embed_proj_dim=32)
+    path = saved_configs(tmp_path, {"opt_proj": config})["opt_proj"]
+    spec = compose(["model=hf", f"model.name_or_path={path}", "model.seq_len=32", "cluster=cpu"],
+                   with_strategy=False).model
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert spec.tie_embeddings and spec.total_params() == sum(p.numel() for p in model.parameters())
+    assert spec.vocab_tensor(1) == model.get_input_embeddings().weight.numel() == 512 * 32

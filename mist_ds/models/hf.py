@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_to_first_block as run_to_block
-from mist_ds.specs.hf import (HfSource, build_meta_model, config_from_json, freeze, masks_as_in_a_real_run,
+from mist_ds.specs.hf import (TIED, HfSource, build_meta_model, config_from_json, freeze, masks_as_in_a_real_run,
                               read_forward, run_head)
 from mist_ds.specs.module import hidden_input
 
@@ -47,8 +47,8 @@ def run_to_first_block(model: nn.Module, source: HfSource, tokens_BS: torch.Tens
 
 def part_parameters(model: nn.Module, source: HfSource, part: str) -> list[nn.Parameter]:
     """The parameters of `part` (embedding or head) as the plan counts them (source.params), `model`'s own tensors;
-    a tied LM head's weight (its record named "... (tied)") is the input embedding's."""
-    return [model.get_parameter(p.name.removesuffix(" (tied)")) for p in source.part_params(part)]
+    a tied LM head's weight (its record named with the suffix TIED) is the input embedding's."""
+    return [model.get_parameter(p.name.removesuffix(TIED)) for p in source.part_params(part)]
 
 
 def buffer_owners(model: nn.Module, source: HfSource, part: str) -> list[nn.Module]:

@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_after_last_block, run_to_first_block
+from mist_ds.specs.hf import TIED
 from mist_ds.specs.module import ModuleSource, call_loss, hidden_input, logits_of, own_loss_of
 
-TIED = " (tied)"
-"""Suffix of the head's record of a weight it shares with the embedding (mist_ds/specs/module.py)."""
 
 
 def _own(model: nn.Module, source: ModuleSource, part: str) -> nn.ParameterList:

@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from mist_ds.specs.errors import ConfigError
@@ -34,6 +35,24 @@ MIXTURE_OF_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_exper
                              "num_experts_per_tok")
 """Config fields that mark a mixture-of-experts model (Mixtral, Qwen2-MoE, DeepSeek, ...)."""
 PARTS = ("embedding", "block", "head")
+
+
+def logits_of(output) -> Any:
+    """The logits in what a forward returns: the tensor, a tuple's / list's first item, a mapping's "logits" or
+    `.logits`."""
+    import torch
+
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if isinstance(output, Mapping):
+        output = output.get("logits")
+    output = getattr(output, "logits", output)
+    return output if isinstance(output, torch.Tensor) else None
+
+
+TIED = " (tied)"
+"""Suffix of the head's record of the weight it shares with the token embedding (a tied LM head): the embedding's
+own tensor, counted once in the model."""
 
 
 @dataclass(frozen=True)
@@ -413,7 +432,6 @@ def run_head(model, forward: ForwardAround, x_BSD, marks: list | None = None):
     is done and another where the parent is called."""
     from torch.utils._pytree import tree_map
 
-    from mist_ds.specs.module import logits_of
 
     hidden = x_BSD
     for call in forward.tail:
@@ -439,7 +457,6 @@ def _read_forward(meta, blocks_attr: str) -> ForwardAround:
     from torch.utils._pytree import tree_flatten, tree_map
     from transformers.utils import ModelOutput
 
-    from mist_ds.specs.module import logits_of
 
     parent_path = blocks_attr.rpartition(".")[0]
     parent, blocks = meta.get_submodule(parent_path), meta.get_submodule(blocks_attr)
@@ -659,7 +676,7 @@ def read_params(model, blocks_attr: str, blocks) -> tuple[HfParam, ...]:
                for part, named in split_parameters(model, blocks_attr).items() for name, p in named]
     if read_forward(model, blocks_attr).tied:
         weight = model.get_input_embeddings().weight
-        records.append(HfParam("head", f"{_output_weight_name(model)} (tied)", tuple(weight.shape), True,
+        records.append(HfParam("head", f"{_output_weight_name(model)}{TIED}", tuple(weight.shape), True,
                                weight.requires_grad))
     return tuple(records)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mist_ds.specs.errors import ConfigError, require, require_positive
-from mist_ds.specs.hf import HfParam, HfSource, ModuleBuffer
+from mist_ds.specs.hf import TIED, HfParam, HfSource, ModuleBuffer
 from mist_ds.specs.module import ModuleSource
 
 Family = Literal["gpt", "llama", "falcon", "hf", "module"]
@@ -236,7 +236,17 @@ class ModelSpec:
         """Elements of the token embedding (or LM head) shard on one TP rank: one tensor."""
         if self.hf is not None and t > 1:
             return self._hf_autotp(t).vocab_tensor
-        return (self.vocab_size // t) * self.hidden_size
+        return self.vocab_size // t * (self._vocab_matrix_elements() // self.vocab_size)
+
+    def _vocab_matrix_elements(self) -> int:
+        """Elements of the (V, width) token embedding: a read model's own, whose width may be narrower than h (OPT's
+        word_embed_proj_dim, projected in and out), else V h."""
+        if self.read_model is not None:
+            rows = [p for p in self.read_model.params if p.name.endswith(TIED)] or \
+                [p for p in self.read_model.part_params("embedding") if p.shape and p.shape[0] == self.vocab_size]
+            if rows:
+                return max(p.numel for p in rows)
+        return self.vocab_size * self.hidden_size
 
     def head_params(self, t: int = 1) -> int:
         """Final norm plus the LM head (V/t rows); the head holds its own copy even when tied."""
@@ -253,7 +263,7 @@ class ModelSpec:
 
     def total_params(self) -> int:
         """Unique parameters of the whole model (t=1); a tied LM head is counted once."""
-        tied = self.vocab_size * self.hidden_size if self.tie_embeddings else 0
+        tied = self._vocab_matrix_elements() if self.tie_embeddings else 0
         return (self.embedding_params() + self.num_layers * self.block_params() + self.head_params()
                 - tied)
 

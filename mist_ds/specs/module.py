@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mist_ds.specs.errors import ConfigError
-from mist_ds.specs.hf import (BlocksTrainUnlike, HfParam, ModuleBuffer, check_blocks_alike, linear_weights,
-                              read_buffers)
+from mist_ds.specs.hf import (TIED, BlocksTrainUnlike, HfParam, ModuleBuffer, check_blocks_alike, linear_weights,
+                              logits_of, read_buffers)
 
 HEAD_FIELDS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 """Attribute names of a block's submodules that hold its query heads (nn.MultiheadAttention, nanoGPT, HF)."""
@@ -176,19 +176,6 @@ def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, Any]:
     if key is None:
         raise ValueError("the first block was called without a tensor")
     return key, kwargs[key]
-
-
-def logits_of(output) -> Any:
-    """The logits in what a forward returns: the tensor, a tuple's / list's first item, a mapping's "logits" or
-    `.logits`."""
-    import torch
-
-    if isinstance(output, (tuple, list)) and output:
-        output = output[0]
-    if isinstance(output, Mapping):
-        output = output.get("logits")
-    output = getattr(output, "logits", output)
-    return output if isinstance(output, torch.Tensor) else None
 
 
 def own_loss_of(output) -> Any:
@@ -444,7 +431,7 @@ def read_params(meta, blocks_attr: str, blocks, run: _Run, vocab: int, hidden: i
                 raise _refuse(meta, f"{name} {tuple(p.shape)} is used both before and after the blocks; only a "
                                     f"tied vocabulary matrix ({vocab}, {hidden}) may be shared")
             tied = True
-            records.append(HfParam("head", f"{name} (tied)", tuple(p.shape), True, p.requires_grad))
+            records.append(HfParam("head", f"{name}{TIED}", tuple(p.shape), True, p.requires_grad))
     return tuple(records), tied
 
 
