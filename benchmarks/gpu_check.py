@@ -216,7 +216,8 @@ def run_flow(s: Settings, after_step: Callable[[list[Outcome]], None] = lambda o
 
     config_dir: tuple[str, ...] = ()
     cluster = s.cluster
-    run(analyze_step(s))
+    if not run(analyze_step(s)):  # no plan is priced right without the layers' trace: the device's time is scarce
+        return outcomes
     if s.profile and run(profile_step(s)):
         config_dir, cluster = ("-cd", str(s.out / "profile")), PROFILED_CLUSTER
     for executor in EXECUTORS:

@@ -136,6 +136,22 @@ def test_the_gpu_check_steps_are_commands_mist_ds_accepts(tmp_path):
     assert measure.argv[:2] == ("measure", f"plan={tmp_path / 'tune-mist' / 'plan.json'}")
 
 
+def test_the_gpu_check_stops_when_the_layers_cannot_be_traced(tmp_path, monkeypatch):
+    """A failed analyze (a torch that fixes the traced sizes) prices nothing right: no profile, tune or measure spends
+    the lent machine's time after it."""
+    import benchmarks.gpu_check as check
+
+    ran = []
+
+    def failing(step, logs, deadline=None):
+        ran.append(step.name)
+        return check.Outcome(step, 1, 1.0, "FixedSizeError")
+
+    monkeypatch.setattr(check, "run_step", failing)
+    outcomes = check.run_flow(check.Settings("h100-80g", "gpt3-1.3b", 8, 3, 20, True, tmp_path))
+    assert ran == ["analyze"] and [o.ok for o in outcomes] == [False]
+
+
 def test_the_gpu_check_skips_a_step_the_deadline_leaves_no_time_for(tmp_path):
     import time
 

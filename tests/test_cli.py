@@ -94,6 +94,11 @@ def test_a_quoted_value_composes_to_that_very_string(tmp_path, quote):
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         for value in values:
             assert compose("c", overrides=[f"k={hydra_quoted(value, quote)}"]).k == value, value
+            assert compose("c", overrides=[f"k={hydra_quoted('${x}', quote, interpolate=True)}"]).k == 1  # --out's
+    from mist_ds.cli.main import searchpath_dirs
+
+    assert searchpath_dirs([f"hydra.searchpath=[{hydra_quoted('file://' + str(tmp_path / 'a${x}'), quote)}]"]) == \
+        [str(tmp_path / "a${x}")]
 
 
 def test_tune_exits_3_with_an_explanation_when_nothing_fits(tmp_path):

@@ -596,7 +596,7 @@ def test_a_loss_that_is_not_a_scalar_function_of_logits_and_labels_is_refused(lo
 def test_logits_in_a_mapping_are_read_and_a_last_position_forward_is_refused_with_the_way_out():
     assert mist_ds.compose(list(RUN), model=DictGpt()).model.vocab_size == VOCAB
     for module, reason in ((LastPositionAlways(), r"returns torch.Size\(\[3, 1, 4096\]\).*also given targets_BS="),
-                           (LogitsOnlyGivenTargets(), "given targets_BS=labels, .* but no scalar loss")):
+                           (LogitsOnlyGivenTargets(), "given targets_BS=labels, .* but no single scalar loss")):
         with pytest.raises(ConfigError, match=f"{reason}.*wrapper module"):
             mist_ds.compose(list(RUN), model=module)
     wrapped = mist_ds.compose(list(RUN), model=AllPositions(NanoGpt())).model
@@ -615,7 +615,7 @@ def test_a_forward_giving_every_positions_logits_only_with_targets_is_priced_wit
         assert nano[1].head(key, 2, SEQ, 1) == plain[1].head(key, 2, SEQ, 1), key
     assert mist_ds.predict(list(RUN), model=NanoGpt()).iteration_time_s == \
         mist_ds.predict(list(RUN), model=Gpt()).iteration_time_s
-    with pytest.raises(ConfigError, match=r"given labels \(targets_BS=\): drop loss= to price its own") as refused:
+    with pytest.raises(ConfigError, match=r"it takes labels \(targets_BS=\): without loss=, mist_ds prices") as refused:
         mist_ds.compose(list(RUN), model=NanoGpt(), loss=plain_cross_entropy)
     assert refused.value.field == "model"
 
@@ -676,3 +676,41 @@ def test_model_loss_naming_an_object_is_imported_again_by_its_path(loss):
 def test_a_module_handed_over_beside_a_zoo_model_names_the_zoo_model():
     with pytest.raises(ConfigError, match="model='gpt3-1.3b': a module handed to mist_ds is its own model"):
         mist_ds.compose(["model=gpt3-1.3b", *RUN], model=Gpt())
+
+
+class MaskThenTargets(Gpt):
+    """A mask parameter before the labels', the loss first and an auxiliary scalar in a second variant."""
+
+    def forward(self, tokens_BS, attention_mask=None, targets=None):
+        logits_BSV = super().forward(tokens_BS)
+        if targets is None:
+            return logits_BSV[:, [-1], :]
+        return F.cross_entropy(logits_BSV.flatten(0, 1), targets.flatten()), logits_BSV
+
+
+class LossAndAuxiliary(Gpt):
+    def forward(self, tokens_BS, labels=None):
+        logits_BSV = super().forward(tokens_BS)
+        if labels is None:
+            return logits_BSV[:, [-1], :]
+        return logits_BSV, logits_BSV.mean(), F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten())
+
+
+class ScaledLastPosition(Gpt):
+    def forward(self, tokens_BS, pos_scale=None):
+        logits_BSV = super().forward(tokens_BS)
+        return (logits_BSV, logits_BSV.mean()) if pos_scale is not None else logits_BSV[:, [-1], :]
+
+
+def test_the_labels_parameter_is_found_by_name_and_its_loss_must_be_the_one_scalar():
+    """The labels go to the parameter named for them (not a mask before it), the logits are the returned 3-D tensor
+    (the loss may come first, as Hugging Face returns it); an auxiliary scalar beside the loss, or a parameter not
+    named for labels, is refused rather than priced as the loss."""
+    source = mist_ds.compose(list(RUN), model=MaskThenTargets()).model.module
+    assert source.labels_arg == "targets"
+    assert traced(RUN, MaskThenTargets())[1].head("bwd_flops", 2, SEQ, 1) == \
+        traced(RUN, Gpt())[1].head("bwd_flops", 2, SEQ, 1)
+    with pytest.raises(ConfigError, match="no single scalar loss"):
+        mist_ds.compose(list(RUN), model=LossAndAuxiliary())
+    with pytest.raises(ConfigError, match=r"returns torch.Size\(\[3, 1, 4096\]\) for token ids \(3, 128\), not"):
+        mist_ds.compose(list(RUN), model=ScaledLastPosition())

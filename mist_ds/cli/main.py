@@ -375,8 +375,8 @@ def _config_path(value: str) -> str:
 
 FLAG_OPTIONS = {"--json": "json=true"}
 VALUE_OPTIONS: dict[str, tuple[str, Callable[[str, str], list[str]]]] = {
-    "--plan": ("PLAN_JSON", lambda _, value: [f"plan={hydra_quoted(value)}"]),
-    "--out": ("DIR", lambda _, value: [f"hydra.run.dir={hydra_quoted(value)}"]),
+    "--plan": ("PLAN_JSON", lambda _, value: [f"plan={hydra_quoted(value, interpolate=True)}"]),
+    "--out": ("DIR", lambda _, value: [f"hydra.run.dir={hydra_quoted(value, interpolate=True)}"]),
     "-cp": ("DIR", lambda name, value: [name, _config_path(value)]),
     "--config-path": ("DIR", lambda name, value: [name, _config_path(value)]),
 }
@@ -597,13 +597,14 @@ def _run_hydra_app(jobs: Jobs, command_line: Sequence[str]) -> None:
 def searchpath_dirs(overrides: Sequence[str]) -> list[str]:
     """The directories a `hydra.searchpath=[...]` override adds (file:// entries and bare paths; pkg:// entries are
     packages, not the user's files): where a bad config file of the user is looked up to be named. The override is
-    read by Hydra's own parser (quoting and lists as Hydra reads them)."""
+    read by Hydra's own parser (quoting and lists as Hydra reads them), OmegaConf's escape of `${` undone."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     lines = [line for line in overrides if line.lstrip("+").startswith("hydra.searchpath=")]
     entries = [entry for override in OverridesParser.create().parse_overrides(lines)
                for entry in (override.value() if isinstance(override.value(), list) else [override.value()])]
-    return [str(entry).removeprefix("file://") for entry in entries if not str(entry).startswith("pkg://")]
+    return [str(entry).removeprefix("file://").replace("\\${", "${") for entry in entries
+            if not str(entry).startswith("pkg://")]
 
 
 @contextlib.contextmanager

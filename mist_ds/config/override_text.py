@@ -10,12 +10,13 @@ PLAIN_VALUE = re.compile(r"[\w./@+-]+")
 """A value Hydra's override grammar reads back unquoted, as the same string (no sweep, no interpolation, no spaces)."""
 
 
-def hydra_quoted(value: str, quote: str = "'") -> str:
+def hydra_quoted(value: str, quote: str = "'", interpolate: bool = False) -> str:
     """`value` as a quoted string of Hydra's override grammar (in `quote`, ' or "), so it stays a string whatever it
     holds. In a quoted value (hydra/grammar/OverrideLexer.g4, Hydra 1.3) backslashes are literal except a run of
     them before the quote or the end, which is halved; the value then goes into the config, where OmegaConf reads
-    `${` as an interpolation unless escaped as `\\${`, and halves a run of backslashes before that escape too."""
-    no_interpolation = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    `${` as an interpolation unless escaped as `\\${`, and halves a run of backslashes before that escape too
+    (`interpolate`: left as the user's own `${...}`, e.g. `--out` for hydra.run.dir=, read as Hydra reads it)."""
+    no_interpolation = value if interpolate else re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
     escaped = re.sub(rf"(\\*)({quote}|$)", lambda m: m.group(1) * 2 + (f"\\{quote}" if m.group(2) else ""),
                      no_interpolation)
     return f"{quote}{escaped}{quote}"

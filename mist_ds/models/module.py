@@ -19,7 +19,7 @@ from torch import nn
 
 from mist_ds.models.parts import BlockCall, run_after_last_block, run_to_first_block
 from mist_ds.specs.hf import TIED
-from mist_ds.specs.module import ModuleSource, call_loss, hidden_input, logits_of, own_loss_of
+from mist_ds.specs.module import ModuleSource, call_loss, hidden_input, logits_given_labels, logits_of, own_loss_of
 
 
 
@@ -71,7 +71,7 @@ class ModuleHead(nn.Module):
         labels = {self.labels_arg: _tokens_like(x_BSD)} if self.labels_arg else {}
         output = run_after_last_block(self.last_block, lambda: self.model(tokens_BS, **labels), x_BSD)
         object.__setattr__(self, "own_loss", own_loss_of(output) if self.labels_arg else None)
-        return logits_of(output)
+        return logits_given_labels(output) if self.labels_arg else logits_of(output)
 
     def loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """The forward's own loss where it was given labels, else the user's loss (refused unless it returns a

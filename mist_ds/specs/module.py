@@ -178,28 +178,42 @@ def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, Any]:
     return key, kwargs[key]
 
 
-def own_loss_of(output) -> Any:
-    """The loss in what a forward given labels returns: a tuple's / list's scalar tensor (nanoGPT's (logits, loss)),
-    a mapping's "loss" or `.loss`; None if none."""
+def logits_given_labels(output) -> Any:
+    """The logits in what a forward given labels returns: a tuple's / list's first 3-D tensor (nanoGPT's (logits,
+    loss), Hugging Face's (loss, logits)), else as logits_of."""
     import torch
 
     if isinstance(output, (tuple, list)):
-        return next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 0), None)
+        return next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 3), None)
+    return logits_of(output)
+
+
+def own_loss_of(output) -> Any:
+    """The loss in what a forward given labels returns: a tuple's / list's one scalar tensor (none where it holds
+    several: an auxiliary loss beside it cannot be told apart), a mapping's "loss" or `.loss`; None if none."""
+    import torch
+
+    if isinstance(output, (tuple, list)):
+        scalars = [x for x in output if isinstance(x, torch.Tensor) and x.dim() == 0]
+        return scalars[0] if len(scalars) == 1 else None
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
 
 
+LABELS_NAMES = ("labels", "targets", "label", "target", "y")
+"""Names of a forward's parameter for labels, before any `_` suffix (nanoGPT's `targets`; `targets_BS`)."""
+
+
 def labels_parameter(module) -> str | None:
-    """The name of the forward's parameter after the token ids when it defaults to None (nanoGPT's `targets`), where
-    labels may be handed by keyword; None if the forward has none."""
+    """The forward's parameter for labels (after the token ids, named as LABELS_NAMES, defaulting to None), handed by
+    keyword; None if the forward has none."""
     try:
-        parameters = list(inspect.signature(module.forward).parameters.values())
+        parameters = list(inspect.signature(module.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return None
-    if len(parameters) < 2 or parameters[1].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                         inspect.Parameter.KEYWORD_ONLY):
-        return None
-    return parameters[1].name if parameters[1].default is None else None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return next((p.name for p in parameters if p.kind in keyword and p.default is None
+                 and p.name.split("_")[0].lower() in LABELS_NAMES), None)
 
 
 class _Run:
@@ -305,21 +319,21 @@ def _read_run(meta, blocks, seq_len: int, loss_given: bool) -> tuple[_Run, int, 
     if not _all_positions(logits_BSV, tokens_BS):
         labels_arg = None if loss_given else labels_parameter(meta)
         if labels_arg is None:
-            took = f"; it computes them when given labels ({labels_parameter(meta)}=): drop loss= to price its own" \
-                if loss_given and labels_parameter(meta) else ""
+            took = f"; it takes labels ({labels_parameter(meta)}=): without loss=, mist_ds prices it as called with " \
+                "them, its own loss the loss" if loss_given and labels_parameter(meta) else ""
             raise _refuse(meta, f"its forward returns {_shape_text(logits_BSV, run.output)} for token ids ({batch}, "
                                 f"{seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V){took}: "
                                 f"{ALL_POSITIONS_HINT}")
         given = f"{labels_arg}=labels"
         run = _checked_run(meta, blocks, tokens_BS, {labels_arg: torch.zeros_like(tokens_BS)})
-        logits_BSV, own_loss = logits_of(run.output), own_loss_of(run.output)
+        logits_BSV, own_loss = logits_given_labels(run.output), own_loss_of(run.output)
         if not _all_positions(logits_BSV, tokens_BS):
             raise _refuse(meta, f"its forward returns {_shape_text(logits_BSV, run.output)} for token ids ({batch}, "
                                 f"{seq_len}), also given {given}, not logits (b, s, V): {ALL_POSITIONS_HINT}")
         if own_loss is None or (logits_BSV.requires_grad and not own_loss.requires_grad):
-            raise _refuse(meta, f"given {given}, its forward returns every position's logits but no scalar loss with "
-                                "a gradient (a tuple's 0-d tensor, 'loss' or .loss), which mist_ds would price as "
-                                f"its loss: {ALL_POSITIONS_HINT}")
+            raise _refuse(meta, f"given {given}, its forward returns every position's logits but no single scalar "
+                                "loss with a gradient (a tuple's one 0-d tensor, 'loss' or .loss), which mist_ds "
+                                f"would price as its loss: {ALL_POSITIONS_HINT}")
     names = {id(param): name for name, param in meta.named_parameters()}
     for table in run.position_tables:
         if table.shape[0] < seq_len:
@@ -365,10 +379,10 @@ def _checked_run(meta, blocks, tokens_BS, labels: dict[str, Any]) -> _Run:
 
 ALL_POSITIONS_HINT = (
     "mist_ds prices the logits of every position, as training computes them: a forward that returns them when given "
-    "labels by its second parameter (defaulting to None, as nanoGPT's forward(idx, targets=None)) and a scalar loss is "
-    "priced so, with its own loss, where no loss= is given; any other is planned as a wrapper module whose "
-    "forward(tokens) returns them, e.g. calling its embeddings, blocks, final norm and output layer as its forward "
-    "does, with the loss as loss= (default: next-token cross entropy)")
+    "labels (a parameter named labels or targets, defaulting to None, as nanoGPT's forward(idx, targets=None)) and a "
+    "scalar loss is priced so, with its own loss, where no loss= is given; any other is planned as a wrapper module "
+    "whose forward(tokens) returns them, e.g. calling its embeddings, blocks, final norm and output layer as its "
+    "forward does, with the loss as loss= (default: next-token cross entropy)")
 """How to plan a module whose forward does not return the logits of every position (docs/design.md)."""
 
 LOSS_USAGE = "must be callable as loss(logits (b, s, V), labels (b, s)) returning a scalar tensor"

@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 import sympy
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -208,8 +208,8 @@ class FixedSizeError(RuntimeError):
 
 def refuse_fixed_sizes(env: ShapeEnv, rename: dict[sympy.Symbol, str], evaluated_at: dict[str, int]) -> None:
     """FixedSizeError for each guard `Eq(size, number)` on a traced size, but a size of `evaluated_at` at its
-    value: a guard that pins a size makes the expressions numbers (torch 2.11's matmul did so before
-    _FoldedProducts, silently: the costs no longer grew with the micro-batch or the sequence)."""
+    value: a guard that pins a size makes the expressions numbers (torch 2.11's C++ matmul did so before the trace
+    ran under the Python dispatcher, silently: the costs no longer grew with the micro-batch or the sequence)."""
     fixed = []
     for guard in env.guards:
         expr = guard.expr
@@ -222,30 +222,6 @@ def refuse_fixed_sizes(env: ShapeEnv, rename: dict[sympy.Symbol, str], evaluated
         raise FixedSizeError(f"tracing under torch {torch.__version__} fixed the traced size(s) {', '.join(fixed)}: "
                              "the costs would hold at those sizes only, and no plan is priced from them: report the "
                              "model and the torch version as a bug of mist_ds")
-
-
-class _FoldedProducts(TorchFunctionMode):
-    """F.linear and matmul (`@` too) of inputs above 2-D as the 2-D or batched GEMM they fold into, while tracing:
-    torch 2.11's aten::matmul (under F.linear without bias, and of 4-D inputs) reads the sizes of symbolic tensors
-    (aten::size in the recorded ops), which pins them at the hints (refuse_fixed_sizes). Torch folds them so itself
-    (`_reshape_fold` in aten's matmul): the same GEMMs, views and copies are recorded."""
-
-    MATMUL = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and not kwargs and args[0].dim() > 2:
-            x_ND, weight = args[0], args[1]
-            folded = torch.nn.functional.linear(x_ND.reshape(-1, x_ND.shape[-1]), *args[1:])
-            return folded.view(*x_ND.shape[:-1], weight.shape[0])
-        if func in self.MATMUL and not kwargs and len(args) == 2:
-            a, b = args
-            if a.dim() > 2 and b.dim() == 2:
-                return torch.mm(a.reshape(-1, a.shape[-1]), b).view(*a.shape[:-1], b.shape[-1])
-            if a.dim() > 2 and a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:
-                product = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
-                return product.view(*a.shape[:-1], b.shape[-1])
-        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -268,7 +244,11 @@ def _run(build, make_inputs, loss_of, hints, env, rename, trace, record_from) ->
     import torch._dynamo.config as dynamo_config
 
     # FakeTensor's dispatch cache costs more than it saves on one pass with symbolic shapes.
-    with dynamo_config.patch(fake_tensor_cache_enabled=False), FakeTensorMode(shape_env=env), _FoldedProducts():
+    # torch's Python decompositions of composite ops, which keep sizes symbolic: torch 2.11's C++ aten::matmul (under
+    # F.linear of a 3-D input without bias, and of 4-D inputs, also inside torch functions such as
+    # F.multi_head_attention_forward) reads the sizes of symbolic tensors and fixed them (refuse_fixed_sizes)
+    with (dynamo_config.patch(fake_tensor_cache_enabled=False), FakeTensorMode(shape_env=env),
+          enable_python_dispatcher()):
         sizes = {name: make_symint(env, name, hint, rename) for name, hint in hints.items()}
         module = build(sizes)
         module.train()
