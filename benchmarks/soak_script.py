@@ -49,6 +49,7 @@ LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 PLANNED = ("model.seq_len=32", "cluster=cpu", "cluster.gpus_per_node=2", "train.global_batch_size=4")
 CASES = {  # name -> strategy (tests/test_user_script.py's cases)
     "zero2-recompute": ("strategy.zero_stage=2", "strategy.ckpt_layers=1", "strategy.micro_batch_size=1"),
+    "zero3-recompute": ("strategy.zero_stage=3", "strategy.ckpt_layers=1", "strategy.micro_batch_size=1"),
     "autotp2": ("strategy.tp=2", "strategy.zero_stage=1", "strategy.micro_batch_size=2"),
     "zero3-offload": ("strategy.zero_stage=3", "strategy.offload.weights=1", "strategy.offload.optimizer=1",
                       "strategy.offload.grads=1", "strategy.micro_batch_size=2"),
