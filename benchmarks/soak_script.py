@@ -6,8 +6,8 @@ counted.
     # some cases, for development:
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak_script 4 zero2-recompute
 
-The first argument is the number of launches in all (default 24), spread round-robin over the cases (the rest:
-names of cases to run). The script is the tests' user script (tests/user_script.py: a tiny HF Llama from a
+The first argument is the number of launches in all (default 28, 4 per case), spread round-robin over the cases
+(the rest: names of cases to run). The script is the tests' user script (tests/user_script.py: a tiny HF Llama from a
 config, the usual engine(...).loss / backward / step loop, or engine.train_batch for the pipeline case), each launch
 a fresh `mist-deepspeed` process with its phases, as a user starts it. Counted per launch:
 - crash: a non-zero exit, with the line that names the cause;
@@ -39,7 +39,7 @@ from mist_ds.testing.given_plan import script_census_mismatches, write_given_pla
 
 COMMAND = ("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.soak_script > "
            "benchmarks/results/soak_script.md")
-LAUNCHES = 24
+LAUNCHES = 28
 LAUNCH_TIMEOUT_S = 300.0
 """A launch takes 25-60 s on the loaded 2-core VM; past this it is a hang."""
 REPO = Path(__file__).resolve().parents[1]
