@@ -401,8 +401,7 @@ def _same_values(a, b) -> bool:
 
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
-    root = lambda t: t._base if t._base is not None else t  # noqa: E731
-    return a is b or (root(a) is root(b) and a.shape == b.shape and a.stride() == b.stride()
+    return a is b or (_root_is(a, b) and a.shape == b.shape and a.stride() == b.stride()
                       and a.storage_offset() == b.storage_offset())
 
 
@@ -432,7 +431,6 @@ def run_head(model, forward: ForwardAround, x_BSD, marks: list | None = None):
     is done and another where the parent is called."""
     from torch.utils._pytree import tree_map
 
-
     hidden = x_BSD
     for call in forward.tail:
         args, kwargs = tree_map(lambda v: hidden if v is HIDDEN else v, (call.args, call.kwargs))
@@ -456,7 +454,6 @@ def _read_forward(meta, blocks_attr: str) -> ForwardAround:
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_flatten, tree_map
     from transformers.utils import ModelOutput
-
 
     parent_path = blocks_attr.rpartition(".")[0]
     parent, blocks = meta.get_submodule(parent_path), meta.get_submodule(blocks_attr)

@@ -317,10 +317,11 @@ def _read_run(meta, blocks, seq_len: int, loss_given: bool) -> tuple[_Run, int, 
     run = _checked_run(meta, blocks, tokens_BS, {})
     logits_BSV, labels_arg = logits_of(run.output), None
     if not _all_positions(logits_BSV, tokens_BS):
-        labels_arg = None if loss_given else labels_parameter(meta)
+        takes_labels = labels_parameter(meta)
+        labels_arg = None if loss_given else takes_labels
         if labels_arg is None:
-            took = f"; it takes labels ({labels_parameter(meta)}=): without loss=, mist_ds prices it as called with " \
-                "them, its own loss the loss" if loss_given and labels_parameter(meta) else ""
+            took = f"; it takes labels ({takes_labels}=): without loss=, mist_ds prices it as called with them, its " \
+                "own loss the loss" if takes_labels else ""
             raise _refuse(meta, f"its forward returns {_shape_text(logits_BSV, run.output)} for token ids ({batch}, "
                                 f"{seq_len}), not logits (b, s, V) = ({batch}, {seq_len}, V){took}: "
                                 f"{ALL_POSITIONS_HINT}")
